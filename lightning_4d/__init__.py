@@ -1,0 +1,15 @@
+"""lightning_4d: 4D parallelism (TP/SP, PP, EP, DP) for any PyTorch Lightning model.
+
+Example:
+    >>> import lightning as L
+    >>> from lightning_4d import FourDStrategy
+    >>> trainer = L.Trainer(strategy=FourDStrategy(tp=2, pp=2), devices=8)  # doctest: +SKIP
+"""
+
+from lightning_4d.config import FourDConfig
+from lightning_4d.mesh import Axis, FourDMesh, ParallelDims, build_mesh
+from lightning_4d.mixin import FourDModule
+from lightning_4d.strategy import FourDStrategy
+
+__all__ = ["Axis", "FourDConfig", "FourDMesh", "FourDModule", "FourDStrategy", "ParallelDims", "build_mesh"]
+__version__ = "0.1.0"

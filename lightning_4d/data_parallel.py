@@ -1,0 +1,119 @@
+"""Data parallelism over the ``dp`` axis (and ``edp`` for experts) with FSDP2 or replicate.
+
+``fully_shard`` (FSDP2, default) shards every parameter over the data-parallel ranks and
+reduce-scatters gradients; ``replicate`` keeps full copies and all-reduces gradients. Both are
+applied per repeated block and then to the root, like TorchTitan, and both average gradients over
+their mesh. Gradient sync can be switched off for the non-stepping micro-steps of gradient
+accumulation.
+
+Example:
+    >>> apply_data_parallel(model, mesh["dp"], blocks=list(model.layers), mode="fsdp")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Literal, Optional
+
+import torch
+from torch import nn
+
+from lightning_4d import _compat
+
+__all__ = ["DataParallelMode", "apply_data_parallel", "set_gradient_sync", "mixed_precision_policy"]
+
+DataParallelMode = Literal["fsdp", "replicate"]
+_MODES = ("fsdp", "replicate")
+
+
+def validate_mode(mode: str) -> str:
+    """Check a data-parallel mode name (pure).
+
+    Example:
+        >>> validate_mode("fsdp")
+        'fsdp'
+    """
+    if mode not in _MODES:
+        raise ValueError(
+            f"data_parallel={mode!r} is not supported. Use 'fsdp' (FSDP2 fully_shard, shards parameters) "
+            f"or 'replicate' (full copies, all-reduce of gradients)."
+        )
+    return mode
+
+
+def mixed_precision_policy(precision: str) -> Optional[Any]:
+    """FSDP2 mixed-precision policy for a Lightning precision string (``None`` = full fp32).
+
+    Example:
+        >>> mixed_precision_policy("32-true") is None
+        True
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision in ("bf16-mixed",):
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return None
+
+
+def _wrap(module: nn.Module, mesh: Any, mode: str, mp_policy: Optional[Any], reshard: bool) -> None:
+    if mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard}
+        if mp_policy is not None:
+            kwargs["mp_policy"] = mp_policy
+        fully_shard(module, **kwargs)
+    else:
+        _compat.replicate(module, mesh=mesh, mp_policy=mp_policy)
+
+
+def apply_data_parallel(
+    root: nn.Module,
+    mesh: Any,
+    *,
+    blocks: Iterable[nn.Module] = (),
+    mode: str = "fsdp",
+    precision: str = "32-true",
+    expert_modules: Iterable[nn.Module] = (),
+    expert_mesh: Any = None,
+) -> nn.Module:
+    """Wrap each block, then the root, for data parallelism over ``mesh`` (the dp axis).
+
+    Expert modules (whose parameters are sharded over ``ep``) are wrapped first over
+    ``expert_mesh`` (the ``edp`` axis), so their gradients are averaged only over the ranks
+    that hold the same experts.
+
+    Example:
+        >>> apply_data_parallel(model, mesh["dp"], blocks=model.layers, mode="replicate")  # doctest: +SKIP
+    """
+    validate_mode(mode)
+    mp_policy = mixed_precision_policy(precision)
+    for module in expert_modules:
+        _wrap(module, expert_mesh, mode, mp_policy, reshard=True)
+    block_list = list(blocks)
+    for i, block in enumerate(block_list):
+        # The last block's parameters are needed again right away in backward.
+        _wrap(block, mesh, mode, mp_policy, reshard=i < len(block_list) - 1)
+    _wrap(root, mesh, mode, mp_policy, reshard=False)
+    return root
+
+
+def data_parallel_roots(module: nn.Module) -> list[nn.Module]:
+    """Every FSDP2 / replicate-wrapped module inside ``module`` (root included).
+
+    Example:
+        >>> data_parallel_roots(nn.Linear(2, 2))
+        []
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in module.modules() if isinstance(m, FSDPModule) or hasattr(m, "set_requires_gradient_sync")]
+
+
+def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
+    """Switch gradient reduction on/off (off on the non-stepping micro-steps of accumulation).
+
+    Example:
+        >>> set_gradient_sync(nn.Linear(2, 2), False)  # no-op without data parallelism
+    """
+    for wrapped in data_parallel_roots(module):
+        wrapped.set_requires_gradient_sync(enabled, recurse=False)

@@ -1,0 +1,72 @@
+"""Find the structure of a user's model: the repeated blocks and the top-level modules (pure).
+
+Example:
+    >>> from torch import nn
+    >>> net = nn.Sequential(nn.Embedding(8, 4), nn.ModuleList([nn.Linear(4, 4) for _ in range(3)]))
+    >>> find_blocks(net)[0]
+    '1'
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import nn
+
+__all__ = ["find_blocks", "top_level_modules", "num_params"]
+
+
+def num_params(module: nn.Module) -> int:
+    """Number of parameter elements (shared parameters counted once).
+
+    Example:
+        >>> num_params(nn.Linear(2, 3))
+        9
+    """
+    return sum(p.numel() for p in module.parameters())
+
+
+def find_blocks(root: nn.Module, path: Optional[str] = None) -> tuple[str, nn.Module]:
+    """The container of repeated blocks: the ``ModuleList``/``ModuleDict`` holding the most parameters.
+
+    Args:
+        root: the model (or LightningModule).
+        path: an explicit dotted path (``"model.layers"``) that overrides the search.
+
+    Raises:
+        ValueError: naming the model and the hook to implement when nothing is found.
+
+    Example:
+        >>> find_blocks(nn.Sequential(nn.ModuleList([nn.Linear(2, 2)])))[0]
+        '0'
+    """
+    if path is not None:
+        try:
+            container = root.get_submodule(path)
+        except AttributeError as err:
+            raise ValueError(f"blocks path {path!r} does not exist in {type(root).__name__}: {err}") from err
+        return path, container
+    best: Optional[tuple[str, nn.Module]] = None
+    best_size = -1
+    for name, module in root.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) > 0:
+            size = num_params(module)
+            if size > best_size:
+                best, best_size = (name, module), size
+    if best is None:
+        raise ValueError(
+            f"No repeated blocks (an nn.ModuleList or nn.ModuleDict) were found in {type(root).__name__}. "
+            f"Keep the transformer blocks in a ModuleList, or implement `fourd_blocks_path(self) -> str` on "
+            f"your FourDModule to name them."
+        )
+    return best
+
+
+def top_level_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Direct children of ``root`` that own parameters (the data-parallel roots).
+
+    Example:
+        >>> [n for n, _ in top_level_modules(nn.Sequential(nn.ReLU(), nn.Linear(2, 2)))]
+        ['1']
+    """
+    return [(name, child) for name, child in root.named_children() if num_params(child) > 0]

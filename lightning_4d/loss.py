@@ -1,0 +1,69 @@
+"""The global-batch loss: token-weighted across data-parallel ranks, equal on every rank.
+
+Each rank computes the user's mean loss ``L_r`` over its ``n_r`` valid targets. The reported
+value is ``Σ n_r L_r / Σ n_r``. Data parallelism averages gradients over the ``dp`` ranks, so
+the loss used for backward is ``L_r · dp · n_r / N``: its averaged gradient is exactly the
+gradient of the global mean, even when ranks hold different numbers of valid tokens.
+
+Example:
+    >>> import torch
+    >>> count_targets(torch.tensor([[1, -100, 3]]), ignore_index=-100).item()
+    2
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_4d.distributed import all_reduce_sum
+
+__all__ = ["count_targets", "weighted_global_loss", "with_value"]
+
+
+def count_targets(targets: Any, ignore_index: Optional[int] = -100) -> Tensor:
+    """How many elements a mean-reduced loss averages over (integer targets skip ``ignore_index``).
+
+    Example:
+        >>> count_targets(torch.zeros(2, 3)).item()
+        6
+    """
+    if not isinstance(targets, Tensor):
+        raise TypeError(
+            f"targets must be a tensor to weight the loss, got {type(targets).__name__}. Override "
+            f"`count_targets(self, targets)` on your FourDModule for other target types."
+        )
+    if not targets.is_floating_point() and ignore_index is not None:
+        return (targets != ignore_index).sum().to(torch.float64)
+    return torch.tensor(float(targets.numel()), dtype=torch.float64)
+
+
+def with_value(grad_source: Tensor, value: Tensor) -> Tensor:
+    """A tensor whose value is ``value`` and whose gradient is that of ``grad_source``.
+
+    Example:
+        >>> x = torch.tensor(2.0, requires_grad=True)
+        >>> y = with_value(3 * x, torch.tensor(7.0)); y.backward()
+        >>> (y.item(), x.grad.item())
+        (7.0, 3.0)
+    """
+    return grad_source + (value.to(grad_source.dtype) - grad_source).detach()
+
+
+def weighted_global_loss(local_loss: Tensor, n_local: Tensor, dp_group: Optional[Any], dp_size: int) -> Tensor:
+    """Turn a rank's mean loss into the global-batch mean (value) with DP-averaged-correct gradients.
+
+    Example:
+        >>> weighted_global_loss(torch.tensor(2.0), torch.tensor(4.0), None, 1).item()
+        2.0
+    """
+    # (2,) float64: [Σ n_r L_r, Σ n_r], one all-reduce over the dp group
+    stats = torch.stack([local_loss.detach().to(torch.float64) * n_local, n_local]).to(local_loss.device)
+    all_reduce_sum(stats, dp_group)
+    total_loss, n_total = stats[0], stats[1]
+    if float(n_total) == 0.0:
+        return with_value(local_loss * 0.0, torch.zeros((), device=local_loss.device))
+    weight = float(n_local) * dp_size / float(n_total)
+    return with_value(local_loss * weight, total_loss / n_total)

@@ -1,0 +1,231 @@
+"""Parallel degrees (pure validation) and the 4D device mesh.
+
+Rank order is ``(pp, dp, tp)`` with ``tp`` innermost (fastest varying), so a TP group stays
+inside one node's fast interconnect and pipeline stages span nodes, as in the seed's table.
+Experts use a second view over the same ``dp × tp`` ranks of one stage: ``(pp, edp, ep)``
+with ``ep`` innermost ("MoE parallel folding").
+
+Example:
+    >>> dims = ParallelDims.from_world(8, tp=2, pp=2, ep=2)
+    >>> dims.dp, dims.edp
+    (2, 2)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Optional, Union
+
+if TYPE_CHECKING:
+    from datetime import timedelta
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["Axis", "ParallelDims", "FourDMesh", "build_mesh", "rank_coordinates"]
+
+
+class Axis(str, enum.Enum):
+    """Names of the mesh axes, written once for the whole package.
+
+    Example:
+        >>> Axis.TP.value
+        'tp'
+    """
+
+    PP = "pp"
+    DP = "dp"
+    TP = "tp"
+    EDP = "edp"
+    EP = "ep"
+
+
+def _check_degree(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(
+            f"{name}={value!r} is not an integer. Parallel degrees must be positive integers; "
+            f"pass e.g. {name}=2."
+        )
+    if value < 1:
+        raise ValueError(f"{name}={value} is below 1. Parallel degrees must be >= 1; use {name}=1 to disable it.")
+    return value
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Validated degrees of the four parallelisms. Pure: no process group is needed.
+
+    Args:
+        world_size: number of ranks in the job.
+        tp: tensor-parallel degree (innermost axis).
+        pp: pipeline-parallel degree (outermost axis).
+        ep: expert-parallel degree, folded into the ``dp × tp`` ranks of a stage.
+        dp: data-parallel degree; ``world_size / (tp · pp)``.
+        sequence_parallel: shard norms/dropout along the sequence inside TP regions.
+        virtual_stages: pipeline stages per rank (``> 1`` for interleaved / ZBV schedules).
+
+    Every broken rule raises ``ValueError`` naming the value, the rule and a fix.
+
+    Example:
+        >>> ParallelDims.from_world(4, tp=2).dp
+        2
+    """
+
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    dp: int = 1
+    sequence_parallel: bool = True
+    virtual_stages: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "tp", "pp", "ep", "dp", "virtual_stages"):
+            _check_degree(name, getattr(self, name))
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"sequence_parallel={self.sequence_parallel!r} must be True or False.")
+        if self.tp * self.pp * self.dp != self.world_size:
+            raise ValueError(
+                f"tp·pp·dp = {self.tp}·{self.pp}·{self.dp} = {self.tp * self.pp * self.dp} does not equal the "
+                f"world size {self.world_size}. The world must be exactly tp·pp·dp ranks; leave dp='auto' or "
+                f"change devices/num_nodes."
+            )
+        if (self.dp * self.tp) % self.ep != 0:
+            raise ValueError(
+                f"ep={self.ep} does not divide dp·tp = {self.dp}·{self.tp} = {self.dp * self.tp}. Experts are "
+                f"folded into the dp×tp ranks of a stage, so ep must divide dp·tp; choose ep among "
+                f"{_divisors(self.dp * self.tp)}."
+            )
+        if self.ep > 1 and self.tp > 1 and not self.sequence_parallel:
+            raise ValueError(
+                f"ep={self.ep} with tp={self.tp} needs sequence_parallel=True: without it every TP rank holds the "
+                f"same tokens and expert dispatch would route them tp times. Set sequence_parallel=True."
+            )
+        if self.virtual_stages > 1 and self.pp == 1:
+            raise ValueError(
+                f"virtual_stages={self.virtual_stages} needs pp > 1 (it is the number of pipeline stages per rank). "
+                f"Set pp >= 2 or virtual_stages=1."
+            )
+
+    @classmethod
+    def from_world(
+        cls,
+        world_size: int,
+        tp: int = 1,
+        pp: int = 1,
+        ep: int = 1,
+        dp: Union[int, Literal["auto"]] = "auto",
+        sequence_parallel: bool = True,
+        virtual_stages: int = 1,
+    ) -> "ParallelDims":
+        """Infer ``dp = world / (tp · pp)`` when ``dp="auto"`` and validate everything.
+
+        Example:
+            >>> ParallelDims.from_world(8, tp=2, pp=2).dp
+            2
+        """
+        _check_degree("world_size", world_size)
+        _check_degree("tp", tp)
+        _check_degree("pp", pp)
+        if dp == "auto":
+            if world_size % (tp * pp) != 0:
+                raise ValueError(
+                    f"The world size {world_size} is not divisible by tp·pp = {tp}·{pp} = {tp * pp}, so dp cannot "
+                    f"be inferred. Use a world that is a multiple of tp·pp, or change tp/pp."
+                )
+            dp = world_size // (tp * pp)
+        elif isinstance(dp, str):
+            raise ValueError(f"dp={dp!r} is not understood: pass an integer or 'auto'.")
+        return cls(world_size, tp, pp, ep, dp, sequence_parallel, virtual_stages)
+
+    @property
+    def edp(self) -> int:
+        """Data-parallel degree of expert parameters: ``dp · tp / ep``."""
+        return self.dp * self.tp // self.ep
+
+    @property
+    def sp(self) -> bool:
+        """Whether sequence parallelism is active (it needs ``tp > 1``)."""
+        return self.sequence_parallel and self.tp > 1
+
+    @property
+    def num_stages(self) -> int:
+        """Total number of pipeline stages ``pp · virtual_stages``."""
+        return self.pp * self.virtual_stages
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def rank_coordinates(dims: ParallelDims, rank: int) -> dict[str, int]:
+    """Coordinates of a global rank on every axis (pure).
+
+    Example:
+        >>> rank_coordinates(ParallelDims.from_world(8, tp=2, pp=2), 5)
+        {'pp': 1, 'dp': 0, 'tp': 1, 'edp': 0, 'ep': 0}
+    """
+    if not 0 <= rank < dims.world_size:
+        raise ValueError(f"rank={rank} is outside the world of {dims.world_size} ranks.")
+    pp, rest = divmod(rank, dims.dp * dims.tp)
+    dp, tp = divmod(rest, dims.tp)
+    edp, ep = divmod(rest, dims.ep)
+    return {"pp": pp, "dp": dp, "tp": tp, "edp": edp, "ep": ep}
+
+
+@dataclass
+class FourDMesh:
+    """The dense mesh ``(pp, dp, tp)`` and the expert view ``(pp, edp, ep)`` over the same ranks.
+
+    Example:
+        >>> mesh = build_mesh(ParallelDims.from_world(1), "cpu")  # doctest: +SKIP
+        >>> mesh["tp"].size()  # doctest: +SKIP
+        1
+    """
+
+    dims: ParallelDims
+    dense: "DeviceMesh"
+    expert: "DeviceMesh"
+
+    def __getitem__(self, name: Union[str, Axis]) -> "DeviceMesh":
+        name = name.value if isinstance(name, Axis) else name
+        if name in ("edp", "ep"):
+            return self.expert[name]
+        return self.dense[name]
+
+    def rank(self, name: Union[str, Axis]) -> int:
+        """This process's coordinate on an axis."""
+        return self[name].get_local_rank()
+
+
+def build_mesh(
+    dims: ParallelDims, device_type: str, backend: Optional[str] = None, timeout: Optional["timedelta"] = None
+) -> FourDMesh:
+    """Build the dense and expert device meshes. Needs an initialised default process group.
+
+    Example:
+        >>> mesh = build_mesh(ParallelDims.from_world(8, tp=2, pp=2, ep=2), "cpu")  # doctest: +SKIP
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not dist.is_initialized():
+        raise RuntimeError("build_mesh needs an initialised default process group (torch.distributed).")
+    if dist.get_world_size() != dims.world_size:
+        raise ValueError(
+            f"The process group has {dist.get_world_size()} ranks but the degrees describe {dims.world_size}."
+        )
+    from lightning_4d._compat import mesh_backend_override
+
+    backend = backend or dist.get_backend()
+    override = mesh_backend_override(backend, timeout, 3)
+    kwargs = {"backend_override": override} if override is not None else {}
+    ranks = torch.arange(dims.world_size)
+    dense = DeviceMesh(
+        device_type, ranks.view(dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"), **kwargs
+    )
+    expert = DeviceMesh(
+        device_type, ranks.view(dims.pp, dims.edp, dims.ep), mesh_dim_names=("pp", "edp", "ep"), **kwargs
+    )
+    return FourDMesh(dims, dense, expert)

@@ -1,0 +1,394 @@
+"""``FourDStrategy``: Lightning's lifecycle for 4D parallelism; the work is done by the modules it calls.
+
+Example:
+    >>> import lightning as L
+    >>> from lightning_4d import FourDStrategy
+    >>> trainer = L.Trainer(strategy=FourDStrategy(tp=2), devices=4, accelerator="cpu")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Generator, Iterable, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_4d import _compat
+from lightning_4d.config import FourDConfig
+from lightning_4d.distributed import all_reduce_sum, broadcast_module_state, global_grad_norm
+from lightning_4d.mesh import FourDMesh, ParallelDims, build_mesh
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["FourDStrategy"]
+
+
+class FourDStrategy(ParallelStrategy):
+    """Tensor (+sequence), pipeline, expert and data parallelism for a ``FourDModule``.
+
+    Args:
+        tp: tensor-parallel degree (innermost mesh axis; keep it inside a node).
+        pp: pipeline-parallel degree (outermost axis).
+        ep: expert-parallel degree, folded into the ``dp × tp`` ranks (must divide ``dp·tp``).
+        dp: data-parallel degree or ``"auto"`` (``world / (tp·pp)``).
+        sequence_parallel: shard norms and dropout along the sequence inside TP (default on).
+        microbatches: pipeline micro-batches per step (default: the schedule's minimum).
+        schedule: pipeline schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zbv``, ``dualpipev``.
+        virtual_stages: pipeline stages per rank (default 2 for the multi-stage schedules, else 1).
+        data_parallel: ``"fsdp"`` (FSDP2 ``fully_shard``) or ``"replicate"``.
+        activation_checkpointing: ``None``, ``"selective"`` or ``"full"`` (per block).
+        timeout: process-group timeout; a rank blocked on a failed peer raises after it.
+        process_group_backend: ``"gloo"``/``"nccl"``; default by device.
+        sync_module_states: broadcast the full initial weights from rank 0 before sharding, so every
+            rank starts from the same model even without a seed (a no-op cost for small models).
+
+    Example:
+        >>> strategy = FourDStrategy(tp=2, pp=2, ep=2)
+        >>> strategy.config.tp
+        2
+    """
+
+    strategy_name = "fourd"
+
+    def __init__(
+        self,
+        tp: int = 1,
+        pp: int = 1,
+        ep: int = 1,
+        dp: Union[int, Literal["auto"]] = "auto",
+        sequence_parallel: bool = True,
+        microbatches: Optional[int] = None,
+        schedule: str = "1f1b",
+        virtual_stages: Optional[int] = None,
+        data_parallel: str = "fsdp",
+        activation_checkpointing: Optional[str] = None,
+        timeout: timedelta = timedelta(minutes=30),
+        process_group_backend: Optional[str] = None,
+        sync_module_states: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.config = FourDConfig(
+            tp=tp, pp=pp, ep=ep, dp=dp, sequence_parallel=sequence_parallel, microbatches=microbatches,
+            schedule=schedule, virtual_stages=virtual_stages, data_parallel=data_parallel,
+            activation_checkpointing=activation_checkpointing,
+        )
+        if not isinstance(timeout, timedelta):
+            raise ValueError(f"timeout={timeout!r} must be a datetime.timedelta, e.g. timedelta(minutes=5).")
+        self._timeout = timeout
+        self._process_group_backend = process_group_backend
+        self._sync_module_states = sync_module_states
+        self._num_nodes = 1
+        self._mesh: Optional[FourDMesh] = None
+        self._plan: Any = None
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def num_nodes(self) -> int:
+        """Number of nodes (set by the Trainer)."""
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        """Processes on this node."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def is_distributed(self) -> bool:
+        """Always ``True``: Lightning then adds the distributed sampler and syncs logs."""
+        return True
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The validated degrees (available after ``setup_environment``)."""
+        if self._mesh is None:
+            raise RuntimeError("The 4D mesh exists only after the Trainer has set up the processes.")
+        return self._mesh.dims
+
+    @property
+    def mesh(self) -> FourDMesh:
+        """The dense ``(pp, dp, tp)`` mesh and the expert ``(pp, edp, ep)`` view."""
+        if self._mesh is None:
+            raise RuntimeError("The 4D mesh exists only after the Trainer has set up the processes.")
+        return self._mesh
+
+    @property
+    def device_mesh(self) -> "DeviceMesh":
+        """The dense DeviceMesh with axes ``("pp", "dp", "tp")``."""
+        return self.mesh.dense
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # TP and PP peers must see the same samples: shard the data over the dp axis only.
+        return {"num_replicas": self.dims.dp, "rank": self.mesh.rank("dp")}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        """The backend of the default process group."""
+        return self._process_group_backend
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    # ------------------------------------------------------------------ processes and mesh
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _compat.subprocess_launcher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def set_world_ranks(self) -> None:
+        """Derive global rank and world size from node rank, local rank and processes per node."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.set_world_ranks()
+        # Pure validation first: a bad layout fails on every rank before any collective.
+        dims = self.config.resolve(self.world_size)
+        backend = self._process_group_backend or _compat.default_pg_backend(self.root_device)
+        self._process_group_backend = backend
+        assert self.cluster_environment is not None
+        _compat.init_dist_connection(self.cluster_environment, backend, self._timeout, self.root_device)
+        if dist.get_world_size() != self.world_size:
+            raise ValueError(
+                f"The existing process group has {dist.get_world_size()} ranks but the Trainer asks for "
+                f"{self.world_size} (devices × num_nodes). Make them equal."
+            )
+        self._mesh = build_mesh(dims, self.root_device.type, backend=backend, timeout=self._timeout)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._mesh.dense
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        from lightning_4d.parallelize import parallelize_module
+
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if self._plan is None:  # a second fit/validate on the same Trainer reuses the layout
+            _compat.materialize_meta_module(self.model, self.root_device)
+            if self._sync_module_states and self.world_size > 1:
+                broadcast_module_state(self.model, src=0)
+            self.model = self.precision_plugin.convert_module(self.model)
+            self._plan = parallelize_module(self.model, self.mesh, self.config, self.precision_plugin.precision)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._reset_optimizers_and_schedulers()
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    @property
+    def plan(self) -> Any:
+        """What was applied to the model (set in ``setup``)."""
+        return self._plan
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        # Meta tensors are materialised as full tensors in `setup`, then sharded.
+        ctx = torch.device("meta") if empty_init else nullcontext()
+        with ctx, self.precision_plugin.tensor_init_context():
+            yield
+
+    # ------------------------------------------------------------------ steps
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        trainer = self.lightning_module.trainer
+        from lightning_4d.data_parallel import set_gradient_sync
+
+        # No gradient reduction on the non-stepping micro-steps of gradient accumulation.
+        set_gradient_sync(self.model, not _compat.should_accumulate(trainer))
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        with self.loss_context():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def compute_loss(self, module: Any, inputs: Any, targets: Any, stage: str = "train") -> Tensor:
+        """The global-batch loss for the mixin's steps (see :mod:`lightning_4d.loss`).
+
+        Example:
+            >>> loss = trainer.strategy.compute_loss(module, inputs, targets)  # doctest: +SKIP
+        """
+        from lightning_4d.loss import weighted_global_loss
+
+        with self.loss_context():
+            outputs = module(inputs)
+            local = module.loss_fn(outputs, targets)
+        n_local = module.count_targets(targets)
+        dims = self.dims
+        group = self.mesh["dp"].get_group() if dims.dp > 1 else None
+        return weighted_global_loss(local, n_local.to(local.device), group, dims.dp)
+
+    def predict(self, module: Any, inputs: Any) -> Any:
+        """Full (unsharded) model outputs on every rank."""
+        from lightning_4d.distributed import to_full
+
+        return to_full(module(inputs))
+
+    def loss_context(self) -> Any:
+        """Context for computing the loss and its backward (``loss_parallel`` under TP)."""
+        plan = self._plan
+        if plan is not None and getattr(plan, "loss_parallel", False):
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return nullcontext()
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip gradients by the global norm across every tp / pp / ep / dp shard.
+
+        Example:
+            >>> trainer.strategy.clip_grad_norm_(model.parameters(), 1.0)  # doctest: +SKIP
+        """
+        params = [p for p in parameters if p.grad is not None]
+        pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
+        total = global_grad_norm(params, norm_type, pp_group)
+        coef = float(max_norm) / (float(total) + 1e-6)
+        if coef < 1.0:
+            torch._foreach_mul_([p.grad for p in params], coef)
+        return total
+
+    # ------------------------------------------------------------------ collectives
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not dist.is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean"
+    ) -> Union[Tensor, Any]:
+        """Reduce over ``group`` (default: the world; tp/pp peers hold equal values, so the world
+        mean is the data-parallel mean)."""
+        if not isinstance(tensor, Tensor) or not dist.is_initialized():
+            return tensor
+        op = str(reduce_op).lower() if reduce_op is not None else "sum"
+        out = tensor.detach().clone() if not tensor.is_floating_point() else tensor.clone()
+        if op in ("mean", "avg", "reduceop.avg"):
+            out = all_reduce_sum(out.float(), group) / dist.get_world_size(group)
+        elif op in ("sum", "reduceop.sum"):
+            out = all_reduce_sum(out, group)
+        elif op in ("max", "reduceop.max"):
+            dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+        elif op in ("min", "reduceop.min"):
+            dist.all_reduce(out, op=dist.ReduceOp.MIN, group=group)
+        else:
+            raise ValueError(f"reduce_op={reduce_op!r} is not supported; use 'mean', 'sum', 'max' or 'min'.")
+        return out
+
+    @override
+    def teardown(self) -> None:
+        # The default process group is left alone so several Trainers can run in one process.
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        from lightning_4d.checkpoint.state import model_state_dict
+
+        return model_state_dict(self.model)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # loaded in `load_checkpoint`
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        from lightning_4d.checkpoint.state import optimizer_state_dict
+
+        return optimizer_state_dict(self.model, optimizer)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # loaded in `load_checkpoint`
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        from lightning_4d.checkpoint.state import save_sharded
+
+        if storage_options is not None:
+            raise TypeError("FourDStrategy.save_checkpoint(storage_options=...) is not supported.")
+        save_sharded(checkpoint, self.broadcast(str(filepath)), is_global_zero=self.is_global_zero)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        from lightning_4d.checkpoint.state import load_sharded
+
+        assert self.model is not None
+        return load_sharded(self.broadcast(str(checkpoint_path)), self.model, self.optimizers)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            import shutil
+            from pathlib import Path
+
+            path = Path(filepath)
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``strategy="fourd"`` with Lightning's registry."""
+        if "fourd" not in strategy_registry:
+            strategy_registry.register("fourd", cls, description="4D parallelism: TP/SP, PP, EP and DP")
+
+
+FourDStrategy.register_strategies(StrategyRegistry)

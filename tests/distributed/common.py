@@ -1,0 +1,174 @@
+"""Shared pieces of the parity tests: tiny models, data, a fit that records losses and gradients.
+
+A *spec* is a plain dict (picklable) describing one run: model kind, strategy options, trainer
+options. :func:`fit_spec` runs it in the current process (single-process reference when
+``strategy`` is ``None``) and returns the per-step global losses and the full final gradients.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_4d import FourDStrategy
+from lightning_4d.models import GPT2, CausalLM, GPT2Config, HFStyleConfig, HFStyleLM, Llama, LlamaConfig
+
+VOCAB = 64
+SEQ = 16
+
+
+def build_model(kind: str) -> torch.nn.Module:
+    """A tiny reference model of ``kind`` (llama | gpt2 | hf)."""
+    if kind == "llama":
+        return Llama(LlamaConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
+                                 max_seq_len=SEQ))
+    if kind == "gpt2":
+        return GPT2(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, block_size=SEQ))
+    if kind == "hf":
+        return HFStyleLM(HFStyleConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ))
+    if kind == "moe":
+        from tests.distributed.moe_models import build_moe_model
+
+        return build_moe_model()
+    raise ValueError(kind)
+
+
+def make_dataset(num_samples: int, seed: int = 1234, ignore_fraction: float = 0.2) -> TensorDataset:
+    """Random tokens; targets are next tokens with some positions set to -100 (ignored)."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (num_samples, SEQ + 1), generator=gen)
+    inputs, targets = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+    mask = torch.rand(targets.shape, generator=gen) < ignore_fraction
+    targets[mask] = -100
+    return TensorDataset(inputs, targets)
+
+
+class _Recorder(L.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+
+def full_grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full gradients by parameter name (collective for DTensor gradients: call on every rank)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, p in module.named_parameters():
+        if p.grad is None:
+            continue
+        g = p.grad
+        g = g.full_tensor() if hasattr(g, "full_tensor") else g
+        out[name] = g.detach().clone().float()
+    return out
+
+
+def fit_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run one training described by ``spec``; return losses, gradients and predictions."""
+    torch.manual_seed(spec.get("seed", 0))
+    if spec.get("meta"):
+        # Built on the meta device; the strategy materialises full tensors, then shards them.
+        with torch.device("meta"):
+            model = build_model(spec.get("model", "llama"))
+        if spec.get("strategy") is None:
+            from lightning_4d._compat import materialize_meta_module
+
+            materialize_meta_module(model, torch.device("cpu"))
+    else:
+        model = build_model(spec.get("model", "llama"))
+    lm = CausalLM(model, lr=spec.get("lr", 3e-3))
+    steps = spec.get("steps", 5)
+    accum = spec.get("accumulate", 1)
+    global_batch = spec.get("global_batch", 8)
+    strategy_kwargs: Optional[dict[str, Any]] = spec.get("strategy")
+    devices = spec.get("world", 1)
+    if strategy_kwargs is None:
+        strategy: Any = "auto"
+        batch = global_batch
+        devices = 1
+    else:
+        kwargs = dict(strategy_kwargs)
+        if "timeout_s" in kwargs:
+            from datetime import timedelta
+
+            kwargs["timeout"] = timedelta(seconds=kwargs.pop("timeout_s"))
+        strategy = FourDStrategy(**kwargs)
+        dp = devices // (kwargs.get("tp", 1) * kwargs.get("pp", 1))
+        batch = global_batch // dp
+    data = make_dataset(global_batch * steps * accum, seed=spec.get("data_seed", 1234))
+    if strategy_kwargs is None:
+        # Lightning's DistributedSampler shuffles training data with seed 0 and gives rank r the
+        # r-th of every dp indices, so global batch i is perm[i·B:(i+1)·B]: replay that order.
+        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0)).tolist()
+        loader = DataLoader(data, batch_size=batch, sampler=order)
+    else:
+        loader = DataLoader(data, batch_size=batch, shuffle=False)
+    recorder = _Recorder()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, accumulate_grad_batches=accum,
+        gradient_clip_val=spec.get("clip"), precision=spec.get("precision", "32-true"),
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[recorder], num_sanity_val_steps=0,
+    )
+    trainer.fit(lm, train_dataloaders=loader)
+    result: dict[str, Any] = {"losses": recorder.losses, "grads": full_grads(lm)}
+    if spec.get("predict"):
+        preds = trainer.predict(lm, dataloaders=DataLoader(make_dataset(global_batch, seed=99), batch_size=batch))
+        local = torch.cat([p.float() for p in preds])
+        if strategy_kwargs is not None and trainer.strategy.dims.dp > 1:
+            # The DistributedSampler (no shuffle for predict) gives dp rank r the samples r::dp.
+            import torch.distributed as dist
+
+            dp = trainer.strategy.dims.dp
+            parts = [torch.empty_like(local) for _ in range(dp)]
+            dist.all_gather(parts, local, group=trainer.strategy.mesh["dp"].get_group())
+            full = torch.empty((local.shape[0] * dp, *local.shape[1:]), dtype=local.dtype)
+            for r, part in enumerate(parts):
+                full[r::dp] = part
+            local = full
+        result["predictions"] = local
+    return result
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``‖a − b‖ / max(‖b‖, tiny)``."""
+    return float((a.float() - b.float()).norm() / max(float(b.float().norm()), 1e-12))
+
+
+def assert_parity(got: dict[str, Any], ref: dict[str, Any], tol: float = 1e-5, label: str = "") -> float:
+    """Losses and gradients within ``tol`` relative; returns the worst error seen."""
+    worst = 0.0
+    assert len(got["losses"]) == len(ref["losses"]), (label, got["losses"], ref["losses"])
+    for i, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
+        err = abs(a - b) / max(abs(b), 1e-12)
+        worst = max(worst, err)
+        assert err <= tol, f"{label}: loss at step {i}: {a} vs {b} (rel {err:.2e})"
+    assert set(got["grads"]) == set(ref["grads"]), f"{label}: parameter names differ"
+    for name, g in ref["grads"].items():
+        err = rel_err(got["grads"][name], g)
+        worst = max(worst, err)
+        if err > tol:
+            bad = sorted(((rel_err(got["grads"][n], r), n) for n, r in ref["grads"].items()), reverse=True)[:5]
+            raise AssertionError(f"{label}: grad {name} rel err {err:.2e}; worst: {bad}")
+    if "predictions" in ref:
+        err = rel_err(got["predictions"], ref["predictions"])
+        worst = max(worst, err)
+        assert err <= tol, f"{label}: predictions rel err {err:.2e}"
+    assert all(math.isfinite(x) for x in got["losses"])
+    return worst
+
+
+def world_fit(rank: int, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Worker: run every spec in one world; rank 0 returns the results, others ``None`` entries."""
+    os.environ.setdefault("PL_DISABLE_FORK", "1")
+    out = []
+    for spec in specs:
+        res = fit_spec(spec)
+        out.append(res if rank == 0 else {"losses": res["losses"]})
+    return out

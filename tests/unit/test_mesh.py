@@ -1,0 +1,84 @@
+"""Pure validation of degrees, options and rank coordinates (no process group)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_4d import FourDConfig, FourDStrategy, ParallelDims
+from lightning_4d.mesh import rank_coordinates
+
+
+def test_dp_is_inferred() -> None:
+    dims = ParallelDims.from_world(16, tp=2, pp=2, ep=4)
+    assert (dims.dp, dims.edp, dims.num_stages) == (4, 2, 2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(world_size=8, tp=3), r"not divisible by tp·pp = 3·1"),
+        (dict(world_size=8, tp=2, dp=3), r"tp·pp·dp = 2·1·3 = 6 does not equal the world size 8"),
+        (dict(world_size=8, tp=0), r"tp=0 is below 1"),
+        (dict(world_size=8, tp=2.0), r"tp=2.0 is not an integer"),
+        (dict(world_size=8, tp=True), r"tp=True is not an integer"),
+        (dict(world_size=8, ep=3), r"ep=3 does not divide dp·tp = 8·1 = 8.*\[1, 2, 4, 8\]"),
+        (dict(world_size=8, tp=2, ep=2, sequence_parallel=False), r"needs sequence_parallel=True"),
+        (dict(world_size=8, virtual_stages=2), r"virtual_stages=2 needs pp > 1"),
+        (dict(world_size=8, dp="two"), r"dp='two' is not understood"),
+        (dict(world_size=0), r"world_size=0 is below 1"),
+    ],
+)
+def test_invalid_degrees(kwargs: dict, match: str) -> None:
+    world = kwargs.pop("world_size")
+    with pytest.raises(ValueError, match=match):
+        ParallelDims.from_world(world, **kwargs)
+
+
+def test_rank_order_tp_innermost_pp_outermost() -> None:
+    dims = ParallelDims.from_world(8, tp=2, pp=2, ep=4)
+    coords = [rank_coordinates(dims, r) for r in range(8)]
+    assert [c["tp"] for c in coords] == [0, 1] * 4
+    assert [c["pp"] for c in coords] == [0] * 4 + [1] * 4
+    assert [c["dp"] for c in coords] == [0, 0, 1, 1] * 2
+    # Experts fold over the dp×tp ranks of a stage, ep innermost.
+    assert [c["ep"] for c in coords] == [0, 1, 2, 3] * 2
+    with pytest.raises(ValueError, match="outside the world"):
+        rank_coordinates(dims, 8)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(schedule="bogus"), r"schedule='bogus' is not known"),
+        (dict(data_parallel="ddp"), r"data_parallel='ddp' is not supported"),
+        (dict(activation_checkpointing="some"), r"activation_checkpointing='some'"),
+        (dict(schedule="interleaved_1f1b", pp=2, virtual_stages=1), r"virtual_stages=1"),
+        (dict(schedule="zbv", pp=2, virtual_stages=3), r"exactly 2 stages per rank"),
+        (dict(schedule="1f1b", pp=2, virtual_stages=2), r"one stage per rank"),
+        (dict(microbatches=0), r"microbatches=0 is below 1"),
+        (dict(sequence_parallel="yes"), r"sequence_parallel='yes' must be True or False"),
+    ],
+)
+def test_invalid_options(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        FourDConfig(**kwargs)
+    with pytest.raises(ValueError, match=match):
+        FourDStrategy(**kwargs)
+
+
+def test_stages_per_rank_defaults() -> None:
+    assert FourDConfig(pp=2, schedule="interleaved_1f1b").stages_per_rank == 2
+    assert FourDConfig(pp=2, schedule="1f1b").stages_per_rank == 1
+    assert FourDConfig(schedule="zbv").stages_per_rank == 1  # pp=1: no pipeline at all
+
+
+def test_strategy_registered_by_name() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert "fourd" in StrategyRegistry
+    assert isinstance(StrategyRegistry.get("fourd"), FourDStrategy)
+
+
+def test_timeout_must_be_timedelta() -> None:
+    with pytest.raises(ValueError, match="timeout=5 must be a datetime.timedelta"):
+        FourDStrategy(timeout=5)  # type: ignore[arg-type]
