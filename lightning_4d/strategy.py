@@ -285,7 +285,8 @@ class FourDStrategy(ParallelStrategy):
         total = global_grad_norm(params, norm_type, pp_group)
         coef = float(max_norm) / (float(total) + 1e-6)
         if coef < 1.0:
-            torch._foreach_mul_([p.grad for p in params], coef)
+            for p in params:  # per tensor: grads may be plain tensors and DTensors on several meshes
+                p.grad.mul_(coef)
         return total
 
     # ------------------------------------------------------------------ collectives

@@ -25,13 +25,13 @@ SEQ = 16
 def build_model(kind: str) -> torch.nn.Module:
     """A tiny reference model of ``kind`` (llama | gpt2 | hf)."""
     if kind == "llama":
-        return Llama(LlamaConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
+        return Llama(LlamaConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=64,
                                  max_seq_len=SEQ))
     if kind == "gpt2":
         return GPT2(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, block_size=SEQ))
     if kind == "hf":
         return HFStyleLM(HFStyleConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ))
+                                       num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=SEQ))
     if kind == "moe":
         from tests.distributed.moe_models import build_moe_model
 
@@ -82,7 +82,7 @@ def fit_spec(spec: dict[str, Any]) -> dict[str, Any]:
             materialize_meta_module(model, torch.device("cpu"))
     else:
         model = build_model(spec.get("model", "llama"))
-    lm = CausalLM(model, lr=spec.get("lr", 3e-3))
+    lm = CausalLM(model, lr=spec.get("lr", 1e-3))
     steps = spec.get("steps", 5)
     accum = spec.get("accumulate", 1)
     global_batch = spec.get("global_batch", 8)

@@ -1,0 +1,108 @@
+"""Tensor + sequence parallel: parity for tp ∈ {2, 4} × dp ∈ {1, 2} × SP on/off × FSDP2/replicate × three
+models (Llama, GPT-2 with tied embeddings, a user model with Hugging Face names), and exact communication."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_4d.testing import run_world
+from tests.distributed.common import assert_parity, build_model, fit_spec, make_dataset, world_fit
+
+MODELS = ("llama", "gpt2", "hf")
+
+
+def _base(model: str) -> dict[str, Any]:
+    return dict(model=model, steps=5, accumulate=2, clip=0.05, predict=True)
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, dict[str, Any]]:
+    return {m: fit_spec(_base(m)) for m in MODELS}
+
+
+def _specs(world: int, tp: int, modes: tuple[str, ...]) -> list[dict[str, Any]]:
+    return [
+        dict(_base(m), world=world, strategy=dict(tp=tp, sequence_parallel=sp, data_parallel=mode))
+        for m in MODELS for sp in (True, False) for mode in modes
+    ]
+
+
+@pytest.mark.parametrize(
+    "world, tp, modes",
+    [(2, 2, ("fsdp",)), (4, 2, ("fsdp", "replicate")), (4, 4, ("fsdp",)), (8, 4, ("fsdp", "replicate"))],
+    ids=["tp2", "tp2-dp2", "tp4", "tp4-dp2"],
+)
+def test_tensor_parallel_parity(world: int, tp: int, modes: tuple[str, ...], references: dict[str, Any]) -> None:
+    specs = _specs(world, tp, modes)
+    results = run_world(world_fit, world, specs, timeout_s=900)
+    for spec, got in zip(specs, results[0]):
+        assert_parity(got, references[spec["model"]], label=f"{spec['model']} {spec['strategy']}")
+    for rank_results in results[1:]:
+        for got, ref in zip(rank_results, results[0]):
+            assert got["losses"] == ref["losses"]
+
+
+def _count_comm(rank: int, model: str, sp: bool) -> dict[str, Any]:
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from lightning_4d.comm import CommCounter, axis_names_for
+    from lightning_4d.mesh import ParallelDims, build_mesh
+    from lightning_4d.models import CausalLM
+    from lightning_4d.parallelize import ParallelPlan
+    from lightning_4d.tensor_parallel import apply_tensor_parallel
+
+    torch.manual_seed(0)
+    lm = CausalLM(build_model(model))
+    mesh = build_mesh(ParallelDims.from_world(2, tp=2, sequence_parallel=sp), "cpu")
+    path = "model.layers" if model != "gpt2" else "model.h"
+    apply_tensor_parallel(lm, mesh, ParallelPlan(blocks_path=path))
+    x, y = make_dataset(4)[:4]
+    debug, counter = CommDebugMode(), CommCounter(axis_names_for(mesh))
+    block = f"CausalLM.{path}.0"
+    with debug, loss_parallel():
+        with counter:
+            out = lm(x)
+        loss = lm.loss_fn(out, y)
+        loss.backward()
+    per_block = {
+        phase: {str(op).rsplit(".", 1)[-1]: n for op, n in debug.comm_module_counts[block][phase].items()}
+        for phase in ("forward", "backward")
+    }
+    return {"block": per_block, "forward_totals": counter.totals(backward=False), "records": counter.records}
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_communication_is_megatron_exact(model: str) -> None:
+    no_sp = run_world(_count_comm, 2, model, False)[0]
+    sp = run_world(_count_comm, 2, model, True)[0]
+    # Without SP: one all-reduce per attention and one per MLP in each block's forward, and the matching
+    # two in backward (the seed's "one AllReduce per MLP forward").
+    assert no_sp["block"] == {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 2}}
+    # With SP each all-reduce becomes an all-gather + a reduce-scatter.
+    both = {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
+    assert sp["block"] == {"forward": both, "backward": both}
+    # Equal total bytes: per block S = B·T·H·4 bytes; all-reduce sends 2(n−1)/n·S, AG and RS (n−1)/n·S each.
+    b, t, h = 4, 16, 32
+    s_bytes = b * t * h * 4
+    layers = 2
+    ar = no_sp["forward_totals"][("tp", "all_reduce")]
+    # + the embedding's all-reduce (vocab-parallel, replicated output) when SP is off
+    assert ar["count"] == 2 * layers + 1
+    assert ar["sent_bytes"] == pytest.approx((2 * layers + 1) * 2 * (1 / 2) * s_bytes)
+    ag = sp["forward_totals"][("tp", "all_gather")]
+    rs = sp["forward_totals"][("tp", "reduce_scatter")]
+    emb_ar = sp["forward_totals"].get(("tp", "all_reduce"), {"count": 0, "sent_bytes": 0.0})
+    # SP: one all-gather per region (2 per block) + the head's; one reduce-scatter per region + the
+    # embedding's (Llama). GPT-2 adds wpe to the vocab-parallel wte output, so its embedding keeps an
+    # all-reduce and the sum is then split along the sequence locally.
+    assert ag["count"] == 2 * layers + 1
+    assert rs["count"] + emb_ar["count"] == 2 * layers + 1
+    assert emb_ar["count"] == (1 if model == "gpt2" else 0)
+    half = 0.5 * s_bytes  # (n−1)/n·S with n = 2
+    blocks_sp = ag["sent_bytes"] + rs["sent_bytes"] - half - (0 if model == "gpt2" else half)
+    blocks_no_sp = ar["sent_bytes"] - s_bytes
+    assert blocks_sp == pytest.approx(blocks_no_sp) == pytest.approx(2 * layers * s_bytes)
