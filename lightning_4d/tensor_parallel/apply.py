@@ -11,13 +11,16 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from lightning_4d.tensor_parallel.plan import block_plan, model_plan
+from lightning_4d.tensor_parallel.rng import ShardedRNG, install_sharded_rng, sharded_dropout_modules
 
-__all__ = ["apply_tensor_parallel", "tp_styles"]
+__all__ = ["TPLayout", "apply_tensor_parallel", "tp_styles"]
 
 
 def _tied_groups(root: nn.Module) -> list[list[str]]:
@@ -46,12 +49,26 @@ def _retie(root: nn.Module, groups: list[list[str]]) -> None:
             setattr(mod, attr, param)
 
 
-def tp_styles(root: nn.Module, blocks: list[tuple[str, nn.Module]], blocks_path: str, tp: int, sp: bool) -> tuple[
-        dict[str, Any], dict[str, dict[str, int]], bool]:
-    """The ``parallelize_module`` plan for the whole model, the head attributes to divide, loss-parallel flag.
+@dataclass
+class TPLayout:
+    """The ``parallelize_module`` styles for the whole model and what goes with them.
 
     Example:
-        >>> styles, heads, lp = tp_styles(model, list(model.layers.named_children()), "layers", 2, True)  # doctest: +SKIP
+        >>> TPLayout().loss_parallel
+        False
+    """
+
+    styles: dict[str, Any] = field(default_factory=dict)
+    heads: dict[str, dict[str, int]] = field(default_factory=dict)  # region -> {attr: global value}
+    regions: dict[str, list[str]] = field(default_factory=dict)  # block -> TP regions (attention, MLP)
+    loss_parallel: bool = False
+
+
+def tp_styles(root: nn.Module, blocks: list[tuple[str, nn.Module]], blocks_path: str, tp: int, sp: bool) -> TPLayout:
+    """Plan the whole model: styles per module, head attributes to divide, regions, loss parallel.
+
+    Example:
+        >>> layout = tp_styles(model, list(model.layers.named_children()), "layers", 2, True)  # doctest: +SKIP
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -63,10 +80,11 @@ def tp_styles(root: nn.Module, blocks: list[tuple[str, nn.Module]], blocks_path:
     )
 
     seq = Shard(1)
-    styles: dict[str, Any] = {}
-    heads: dict[str, dict[str, int]] = {}
+    layout = TPLayout()
+    styles, heads = layout.styles, layout.heads
     for block_name, block in blocks:
         plan = block_plan(block, block_name, tp)
+        layout.regions[block_name] = list(plan.regions)
         for name, kind in plan.linears.items():
             if kind == "colwise":
                 styles[f"{block_name}.{name}"] = ColwiseParallel()
@@ -105,18 +123,17 @@ def tp_styles(root: nn.Module, blocks: list[tuple[str, nn.Module]], blocks_path:
     if sp:
         for norm in mp.final_norms:
             styles[norm] = SequenceParallel()
-    loss_parallel = False
     if mp.head is not None:
         styles[mp.head] = ColwiseParallel(
             input_layouts=seq if sp else Replicate(), output_layouts=Shard(-1), use_local_output=False
         )
-        loss_parallel = True
+        layout.loss_parallel = True
     elif sp:
         raise ValueError(
             f"No output head (an nn.Linear after {blocks_path}) was found to gather the sequence at the end. "
             f"Set sequence_parallel=False or implement `fourd_tp_plan`."
         )
-    return styles, heads, loss_parallel
+    return layout
 
 
 def apply_tensor_parallel(module: nn.Module, mesh: Any, plan: Any) -> None:
@@ -144,12 +161,15 @@ def apply_tensor_parallel(module: nn.Module, mesh: Any, plan: Any) -> None:
         return
     container = module.get_submodule(plan.blocks_path)
     blocks = [(f"{plan.blocks_path}.{name}", child) for name, child in container.named_children()]
-    styles, heads, loss_parallel = tp_styles(module, blocks, plan.blocks_path, dims.tp, dims.sp)
-    parallelize_module(module, tp_mesh, styles)
-    for region, attrs in heads.items():
+    layout = tp_styles(module, blocks, plan.blocks_path, dims.tp, dims.sp)
+    parallelize_module(module, tp_mesh, layout.styles)
+    for region, attrs in layout.heads.items():
         target = module.get_submodule(region)
         for attr, value in attrs.items():
             setattr(target, attr, value // dims.tp)
     _retie(module, groups)
-    plan.loss_parallel = loss_parallel
-    plan.tp_modules = sorted(styles)
+    # Dropout on sharded activations draws per-rank masks; replicated activations keep the shared stream.
+    tracker = ShardedRNG(torch.initial_seed(), tp_mesh.get_local_rank())
+    install_sharded_rng(module, sharded_dropout_modules(blocks, layout.regions, dims.sp), tracker)
+    plan.loss_parallel = layout.loss_parallel
+    plan.tp_modules = sorted(layout.styles)

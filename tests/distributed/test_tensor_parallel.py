@@ -106,3 +106,35 @@ def test_communication_is_megatron_exact(model: str) -> None:
     blocks_sp = ag["sent_bytes"] + rs["sent_bytes"] - half - (0 if model == "gpt2" else half)
     blocks_no_sp = ar["sent_bytes"] - s_bytes
     assert blocks_sp == pytest.approx(blocks_no_sp) == pytest.approx(2 * layers * s_bytes)
+
+
+def _dropout_masks(rank: int) -> dict[str, Any]:
+    from lightning_4d.mesh import ParallelDims, build_mesh
+    from lightning_4d.models import GPT2, CausalLM, GPT2Config
+    from lightning_4d.parallelize import ParallelPlan
+    from lightning_4d.tensor_parallel import apply_tensor_parallel
+
+    torch.manual_seed(0)
+    lm = CausalLM(GPT2(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4, block_size=16, dropout=0.5)))
+    mesh = build_mesh(ParallelDims.from_world(2, tp=2), "cpu")
+    apply_tensor_parallel(lm, mesh, ParallelPlan(blocks_path="model.h"))
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(name: str) -> Any:
+        def hook(_m: Any, _i: Any, out: torch.Tensor) -> None:
+            local = out.to_local() if hasattr(out, "to_local") else out
+            seen[name] = (local == 0).clone()
+        return hook
+
+    lm.model.embeddings.drop.register_forward_hook(keep("embedding"))  # replicated activations
+    lm.model.h[0].attn.resid_dropout.register_forward_hook(keep("residual"))  # sequence shards (SP)
+    lm.train()
+    lm(torch.randint(0, 64, (2, 16)))
+    return seen
+
+
+def test_dropout_masks_differ_on_shards_and_agree_on_replicas() -> None:
+    r0, r1 = run_world(_dropout_masks, 2)
+    assert torch.equal(r0["embedding"], r1["embedding"])  # replicated: the same mask on every TP rank
+    assert r0["residual"].shape == r1["residual"].shape == (2, 8, 32)  # (B, T/tp, H)
+    assert not torch.equal(r0["residual"], r1["residual"])  # sequence shards: independent masks

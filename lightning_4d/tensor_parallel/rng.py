@@ -1,0 +1,115 @@
+"""Random streams for dropout under tensor parallelism (Megatron's "model-parallel RNG tracker").
+
+Dropout on *sharded* activations (sequence shards under SP, head or hidden shards inside a TP
+region) must draw different masks on each TP rank; dropout on *replicated* activations must draw
+the same mask on every TP rank. The default generator stays identical across TP ranks (same seed,
+same consumption) and serves the replicated case; modules that see sharded activations run with a
+per-rank generator swapped in for the duration of their forward.
+
+Example:
+    >>> tracker = ShardedRNG(base_seed=1234, tp_rank=1)
+    >>> with tracker.fork():
+    ...     _ = torch.rand(1)
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+__all__ = ["ShardedRNG", "install_sharded_rng", "sharded_dropout_modules"]
+
+_RANK_STRIDE = 2_718_281  # keeps the per-rank seeds apart
+
+
+class ShardedRNG:
+    """A CPU (and CUDA, when present) generator state private to one TP rank.
+
+    Example:
+        >>> a, b = ShardedRNG(7, 0), ShardedRNG(7, 1)
+        >>> with a.fork():
+        ...     x = torch.rand(3)
+        >>> with b.fork():
+        ...     y = torch.rand(3)
+        >>> bool((x != y).any())
+        True
+    """
+
+    def __init__(self, base_seed: int, tp_rank: int) -> None:
+        seed = (int(base_seed) + _RANK_STRIDE * (tp_rank + 1)) % (2**63 - 1)
+        saved = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self._cpu = torch.get_rng_state()
+        torch.set_rng_state(saved)
+        self._cuda: Any = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            saved_cuda = torch.cuda.get_rng_state()
+            torch.cuda.manual_seed(seed)
+            self._cuda = torch.cuda.get_rng_state()
+            torch.cuda.set_rng_state(saved_cuda)
+
+    @contextmanager
+    def fork(self) -> Iterator[None]:
+        """Run the body on this rank's private stream; the default stream is left untouched."""
+        saved = torch.get_rng_state()
+        torch.set_rng_state(self._cpu)
+        saved_cuda = None
+        if self._cuda is not None:
+            saved_cuda = torch.cuda.get_rng_state()
+            torch.cuda.set_rng_state(self._cuda)
+        try:
+            yield
+        finally:
+            self._cpu = torch.get_rng_state()
+            torch.set_rng_state(saved)
+            if saved_cuda is not None:
+                self._cuda = torch.cuda.get_rng_state()
+                torch.cuda.set_rng_state(saved_cuda)
+
+
+def sharded_dropout_modules(blocks: list[tuple[str, nn.Module]], regions: dict[str, list[str]], sp: bool) -> list[str]:
+    """Names of modules whose forward sees only sharded activations (pure).
+
+    Under SP: every TP region (attention / MLP: head or hidden shards inside, sequence shards after the
+    reduce-scatter) and every dropout that is a direct child of a block (sequence shards). Without SP a
+    region's output is all-reduced (replicated) before its own residual dropout, so nothing is forked and
+    all TP ranks draw identical masks: consistent, but attention-probability dropout is then correlated
+    across head shards.
+
+    Example:
+        >>> sharded_dropout_modules([("layers.0", nn.Module())], {"layers.0": ["attention"]}, sp=True)
+        ['layers.0.attention']
+    """
+    names: list[str] = []
+    if not sp:
+        return names
+    for block_name, block in blocks:
+        names += [f"{block_name}.{r}" for r in regions.get(block_name, [])]
+        names += [f"{block_name}.{n}" for n, m in block.named_children() if isinstance(m, nn.Dropout)]
+    return names
+
+
+def install_sharded_rng(root: nn.Module, names: list[str], tracker: ShardedRNG) -> None:
+    """Make each named module run its forward on ``tracker``'s stream (hooks; no code change).
+
+    Example:
+        >>> net = nn.Sequential(nn.Dropout(0.5))
+        >>> install_sharded_rng(net, ["0"], ShardedRNG(0, 0))
+    """
+    for name in names:
+        module = root.get_submodule(name)
+        contexts: list[Any] = []
+
+        def pre(_mod: nn.Module, _args: Any, _c: list = contexts) -> None:
+            ctx = tracker.fork()
+            ctx.__enter__()
+            _c.append(ctx)
+
+        def post(_mod: nn.Module, _args: Any, _out: Any, _c: list = contexts) -> None:
+            _c.pop().__exit__(None, None, None)
+
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post, always_call=True)
