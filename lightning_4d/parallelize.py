@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from torch import nn
 
+from lightning_4d.activation_checkpoint import apply_activation_checkpointing
 from lightning_4d.config import FourDConfig
 from lightning_4d.data_parallel import apply_data_parallel
 from lightning_4d.discovery import find_blocks, top_level_modules
@@ -61,6 +62,8 @@ def parallelize_module(module: nn.Module, mesh: FourDMesh, config: FourDConfig, 
         from lightning_4d.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(module, mesh, plan)
+
+    apply_activation_checkpointing(plan.blocks, config.activation_checkpointing)
 
     if dims.dp > 1:
         direct = [name for name, p in module.named_parameters(recurse=False)]

@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
 from lightning_4d.tensor_parallel.plan import block_plan, model_plan
@@ -169,7 +168,7 @@ def apply_tensor_parallel(module: nn.Module, mesh: Any, plan: Any) -> None:
             setattr(target, attr, value // dims.tp)
     _retie(module, groups)
     # Dropout on sharded activations draws per-rank masks; replicated activations keep the shared stream.
-    tracker = ShardedRNG(torch.initial_seed(), tp_mesh.get_local_rank())
+    tracker = ShardedRNG(tp_mesh.get_local_rank())
     install_sharded_rng(module, sharded_dropout_modules(blocks, layout.regions, dims.sp), tracker)
     plan.loss_parallel = layout.loss_parallel
     plan.tp_modules = sorted(layout.styles)

@@ -7,7 +7,7 @@ same consumption) and serves the replicated case; modules that see sharded activ
 per-rank generator swapped in for the duration of their forward.
 
 Example:
-    >>> tracker = ShardedRNG(base_seed=1234, tp_rank=1)
+    >>> tracker = ShardedRNG(tp_rank=1)
     >>> with tracker.fork():
     ...     _ = torch.rand(1)
 """
@@ -26,47 +26,41 @@ _RANK_STRIDE = 2_718_281  # keeps the per-rank seeds apart
 
 
 class ShardedRNG:
-    """A CPU (and CUDA, when present) generator state private to one TP rank.
+    """Per-TP-rank random streams derived from the shared default stream.
+
+    Each :meth:`fork` draws one number from the default generator (identically on every TP rank, so
+    the default streams stay in sync), offsets it by the TP rank and runs the body on a generator
+    seeded with it. Because the private seed is a function of the default stream, activation
+    checkpointing (which restores the default RNG state before recomputing) replays the same masks.
 
     Example:
-        >>> a, b = ShardedRNG(7, 0), ShardedRNG(7, 1)
+        >>> a, b = ShardedRNG(tp_rank=0), ShardedRNG(tp_rank=1)
+        >>> _ = torch.manual_seed(0)
         >>> with a.fork():
         ...     x = torch.rand(3)
+        >>> _ = torch.manual_seed(0)
         >>> with b.fork():
         ...     y = torch.rand(3)
         >>> bool((x != y).any())
         True
     """
 
-    def __init__(self, base_seed: int, tp_rank: int) -> None:
-        seed = (int(base_seed) + _RANK_STRIDE * (tp_rank + 1)) % (2**63 - 1)
-        saved = torch.get_rng_state()
-        torch.manual_seed(seed)
-        self._cpu = torch.get_rng_state()
-        torch.set_rng_state(saved)
-        self._cuda: Any = None
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            saved_cuda = torch.cuda.get_rng_state()
-            torch.cuda.manual_seed(seed)
-            self._cuda = torch.cuda.get_rng_state()
-            torch.cuda.set_rng_state(saved_cuda)
+    def __init__(self, tp_rank: int) -> None:
+        self.offset = _RANK_STRIDE * (int(tp_rank) + 1)
 
     @contextmanager
     def fork(self) -> Iterator[None]:
-        """Run the body on this rank's private stream; the default stream is left untouched."""
+        """Run the body on this rank's private stream; the default stream advances by one draw."""
+        seed = int(torch.randint(0, 2**62, (1,)).item()) + self.offset
         saved = torch.get_rng_state()
-        torch.set_rng_state(self._cpu)
-        saved_cuda = None
-        if self._cuda is not None:
-            saved_cuda = torch.cuda.get_rng_state()
-            torch.cuda.set_rng_state(self._cuda)
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        saved_cuda = torch.cuda.get_rng_state() if cuda else None
+        torch.manual_seed(seed)
         try:
             yield
         finally:
-            self._cpu = torch.get_rng_state()
             torch.set_rng_state(saved)
             if saved_cuda is not None:
-                self._cuda = torch.cuda.get_rng_state()
                 torch.cuda.set_rng_state(saved_cuda)
 
 
@@ -97,7 +91,7 @@ def install_sharded_rng(root: nn.Module, names: list[str], tracker: ShardedRNG) 
 
     Example:
         >>> net = nn.Sequential(nn.Dropout(0.5))
-        >>> install_sharded_rng(net, ["0"], ShardedRNG(0, 0))
+        >>> install_sharded_rng(net, ["0"], ShardedRNG(0))
     """
     for name in names:
         module = root.get_submodule(name)

@@ -37,6 +37,9 @@ def _specs(world: int, tp: int, modes: tuple[str, ...]) -> list[dict[str, Any]]:
 )
 def test_tensor_parallel_parity(world: int, tp: int, modes: tuple[str, ...], references: dict[str, Any]) -> None:
     specs = _specs(world, tp, modes)
+    if world == 2:  # activation checkpointing composes with TP/SP and keeps parity
+        specs += [dict(_base("llama"), world=2, strategy=dict(tp=2, activation_checkpointing=m))
+                  for m in ("full", "selective")]
     results = run_world(world_fit, world, specs, timeout_s=900)
     for spec, got in zip(specs, results[0]):
         assert_parity(got, references[spec["model"]], label=f"{spec['model']} {spec['strategy']}")

@@ -1,0 +1,64 @@
+"""Activation checkpointing per block: ``"full"`` recomputes the whole block in backward,
+``"selective"`` saves the outputs of matrix multiplications and attention and recomputes the rest
+(norms, activations, elementwise ops) — the usual trade of TorchTitan / Megatron's selective recompute.
+
+The block's ``forward`` is wrapped in place (no wrapper module), so parameter names and checkpoints
+are unchanged.
+
+Example:
+    >>> from torch import nn
+    >>> block = nn.Sequential(nn.Linear(4, 4), nn.GELU())
+    >>> apply_activation_checkpointing([block], "full")
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+__all__ = ["apply_activation_checkpointing", "SAVE_OPS"]
+
+# Outputs worth keeping under "selective": the expensive ops.
+SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.baddbmm.default,
+    torch.ops.aten.linear.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+}
+
+
+def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context() -> Any:
+    return create_selective_checkpoint_contexts(_policy)
+
+
+def _checkpointed(forward: Any, mode: str, *args: Any, **kwargs: Any) -> Any:
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    extra = {"context_fn": _selective_context} if mode == "selective" else {}
+    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+
+
+def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: Optional[str]) -> None:
+    """Make each block recompute its activations in backward (``mode`` = ``"full"`` | ``"selective"``).
+
+    Example:
+        >>> apply_activation_checkpointing([nn.Linear(2, 2)], None)  # None: nothing to do
+    """
+    if mode is None:
+        return
+    if mode not in ("full", "selective"):
+        raise ValueError(f"activation_checkpointing={mode!r} is not supported. Use None, 'selective' or 'full'.")
+    for block in blocks:
+        block.forward = functools.partial(_checkpointed, block.forward, mode)  # type: ignore[method-assign]
