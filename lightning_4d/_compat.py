@@ -54,7 +54,7 @@ def mesh_backend_override(backend: str, timeout: Optional[timedelta], ndim: int)
     return tuple((backend, opts) for _ in range(ndim))
 
 
-def replicate(module: nn.Module, mesh: Any, mp_policy: Any = None) -> nn.Module:
+def replicate(module: nn.Module, mesh: Any, mp_policy: Any = None, ignored_params: Any = None) -> nn.Module:
     """Data-parallel replication built on FSDP2 machinery (``torch.distributed._composable``).
 
     It keeps full parameters on every rank and all-reduces gradients, and composes with
@@ -62,7 +62,7 @@ def replicate(module: nn.Module, mesh: Any, mp_policy: Any = None) -> nn.Module:
     """
     from torch.distributed._composable.replicate_with_fsdp import replicate as _replicate
 
-    kwargs: dict[str, Any] = {"mesh": mesh}
+    kwargs: dict[str, Any] = {"mesh": mesh, "ignored_params": ignored_params}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     return _replicate(module, **kwargs)

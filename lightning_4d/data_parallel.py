@@ -54,16 +54,18 @@ def mixed_precision_policy(precision: str) -> Optional[Any]:
     return None
 
 
-def _wrap(module: nn.Module, mesh: Any, mode: str, mp_policy: Optional[Any], reshard: bool) -> None:
+def _wrap(module: nn.Module, mesh: Any, mode: str, mp_policy: Optional[Any], reshard: bool,
+          ignored: Optional[set] = None) -> None:
+    ignored = {p for p in (ignored or set()) if any(p is q for q in module.parameters())} or None
     if mode == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard}
+        kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard, "ignored_params": ignored}
         if mp_policy is not None:
             kwargs["mp_policy"] = mp_policy
         fully_shard(module, **kwargs)
     else:
-        _compat.replicate(module, mesh=mesh, mp_policy=mp_policy)
+        _compat.replicate(module, mesh=mesh, mp_policy=mp_policy, ignored_params=ignored)
 
 
 def apply_data_parallel(
@@ -75,12 +77,13 @@ def apply_data_parallel(
     precision: str = "32-true",
     expert_modules: Iterable[nn.Module] = (),
     expert_mesh: Any = None,
+    ignored_params: Optional[set] = None,
 ) -> nn.Module:
     """Wrap each block, then the root, for data parallelism over ``mesh`` (the dp axis).
 
     Expert modules (whose parameters are sharded over ``ep``) are wrapped first over
     ``expert_mesh`` (the ``edp`` axis), so their gradients are averaged only over the ranks
-    that hold the same experts.
+    that hold the same experts. ``ignored_params`` are left alone (e.g. experts when ``edp == 1``).
 
     Example:
         >>> apply_data_parallel(model, mesh["dp"], blocks=model.layers, mode="replicate")  # doctest: +SKIP
@@ -92,8 +95,8 @@ def apply_data_parallel(
     block_list = list(blocks)
     for i, block in enumerate(block_list):
         # The last block's parameters are needed again right away in backward.
-        _wrap(block, mesh, mode, mp_policy, reshard=i < len(block_list) - 1)
-    _wrap(root, mesh, mode, mp_policy, reshard=False)
+        _wrap(block, mesh, mode, mp_policy, reshard=i < len(block_list) - 1, ignored=ignored_params)
+    _wrap(root, mesh, mode, mp_policy, reshard=False, ignored=ignored_params)
     return root
 
 

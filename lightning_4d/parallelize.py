@@ -38,6 +38,8 @@ class ParallelPlan:
     tp_modules: list[str] = field(default_factory=list)
     pipeline: Optional[Any] = None
     expert_modules: list[str] = field(default_factory=list)
+    tp_partial_params: list[str] = field(default_factory=list)
+    bias_update: bool = False
 
 
 def _hook(module: nn.Module, name: str) -> Any:
@@ -45,7 +47,9 @@ def _hook(module: nn.Module, name: str) -> Any:
     return fn if callable(fn) else None
 
 
-def parallelize_module(module: nn.Module, mesh: FourDMesh, config: FourDConfig, precision: str) -> ParallelPlan:
+def parallelize_module(
+    module: nn.Module, mesh: FourDMesh, config: FourDConfig, precision: str, accumulate: int = 1
+) -> ParallelPlan:
     """Rewrite ``module`` (a LightningModule, usually a ``FourDModule``) in place for ``mesh``.
 
     Example:
@@ -58,6 +62,8 @@ def parallelize_module(module: nn.Module, mesh: FourDMesh, config: FourDConfig, 
     blocks = list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
     plan = ParallelPlan(blocks_path=blocks_path, blocks=blocks)
 
+    _apply_experts(module, mesh, plan, accumulate)
+
     if dims.tp > 1:
         from lightning_4d.tensor_parallel import apply_tensor_parallel
 
@@ -65,6 +71,13 @@ def parallelize_module(module: nn.Module, mesh: FourDMesh, config: FourDConfig, 
 
     apply_activation_checkpointing(plan.blocks, config.activation_checkpointing)
 
+    experts = [module.get_submodule(name) for name in plan.expert_modules]
+    # With edp == 1 no rank shares an expert: experts stay out of every data-parallel wrapper.
+    unwrapped_experts = {p for e in experts for p in e.parameters()} if dims.edp == 1 else None
+    if experts and dims.edp > 1:
+        # Experts first, over edp: their gradients are averaged only over replicas of the same experts.
+        for expert in experts:
+            apply_data_parallel(expert, mesh["edp"], mode=config.data_parallel, precision=precision)
     if dims.dp > 1:
         direct = [name for name, p in module.named_parameters(recurse=False)]
         if direct:
@@ -75,8 +88,38 @@ def parallelize_module(module: nn.Module, mesh: FourDMesh, config: FourDConfig, 
         roots = [child for _, child in top_level_modules(module)]
         for root in roots:
             inner = [b for b in plan.blocks if _is_within(b, root)]
-            apply_data_parallel(root, mesh["dp"], blocks=inner, mode=config.data_parallel, precision=precision)
+            apply_data_parallel(root, mesh["dp"], blocks=inner, mode=config.data_parallel, precision=precision,
+                                ignored_params=unwrapped_experts)
     return plan
+
+
+def _apply_experts(module: nn.Module, mesh: FourDMesh, plan: ParallelPlan, accumulate: int) -> None:
+    """Rewrite MoE blocks into the package's layer and shard experts over ``ep`` (before TP planning)."""
+    from lightning_4d.expert_parallel import MoE, apply_expert_parallel
+    from lightning_4d.expert_parallel.rewrite import find_moe_modules
+
+    dims = mesh.dims
+    if not find_moe_modules(module):
+        if dims.ep > 1:
+            raise ValueError(
+                f"ep={dims.ep} but {type(module).__name__} has no mixture-of-experts layer (a module with a `gate` "
+                f"router and an `experts` list, or lightning_4d's MoE). Use ep=1 for a dense model."
+            )
+        return
+    # Expert gradients are averaged over edp; under SP each TP rank holds different tokens (factor tp).
+    grad_scale = (dims.tp if dims.sp else 1) / dims.ep
+    stats = None if (dims.sp or dims.tp == 1) else ([("dp", mesh["dp"].get_group())] if dims.dp > 1 else [])
+    apply_expert_parallel(module, mesh, grad_scale=grad_scale, stats_groups=stats,
+                          aux_grad_scale=dims.dp / max(accumulate, 1))
+    for name, moe in module.named_modules():
+        if isinstance(moe, MoE):
+            plan.expert_modules.append(f"{name}.experts")
+            plan.bias_update |= moe.router.expert_bias is not None
+            if dims.sp:
+                # Router and shared experts see only this rank's sequence shard: sum their grads over tp.
+                plan.tp_partial_params += [
+                    f"{name}.{n}" for n, _ in moe.named_parameters() if not n.startswith("experts.")
+                ]
 
 
 def _is_within(sub: nn.Module, root: nn.Module) -> bool:

@@ -202,7 +202,10 @@ class FourDStrategy(ParallelStrategy):
             if self._sync_module_states and self.world_size > 1:
                 broadcast_module_state(self.model, src=0)
             self.model = self.precision_plugin.convert_module(self.model)
-            self._plan = parallelize_module(self.model, self.mesh, self.config, self.precision_plugin.precision)
+            self._plan = parallelize_module(
+                self.model, self.mesh, self.config, self.precision_plugin.precision,
+                accumulate=trainer.accumulate_grad_batches,
+            )
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -241,7 +244,30 @@ class FourDStrategy(ParallelStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         with self.loss_context():
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            out = super().backward(closure_loss, optimizer, *args, **kwargs)
+        if not _compat.should_accumulate(self.lightning_module.trainer):
+            self._reduce_tp_partial_grads()
+        return out
+
+    def _reduce_tp_partial_grads(self) -> None:
+        """Sum over ``tp`` the gradients of plain parameters that saw only this rank's sequence shard."""
+        names = set(self._plan.tp_partial_params) if self._plan is not None else set()
+        if not names:
+            return
+        group = self.mesh["tp"].get_group()
+        for name, p in self.model.named_parameters():
+            if name in names and p.grad is not None:
+                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                dist.all_reduce(grad, group=group)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._plan is not None and self._plan.bias_update:
+            from lightning_4d.expert_parallel import update_expert_bias
+
+            update_expert_bias(self.model)  # aux-loss-free balancing: after the step, on every rank
+        return out
 
     def compute_loss(self, module: Any, inputs: Any, targets: Any, stage: str = "train") -> Tensor:
         """The global-batch loss for the mixin's steps (see :mod:`lightning_4d.loss`).

@@ -1,0 +1,145 @@
+"""Apply expert parallelism to a model, and the gradient-scale rule for expert parameters.
+
+Gradient scaling (the reasoning behind :func:`expert_grad_scale`). In the full system every rank's
+loss is the mean loss of its data-parallel shard (identical across the TP ranks of that shard), and
+dense gradients end up summed over sequence shards and *averaged* over ``dp``, i.e. they equal the
+gradient of the global-batch mean loss ``L = (1/dp) Σ_d L_d``. An expert's gradient on its owner rank
+is the sum of the contributions of all tokens routed to it from the ``ep`` ranks of its group. Summed
+over the ``edp`` replicas of that expert, the ``ep`` groups cover all ``dp·tp`` ranks of the stage, and
+the ``tp`` sequence shards of one data shard together give ``∂L_d/∂W``; so the sum is
+``Σ_d ∂L_d/∂W = dp · ∂L/∂W``. Averaging over ``edp = dp·tp/ep`` replicas (FSDP / replicate) yields
+``(ep/tp) · ∂L/∂W``. Multiplying the expert gradients by ``tp/ep`` therefore makes them equal to the
+single-process full-batch gradient. The MoE layer applies this factor *by construction* (an
+identity-forward / scaled-backward op on the expert weights), so the data-parallel wrapper can keep
+averaging over ``edp`` as for any other parameter.
+
+The router and shared experts are dense: like the weights of sequence-parallel norms they see only
+the local sequence shard, so their gradients must be summed over ``tp`` and averaged over ``dp``.
+
+Example:
+    >>> from lightning_4d.mesh import ParallelDims
+    >>> expert_grad_scale(ParallelDims.from_world(8, tp=2, ep=4))
+    0.5
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Sequence, Union
+
+import torch.distributed as dist
+from torch import nn
+
+from lightning_4d.expert_parallel.moe import MoE
+from lightning_4d.expert_parallel.router import check_routing
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_4d.mesh import FourDMesh, ParallelDims
+
+__all__ = ["expert_grad_scale", "check_expert_parallel", "apply_expert_parallel"]
+
+
+def expert_grad_scale(dims: "ParallelDims") -> float:
+    """Factor ``tp / ep`` that turns edp-averaged expert gradients into full-batch gradients.
+
+    Assumes the conventions of the module docstring: per-rank loss = mean over its data shard (same on
+    all TP ranks), tokens split over TP ranks by sequence parallelism, expert gradients averaged over
+    ``edp = dp·tp/ep``. Pure.
+
+    Example:
+        >>> from lightning_4d.mesh import ParallelDims
+        >>> expert_grad_scale(ParallelDims.from_world(4, ep=4)), expert_grad_scale(ParallelDims.from_world(4, tp=2))
+        (0.25, 2.0)
+    """
+    return dims.tp / dims.ep
+
+
+def check_expert_parallel(num_experts: int, top_k: int, ep: int, name: str = "MoE") -> None:
+    """Validate an MoE layout (pure): ``top_k <= num_experts`` and ``ep`` divides ``num_experts``.
+
+    Example:
+        >>> check_expert_parallel(8, 2, ep=4)
+        >>> check_expert_parallel(6, 2, ep=4, name="layers.0.moe")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: MoE layer 'layers.0.moe': num_experts=6 is not divisible by ep=4: ... Choose ep among [1, 2, 3, 6] ...
+    """
+    try:
+        check_routing(num_experts, top_k)
+    except ValueError as err:
+        raise ValueError(f"MoE layer '{name}': {err}") from None
+    if num_experts % ep:
+        divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+        raise ValueError(
+            f"MoE layer '{name}': num_experts={num_experts} is not divisible by ep={ep}: every ep rank must hold "
+            f"the same number of experts. Choose ep among {divisors} or change num_experts.")
+
+
+def apply_expert_parallel(
+    model: nn.Module,
+    mesh: Union["FourDMesh", "DeviceMesh"],
+    *,
+    grad_scale: Optional[float] = None,
+    stats_groups: Optional[Sequence[tuple[str, dist.ProcessGroup]]] = None,
+    aux_grad_scale: Optional[float] = None,
+    rewrite: bool = True,
+) -> nn.Module:
+    """Make every MoE layer of ``model`` expert-parallel (in place) and return the model.
+
+    Mixtral-style blocks are first replaced by :class:`~.moe.MoE` (``rewrite=True``, see
+    :func:`~.rewrite.rewrite_moe_modules`). Every layer is validated before anything is changed or
+    communicated. Then each layer keeps ``E/ep`` experts per rank (DTensor ``Shard(0)``) and
+    dispatches tokens with all-to-alls; its routers all-reduce their statistics over ``stats_groups``.
+    Run it before tensor-parallel planning (the rewrite removes the ``experts.{i}.w1`` Linears).
+
+    Data parallelism afterwards: wrap each ``moe.experts`` (a :class:`~.experts.GroupedExperts`) with
+    FSDP2 / replicate over ``mesh["edp"]`` *before* wrapping the enclosing block over ``dp``, so that
+    experts are averaged over ``edp`` and router / shared experts over ``dp``
+    (``fully_shard(moe.experts, mesh=mesh["edp"]); fully_shard(block, mesh=mesh["dp"])``).
+
+    Args:
+        model: the model (or one MoE layer).
+        mesh: a :class:`~lightning_4d.mesh.FourDMesh` (preferred: defaults follow from its dims) or a
+            1-D ep :class:`DeviceMesh` (then each rank's tokens are taken to be its own data shard).
+        grad_scale: expert gradient factor; default :func:`expert_grad_scale` for a FourDMesh, else ``1/ep``.
+        stats_groups: ``[(label, group)]`` covering the ranks that hold one batch's tokens; default the
+            ``ep`` and ``edp`` groups of the stage (FourDMesh) or the ep group alone.
+        aux_grad_scale: number of replicas dense gradients are averaged over; default ``dp`` (FourDMesh)
+            or ``ep``.
+
+    Example:
+        >>> mesh = build_mesh(ParallelDims.from_world(4, tp=2, ep=2), "cpu")  # doctest: +SKIP
+        >>> model = apply_expert_parallel(model, mesh)  # doctest: +SKIP
+    """
+    from lightning_4d.expert_parallel.rewrite import find_moe_modules, rewrite_moe_modules
+
+    dims = getattr(mesh, "dims", None)
+    ep_mesh = mesh["ep"] if dims is not None else mesh
+    ep = ep_mesh.size()
+    # 1) validate everything first: no collective, no change before all layers are known to be fine.
+    for name, mod in find_moe_modules(model):
+        if isinstance(mod, MoE):
+            check_expert_parallel(mod.num_experts, mod.top_k, ep, name or type(mod).__name__)
+        else:
+            num = len(mod.experts)
+            k = getattr(mod, "top_k", getattr(mod, "num_experts_per_tok", 1))
+            check_expert_parallel(num, k, ep, name or type(mod).__name__)
+    if rewrite:
+        model = rewrite_moe_modules(model)
+    if dims is not None:
+        grad_scale = expert_grad_scale(dims) if grad_scale is None else grad_scale
+        if stats_groups is None:
+            stats_groups = [(n, mesh[n].get_group()) for n in ("ep", "edp") if mesh[n].size() > 1]
+        aux_grad_scale = float(dims.dp) if aux_grad_scale is None else aux_grad_scale
+    else:
+        grad_scale = 1.0 / ep if grad_scale is None else grad_scale
+        if stats_groups is None:
+            stats_groups = [("ep", ep_mesh.get_group())] if ep > 1 else []
+        aux_grad_scale = float(ep) if aux_grad_scale is None else aux_grad_scale
+    for mod in model.modules():
+        if isinstance(mod, MoE):
+            mod.shard_experts(ep_mesh, grad_scale=grad_scale)
+            mod.router.stats_groups = list(stats_groups)
+            mod.router.aux_grad_scale = aux_grad_scale
+    return model
