@@ -78,12 +78,15 @@ def apply_data_parallel(
     expert_modules: Iterable[nn.Module] = (),
     expert_mesh: Any = None,
     ignored_params: Optional[set] = None,
+    reshard_after_forward: bool = True,
 ) -> nn.Module:
     """Wrap each block, then the root, for data parallelism over ``mesh`` (the dp axis).
 
     Expert modules (whose parameters are sharded over ``ep``) are wrapped first over
     ``expert_mesh`` (the ``edp`` axis), so their gradients are averaged only over the ranks
     that hold the same experts. ``ignored_params`` are left alone (e.g. experts when ``edp == 1``).
+    ``reshard_after_forward=False`` keeps gathered parameters between forward and backward (used under
+    pipeline parallelism, where every micro-batch would otherwise gather them again).
 
     Example:
         >>> apply_data_parallel(model, mesh["dp"], blocks=model.layers, mode="replicate")  # doctest: +SKIP
@@ -95,7 +98,8 @@ def apply_data_parallel(
     block_list = list(blocks)
     for i, block in enumerate(block_list):
         # The last block's parameters are needed again right away in backward.
-        _wrap(block, mesh, mode, mp_policy, reshard=i < len(block_list) - 1, ignored=ignored_params)
+        reshard = reshard_after_forward and i < len(block_list) - 1
+        _wrap(block, mesh, mode, mp_policy, reshard=reshard, ignored=ignored_params)
     _wrap(root, mesh, mode, mp_policy, reshard=False, ignored=ignored_params)
     return root
 

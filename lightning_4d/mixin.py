@@ -127,6 +127,14 @@ class FourDModule:
             return self(inputs)
         return strategy.predict(self, inputs)
 
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        """Lightning zeroes gradients after ``training_step``; under a pipeline they were computed
+        inside it, so the strategy zeroes them before the schedule runs instead."""
+        strategy = self._fourd_strategy()
+        if strategy is not None and strategy.plan is not None and strategy.plan.pipeline is not None:
+            return
+        optimizer.zero_grad()
+
     def clip_gradients(self, optimizer: Any, gradient_clip_val: Any = None, gradient_clip_algorithm: Any = None) -> None:
         """Clip by the global norm across all shards under ``FourDStrategy`` (else Lightning's)."""
         strategy = self._fourd_strategy()

@@ -40,6 +40,7 @@ class ParallelPlan:
     expert_modules: list[str] = field(default_factory=list)
     tp_partial_params: list[str] = field(default_factory=list)
     bias_update: bool = False
+    pipeline_tied: list[tuple[str, str]] = field(default_factory=list)
 
 
 def _hook(module: nn.Module, name: str) -> Any:
@@ -52,6 +53,9 @@ def parallelize_module(
 ) -> ParallelPlan:
     """Rewrite ``module`` (a LightningModule, usually a ``FourDModule``) in place for ``mesh``.
 
+    Order: pipeline check (full model) → expert parallel → TP plan (full model) → pipeline split →
+    TP/SP on what stays on this rank → activation checkpointing → data parallel → pipeline schedule.
+
     Example:
         >>> parallelize_module(lm, mesh, FourDConfig(), "32-true").blocks_path  # doctest: +SKIP
         'model.layers'
@@ -59,15 +63,35 @@ def parallelize_module(
     dims = mesh.dims
     path_hook = _hook(module, "fourd_blocks_path")
     blocks_path, container = find_blocks(module, path_hook() if path_hook else None)
-    blocks = list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
-    plan = ParallelPlan(blocks_path=blocks_path, blocks=blocks)
+    plan = ParallelPlan(blocks_path=blocks_path, blocks=_blocks_of(container))
+
+    split = None
+    if dims.pp > 1:
+        from lightning_4d.pipeline_glue import check_pipeline_model
+
+        split = check_pipeline_model(module, blocks_path)
 
     _apply_experts(module, mesh, plan, accumulate)
+
+    layout = None
+    if dims.tp > 1:
+        from lightning_4d.tensor_parallel import plan_tensor_parallel
+
+        layout = plan_tensor_parallel(module, mesh, blocks_path)
+
+    parts = None
+    if dims.pp > 1:
+        from lightning_4d.pipeline_glue import split_pipeline
+
+        parts = split_pipeline(module, mesh, config, split)
+        plan.blocks = _blocks_of(module.get_submodule(blocks_path))
+        plan.expert_modules = [n for n in plan.expert_modules if _exists(module, n)]
+        plan.tp_partial_params = [n for n in plan.tp_partial_params if _exists(module, n.rpartition(".")[0])]
 
     if dims.tp > 1:
         from lightning_4d.tensor_parallel import apply_tensor_parallel
 
-        apply_tensor_parallel(module, mesh, plan)
+        apply_tensor_parallel(module, mesh, plan, layout)
 
     apply_activation_checkpointing(plan.blocks, config.activation_checkpointing)
 
@@ -85,12 +109,32 @@ def parallelize_module(
                 f"{type(module).__name__} holds parameters directly ({', '.join(direct)}). Data parallelism wraps "
                 f"submodules; move them into a submodule (e.g. self.model)."
             )
-        roots = [child for _, child in top_level_modules(module)]
+        # Under PP the stage modules are what the schedule calls: they are the data-parallel roots.
+        roots = parts.modules if parts is not None else [child for _, child in top_level_modules(module)]
         for root in roots:
             inner = [b for b in plan.blocks if _is_within(b, root)]
             apply_data_parallel(root, mesh["dp"], blocks=inner, mode=config.data_parallel, precision=precision,
-                                ignored_params=unwrapped_experts)
+                                ignored_params=unwrapped_experts, reshard_after_forward=parts is None)
+
+    if parts is not None:
+        from lightning_4d.pipeline_glue import build_runner
+
+        plan.pipeline = build_runner(module, mesh, config, parts)
+        plan.pipeline_tied = list(parts.tied)
     return plan
+
+
+def _blocks_of(container: nn.Module) -> list[nn.Module]:
+    return list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
+
+
+def _exists(root: nn.Module, name: str) -> bool:
+    node: Any = root
+    for part in name.split("."):
+        node = getattr(node, "_modules", {}).get(part)
+        if node is None:
+            return False
+    return True
 
 
 def _apply_experts(module: nn.Module, mesh: FourDMesh, plan: ParallelPlan, accumulate: int) -> None:

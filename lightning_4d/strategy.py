@@ -91,6 +91,7 @@ class FourDStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._mesh: Optional[FourDMesh] = None
         self._plan: Any = None
+        self._grads_stale = True
 
     # ------------------------------------------------------------------ properties
     @property
@@ -243,10 +244,17 @@ class FourDStrategy(ParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        with self.loss_context():
-            out = super().backward(closure_loss, optimizer, *args, **kwargs)
+        if self._plan is not None and self._plan.pipeline is not None:
+            out = closure_loss  # forward and backward already ran inside the pipeline schedule
+        else:
+            with self.loss_context():
+                out = super().backward(closure_loss, optimizer, *args, **kwargs)
         if not _compat.should_accumulate(self.lightning_module.trainer):
             self._reduce_tp_partial_grads()
+            if self._plan is not None and self._plan.pipeline is not None:
+                from lightning_4d.pipeline_glue import sync_tied
+
+                sync_tied(self)
         return out
 
     def _reduce_tp_partial_grads(self) -> None:
@@ -263,6 +271,7 @@ class FourDStrategy(ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._grads_stale = True
         if self._plan is not None and self._plan.bias_update:
             from lightning_4d.expert_parallel import update_expert_bias
 
@@ -277,19 +286,40 @@ class FourDStrategy(ParallelStrategy):
         """
         from lightning_4d.loss import weighted_global_loss
 
+        if self._plan is not None and self._plan.pipeline is not None:
+            from lightning_4d.pipeline_glue import pipeline_eval, pipeline_train_loss
+
+            if stage == "train" and module.training and torch.is_grad_enabled():
+                return pipeline_train_loss(self, module, inputs, targets)
+            return pipeline_eval(self, module, inputs, targets)
         with self.loss_context():
             outputs = module(inputs)
             local = module.loss_fn(outputs, targets)
         n_local = module.count_targets(targets)
         dims = self.dims
-        group = self.mesh["dp"].get_group() if dims.dp > 1 else None
+        # Always the dp group (size 1 when dp == 1: no reduction). Never None: torch.distributed reads
+        # None as the *world*, which would count the targets once per tp/pp peer and scale the backward
+        # loss by 1/(tp·pp) while the logged value stays right (it broke the task-loss : MoE aux-loss
+        # gradient ratio under tp=2 with dp=1).
+        group = self.mesh["dp"].get_group()
         return weighted_global_loss(local, n_local.to(local.device), group, dims.dp)
 
     def predict(self, module: Any, inputs: Any) -> Any:
         """Full (unsharded) model outputs on every rank."""
         from lightning_4d.distributed import to_full
 
+        if self._plan is not None and self._plan.pipeline is not None:
+            from lightning_4d.pipeline_glue import pipeline_eval
+
+            return pipeline_eval(self, module, inputs, None)
         return to_full(module(inputs))
+
+    def zero_grad_if_needed(self) -> None:
+        """Zero gradients before the first micro-step of an accumulation window (pipeline mode)."""
+        if self._grads_stale:
+            for optimizer in self.optimizers:
+                optimizer.zero_grad(set_to_none=True)
+            self._grads_stale = False
 
     def loss_context(self) -> Any:
         """Context for computing the loss and its backward (``loss_parallel`` under TP)."""
@@ -308,12 +338,21 @@ class FourDStrategy(ParallelStrategy):
         """
         params = [p for p in parameters if p.grad is not None]
         pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
-        total = global_grad_norm(params, norm_type, pp_group)
+        total = global_grad_norm([p for p in params if id(p) not in self._tied_copies()], norm_type, pp_group)
         coef = float(max_norm) / (float(total) + 1e-6)
         if coef < 1.0:
             for p in params:  # per tensor: grads may be plain tensors and DTensors on several meshes
                 p.grad.mul_(coef)
         return total
+
+    def _tied_copies(self) -> set[int]:
+        """Parameters that are the last stage's copy of a weight tied to the first stage (counted once)."""
+        runner = self._plan.pipeline if self._plan is not None else None
+        tied = self._plan.pipeline_tied if self._plan is not None else []
+        if runner is None or not tied or runner.first_rank == runner.last_rank or not runner.has_last:
+            return set()
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        return {id(params[post]) for _, post in tied if post in params}
 
     # ------------------------------------------------------------------ collectives
     @override

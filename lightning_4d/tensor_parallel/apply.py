@@ -12,14 +12,14 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from torch import nn
 
 from lightning_4d.tensor_parallel.plan import block_plan, model_plan
 from lightning_4d.tensor_parallel.rng import ShardedRNG, install_sharded_rng, sharded_dropout_modules
 
-__all__ = ["TPLayout", "apply_tensor_parallel", "tp_styles"]
+__all__ = ["TPLayout", "apply_tensor_parallel", "plan_tensor_parallel", "tp_styles"]
 
 
 def _tied_groups(root: nn.Module) -> list[list[str]]:
@@ -135,12 +135,38 @@ def tp_styles(root: nn.Module, blocks: list[tuple[str, nn.Module]], blocks_path:
     return layout
 
 
-def apply_tensor_parallel(module: nn.Module, mesh: Any, plan: Any) -> None:
+def plan_tensor_parallel(module: nn.Module, mesh: Any, blocks_path: str) -> TPLayout:
+    """Plan TP/SP for the full model (pure; validates divisibility before anything changes).
+
+    Example:
+        >>> layout = plan_tensor_parallel(lm, mesh, "model.layers")  # doctest: +SKIP
+    """
+    dims = mesh.dims
+    hook = getattr(module, "fourd_tp_plan", None)
+    if callable(hook):
+        return TPLayout(styles=dict(hook(mesh["tp"], dims.sp)),
+                        loss_parallel=bool(getattr(module, "fourd_loss_parallel", False)))
+    container = module.get_submodule(blocks_path)
+    blocks = [(f"{blocks_path}.{name}", child) for name, child in container.named_children()]
+    return tp_styles(module, blocks, blocks_path, dims.tp, dims.sp)
+
+
+def _present(root: nn.Module, name: str) -> bool:
+    node: Any = root
+    for part in name.split("."):
+        node = getattr(node, "_modules", {}).get(part)
+        if node is None:
+            return False
+    return True
+
+
+def apply_tensor_parallel(module: nn.Module, mesh: Any, plan: Any, layout: Optional[TPLayout] = None) -> None:
     """Rewrite ``module`` in place for the ``tp`` axis of ``mesh``; records into ``plan``.
 
-    A ``fourd_tp_plan(self, tp_mesh, sequence_parallel)`` method on the module replaces the automatic
-    plan: it returns ``{fqn: ParallelStyle}`` (and sets ``self.fourd_loss_parallel`` if the output is
-    vocab-sharded).
+    ``layout`` (from :func:`plan_tensor_parallel` on the full model) may name modules that a pipeline
+    split removed from this rank: those entries are skipped. A ``fourd_tp_plan(self, tp_mesh,
+    sequence_parallel)`` method on the module replaces the automatic plan: it returns
+    ``{fqn: ParallelStyle}`` (and sets ``self.fourd_loss_parallel`` if the output is vocab-sharded).
 
     Example:
         >>> apply_tensor_parallel(lm, mesh, ParallelPlan(blocks_path="model.layers"))  # doctest: +SKIP
@@ -149,26 +175,20 @@ def apply_tensor_parallel(module: nn.Module, mesh: Any, plan: Any) -> None:
 
     dims = mesh.dims
     tp_mesh = mesh["tp"]
+    layout = layout if layout is not None else plan_tensor_parallel(module, mesh, plan.blocks_path)
     groups = _tied_groups(module)
-    hook = getattr(module, "fourd_tp_plan", None)
-    if callable(hook):
-        styles = hook(tp_mesh, dims.sp)
-        parallelize_module(module, tp_mesh, styles)
-        plan.loss_parallel = bool(getattr(module, "fourd_loss_parallel", False))
-        plan.tp_modules = sorted(styles)
-        _retie(module, groups)
-        return
-    container = module.get_submodule(plan.blocks_path)
-    blocks = [(f"{plan.blocks_path}.{name}", child) for name, child in container.named_children()]
-    layout = tp_styles(module, blocks, plan.blocks_path, dims.tp, dims.sp)
-    parallelize_module(module, tp_mesh, layout.styles)
+    styles = {name: style for name, style in layout.styles.items() if _present(module, name)}
+    parallelize_module(module, tp_mesh, styles)
     for region, attrs in layout.heads.items():
+        if not _present(module, region):
+            continue
         target = module.get_submodule(region)
         for attr, value in attrs.items():
             setattr(target, attr, value // dims.tp)
     _retie(module, groups)
     # Dropout on sharded activations draws per-rank masks; replicated activations keep the shared stream.
+    blocks = [(name, module.get_submodule(name)) for name in layout.regions if _present(module, name)]
     tracker = ShardedRNG(tp_mesh.get_local_rank())
     install_sharded_rng(module, sharded_dropout_modules(blocks, layout.regions, dims.sp), tracker)
     plan.loss_parallel = layout.loss_parallel
-    plan.tp_modules = sorted(layout.styles)
+    plan.tp_modules = sorted(styles)

@@ -1,0 +1,61 @@
+"""Pipeline parallelism building blocks over ``torch.distributed.pipelining`` (usable without Lightning).
+
+- :mod:`~lightning_4d.pipeline.partition`: stage partitioning and stage ↔ rank placement (pure).
+- :mod:`~lightning_4d.pipeline.schedules`: schedule registry, micro-batch rules, bubble theory (pure).
+- :mod:`~lightning_4d.pipeline.bubble`: bubble share of torch's own action lists under unit costs (pure).
+- :mod:`~lightning_4d.pipeline.stages`: split a model into stage modules keeping parameter names.
+- :mod:`~lightning_4d.pipeline.checks`: single-process check that the forward is a plain chain.
+- :mod:`~lightning_4d.pipeline.tied`: first/last-stage tied weights (gradient sum).
+- :mod:`~lightning_4d.pipeline.runner`: :class:`PipelineRunner` (train / eval steps, loss broadcast).
+- :mod:`~lightning_4d.pipeline.instrument`: timing of the real schedule step, measured bubble.
+"""
+
+from lightning_4d.pipeline.bubble import bubble_from_actions, schedule_actions, simulate_actions
+from lightning_4d.pipeline.checks import check_sequential
+from lightning_4d.pipeline.instrument import PipelineEvent, PipelineInstrument, bubble_share
+from lightning_4d.pipeline.partition import partition_blocks, stage_ids_for_rank, stage_to_rank
+from lightning_4d.pipeline.runner import EvalOutput, PipelineRunner
+from lightning_4d.pipeline.schedules import (
+    SCHEDULES,
+    ScheduleInfo,
+    bubble_theory,
+    default_microbatches,
+    get_schedule_info,
+    validate_microbatches,
+)
+from lightning_4d.pipeline.stages import (
+    PipelineParts,
+    PipelineSplit,
+    StageModule,
+    build_pipeline_stages,
+    find_pipeline_split,
+)
+from lightning_4d.pipeline.tied import find_tied_parameters, sync_tied_grads
+
+__all__ = [
+    "SCHEDULES",
+    "EvalOutput",
+    "PipelineEvent",
+    "PipelineInstrument",
+    "PipelineParts",
+    "PipelineRunner",
+    "PipelineSplit",
+    "ScheduleInfo",
+    "StageModule",
+    "bubble_from_actions",
+    "bubble_share",
+    "bubble_theory",
+    "build_pipeline_stages",
+    "check_sequential",
+    "default_microbatches",
+    "find_pipeline_split",
+    "find_tied_parameters",
+    "get_schedule_info",
+    "partition_blocks",
+    "schedule_actions",
+    "simulate_actions",
+    "stage_ids_for_rank",
+    "stage_to_rank",
+    "sync_tied_grads",
+    "validate_microbatches",
+]

@@ -1,0 +1,132 @@
+"""Single-process check that a model's forward is the composition pipeline stages will run.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> class Net(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+    ...     def forward(self, x):
+    ...         for layer in self.layers:
+    ...             x = layer(x)
+    ...         return x
+    >>> check_sequential(Net(), torch.ones(1, 2))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from lightning_4d.pipeline.stages import HOOK_HINT, PipelineSplit, StageModule, _get, find_pipeline_split
+
+__all__ = ["check_sequential"]
+
+
+def _diff(a: Any, b: Any) -> float:
+    ta = [t for t in torch.utils._pytree.tree_leaves(a) if isinstance(t, torch.Tensor)]  # noqa: SLF001
+    tb = [t for t in torch.utils._pytree.tree_leaves(b) if isinstance(t, torch.Tensor)]  # noqa: SLF001
+    if len(ta) != len(tb) or any(x.shape != y.shape for x, y in zip(ta, tb)):
+        return float("inf")
+    return max((float((x.float() - y.float()).abs().max()) for x, y in zip(ta, tb) if x.numel()), default=0.0)
+
+
+def check_sequential(
+    model: nn.Module,
+    sample_input: Any,
+    *,
+    split: Optional[PipelineSplit] = None,
+    blocks_path: Optional[str] = None,
+    pre_fn: Optional[Callable[..., Any]] = None,
+    post_fn: Optional[Callable[[Any], Any]] = None,
+    atol: float = 1e-5,
+    rtol: float = 1e-4,
+) -> None:
+    """Check, before splitting and in one process, that the stage composition equals ``model(sample_input)``.
+
+    Runs pre-modules (or ``pre_fn``) → every block → post-modules (or ``post_fn``) on a tiny input in
+    eval mode without grad, and compares against the model's forward. The first block's input and
+    the last block's output are captured from the real forward to tell which side differs.
+
+    Raises:
+        ValueError: naming the model class, the side that differs and the hook to implement.
+
+    Example:
+        >>> class Net(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.emb = nn.Embedding(5, 2)
+        ...         self.layers = nn.ModuleList([nn.Linear(2, 2)])
+        ...     def forward(self, x):
+        ...         return self.layers[0](self.emb(x) * 2)
+        >>> check_sequential(Net(), torch.zeros(1, 3, dtype=torch.long))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: Net: its forward is not the plain composition ... (pre)). ... `pipeline_pre_blocks(self, inputs)`...
+    """
+    cls = type(model).__name__
+    split = split or find_pipeline_split(model, blocks_path)
+    whole = StageModule(model, split, 0, 1, split.block_keys, pre_fn, post_fn)
+    container = _get(model, split.blocks_path)
+    assert container is not None
+    first, last = container._modules[split.block_keys[0]], container._modules[split.block_keys[-1]]  # noqa: SLF001
+    seen: dict[str, Any] = {}
+    hooks = [first.register_forward_pre_hook(lambda m, a: seen.setdefault("in", a)),
+             last.register_forward_hook(lambda m, a, out: seen.__setitem__("out", out))]
+    args = sample_input if isinstance(sample_input, tuple) else (sample_input,)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            expected = model(*args)
+            for h in hooks:
+                h.remove()
+            hooks = []
+            chain = " → ".join(split.pre + (split.blocks_path + "[*]",) + split.post)
+            try:
+                got = whole(*args)
+            except Exception as err:  # noqa: BLE001 - reported with the hint
+                raise ValueError(
+                    f"{cls}: running its modules in order ({chain}) failed with {type(err).__name__}: {err}. "
+                    f"Pipeline stages run that composition, so its forward must "
+                    f"be a plain chain; otherwise {HOOK_HINT}."
+                ) from err
+            err = _diff(got, expected)
+            scale = max((float(t.abs().max()) for t in torch.utils._pytree.tree_leaves(expected)  # noqa: SLF001
+                         if isinstance(t, torch.Tensor) and t.numel()), default=0.0)
+            if err > atol + rtol * scale:
+                side = "the modules after the blocks (post) or the blocks themselves"
+                if "in" in seen:
+                    pre_out = whole.pre_fn(*args) if whole.pre_fn else _chain(model, split.pre, args)
+                    block_in = seen["in"][0] if len(seen["in"]) == 1 else seen["in"]
+                    if _diff(pre_out, block_in) > atol + rtol * scale:
+                        side = "the modules before the blocks (pre)"
+                    elif "out" in seen:
+                        last_out = seen["out"]
+                        post_out = whole.post_fn(last_out) if whole.post_fn else _chain(model, split.post, (last_out,))
+                        if _diff(post_out, expected) > atol + rtol * scale:
+                            side = "the modules after the blocks (post)"
+                        else:
+                            side = "the blocks (they are not called in order on one tensor)"
+                raise ValueError(
+                    f"{cls}: its forward is not the plain composition {list(split.pre)} → {split.blocks_path}[*] → "
+                    f"{list(split.post)} (max abs difference {err:.3g}, in {side}). Pipeline stages run that "
+                    f"composition, so {HOOK_HINT}."
+                )
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(was_training)
+
+
+def _chain(model: nn.Module, paths: Sequence[str], args: tuple) -> Any:
+    h: Any = args if len(args) != 1 else args[0]
+    for path in paths:
+        mod = _get(model, path)
+        if mod is not None:
+            h = mod(*h) if isinstance(h, tuple) else mod(h)
+    return h

@@ -1,0 +1,242 @@
+"""Timing of the real pipeline schedule step: compute actions and p2p waits, measured bubble.
+
+:class:`PipelineInstrument` wraps, on this rank's ``PipelineStage`` objects, the three methods every
+torch schedule calls for compute — ``forward_one_chunk`` (F), ``backward_one_chunk`` (B, or I when
+called with ``full_backward=False``) and ``backward_weight_one_chunk`` (W) — and, while a step
+runs, the function through which every torch schedule waits on its send/receive work
+(``torch.distributed.pipelining.schedules._wait_batch_p2p``; the one private patch, isolated in
+:func:`_patch_p2p_wait`). Each becomes a :class:`PipelineEvent` ``(step, rank, stage, kind,
+microbatch, t0, t1)``; the whole ``schedule.step`` is recorded as kind ``"step"``.
+
+:func:`bubble_share` turns events (gathered from all pp ranks) into ``1 − busy / makespan`` per
+rank or per stage, averaged over steps. Timestamps use ``time.perf_counter`` (``CLOCK_MONOTONIC``,
+shared by processes of one host); across hosts use ``makespan="rank"`` (each rank's own step span).
+
+Example:
+    >>> inst = PipelineInstrument.attach_to(runner)  # doctest: +SKIP
+    >>> runner.train_step(x, y)  # doctest: +SKIP
+    >>> bubble_share(inst.gather(runner.group), by="rank")  # doctest: +SKIP
+    {0: 0.27, 1: 0.27, 2: 0.27, 3: 0.28}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Optional
+
+__all__ = ["PipelineEvent", "PipelineInstrument", "bubble_share", "COMPUTE_KINDS"]
+
+COMPUTE_KINDS = frozenset({"F", "B", "I", "W"})
+
+
+@dataclass(frozen=True)
+class PipelineEvent:
+    """One timed interval on one rank: ``kind`` in ``F B I W`` (compute), ``wait`` (p2p) or ``step``.
+
+    Example:
+        >>> PipelineEvent(0, 1, 2, "F", 0, 0.0, 0.5).duration
+        0.5
+    """
+
+    step: int
+    rank: int
+    stage: Optional[int]
+    kind: str
+    microbatch: Optional[int]
+    t0: float
+    t1: float
+
+    @property
+    def duration(self) -> float:
+        """``t1 − t0`` in seconds."""
+        return self.t1 - self.t0
+
+
+@contextlib.contextmanager
+def _patch_p2p_wait(on_wait: Callable[[float, float], None]) -> Iterator[None]:
+    """TORCH-INTERNALS (move to ``_compat.py``): time every p2p wait of torch's schedules.
+
+    All torch schedules (single-stage loops and the multi-stage runtime) block on send/receive work
+    only through the module-level ``_wait_batch_p2p(works)`` of ``torch.distributed.pipelining.schedules``,
+    which they look up at call time; it is replaced for the duration of the block.
+    """
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    original = getattr(torch_schedules, "_wait_batch_p2p", None)
+    if original is None:  # a torch without this hook point: compute is still timed
+        yield
+        return
+
+    @functools.wraps(original)
+    def timed_wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+        if not work:
+            return original(work, *args, **kwargs)
+        t0 = time.perf_counter()
+        try:
+            return original(work, *args, **kwargs)
+        finally:
+            on_wait(t0, time.perf_counter())
+
+    torch_schedules._wait_batch_p2p = timed_wait  # noqa: SLF001
+    try:
+        yield
+    finally:
+        torch_schedules._wait_batch_p2p = original  # noqa: SLF001
+
+
+class PipelineInstrument:
+    """Records :class:`PipelineEvent` objects for this rank's stages while the schedule steps.
+
+    Args:
+        stages: this rank's ``torch.distributed.pipelining.PipelineStage`` objects.
+        schedule: the torch schedule driving them; its ``step`` (also used by ``eval``) is wrapped.
+
+    Use :meth:`attach_to` for a :class:`~lightning_4d.pipeline.runner.PipelineRunner`; :meth:`detach`
+    restores the original methods. Events accumulate in :attr:`events` until :meth:`clear`.
+
+    Example:
+        >>> inst = PipelineInstrument(runner.stages, runner.schedule)  # doctest: +SKIP
+    """
+
+    def __init__(self, stages: Sequence[Any], schedule: Any) -> None:
+        self.stages = list(stages)
+        self.schedule = schedule
+        self.events: list[PipelineEvent] = []
+        self.step_index = 0
+        self.rank = int(self.stages[0].group_rank) if self.stages else 0
+        self._patched: list[tuple[Any, str]] = []
+        self._attach()
+
+    @classmethod
+    def attach_to(cls, runner: Any) -> "PipelineInstrument":
+        """Instrument a :class:`~lightning_4d.pipeline.runner.PipelineRunner` (its ``stages`` and ``schedule``)."""
+        return cls(runner.stages, runner.schedule)
+
+    def _record(self, stage: Optional[int], kind: str, mb: Optional[int], t0: float, t1: float) -> None:
+        self.events.append(PipelineEvent(self.step_index, self.rank, stage, kind, mb, t0, t1))
+
+    def _wrap(self, obj: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        original = getattr(obj, name)
+        setattr(obj, name, make(original))
+        self._patched.append((obj, name))
+
+    def _attach(self) -> None:
+        for stage in self.stages:
+            index = int(stage.stage_index)
+
+            def fwd(orig: Callable[..., Any], index: int = index) -> Callable[..., Any]:
+                def run(chunk: int, *args: Any, **kwargs: Any) -> Any:
+                    t0 = time.perf_counter()
+                    try:
+                        return orig(chunk, *args, **kwargs)
+                    finally:
+                        self._record(index, "F", chunk, t0, time.perf_counter())
+                return run
+
+            def bwd(orig: Callable[..., Any], index: int = index, stage: Any = stage) -> Callable[..., Any]:
+                def run(chunk: int, *args: Any, **kwargs: Any) -> Any:
+                    if not stage.has_backward:
+                        return orig(chunk, *args, **kwargs)
+                    kind = "B" if kwargs.get("full_backward", args[1] if len(args) > 1 else True) else "I"
+                    t0 = time.perf_counter()
+                    try:
+                        return orig(chunk, *args, **kwargs)
+                    finally:
+                        self._record(index, kind, chunk, t0, time.perf_counter())
+                return run
+
+            def wgt(orig: Callable[..., Any], index: int = index, stage: Any = stage) -> Callable[..., Any]:
+                def run(chunk: int, *args: Any, **kwargs: Any) -> Any:
+                    if not stage.has_backward:
+                        return orig(chunk, *args, **kwargs)
+                    t0 = time.perf_counter()
+                    try:
+                        return orig(chunk, *args, **kwargs)
+                    finally:
+                        self._record(index, "W", chunk, t0, time.perf_counter())
+                return run
+
+            self._wrap(stage, "forward_one_chunk", fwd)
+            self._wrap(stage, "backward_one_chunk", bwd)
+            self._wrap(stage, "backward_weight_one_chunk", wgt)
+
+        def step(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def run(*args: Any, **kwargs: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    with _patch_p2p_wait(lambda a, b: self._record(None, "wait", None, a, b)):
+                        return orig(*args, **kwargs)
+                finally:
+                    self._record(None, "step", None, t0, time.perf_counter())
+                    self.step_index += 1
+            return run
+
+        self._wrap(self.schedule, "step", step)
+
+    def detach(self) -> None:
+        """Remove the wrappers (instance attributes), restoring torch's methods."""
+        for obj, name in reversed(self._patched):
+            with contextlib.suppress(AttributeError):
+                delattr(obj, name)
+        self._patched.clear()
+
+    def clear(self) -> None:
+        """Forget recorded events (step numbering continues)."""
+        self.events.clear()
+
+    def gather(self, group: Any = None) -> list[PipelineEvent]:
+        """All pp ranks' events (``all_gather_object`` over ``group``); every rank gets the full list.
+
+        Example:
+            >>> events = inst.gather(runner.group)  # doctest: +SKIP
+        """
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return list(self.events)
+        out: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, list(self.events), group=group)
+        return [e for rank_events in out for e in rank_events]
+
+
+def bubble_share(
+    events: Sequence[PipelineEvent],
+    by: Literal["rank", "stage"] = "rank",
+    makespan: Literal["global", "rank"] = "global",
+    skip_steps: int = 0,
+) -> dict[int, float]:
+    """Idle share ``1 − busy / makespan`` per rank (or stage), averaged over the recorded steps.
+
+    ``busy`` sums the F/B/I/W intervals; ``makespan`` is the span of the step over all ranks
+    (``"global"``, same host) or the rank's own step interval (``"rank"``). ``skip_steps`` drops
+    the first steps (e.g. the one that ran torch's shape inference).
+
+    Example:
+        >>> ev = [PipelineEvent(0, 0, 0, "step", None, 0.0, 4.0), PipelineEvent(0, 0, 0, "F", 0, 0.0, 3.0)]
+        >>> bubble_share(ev)
+        {0: 0.25}
+    """
+    steps = sorted({e.step for e in events if e.kind == "step" and e.step >= skip_steps})
+    if not steps:
+        raise ValueError("no recorded 'step' events: run a schedule step with the instrument attached.")
+    shares: dict[int, list[float]] = defaultdict(list)
+    for step in steps:
+        spans = [e for e in events if e.step == step and e.kind == "step"]
+        global_span = max(e.t1 for e in spans) - min(e.t0 for e in spans)
+        rank_span = {e.rank: e.duration for e in spans}
+        busy: dict[int, float] = defaultdict(float)
+        owner: dict[int, int] = {}
+        for e in events:
+            if e.step == step and e.kind in COMPUTE_KINDS:
+                key = e.rank if by == "rank" else int(e.stage)  # type: ignore[arg-type]
+                busy[key] += e.duration
+                owner[key] = e.rank
+        for key, value in busy.items():
+            span = global_span if makespan == "global" else rank_span[owner[key]]
+            shares[key].append(1.0 - value / span if span > 0 else 0.0)
+    return {k: sum(v) / len(v) for k, v in sorted(shares.items())}

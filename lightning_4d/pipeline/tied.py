@@ -1,0 +1,131 @@
+"""Weights tied between the first and the last pipeline stage (GPT-2: embedding = output head).
+
+Before splitting, one ``Parameter`` object is used by a pre-module (stage 0) and a post-module
+(last stage). After :func:`~lightning_4d.pipeline.stages.build_pipeline_stages` each owning rank
+keeps its own copy (same initial values, since every rank builds the same full model); each copy
+only receives the gradient of its own use. :func:`sync_tied_grads` sums the two gradients between
+the two owning ranks after backward, so both copies take the identical optimizer step and stay
+tied. With the ``"v"`` placement (ZBV, DualPipeV) stage 0 and the last stage share rank 0, the
+tie is intact and nothing needs to be done.
+
+Example:
+    >>> from torch import nn
+    >>> net = nn.Sequential(); net.add_module("emb", nn.Embedding(5, 2))
+    >>> net.add_module("layers", nn.ModuleList([nn.Linear(2, 2)])); net.add_module("head", nn.Linear(2, 5))
+    >>> net.head.weight = net.emb.weight
+    >>> from lightning_4d.pipeline.stages import find_pipeline_split
+    >>> find_tied_parameters(net, find_pipeline_split(net))
+    [('emb.weight', 'head.weight')]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from torch import nn
+
+from lightning_4d.pipeline.stages import PipelineSplit, _get
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+__all__ = ["find_tied_parameters", "sync_tied_grads"]
+
+
+def find_tied_parameters(root: nn.Module, split: PipelineSplit) -> list[tuple[str, str]]:
+    """Pairs ``(pre_name, post_name)`` of one ``Parameter`` object used by a pre- and a post-module.
+
+    Raises ``ValueError`` if a block shares a parameter with anything else (unsupported).
+
+    Example:
+        >>> net = nn.Sequential(); net.add_module("emb", nn.Embedding(5, 2))
+        >>> net.add_module("layers", nn.ModuleList([nn.Linear(2, 2)])); net.add_module("head", nn.Linear(2, 5))
+        >>> net.head.weight = net.emb.weight
+        >>> from lightning_4d.pipeline.stages import find_pipeline_split
+        >>> find_tied_parameters(net, find_pipeline_split(net))
+        [('emb.weight', 'head.weight')]
+    """
+    def params(paths: Sequence[str]) -> dict[int, str]:
+        out: dict[int, str] = {}
+        for path in paths:
+            mod = _get(root, path)
+            if mod is not None:
+                for n, p in mod.named_parameters(remove_duplicate=False):
+                    out.setdefault(id(p), f"{path}.{n}")
+        return out
+
+    pre, post = params(split.pre), params(split.post)
+    seen_block: dict[int, str] = {}
+    for key in split.block_keys:
+        for pid, name in params([f"{split.blocks_path}.{key}"]).items():
+            other = pre.get(pid) or post.get(pid) or seen_block.get(pid)
+            if other is not None:
+                raise ValueError(
+                    f"{type(root).__name__}: parameter {name} is shared with {other}; weights tied to a block "
+                    f"cannot be split across pipeline stages. Untie them or use pp=1."
+                )
+            seen_block[pid] = name
+    return [(pre[pid], post[pid]) for pid in pre if pid in post]
+
+
+
+def sync_tied_grads(
+    model: nn.Module,
+    tied: Sequence[tuple[str, str]],
+    pp_group: Optional["dist.ProcessGroup"],
+    first_rank: int,
+    last_rank: int,
+) -> None:
+    """Sum the gradients of tied first/last-stage parameters between their two owning pp ranks.
+
+    Call after the pipeline backward (every pp rank may call it; ranks that own neither copy return
+    at once). ``first_rank`` / ``last_rank`` are the pp-group ranks holding stage 0 and the last
+    stage; if they are equal the tie is local and nothing happens. A missing gradient counts as zero.
+
+    Args:
+        model: the pruned model (names as in ``tied``).
+        tied: ``(pre_name, post_name)`` pairs from :func:`find_tied_parameters`.
+        pp_group: the pipeline process group.
+        first_rank / last_rank: group ranks of the stage-0 and last-stage owners.
+
+    Example:
+        >>> sync_tied_grads(model, parts.tied, pp_group, 0, 3)  # doctest: +SKIP
+    """
+    import torch.distributed as dist
+
+    if not tied or first_rank == last_rank:
+        return
+    me = dist.get_rank(pp_group)
+    if me not in (first_rank, last_rank):
+        return
+    names = [pre if me == first_rank else post for pre, post in tied]
+    params = dict(model.named_parameters(remove_duplicate=False))
+    missing = [n for n in names if n not in params]
+    if missing:
+        raise ValueError(f"tied parameter(s) {missing} are not on pp rank {me}; was the model pruned for this rank?")
+    plist = [params[n] for n in names]
+    for p in plist:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        elif hasattr(p.grad, "placements") and p.grad.placements != p.placements:
+            # e.g. a vocab-parallel embedding's gradient comes back replicated: lay it out like the weight
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+    # Local shards (DTensor under TP / FSDP): both copies are laid out identically on their meshes.
+    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in plist]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    other = torch.empty_like(flat)
+    peer = last_rank if me == first_rank else first_rank
+    ops = [dist.P2POp(dist.isend, flat, group=pp_group, group_peer=peer),
+           dist.P2POp(dist.irecv, other, group=pp_group, group_peer=peer)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    # Same operands on both ranks (a + b == b + a in IEEE), so both copies get identical gradients.
+    total = flat + other
+    offset = 0
+    for g in grads:
+        n = g.numel()
+        with torch.no_grad():
+            g.copy_(total[offset:offset + n].view_as(g))
+        offset += n

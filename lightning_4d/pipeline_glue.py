@@ -1,0 +1,150 @@
+"""Pipeline parallelism inside Lightning's loop: split, schedule, and the step functions.
+
+With ``pp > 1`` the forward and backward of every micro-batch run inside the torch schedule during
+``training_step``. Lightning's own ``backward`` is skipped by the strategy and its ``zero_grad``
+(which Lightning runs *after* ``training_step``) by the mixin; gradients are zeroed here before the
+first micro-step of each accumulation window instead.
+
+Loss weighting: each rank counts its valid targets ``n_r``; ``N = Σ_dp n_r``. Every micro-batch
+contributes ``mean_i · n_i / N`` scaled by ``dp / accumulate_grad_batches`` to the gradients (data
+parallelism averages over ``dp``), so the gradient is that of the global-batch token mean; the value
+returned and logged is ``Σ_dp Σ_i mean_i · n_i / N`` on every rank.
+
+Example:
+    >>> loss = pipeline_train_loss(strategy, module, inputs, targets)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_4d.distributed import all_reduce_sum, to_full
+
+__all__ = ["check_pipeline_model", "split_pipeline", "build_runner", "pipeline_train_loss", "pipeline_eval",
+           "example_input", "sync_tied"]
+
+
+def _user_hook(module: nn.Module, name: str) -> Any:
+    fn = getattr(module, name, None)
+    return fn if callable(fn) else None
+
+
+def example_input(module: nn.Module, split: Any) -> Any:
+    """A tiny input for the sequential check: ``example_input_array``, or tokens for the first embedding.
+
+    Example:
+        >>> example_input(lm, split).shape  # doctest: +SKIP
+        torch.Size([2, 8])
+    """
+    sample = getattr(module, "example_input_array", None)
+    if sample is not None:
+        return sample
+    for path in split.pre:
+        sub = module.get_submodule(path)
+        for m in sub.modules():
+            if isinstance(m, nn.Embedding):
+                device = m.weight.device
+                return torch.randint(0, m.num_embeddings, (2, 8), generator=torch.Generator().manual_seed(0)).to(device)
+    raise ValueError(
+        f"Cannot build an example input for {type(module).__name__} to check that its forward is the sequential "
+        f"composition the pipeline stages assume. Set `self.example_input_array` on the module."
+    )
+
+
+def check_pipeline_model(module: nn.Module, blocks_path: str) -> Any:
+    """Find the split and check on a tiny input that pre → blocks → post equals ``module(inputs)``.
+
+    Runs on the full (unsharded) model on every rank before any collective; a mismatch raises a
+    ``ValueError`` naming the hooks ``pipeline_pre_blocks`` / ``pipeline_post_blocks`` /
+    ``configure_pipeline_split``.
+    """
+    from lightning_4d.pipeline import check_sequential, find_pipeline_split
+
+    hook = _user_hook(module, "configure_pipeline_split")
+    split = hook() if hook else find_pipeline_split(module, blocks_path)
+    if isinstance(split, str):
+        split = find_pipeline_split(module, split)
+    with torch.no_grad():
+        was_training = module.training
+        module.eval()  # dropout off for the comparison
+        try:
+            check_sequential(module, example_input(module, split), split=split,
+                             pre_fn=_user_hook(module, "pipeline_pre_blocks"),
+                             post_fn=_user_hook(module, "pipeline_post_blocks"))
+        finally:
+            module.train(was_training)
+    return split
+
+
+def split_pipeline(module: nn.Module, mesh: Any, config: Any, split: Any) -> Any:
+    """Prune ``module`` in place to this rank's stages (original parameter names kept)."""
+    from lightning_4d.pipeline import build_pipeline_stages, get_schedule_info
+
+    dims = mesh.dims
+    info = get_schedule_info(config.schedule)
+    return build_pipeline_stages(
+        module, mesh.rank("pp"), dims.pp, dims.virtual_stages, info.style, split=split,
+        pre_fn=_user_hook(module, "pipeline_pre_blocks"), post_fn=_user_hook(module, "pipeline_post_blocks"),
+    )
+
+
+def build_runner(module: nn.Module, mesh: Any, config: Any, parts: Any) -> Any:
+    """The torch schedule over this rank's (already TP/DP-wrapped) stage modules."""
+    from lightning_4d.pipeline import PipelineRunner
+
+    ignore = getattr(module, "ignore_index", -100)
+    count = getattr(module, "count_targets", None)
+    return PipelineRunner(
+        parts.modules, mesh["pp"], module.loss_fn, schedule=config.schedule, microbatches=config.microbatches,
+        ignore_index=-100 if ignore is None else ignore,
+        token_count_fn=(lambda t: int(count(t))) if callable(count) else None,
+        model=module,  # tied weights are synchronised by the strategy once per optimizer step
+    )
+
+
+def sync_tied(strategy: Any) -> None:
+    """Sum the gradients of weights tied between the first and last stage (once per optimizer step)."""
+    from lightning_4d.pipeline.tied import sync_tied_grads
+
+    plan = strategy.plan
+    runner = plan.pipeline
+    if plan.pipeline_tied:
+        sync_tied_grads(strategy.model, plan.pipeline_tied, runner.group, runner.first_rank, runner.last_rank)
+
+
+def _dp(strategy: Any) -> tuple[Optional[Any], int]:
+    dims = strategy.dims
+    return (strategy.mesh["dp"].get_group() if dims.dp > 1 else None), dims.dp
+
+
+def _token_total(module: Any, targets: Tensor, group: Optional[Any]) -> float:
+    n = module.count_targets(targets).to(torch.float64).reshape(1).clone()
+    return float(all_reduce_sum(n, group)[0])
+
+
+def pipeline_train_loss(strategy: Any, module: Any, inputs: Any, targets: Tensor) -> Tensor:
+    """Run forward + backward of the local batch through the schedule; return the global loss."""
+    runner = strategy.plan.pipeline
+    group, dp = _dp(strategy)
+    total = _token_total(module, targets, group)
+    accumulate = module.trainer.accumulate_grad_batches
+    strategy.zero_grad_if_needed()
+    with strategy.loss_context():
+        local = runner.train_step(inputs, targets, grad_scale=dp / accumulate, num_tokens=total or 1.0)
+    return all_reduce_sum(local.detach().to(torch.float64).reshape(1).clone(), group)[0].float()
+
+
+def pipeline_eval(strategy: Any, module: Any, inputs: Any, targets: Optional[Tensor]) -> Any:
+    """Forward-only through the schedule: the global loss (with targets) or the full outputs (without)."""
+    runner = strategy.plan.pipeline
+    if targets is None:
+        with strategy.loss_context():
+            return to_full(runner.eval_step(inputs, None).output)
+    group, _ = _dp(strategy)
+    total = _token_total(module, targets, group)
+    with strategy.loss_context():
+        loss = runner.eval_step(inputs, targets, num_tokens=total or 1.0, broadcast_outputs=False).loss
+    return all_reduce_sum(loss.detach().to(torch.float64).reshape(1).clone(), group)[0].float()

@@ -1,0 +1,72 @@
+"""Tiny models and data shared by the pipeline tests (module-level so forkserver ranks import them; no tests)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, DIM, SEQ, BATCH, LAYERS = 16, 8, 4, 8, 8
+
+
+class Block(nn.Module):
+    """Pre-norm residual MLP block ``x + fc2(gelu(fc1(norm(x))))``, shape-preserving ``(B, T, D)``."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 2 * dim)
+        self.fc2 = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    """Embedding → blocks → norm → head; optionally ties head and embedding (GPT-2 style)."""
+
+    def __init__(self, layers: int = LAYERS, tie: bool = False) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(Block(DIM) for _ in range(layers))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        if tie:
+            self.head.weight = self.tok.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok(tokens)  # (B, T, D)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(self.norm(h))  # (B, T, V)
+
+
+class ScaledEmbedLM(TinyLM):
+    """Forward is not a plain chain: the embedding output is scaled (needs a pre-blocks hook)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok(tokens) * 2.0
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(self.norm(h))
+
+
+def build(seed: int = 0, tie: bool = False) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM(tie=tie)
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the valid (``!= -100``) tokens of a (micro-)batch."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+
+def batch(step: int, size: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and targets; the number of ignored targets differs per sample, rows 2-3 are all ignored."""
+    gen = torch.Generator().manual_seed(100 + step)
+    x = torch.randint(0, VOCAB, (size, SEQ), generator=gen)
+    y = torch.randint(0, VOCAB, (size, SEQ), generator=gen)
+    for row in range(size):
+        y[row, : row % SEQ] = -100
+    y[2:4] = -100
+    return x, y
