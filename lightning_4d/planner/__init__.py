@@ -1,0 +1,37 @@
+"""Dry-run planner: parameter counts, memory per rank, bytes per collective and mesh axis, pipeline
+bubble, step time / MFU, and a layout search — pure functions, no process group.
+
+The layers of the planner:
+
+- :mod:`.spec` — :class:`TransformerSpec` (from the package's model configs) and :class:`TrainSpec`;
+- :mod:`.hardware` — devices, clusters, which mesh axes cross nodes;
+- :mod:`.memory` — model states, FSDP buffers and activations (Korthikanti et al. 2022) per pp rank;
+- :mod:`.comm` — bytes per collective kind and axis per step;
+- :mod:`.bubble` — closed-form bubble and in-flight micro-batches per schedule;
+- :mod:`.roofline` — step time and MFU;
+- :mod:`.search` — enumerate, filter by memory, rank by time;
+- :mod:`.report` — ``make_plan`` / ``format_table`` / ``write_plan``;
+- :mod:`.fake_world` — one-process dry runs on torch's ``fake`` process group (traced collectives).
+
+Example:
+    >>> from lightning_4d.planner import seed_moe_1t, TrainSpec, ClusterSpec, H200, search
+    >>> best = search(seed_moe_1t(), ClusterSpec(128, 8, H200), TrainSpec(global_batch_size=1024))[0]
+    >>> best.estimate.mfu > 0.1
+    True
+"""
+
+from lightning_4d.planner.bubble import bubble_fraction, in_flight_microbatches
+from lightning_4d.planner.comm import Collective, collective_bytes, comm_per_rank, summarize
+from lightning_4d.planner.hardware import CPU_TOY, H100, H200, ClusterSpec, DeviceSpec, axes_crossing_nodes
+from lightning_4d.planner.memory import RankMemory, memory_per_rank
+from lightning_4d.planner.report import format_table, make_plan, write_plan
+from lightning_4d.planner.roofline import StepEstimate, estimate_step
+from lightning_4d.planner.search import Candidate, NoLayoutFits, search
+from lightning_4d.planner.spec import TrainSpec, TransformerSpec, seed_moe_1t
+
+__all__ = [
+    "CPU_TOY", "H100", "H200", "Candidate", "ClusterSpec", "Collective", "DeviceSpec", "NoLayoutFits",
+    "RankMemory", "StepEstimate", "TrainSpec", "TransformerSpec", "axes_crossing_nodes", "bubble_fraction",
+    "collective_bytes", "comm_per_rank", "estimate_step", "format_table", "in_flight_microbatches", "make_plan",
+    "memory_per_rank", "search", "seed_moe_1t", "summarize", "write_plan",
+]

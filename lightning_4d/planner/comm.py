@@ -1,0 +1,234 @@
+"""Communication per training step: bytes each rank sends, per collective kind and mesh axis.
+
+Bytes a rank sends for one collective over ``n`` ranks on a tensor of ``S`` bytes (the full
+tensor; ring / pairwise algorithms): all-reduce ``2(n − 1)/n·S``; all-gather, reduce-scatter and
+all-to-all ``(n − 1)/n·S``; a pipeline send ``S``.
+
+What is counted per step (``m`` micro-batches of ``b`` sequences of length ``s``, hidden ``h``,
+compute bytes ``c`` = 2 for bf16, activation ``A = b·s·h·c``):
+
+- **tp** (per micro-batch; Megatron, Korthikanti et al. 2022): a dense layer does 2 all-reduces of
+  ``A`` forward and 2 backward (after the row-parallel attention output and MLP output, and for the
+  gradients of the column-parallel inputs); with SP each becomes an all-gather + a reduce-scatter of
+  ``A`` — the same bytes in twice the calls. An MoE layer (experts folded into the dp×tp ranks, tokens
+  routed from the rank's own sequence shard) keeps only the attention's half. The vocab-parallel
+  embedding adds an all-reduce forward (SP: reduce-scatter forward, all-gather backward); the
+  column-parallel head an all-reduce backward (SP: all-gather forward, reduce-scatter backward);
+  loss parallel 3 all-reduces of ``b·s`` fp32 numbers (max, sum of exponentials, target logit);
+  gradients of tp-replicated parameters (norms, router, shared experts) one all-reduce per layer.
+- **pp** (per micro-batch): each stage boundary to another rank carries one activation ``A`` forward
+  (``A / t`` with SP: a rank sends its sequence shard) and its gradient backward.
+- **ep** (per MoE layer and micro-batch): dispatch and combine all-to-alls forward, their reverses
+  backward, each of ``S = N·k·h·c·ι`` with ``N = b·s/t`` tokens (SP) routed to ``k`` experts,
+  **assuming uniform routing** (each rank sends ``(n − 1)/n`` of its assignments away) times the
+  imbalance factor ``ι`` (``TrainSpec.expert_imbalance``); plus one all-to-all of ``E`` int64 counts.
+- **dp / edp** (dense parameters over dp, routed experts over edp): FSDP2 all-gathers the
+  compute-dtype parameters and reduce-scatters fp32 gradients once per step; ``replicate``
+  all-reduces fp32 gradients once. Units as ``lightning_4d.data_parallel`` wraps them: each block
+  (all but the last reshard after forward), each MoE layer's experts (over edp, resharding) and the
+  root (embedding, final norm, head; not resharding). All-gathers per unit: without pipelining a
+  resharding unit gathers twice per micro-step (forward, backward), the others once; with pipelining
+  torch keeps parameters gathered after each backward until the last, so a non-resharding unit
+  gathers once per step and a resharding one (every forward frees it) once per micro-batch backward
+  plus once per warm-up forward (``m + in_flight``, at most ``2m``; GPipe ``m + 1``).
+  ``TrainSpec.reshard_after_forward=False`` makes every unit non-resharding.
+
+Example:
+    >>> collective_bytes("all_reduce", 4, 100.0), collective_bytes("all_gather", 4, 100.0)
+    (150.0, 75.0)
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from lightning_4d.mesh import ParallelDims
+from lightning_4d.planner.memory import local_params, micro_batch_size, resolve_microbatches, stage_layout
+from lightning_4d.planner.spec import TrainSpec, TransformerSpec
+
+__all__ = ["KINDS", "Collective", "collective_bytes", "comm_per_rank", "summarize", "ROUTING_ASSUMPTION"]
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
+ROUTING_ASSUMPTION = "uniform routing: every rank sends (ep-1)/ep of its k·N token copies away, times the imbalance"
+
+
+def collective_bytes(kind: str, n: int, size: float) -> float:
+    """Bytes one rank sends in a collective over ``n`` ranks on a full tensor of ``size`` bytes.
+
+    Example:
+        >>> collective_bytes("all_to_all", 8, 800.0), collective_bytes("send", 2, 10.0)
+        (700.0, 10.0)
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r} is not one of {KINDS}.")
+    if kind == "send":
+        return float(size)
+    if n <= 1:
+        return 0.0
+    return (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n * size
+
+
+@dataclass(frozen=True)
+class Collective:
+    """``calls`` collectives of one kind over one axis in a step; ``size`` is ``S`` of one call and
+    ``bytes_sent`` what the rank sends for all of them."""
+
+    axis: str
+    kind: str
+    what: str
+    calls: int
+    size: float
+    group: int
+
+    @property
+    def bytes_sent(self) -> float:
+        """``calls · collective_bytes(kind, group, size)``."""
+        return self.calls * collective_bytes(self.kind, self.group, self.size)
+
+    def as_dict(self) -> dict:
+        """Plain dict (with ``bytes_sent``)."""
+        return {**asdict(self), "bytes_sent": self.bytes_sent}
+
+
+def _tp(spec: TransformerSpec, dims: ParallelDims, layers: list[int], first: bool, last: bool, m: int,
+        act: float, bs: int, c: int) -> list[Collective]:
+    t = dims.tp
+    if t == 1:
+        return []
+    dense = sum(1 for i in layers if not spec.is_moe_layer(i))
+    moe = len(layers) - dense
+    out = []
+    if dims.sp:
+        pairs = m * (4 * dense + 2 * moe)  # all-gather + reduce-scatter pairs, forward + backward
+        out += [Collective("tp", "all_gather", "SP layer inputs (fwd) / grads (bwd)", pairs, act, t),
+                Collective("tp", "reduce_scatter", "SP layer outputs (fwd) / grads (bwd)", pairs, act, t)]
+        if first:
+            out += [Collective("tp", "reduce_scatter", "vocab-parallel embedding fwd", m, act, t),
+                    Collective("tp", "all_gather", "vocab-parallel embedding bwd", m, act, t)]
+        if last:
+            out += [Collective("tp", "all_gather", "head input fwd", m, act, t),
+                    Collective("tp", "reduce_scatter", "head input grad bwd", m, act, t)]
+    else:
+        out.append(Collective("tp", "all_reduce", "row-parallel outputs (fwd), column-parallel input grads (bwd)",
+                              m * (4 * dense + 2 * moe), act, t))
+        if first:
+            out.append(Collective("tp", "all_reduce", "vocab-parallel embedding fwd", m, act, t))
+        if last:
+            out.append(Collective("tp", "all_reduce", "head input grad bwd", m, act, t))
+    if last:
+        out.append(Collective("tp", "all_reduce", "loss parallel (max, sum exp, target logit)", 3 * m, bs * 4.0, t))
+    repl = 0
+    for i in layers:
+        lp = spec.layer_params(i)
+        repl += lp["norms"] + lp["router"] + lp["shared_experts"]
+    repl += spec.norm_params if last else 0
+    if repl:
+        out.append(Collective("tp", "all_reduce", "grads of tp-replicated params", m * (len(layers) + last),
+                              repl * c / max(1, len(layers) + last), t))
+    return out
+
+
+def _gather_passes(dims: ParallelDims, train: TrainSpec, m: int, pp_rank: int, reshards: bool) -> int:
+    """How many times FSDP all-gathers one unit in a step (module docstring); ``reshards``: the unit is
+    wrapped with ``reshard_after_forward=True``."""
+    from lightning_4d.planner.bubble import in_flight_microbatches
+
+    if dims.pp == 1:
+        return 2 * m if reshards else m
+    if not reshards:
+        return 1
+    if train.schedule == "gpipe":
+        return m + 1
+    warm = in_flight_microbatches(train.schedule, dims.pp, m, pp_rank, dims.virtual_stages)
+    return int(min(2 * m, m + round(warm)))
+
+
+def _data_parallel(dims: ParallelDims, train: TrainSpec, m: int, r: int, lp: dict, c: int) -> list[Collective]:
+    """FSDP2 / replicate collectives of one rank, unit by unit as ``lightning_4d.data_parallel`` wraps them:
+    each block over dp (all but the last reshard after forward), each MoE layer's experts over edp
+    (resharding), the root (embedding, final norm, head) over dp without resharding."""
+    raf = train.reshard_after_forward is not False
+    n = len(lp["layer_dense"])
+    units = [("dp", "root", lp["root"], False)]
+    units += [("dp", "block", d, raf and i < n - 1) for i, d in enumerate(lp["layer_dense"])]
+    units += [("edp", "experts", e, raf) for e in lp["layer_experts"] if e]
+    groups = {"dp": dims.dp, "edp": dims.edp}
+    acc: dict[tuple, list] = {}
+    for axis, what, params, reshards in units:
+        if groups[axis] == 1 or params == 0:
+            continue
+        if train.data_parallel == "fsdp":
+            p = _gather_passes(dims, train, m, r, reshards)
+            for kind, calls, size, label in (("all_gather", p, params * c, f"FSDP {what} params"),
+                                             ("reduce_scatter", 1, params * 4.0, f"FSDP {what} grads (fp32)")):
+                key = (axis, kind, label)
+                a = acc.setdefault(key, [0, 0.0])
+                a[0], a[1] = a[0] + calls, a[1] + calls * size
+        else:
+            a = acc.setdefault((axis, "all_reduce", f"replicate {what} grads (fp32)"), [0, 0.0])
+            a[0], a[1] = a[0] + 1, a[1] + params * 4.0
+    return [Collective(axis, kind, label, calls, total / calls, groups[axis])
+            for (axis, kind, label), (calls, total) in acc.items()]
+
+
+def comm_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
+                  layout: Optional[list[list[int]]] = None) -> list[list[Collective]]:
+    """Collectives of one step for each pipeline rank (see the module docstring).
+
+    Example:
+        >>> spec = TransformerSpec(vocab_size=64, hidden=32, layers=2, heads=4, seq_len=16)
+        >>> recs = comm_per_rank(spec, ParallelDims(2, tp=2, sequence_parallel=False), TrainSpec(global_batch_size=2))
+        >>> [(r.kind, r.calls) for r in recs[0] if r.what.startswith("row")]
+        [('all_reduce', 8)]
+    """
+    m = resolve_microbatches(dims, train)
+    b = micro_batch_size(dims, train)
+    layout = layout if layout is not None else stage_layout(spec, dims, train.schedule)
+    s, h, c, t = train.seq(spec), spec.hidden, train.act_bytes, dims.tp
+    act = float(b * s * h * c)
+    style_v = train.schedule in ("zbv", "dualpipev") and dims.pp > 1
+    num_stages = dims.num_stages
+    from lightning_4d.pipeline.partition import stage_ids_for_rank, stage_to_rank
+
+    out = []
+    for r, layers in enumerate(layout):
+        first, last = r == 0, r == (0 if style_v else dims.pp - 1)
+        recs = _tp(spec, dims, layers, first, last, m, act, b * s, c)
+        if dims.pp > 1:
+            style = "v" if style_v else "loop"
+            stages = stage_ids_for_rank(r, dims.pp, dims.virtual_stages, style)
+            fwd = sum(1 for st in stages if st < num_stages - 1 and stage_to_rank(st + 1, dims.pp, style) != r)
+            bwd = sum(1 for st in stages if st > 0 and stage_to_rank(st - 1, dims.pp, style) != r)
+            shard = act / t if dims.sp else act
+            if fwd:
+                recs.append(Collective("pp", "send", "activations to the next stage", m * fwd, shard, 2))
+            if bwd:
+                recs.append(Collective("pp", "send", "activation grads to the previous stage", m * bwd, shard, 2))
+        n_moe = sum(1 for i in layers if spec.is_moe_layer(i))
+        if dims.ep > 1 and n_moe:
+            tokens = b * s / (t if dims.sp else 1)
+            payload = tokens * spec.top_k * h * c * train.expert_imbalance
+            recs += [Collective("ep", "all_to_all", "dispatch + combine (fwd) and their reverses (bwd)",
+                                4 * m * n_moe, payload, dims.ep),
+                     Collective("ep", "all_to_all", "token counts per expert", m * n_moe,
+                                8.0 * spec.num_experts, dims.ep)]
+        lp = local_params(spec, dims, layers, first, last)
+        recs += _data_parallel(dims, train, m, r, lp, c)
+        out.append(recs)
+    return out
+
+
+def summarize(records: list[Collective]) -> dict[str, dict[str, float]]:
+    """Bytes sent per axis and kind, ``{axis: {kind: bytes}}`` (only non-zero entries).
+
+    Example:
+        >>> summarize([Collective("tp", "all_reduce", "x", 2, 100.0, 2)])
+        {'tp': {'all_reduce': 200.0}}
+    """
+    out: dict[str, dict[str, float]] = defaultdict(dict)
+    for rec in records:
+        if rec.bytes_sent:
+            out[rec.axis][rec.kind] = out[rec.axis].get(rec.kind, 0.0) + rec.bytes_sent
+    return dict(out)

@@ -1,0 +1,283 @@
+"""Memory per rank: model states, FSDP buffers, activations — for every pipeline rank of a layout.
+
+Ranks of one pipeline stage differ only by their tp / dp / ep coordinates, which hold equal shares,
+so one :class:`RankMemory` per pp rank describes every rank (``role = pp rank``).
+
+**Model states** (bytes per parameter, AdamW, as FSDP2 with the package's mixed precision keeps them):
+fp32 parameters (the master copy) 4, fp32 gradients 4, two fp32 moments
+``TrainSpec.optimizer_state_bytes`` = 8. Shares held by a rank: dense matmul weights and vocab tables
+``/ tp`` (norms, router, shared experts, row-parallel biases and position tables are replicated over
+tp), only the layers of its pipeline stages (the embedding on the first stage, final norm and head on
+the last, a tied table on both), routed experts ``/ ep``; then FSDP divides dense states by ``dp`` and
+expert states by ``edp``; ``replicate`` keeps them whole.
+
+**Unsharded buffers** (compute dtype ``c`` = 2 for bf16-mixed, 4 for fp32):
+FSDP gathers one layer at a time with one prefetched (``2·c·layer``) and keeps the root (embedding,
+norm, head) gathered (``c·root``); without pipelining or accumulation it holds one layer's unsharded
+fp32 gradient (``4·layer``). With ``pp > 1`` torch's pipeline stages turn off resharding after
+backward and gradient reduction until the last micro-batch, and with gradient accumulation the
+package turns off gradient sync: the rank then holds unsharded fp32 gradient accumulators for all
+its parameters (4 each) and, with ``pp > 1`` or ``reshard_after_forward=False``, all its parameters
+gathered (``c`` each, the peak right after a backward). ``replicate`` casts two layers
+(``2·c·layer``, bf16 only). Parameters outside any data-parallel wrapper (dense ones when ``dp = 1``,
+experts when ``edp = 1``, as ``lightning_4d.parallelize`` leaves them) have no gathered copies.
+
+**Activations** (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", §4): per layer and micro-batch, in bytes with 16-bit activations and 1-byte dropout masks,
+
+    A_layer = s·b·h · (R + (T_attn + T_mlp + 5·a·s/h) / t)          sequence parallel (SP)
+    A_layer = s·b·h · (R + (T_attn + T_mlp) / t + 5·a·s/(h·t))      TP without SP
+
+with ``R = 10`` (two norm inputs 4, the QKV and MLP inputs 2 + 2, two dropout masks 2) — the part
+SP divides by ``t`` — ``T_attn = 4 + 4·g/a`` (Q, K, V, output-projection input; 8 without GQA),
+``T_mlp = 4·F/h`` for a GeLU MLP (16 for ``F = 4h``: the paper's ``34 + 5as/h`` total) or ``6·F/h``
+for SwiGLU (``w1``, ``w3`` outputs and the ``w2`` input). An MoE layer's ``T_mlp`` is
+``k·ι·(2 + 6·Fe/h) + 6·Fs/h + 4·E/h`` (the permuted copies of the ``k`` assignments per token and
+their expert activations, ``ι`` the imbalance factor, the shared experts, fp32 router scores); it is
+divided by ``t`` only with SP (without SP every tp rank routes the same tokens). ``5·a·s/h`` (the
+``s×s`` scores, softmax and dropout) vanishes with flash attention or selective recomputation; full
+recomputation stores only ``2·s·b·h`` per layer (``/ t`` with SP) plus one layer's working set.
+fp32 activations double everything. A rank holds ``in_flight`` micro-batches
+(:func:`~lightning_4d.planner.bubble.in_flight_microbatches`) of its layers' activations; the last
+stage also holds one micro-batch of logits ``s·b·V/t·(c + 4)`` (bf16 logits and fp32 softmax).
+
+Example:
+    >>> from lightning_4d.planner.spec import TransformerSpec, TrainSpec
+    >>> from lightning_4d.mesh import ParallelDims
+    >>> spec = TransformerSpec(vocab_size=64, hidden=32, layers=4, heads=4, seq_len=16)
+    >>> mem = memory_per_rank(spec, ParallelDims.from_world(4, tp=2, pp=2), TrainSpec(global_batch_size=4))
+    >>> [m.layers for m in mem], mem[0].in_flight
+    ([[0, 1], [2, 3]], 2)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from typing import Optional
+
+from lightning_4d.mesh import ParallelDims
+from lightning_4d.planner.bubble import in_flight_microbatches
+from lightning_4d.planner.spec import TrainSpec, TransformerSpec
+
+__all__ = ["RankMemory", "check_layout", "activation_coefficients", "layer_activation_bytes", "memory_per_rank",
+           "micro_batch_size",
+           "resolve_microbatches", "stage_layout", "local_params"]
+
+
+def check_layout(spec: TransformerSpec, dims: ParallelDims) -> None:
+    """Raise ``ValueError`` when the model cannot be cut this way (heads / experts / layers per degree).
+
+    Example:
+        >>> check_layout(TransformerSpec(vocab_size=8, hidden=8, layers=2, heads=2), ParallelDims(4, tp=4))
+        Traceback (most recent call last):
+        ...
+        ValueError: tp=4 does not divide heads=2 and kv_heads=2: tensor parallelism splits whole heads.
+    """
+    if spec.heads % dims.tp or spec.kv_heads % dims.tp:
+        raise ValueError(f"tp={dims.tp} does not divide heads={spec.heads} and kv_heads={spec.kv_heads}: tensor "
+                         f"parallelism splits whole heads.")
+    if dims.ep > 1 and (not spec.is_moe or spec.num_experts % dims.ep):
+        raise ValueError(f"ep={dims.ep} needs an MoE model whose num_experts={spec.num_experts} it divides.")
+    if dims.num_stages > spec.layers:
+        raise ValueError(f"pp·v = {dims.num_stages} stages exceed the {spec.layers} layers.")
+
+
+def resolve_microbatches(dims: ParallelDims, train: TrainSpec) -> int:
+    """Micro-batches per step: ``train.microbatches`` or the schedule default ``pp·v`` (1 without pp)."""
+    if train.microbatches is not None:
+        return train.microbatches
+    return dims.pp * dims.virtual_stages if dims.pp > 1 else 1
+
+
+def micro_batch_size(dims: ParallelDims, train: TrainSpec) -> int:
+    """Sequences per micro-batch ``b = global_batch / (dp · m)``; raises if it does not divide.
+
+    Example:
+        >>> micro_batch_size(ParallelDims.from_world(4, pp=2), TrainSpec(global_batch_size=8))
+        2
+    """
+    m = resolve_microbatches(dims, train)
+    if train.global_batch_size % (dims.dp * m):
+        raise ValueError(f"global_batch_size={train.global_batch_size} does not split into dp·m = {dims.dp}·{m} "
+                         f"equal micro-batches; use a multiple of {dims.dp * m}.")
+    return train.global_batch_size // (dims.dp * m)
+
+
+def stage_layout(spec: TransformerSpec, dims: ParallelDims, schedule: str) -> list[list[int]]:
+    """Layer ids held by each pp rank (its stages' blocks, in order), via the package's partitioner.
+
+    Example:
+        >>> stage_layout(TransformerSpec(vocab_size=8, hidden=4, layers=8, heads=1), ParallelDims(2, pp=2,
+        ...              virtual_stages=2), "zbv")
+        [[0, 1, 6, 7], [2, 3, 4, 5]]
+    """
+    style = "v" if schedule in ("zbv", "dualpipev") and dims.pp > 1 else "loop"
+    return [list(x) for x in _layout(spec.layers, dims.pp, dims.virtual_stages, style)]
+
+
+@lru_cache(maxsize=4096)
+def _layout(layers: int, pp: int, v: int, style: str) -> tuple[tuple[int, ...], ...]:
+    from lightning_4d.pipeline.partition import partition_blocks, stage_ids_for_rank
+
+    parts = partition_blocks(layers, pp * v)
+    return tuple(tuple(i for s in stage_ids_for_rank(r, pp, v, style) for i in parts[s]) for r in range(pp))
+
+
+def local_params(spec: TransformerSpec, dims: ParallelDims, layers: list[int], first: bool, last: bool
+                 ) -> dict[str, int]:
+    """Parameters of one rank before data-parallel sharding: ``dense`` (tp-local) and ``experts`` (ep-local),
+    plus ``max_layer`` (largest layer, dense + experts), ``root`` (embedding / norm / head share) and the
+    per-layer lists ``layer_dense`` / ``layer_experts``.
+
+    Example:
+        >>> spec = TransformerSpec(vocab_size=8, hidden=4, layers=1, heads=1, ffn_hidden=4)
+        >>> local_params(spec, ParallelDims(1), [0], True, True)["dense"] == spec.total_params()
+        True
+    """
+    t, h = dims.tp, spec.hidden
+    per_kind = {}
+    for moe in (False, True):
+        lp = spec._layer_kinds[moe]
+        row_bias = (h if spec.out_bias else 0) + (h if (spec.mlp_bias and lp["dense_mlp"]) else 0)
+        repl = lp["norms"] + lp["router"] + lp["shared_experts"] + row_bias
+        per_kind[moe] = (math.ceil((lp["attention"] + lp["dense_mlp"] - row_bias) / t) + repl,
+                         lp["experts"] // dims.ep)
+    per_layer = [per_kind[spec.is_moe_layer(i)] for i in layers]
+    dense = sum(d for d, _ in per_layer)
+    experts = sum(e for _, e in per_layer)
+    max_layer = max((d + e for d, e in per_layer), default=0)
+    root = 0
+    table = math.ceil(spec.vocab_size * h / t)
+    if first:
+        root += table + spec.learned_positions * h
+    if last:
+        root += spec.norm_params + (table if (not spec.tied_embeddings or not first) else 0)
+    return {"dense": dense + root, "experts": experts, "max_layer": max_layer, "root": root,
+            "layer_dense": [d for d, _ in per_layer], "layer_experts": [e for _, e in per_layer]}
+
+
+def activation_coefficients(spec: TransformerSpec, layer: int, train: TrainSpec) -> dict[str, float]:
+    """The ``s·b·h`` coefficients of one layer (module docstring): ``R``, ``T_attn``, ``T_mlp``,
+    ``scores`` (``5·a·s/h`` or 0) and whether ``T_mlp`` is an MoE part (``moe``, 1.0 or 0.0).
+
+    Example:
+        >>> gpt = TransformerSpec(vocab_size=8, hidden=32, layers=1, heads=4, gated_mlp=False, seq_len=16)
+        >>> c = activation_coefficients(gpt, 0, TrainSpec(1, flash_attention=False))
+        >>> c["R"] + c["T_attn"] + c["T_mlp"], c["scores"]
+        (34.0, 10.0)
+    """
+    h, s = spec.hidden, train.seq(spec)
+    t_attn = 4 + 4 * spec.kv_heads / spec.heads
+    inner = 6 if spec.gated_mlp else 4
+    if spec.is_moe_layer(layer):
+        t_mlp = spec.top_k * train.expert_imbalance * (2 + inner * spec.expert_hidden / h)
+        t_mlp += inner * spec.shared_experts * spec.expert_hidden / h + 4 * spec.num_experts / h
+    else:
+        t_mlp = inner * spec.ffn_hidden / h
+    no_scores = train.flash_attention or train.activation_checkpointing is not None
+    scores = 0.0 if no_scores else 5 * spec.heads * s / h
+    return {"R": 10.0, "T_attn": t_attn, "T_mlp": t_mlp, "scores": scores,
+            "moe": 1.0 if spec.is_moe_layer(layer) else 0.0}
+
+
+def layer_activation_bytes(spec: TransformerSpec, layer: int, dims: ParallelDims, train: TrainSpec, b: int) -> float:
+    """Activation bytes one micro-batch of ``b`` sequences leaves in layer ``layer`` (no recomputation).
+
+    Example:
+        >>> gpt = TransformerSpec(vocab_size=8, hidden=32, layers=1, heads=4, gated_mlp=False, seq_len=16)
+        >>> layer_activation_bytes(gpt, 0, ParallelDims(1), TrainSpec(1, flash_attention=False), b=1)
+        22528.0
+    """
+    c = activation_coefficients(spec, layer, train)
+    t = dims.tp
+    sbh = train.seq(spec) * b * spec.hidden
+    if dims.sp:
+        coef = (c["R"] + c["T_attn"] + c["T_mlp"] + c["scores"]) / t
+    else:
+        mlp_div = 1 if c["moe"] else t
+        coef = c["R"] + c["T_attn"] / t + c["T_mlp"] / mlp_div + c["scores"] / t
+    return sbh * coef * train.act_bytes / 2
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Peak memory of the ranks of pipeline rank ``pp_rank`` (bytes). ``total`` is the sum of
+    ``params + grads + optimizer + unsharded + activations + logits``."""
+
+    pp_rank: int
+    layers: list[int]
+    dense_params: int
+    expert_params: int
+    params: float
+    grads: float
+    optimizer: float
+    unsharded: float
+    activations: float
+    logits: float
+    in_flight: float
+    micro_batch_size: int
+
+    @property
+    def total(self) -> float:
+        """Sum of the memory parts."""
+        return self.params + self.grads + self.optimizer + self.unsharded + self.activations + self.logits
+
+    def as_dict(self) -> dict:
+        """Plain dict (with ``total``) for JSON."""
+        return {**asdict(self), "total": self.total}
+
+
+def memory_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
+                    layout: Optional[list[list[int]]] = None) -> list[RankMemory]:
+    """Memory of each pipeline rank (see the module docstring for every term).
+
+    Example:
+        >>> from lightning_4d.planner.spec import seed_moe_1t
+        >>> seed = ParallelDims.from_world(512, tp=8, pp=4, ep=8)  # conf/parallel/moe_1t.yaml
+        >>> train = TrainSpec(global_batch_size=512, microbatches=32, activation_checkpointing="full")
+        >>> [round(m.total / 1e9) for m in memory_per_rank(seed_moe_1t(), seed, train)]  # GB, unsharded copies
+        [229, 228, 228, 229]
+    """
+    check_layout(spec, dims)
+    m = resolve_microbatches(dims, train)
+    b = micro_batch_size(dims, train)
+    layout = layout if layout is not None else stage_layout(spec, dims, train.schedule)
+    cbytes, fsdp = train.act_bytes, train.data_parallel == "fsdp"
+    s, t = train.seq(spec), dims.tp
+    out = []
+    for r, layers in enumerate(layout):
+        first = r == 0
+        last = r == (0 if train.schedule in ("zbv", "dualpipev") and dims.pp > 1 else dims.pp - 1)
+        lp = local_params(spec, dims, layers, first, last)
+        dense, experts = lp["dense"], lp["experts"]
+        held = (math.ceil(dense / dims.dp) + math.ceil(experts / dims.edp)) if fsdp else dense + experts
+        # Only wrapped parameters get gathered copies: dense ones when dp > 1, experts when edp > 1.
+        wd, we, root = (dense, experts, lp["root"]) if dims.dp > 1 else (0, experts, 0)
+        we = we if dims.edp > 1 else 0
+        layer = max((d * (dims.dp > 1) + e * (dims.edp > 1)
+                     for d, e in zip(lp["layer_dense"], lp["layer_experts"])), default=0)
+        if not fsdp:
+            unsharded = 2 * cbytes * layer if cbytes == 2 else 0
+        else:
+            keep_params = dims.pp > 1 or train.reshard_after_forward is False
+            keep_grads = dims.pp > 1 or m > 1
+            unsharded = cbytes * (wd + we) if keep_params else 2 * cbytes * layer + cbytes * root
+            unsharded += 4 * (wd + we) if keep_grads else 4 * layer
+        kinds = [spec.is_moe_layer(i) for i in layers]
+        per_kind = {k: layer_activation_bytes(spec, layers[kinds.index(k)], dims, train, b) for k in set(kinds)}
+        per_mb = sum(per_kind[k] for k in kinds)
+        inflight = in_flight_microbatches(train.schedule if dims.pp > 1 else "1f1b", dims.pp, m, r,
+                                          dims.virtual_stages)
+        if train.activation_checkpointing == "full":
+            stored = 2 * s * b * spec.hidden * (1 / t if dims.sp else 1) * cbytes / 2
+            work = max(per_kind.values(), default=0.0)
+            acts = inflight * stored * len(layers) + work
+        else:
+            acts = inflight * per_mb
+        logits = s * b * spec.vocab_size / t * (cbytes + 4) if last else 0.0
+        out.append(RankMemory(r, list(layers), dense, experts, 4.0 * held, 4.0 * held,
+                              float(train.optimizer_state_bytes * held), float(unsharded), float(acts),
+                              float(logits), inflight, b))
+    return out

@@ -1,0 +1,167 @@
+"""Step time and MFU estimate: compute from FLOPs, communication from bytes and link bandwidths, bubble.
+
+Per pipeline rank (the slowest one sets the pace):
+
+- ``compute = F_rank / (peak · efficiency)`` where ``F_rank`` is the rank's share of the step's
+  FLOPs: its layers' ``6·N_active + 12·a·d·s`` per token (experts: ``6·k·N_expert·ι`` for the busiest
+  ep rank, ``ι`` the imbalance), the head ``6·h·V`` on the last stage, over the ``G·s/dp`` tokens of
+  its data shard split ``tp`` ways; recomputation adds a forward (full: ``+⅓`` of the matmul FLOPs;
+  selective: the attention scores' ``4·a·d·s``).
+- ``comm[axis] = Σ bytes_sent / bandwidth(axis) + calls · latency(axis)``, with NVLink bandwidth for
+  axes inside a node and the NIC's across nodes (:func:`~lightning_4d.planner.hardware.axis_bandwidth`).
+- tp, ep and pp traffic sit on the critical path; FSDP / replicate traffic overlaps with compute
+  and only its excess shows: ``dp_exposed = max(0, comm_dp + comm_edp − compute)``.
+- ``step = (compute + comm_tp + comm_ep + comm_pp) / (1 − bubble) + dp_exposed`` with the closed-form
+  bubble of :mod:`~lightning_4d.planner.bubble`.
+- ``MFU = 6·N_active·tokens + attention (model FLOPs, no recomputation) / (world · peak · step)``.
+
+The optimizer step, kernel launch gaps and stragglers are not modelled; ``compute_efficiency`` of
+the device absorbs them.
+
+Example:
+    >>> from lightning_4d.planner.spec import TransformerSpec, TrainSpec
+    >>> from lightning_4d.planner.hardware import ClusterSpec, CPU_TOY
+    >>> from lightning_4d.mesh import ParallelDims
+    >>> spec = TransformerSpec(vocab_size=64, hidden=32, layers=2, heads=4, seq_len=16)
+    >>> est = estimate_step(spec, ParallelDims(1), TrainSpec(global_batch_size=4), ClusterSpec(1, 1, CPU_TOY))
+    >>> est.mfu == 1.0, est.bubble
+    (True, 0.0)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from lightning_4d.mesh import ParallelDims
+from lightning_4d.planner.bubble import bubble_fraction
+from lightning_4d.planner.comm import Collective, comm_per_rank
+from lightning_4d.planner.hardware import ClusterSpec, axes_crossing_nodes
+from lightning_4d.planner.memory import resolve_microbatches, stage_layout
+from lightning_4d.planner.spec import TrainSpec, TransformerSpec
+
+__all__ = ["StepEstimate", "rank_flops", "estimate_step", "comm_seconds"]
+
+_CRITICAL = ("tp", "ep", "pp")
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """Estimated time of one optimizer step (seconds) for the slowest pipeline rank.
+
+    ``parts`` splits ``step_s`` into compute, tp / ep / pp communication, bubble and exposed dp time.
+    """
+
+    model_flops: float
+    rank_flops: float
+    compute_s: float
+    comm_s: dict
+    bubble: float
+    dp_exposed_s: float
+    step_s: float
+    mfu: float
+    tokens_per_s: float
+    crossing: dict
+    parts: dict
+    slowest_pp_rank: int
+
+    @property
+    def bottleneck(self) -> str:
+        """The largest part of the step."""
+        return max(self.parts, key=self.parts.get)
+
+    def as_dict(self) -> dict:
+        """Plain dict (with ``bottleneck``)."""
+        return {**asdict(self), "bottleneck": self.bottleneck}
+
+
+def rank_flops(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec, layers: list[int], last: bool,
+               recompute: bool = True) -> float:
+    """FLOPs one rank computes per step (see the module docstring).
+
+    Example:
+        >>> from lightning_4d.planner.spec import TransformerSpec, TrainSpec
+        >>> spec = TransformerSpec(vocab_size=8, hidden=4, layers=1, heads=1, ffn_hidden=4, seq_len=2)
+        >>> rank_flops(spec, ParallelDims(1), TrainSpec(global_batch_size=1), [0], True) == spec.flops_per_token() * 2
+        True
+    """
+    s, h = train.seq(spec), spec.hidden
+    tokens = train.global_batch_size * s / (dims.dp * dims.tp)
+    attn = 12 * spec.heads * spec.head_dim * s
+    per_token = 0.0
+    matmul = 0.0
+    for i in layers:
+        lp = spec.layer_params(i)
+        dense = lp["attention"] + lp["dense_mlp"] + lp["router"] + lp["shared_experts"]
+        experts = spec.top_k * spec.expert_params() * train.expert_imbalance if spec.is_moe_layer(i) else 0
+        matmul += 6 * (dense + lp["norms"] + experts)
+        per_token += attn
+    if last:
+        matmul += 6 * (h * spec.vocab_size + spec.norm_params)
+    extra = 0.0
+    if recompute and train.activation_checkpointing == "full":
+        extra = matmul / 3 + len(layers) * attn / 3
+    elif recompute and train.activation_checkpointing == "selective":
+        extra = len(layers) * attn / 3
+    return tokens * (matmul + per_token + extra)
+
+
+def comm_seconds(records: list[Collective], dims: ParallelDims, cluster: ClusterSpec,
+                 crossing: Optional[dict] = None) -> dict[str, float]:
+    """Seconds of communication per axis for one rank's collectives.
+
+    Example:
+        >>> from lightning_4d.planner.hardware import ClusterSpec, H100
+        >>> recs = [Collective("tp", "all_reduce", "x", 1, 450e9, 2)]
+        >>> round(comm_seconds(recs, ParallelDims(2, tp=2), ClusterSpec(1, 2, H100))["tp"], 6)
+        1.00001
+    """
+    crossing = crossing if crossing is not None else axes_crossing_nodes(dims, cluster)
+    d = cluster.device
+    out = {a: 0.0 for a in ("tp", "pp", "ep", "dp", "edp")}
+    for rec in records:
+        inter = crossing.get(rec.axis, False)
+        bw, lat = (d.inter_node_bw, d.latency_inter) if inter else (d.intra_node_bw, d.latency_intra)
+        out[rec.axis] += rec.bytes_sent / bw + (rec.calls * lat if rec.bytes_sent else 0.0)
+    return out
+
+
+def estimate_step(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec, cluster: ClusterSpec,
+                  records: Optional[list[list[Collective]]] = None, layout: Optional[list[list[int]]] = None,
+                  crossing: Optional[dict] = None) -> StepEstimate:
+    """Step time, MFU and throughput of a layout (see the module docstring).
+
+    Example:
+        >>> from lightning_4d.planner.spec import seed_moe_1t
+        >>> from lightning_4d.planner.hardware import ClusterSpec, H200
+        >>> est = estimate_step(seed_moe_1t(), ParallelDims.from_world(1024, tp=8, pp=16, ep=64),
+        ...                     TrainSpec(global_batch_size=1024, microbatches=64), ClusterSpec(128, 8, H200))
+        >>> 0.0 < est.mfu < 0.6
+        True
+    """
+    if cluster.world_size != dims.world_size:
+        raise ValueError(f"the layout has {dims.world_size} ranks but the cluster {cluster.world_size}.")
+    layout = layout if layout is not None else stage_layout(spec, dims, train.schedule)
+    records = records if records is not None else comm_per_rank(spec, dims, train, layout)
+    crossing = crossing if crossing is not None else axes_crossing_nodes(dims, cluster)
+    m = resolve_microbatches(dims, train)
+    bubble = bubble_fraction(train.schedule if dims.pp > 1 else "1f1b", dims.pp, m, dims.virtual_stages)
+    peak = cluster.device.peak_flops
+    v_last = 0 if train.schedule in ("zbv", "dualpipev") and dims.pp > 1 else dims.pp - 1
+    best = None
+    for r, layers in enumerate(layout):
+        flops = rank_flops(spec, dims, train, layers, r == v_last)
+        compute = flops / (peak * cluster.device.compute_efficiency)
+        comm = comm_seconds(records[r], dims, cluster, crossing)
+        busy = compute + sum(comm[a] for a in _CRITICAL)
+        dp_exposed = max(0.0, comm["dp"] + comm["edp"] - compute)
+        step = busy / (1.0 - bubble) + dp_exposed
+        if best is None or step > best[0]:
+            best = (step, r, flops, compute, comm, dp_exposed, busy)
+    step, r, flops, compute, comm, dp_exposed, busy = best
+    tokens = train.global_batch_size * train.seq(spec)
+    model_flops = float(spec.flops_per_token(train.seq(spec)) * tokens)
+    parts = {"compute": compute, **{f"comm_{a}": comm[a] for a in _CRITICAL},
+             "bubble": busy * bubble / (1.0 - bubble), "dp_exposed": dp_exposed}
+    return StepEstimate(model_flops, flops, compute, comm, bubble, dp_exposed, step,
+                        model_flops / (dims.world_size * peak * step), tokens / step, crossing, parts, r)

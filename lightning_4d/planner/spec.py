@@ -1,0 +1,349 @@
+"""What the planner knows about a model and a training run: :class:`TransformerSpec`, :class:`TrainSpec`.
+
+A :class:`TransformerSpec` is the handful of numbers that fix a decoder-only transformer's parameter
+count, FLOPs and activation sizes (dense or mixture-of-experts). It is built from the package's own
+config dataclasses (duck-typed: ``LlamaConfig``, ``GPT2Config``, ``HFStyleConfig``, ``MoEConfig``) with
+:meth:`TransformerSpec.from_config`, and its counts equal ``sum(p.numel())`` of the real models.
+
+Parameter counts per component (``h`` hidden, ``a`` heads, ``g`` kv heads, ``d = h/a``, ``V`` vocab,
+``F`` dense MLP hidden, ``E`` experts of hidden ``Fe``, ``k`` top-k, ``σ`` = 3 for a gated (SwiGLU)
+MLP, 2 otherwise):
+
+- embedding ``V·h`` (+ ``P·h`` learned positions); head ``h·V`` unless tied;
+- attention per layer ``h·a·d + 2·h·g·d + a·d·h`` (+ biases);
+- dense MLP ``σ·h·F`` (+ biases); MoE layer: experts ``E·σ·h·Fe``, router ``h·E``,
+  shared experts ``σ·h·(S·Fe)``;
+- norms: two per layer plus the final one, ``h`` each (``2h`` for LayerNorm with bias).
+
+Active parameters per token replace ``E`` by ``k`` in every MoE layer.
+
+Example:
+    >>> spec = TransformerSpec(vocab_size=8, hidden=4, layers=1, heads=1, ffn_hidden=4)
+    >>> spec.total_params(), spec.components()["attention"]
+    (188, 64)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import cached_property
+from typing import Any, Optional
+
+__all__ = ["TransformerSpec", "TrainSpec", "seed_moe_1t", "PRECISIONS"]
+
+PRECISIONS = ("bf16-mixed", "32-true")
+
+
+def _positive(name: str, value: Any, allow_zero: bool = False) -> None:
+    low = 0 if allow_zero else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}={value!r} must be an integer >= {low}.")
+
+
+@dataclass(frozen=True)
+class TransformerSpec:
+    """Shape of a decoder-only transformer (see the module docstring for the counting rules).
+
+    ``kv_heads=None`` means ``heads``; ``ffn_hidden=None`` means ``4·hidden``. A model is MoE when
+    ``num_experts > 0``: layer ``i`` is MoE when ``i >= first_dense_layers`` and
+    ``(i − first_dense_layers) % moe_every == 0`` (the rule of ``lightning_4d.models.moe``).
+
+    Example:
+        >>> moe = TransformerSpec(vocab_size=64, hidden=32, layers=3, heads=4, ffn_hidden=64,
+        ...                       num_experts=4, top_k=2, expert_hidden=32, first_dense_layers=1)
+        >>> moe.moe_layer_ids, moe.total_params() - moe.active_params_per_token()
+        ([1, 2], 12288)
+    """
+
+    vocab_size: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: Optional[int] = None
+    ffn_hidden: Optional[int] = None
+    num_experts: int = 0
+    top_k: int = 0
+    expert_hidden: int = 0
+    moe_every: int = 1
+    first_dense_layers: int = 0
+    shared_experts: int = 0
+    tied_embeddings: bool = False
+    seq_len: int = 2048
+    gated_mlp: bool = True
+    norm: str = "rmsnorm"
+    norm_bias: bool = False
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
+    learned_positions: int = 0
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        for n in ("vocab_size", "hidden", "layers", "heads", "seq_len", "moe_every"):
+            _positive(n, getattr(self, n))
+        for n in ("num_experts", "top_k", "expert_hidden", "first_dense_layers", "shared_experts",
+                  "learned_positions"):
+            _positive(n, getattr(self, n), allow_zero=True)
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
+        if self.ffn_hidden is None:
+            object.__setattr__(self, "ffn_hidden", 4 * self.hidden)
+        if self.hidden % self.heads or self.heads % self.kv_heads:
+            raise ValueError(f"hidden={self.hidden}, heads={self.heads}, kv_heads={self.kv_heads}: hidden must be a "
+                             f"multiple of heads and heads a multiple of kv_heads.")
+        if self.norm not in ("rmsnorm", "layernorm"):
+            raise ValueError(f"norm={self.norm!r} must be 'rmsnorm' or 'layernorm'.")
+        if self.num_experts and not (1 <= self.top_k <= self.num_experts and self.expert_hidden >= 1):
+            raise ValueError(f"MoE needs 1 <= top_k <= num_experts and expert_hidden >= 1; got top_k={self.top_k}, "
+                             f"num_experts={self.num_experts}, expert_hidden={self.expert_hidden}.")
+
+    # ----------------------------------------------------------------- structure
+    @property
+    def head_dim(self) -> int:
+        """``hidden // heads``."""
+        return self.hidden // self.heads
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether any layer is a mixture of experts."""
+        return self.num_experts > 0 and bool(self.moe_layer_ids)
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer ``i`` has an MoE feed-forward."""
+        return self.num_experts > 0 and i >= self.first_dense_layers and (
+            (i - self.first_dense_layers) % self.moe_every == 0)
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        """Indices of the MoE layers."""
+        return [i for i in range(self.layers) if self.is_moe_layer(i)]
+
+    # ----------------------------------------------------------------- counts
+    @property
+    def norm_params(self) -> int:
+        """Parameters of one norm."""
+        return self.hidden * (2 if self.norm == "layernorm" and self.norm_bias else 1)
+
+    def attention_params(self) -> int:
+        """Parameters of one attention block (projections and their biases)."""
+        h, a, g, d = self.hidden, self.heads, self.kv_heads, self.head_dim
+        n = h * a * d + 2 * h * g * d + a * d * h
+        n += (a * d + 2 * g * d) if self.qkv_bias else 0
+        return n + (h if self.out_bias else 0)
+
+    def mlp_params(self, hidden: int, bias: Optional[bool] = None) -> int:
+        """Parameters of one (gated or plain) MLP of inner width ``hidden``."""
+        bias = self.mlp_bias if bias is None else bias
+        up = 2 if self.gated_mlp else 1
+        return (up + 1) * self.hidden * hidden + ((up * hidden + self.hidden) if bias else 0)
+
+    def expert_params(self) -> int:
+        """Parameters of one routed expert (bias-free, as in ``lightning_4d.expert_parallel.MoE``)."""
+        return self.mlp_params(self.expert_hidden, bias=False)
+
+    def layer_params(self, i: int) -> dict[str, int]:
+        """Parameters of layer ``i`` by component: attention, norms, dense_mlp, experts, router, shared_experts.
+
+        Example:
+            >>> TransformerSpec(vocab_size=8, hidden=4, layers=1, heads=1, ffn_hidden=4).layer_params(0)["dense_mlp"]
+            48
+        """
+        return dict(self._layer_kinds[self.is_moe_layer(i)])
+
+    @cached_property
+    def _layer_kinds(self) -> dict[bool, dict[str, int]]:
+        """Component counts of a dense (``False``) and an MoE (``True``) layer, computed once."""
+        out = {}
+        for moe in (False, True):
+            d = {"attention": self.attention_params(), "norms": 2 * self.norm_params,
+                 "dense_mlp": 0, "experts": 0, "router": 0, "shared_experts": 0}
+            if moe and self.num_experts:
+                d["experts"] = self.num_experts * self.expert_params()
+                d["router"] = self.hidden * self.num_experts
+                if self.shared_experts:
+                    d["shared_experts"] = self.mlp_params(self.shared_experts * self.expert_hidden, bias=False)
+            else:
+                d["dense_mlp"] = self.mlp_params(self.ffn_hidden)
+            out[moe] = d
+        return out
+
+    @property
+    def embedding_params(self) -> int:
+        """Token table plus learned position table."""
+        return (self.vocab_size + self.learned_positions) * self.hidden
+
+    @property
+    def head_params(self) -> int:
+        """Output head (0 when tied to the token table)."""
+        return 0 if self.tied_embeddings else self.hidden * self.vocab_size
+
+    def components(self) -> dict[str, int]:
+        """Whole-model parameter counts by component (tied weights counted once, in ``embedding``).
+
+        Example:
+            >>> sorted(TransformerSpec(vocab_size=8, hidden=4, layers=1, heads=1).components())
+            ['attention', 'dense_mlp', 'embedding', 'experts', 'head', 'norms', 'router', 'shared_experts']
+        """
+        out = {"embedding": self.embedding_params, "attention": 0, "dense_mlp": 0, "experts": 0, "router": 0,
+               "shared_experts": 0, "norms": self.norm_params, "head": self.head_params}
+        for i in range(self.layers):
+            for k, v in self.layer_params(i).items():
+                out[k] += v
+        return out
+
+    def total_params(self) -> int:
+        """All distinct parameters; equals ``sum(p.numel() for p in model.parameters())``."""
+        return sum(self.components().values())
+
+    def active_params_per_token(self, exclude_embeddings: bool = False) -> int:
+        """Parameters a token touches: ``top_k`` of the ``E`` routed experts per MoE layer.
+
+        ``exclude_embeddings`` drops the lookup tables (the token table only when it is not tied to the
+        head), as the models' ``num_params(exclude_embeddings=True)`` do.
+        """
+        n = self.total_params() - len(self.moe_layer_ids) * (self.num_experts - self.top_k) * self.expert_params()
+        if exclude_embeddings:
+            n -= self.learned_positions * self.hidden + (0 if self.tied_embeddings else self.vocab_size * self.hidden)
+        return n
+
+    def flops_per_token(self, seq_len: Optional[int] = None) -> int:
+        """Training FLOPs per token, ``6·N_active + 12·L·a·d·s`` (PaLM / the package's models' convention:
+        ``N_active`` without lookup tables; the second term is ``QKᵀ`` and ``AV`` without causal halving).
+
+        Example:
+            >>> TransformerSpec(vocab_size=8, hidden=4, layers=1, heads=1, ffn_hidden=4).flops_per_token(2)
+            1032
+        """
+        s = self.seq_len if seq_len is None else seq_len
+        return 6 * self.active_params_per_token(True) + 12 * self.layers * self.heads * self.head_dim * s
+
+    # ----------------------------------------------------------------- constructors
+    @classmethod
+    def from_config(cls, cfg: Any, seq_len: Optional[int] = None, name: str = "") -> "TransformerSpec":
+        """Build from a package config, duck-typed on its field names (MoE, Llama, GPT-2, HF style).
+
+        Example:
+            >>> from lightning_4d.models import GPT2Config
+            >>> cfg = GPT2Config(vocab_size=8, n_embd=4, n_layer=1, n_head=1, block_size=4)
+            >>> TransformerSpec.from_config(cfg).total_params()
+            300
+        """
+        if hasattr(cfg, "n_embd"):  # GPT2Config
+            b = bool(getattr(cfg, "bias", True))
+            return cls(cfg.vocab_size, cfg.n_embd, cfg.n_layer, cfg.n_head, ffn_hidden=4 * cfg.n_embd,
+                       tied_embeddings=cfg.tie_embeddings, seq_len=seq_len or cfg.block_size, gated_mlp=False,
+                       norm="layernorm", norm_bias=b, qkv_bias=b, out_bias=b, mlp_bias=b,
+                       learned_positions=cfg.block_size, name=name or "gpt2")
+        if hasattr(cfg, "hidden_size"):  # HFStyleConfig
+            return cls(cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
+                       cfg.num_key_value_heads, cfg.intermediate_size, tied_embeddings=cfg.tie_word_embeddings,
+                       seq_len=seq_len or cfg.max_position_embeddings, qkv_bias=bool(cfg.attention_bias),
+                       name=name or "hf_style")
+        if hasattr(cfg, "dim"):  # LlamaConfig or MoEConfig
+            ffn = cfg.ffn_hidden
+            if ffn is None and hasattr(cfg, "llama_config"):
+                ffn = cfg.llama_config().ffn_hidden
+            moe = {}
+            if getattr(cfg, "num_experts", 0):
+                moe = dict(num_experts=cfg.num_experts, top_k=cfg.top_k, expert_hidden=cfg.expert_hidden,
+                           moe_every=cfg.moe_every, first_dense_layers=cfg.first_dense_layers,
+                           shared_experts=cfg.shared_experts)
+            return cls(cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, ffn,
+                       tied_embeddings=cfg.tie_embeddings, seq_len=seq_len or cfg.max_seq_len,
+                       name=name or ("moe" if moe else "llama"), **moe)
+        raise TypeError(f"{type(cfg).__name__} is not a known model config: the planner reads LlamaConfig / MoEConfig "
+                        f"(dim, n_layers, ...), GPT2Config (n_embd, ...) or HFStyleConfig (hidden_size, ...) fields. "
+                        f"Build a TransformerSpec by hand for other models.")
+
+    @classmethod
+    def from_model(cls, model: Any, seq_len: Optional[int] = None) -> "TransformerSpec":
+        """Build from a package model (its ``moe_config`` or ``config`` attribute)."""
+        cfg = getattr(model, "moe_config", None) or getattr(model, "config", None)
+        if cfg is None:
+            raise TypeError(f"{type(model).__name__} has no `config`; pass its config to TransformerSpec.from_config.")
+        return cls.from_config(cfg, seq_len)
+
+    def with_(self, **changes: Any) -> "TransformerSpec":
+        """A copy with some fields changed."""
+        return replace(self, **changes)
+
+
+def seed_moe_1t(seq_len: int = 8192) -> TransformerSpec:
+    """The seed's "1T MoE" with the shape of ``conf/model/moe_1t.yaml`` (≈1.04 T parameters, ≈40 B active).
+
+    hidden 8192, 40 blocks (4 pipeline stages of 10, the seed's "Layer 0-9 (PP Stage 0)"), 64 query /
+    8 kv heads, every block MoE with 64 routed experts of hidden 16384 and top-2 routing, vocab 128256.
+    The seed only names the layout (TP=8 + SP and EP=8 in a node, PP across nodes, DP copies); the
+    widths are this project's (keep them equal to the YAML; ``tests/unit/test_planner.py`` checks).
+
+    Example:
+        >>> spec = seed_moe_1t()
+        >>> spec.total_params(), round(spec.active_params_per_token() / 1e9, 1)
+        (1038954930176, 40.4)
+    """
+    return TransformerSpec(vocab_size=128256, hidden=8192, layers=40, heads=64, kv_heads=8, ffn_hidden=28672,
+                           num_experts=64, top_k=2, expert_hidden=16384, seq_len=seq_len, name="seed_moe_1t")
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """Training options that change memory, communication and time.
+
+    Args:
+        global_batch_size: sequences per optimizer step (over all dp replicas).
+        seq_len: tokens per sequence (``None``: the model spec's).
+        microbatches: pipeline micro-batches per step (``None``: the schedule's default ``pp·v``).
+        schedule: pipeline schedule name (``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zbv``, ``dualpipev``).
+        data_parallel: ``"fsdp"`` (FSDP2 ``fully_shard``) or ``"replicate"``.
+        precision: ``"bf16-mixed"`` (bf16 compute copies and activations, fp32 master weights,
+            gradients and AdamW moments) or ``"32-true"``.
+        activation_checkpointing: ``None``, ``"selective"`` or ``"full"``.
+        flash_attention: attention kernels that store no ``s×s`` matrices (torch SDPA flash /
+            memory-efficient); removes the ``5·a·s/h`` term of the activation formula.
+        optimizer_state_bytes: bytes of optimizer state per parameter (AdamW: two fp32 moments = 8).
+        expert_imbalance: multiplier (>= 1) on the busiest expert rank's tokens, 1.0 = uniform routing.
+        reshard_after_forward: FSDP2 blocks free their gathered parameters after forward (``None``: the
+            package's choice, ``True`` for all blocks but the last; ``False``: TorchTitan's choice under
+            pipelining, one all-gather per step instead of one per micro-batch).
+
+    Example:
+        >>> TrainSpec(global_batch_size=8).act_bytes
+        2
+    """
+
+    global_batch_size: int
+    seq_len: Optional[int] = None
+    microbatches: Optional[int] = None
+    schedule: str = "1f1b"
+    data_parallel: str = "fsdp"
+    precision: str = "bf16-mixed"
+    activation_checkpointing: Optional[str] = None
+    flash_attention: bool = True
+    optimizer_state_bytes: int = 8
+    expert_imbalance: float = 1.0
+    reshard_after_forward: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        _positive("global_batch_size", self.global_batch_size)
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r} is not modelled; use one of {PRECISIONS}.")
+        if self.data_parallel not in ("fsdp", "replicate"):
+            raise ValueError(f"data_parallel={self.data_parallel!r} must be 'fsdp' or 'replicate'.")
+        if self.activation_checkpointing not in (None, "selective", "full"):
+            raise ValueError(f"activation_checkpointing={self.activation_checkpointing!r}: use None, 'selective' "
+                             f"or 'full'.")
+        if not self.expert_imbalance >= 1.0:
+            raise ValueError(f"expert_imbalance={self.expert_imbalance} must be >= 1 (1 = uniform routing).")
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes of one activation / compute-parameter element (2 for bf16, 4 for fp32)."""
+        return 2 if self.precision == "bf16-mixed" else 4
+
+    def seq(self, spec: TransformerSpec) -> int:
+        """Sequence length used (this spec's, else the model's)."""
+        return self.seq_len or spec.seq_len
+
+    def with_(self, **changes: Any) -> "TrainSpec":
+        """A copy with some fields changed."""
+        return replace(self, **changes)

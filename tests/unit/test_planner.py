@@ -1,0 +1,292 @@
+"""Pure tests of the dry-run planner (``lightning_4d.planner``): counts against the real models, memory and
+communication against hand-computed figures, bubble formulas, layout search, reports."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lightning_4d.mesh import ParallelDims, rank_coordinates
+from lightning_4d.models import GPT2, GPT2Config, HFStyleConfig, HFStyleLM, Llama, LlamaConfig
+from lightning_4d.planner import (
+    CPU_TOY,
+    H100,
+    ClusterSpec,
+    NoLayoutFits,
+    TrainSpec,
+    TransformerSpec,
+    bubble_fraction,
+    collective_bytes,
+    comm_per_rank,
+    format_table,
+    in_flight_microbatches,
+    make_plan,
+    memory_per_rank,
+    search,
+    seed_moe_1t,
+    summarize,
+    write_plan,
+)
+from lightning_4d.planner.bubble import idle_time
+from lightning_4d.planner.hardware import axes_crossing_nodes, axis_group
+from lightning_4d.planner.search import enumerate_layouts
+
+
+def n_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
+
+
+# ---------------------------------------------------------------- parameter counts
+@pytest.mark.parametrize("kw", [dict(), dict(n_kv_heads=2), dict(tie_embeddings=True)])
+def test_counts_match_llama(kw):
+    cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_hidden=48, max_seq_len=16, **kw)
+    model, spec = Llama(cfg), TransformerSpec.from_config(cfg)
+    assert spec.total_params() == n_params(model) == model.num_params()
+    assert spec.active_params_per_token(True) == model.num_params(exclude_embeddings=True)
+    assert spec.flops_per_token(16) == model.flops_per_token(16)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(bias=False), dict(tie_embeddings=False)])
+def test_counts_match_gpt2(kw):
+    cfg = GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, block_size=16, **kw)
+    model, spec = GPT2(cfg), TransformerSpec.from_config(cfg)
+    assert spec.total_params() == n_params(model)
+    assert spec.flops_per_token(16) == model.flops_per_token(16)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_counts_match_hf_style(bias):
+    cfg = HFStyleConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, attention_bias=bias)
+    assert TransformerSpec.from_config(cfg).total_params() == n_params(HFStyleLM(cfg))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(first_dense_layers=1, moe_every=2, shared_experts=1, n_kv_heads=2)])
+def test_counts_match_moe(kw):
+    from lightning_4d.models.moe import MoEConfig, MoETransformer
+
+    cfg = MoEConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, ffn_hidden=48, num_experts=4, top_k=2,
+                    expert_hidden=16, **kw)
+    model, spec = MoETransformer(cfg), TransformerSpec.from_model(MoETransformer(cfg))
+    assert spec.total_params() == n_params(model)
+    assert spec.active_params_per_token() == model.num_active_params()
+    assert spec.flops_per_token(16) == model.flops_per_token(16)
+    comps = spec.components()
+    assert comps["experts"] == sum(p.numel() for n, p in model.named_parameters() if n.split(".")[-1] in
+                                   ("w1", "w2", "w3") and "feed_forward" in n and p.dim() == 3)
+    assert comps["router"] == sum(p.numel() for n, p in model.named_parameters() if "router" in n)
+
+
+def test_hand_count():
+    # V=10, h=8, L=3, a=2, g=1 (d=4), F=12, gated, untied.
+    spec = TransformerSpec(vocab_size=10, hidden=8, layers=3, heads=2, kv_heads=1, ffn_hidden=12)
+    attention = 8 * 8 + 2 * 8 * 4 + 8 * 8  # q, k, v, o
+    mlp = 3 * 8 * 12
+    assert spec.components() == {"embedding": 80, "attention": 3 * attention, "dense_mlp": 3 * mlp, "experts": 0,
+                                 "router": 0, "shared_experts": 0, "norms": 3 * 2 * 8 + 8, "head": 80}
+    moe = spec.with_(num_experts=4, top_k=1, expert_hidden=6, first_dense_layers=1)
+    per_expert = 3 * 8 * 6
+    assert moe.components()["experts"] == 2 * 4 * per_expert and moe.components()["router"] == 2 * 8 * 4
+    assert moe.total_params() - moe.active_params_per_token() == 2 * 3 * per_expert
+
+
+def test_seed_preset_matches_the_recipe_config():
+    from pathlib import Path
+
+    yaml = pytest.importorskip("yaml")
+    from lightning_4d.models.moe import MoEConfig
+
+    path = Path(__file__).resolve().parents[2] / "conf" / "model" / "moe_1t.yaml"
+    if not path.exists():
+        pytest.skip("conf/model/moe_1t.yaml is not in this checkout")
+    fields = set(MoEConfig.__dataclass_fields__)
+    cfg = MoEConfig(**{k: v for k, v in yaml.safe_load(path.read_text()).items() if k in fields})
+    spec = TransformerSpec.from_config(cfg)
+    assert spec.total_params() == seed_moe_1t().total_params() == 1_038_954_930_176  # the YAML's arithmetic
+    assert spec.active_params_per_token() == seed_moe_1t().active_params_per_token()
+
+
+# ---------------------------------------------------------------- memory
+TINY = TransformerSpec(vocab_size=64, hidden=32, layers=4, heads=4, ffn_hidden=128, gated_mlp=False, seq_len=16)
+
+
+def test_memory_hand_computed_sp_fsdp_1f1b():
+    dims = ParallelDims.from_world(8, tp=2, pp=2)  # dp = 2
+    mem = memory_per_rank(TINY, dims, TrainSpec(global_batch_size=8, microbatches=2))  # b = 8 / (2·2) = 2
+    s, b, h, V, t = 16, 2, 32, 64, 2
+    layer_tp = (4 * h * h + 2 * h * 128) // t + 2 * h  # matmuls / tp, two norms replicated
+    dense0 = 2 * layer_tp + V * h // t  # layers 0-1 + vocab-parallel embedding
+    dense1 = 2 * layer_tp + h + V * h // t  # layers 2-3 + final norm + head
+    sbh = s * b * h
+    per_layer = sbh * (10 + 8 + 4 * 128 / h) / t  # SP: everything / t; flash: no 5as/h term; bf16 bytes
+    for r, dense, inflight in ((0, dense0, 2), (1, dense1, 1)):
+        m = mem[r]
+        assert (m.dense_params, m.expert_params, m.micro_batch_size, m.in_flight) == (dense, 0, b, inflight)
+        held = -(-dense // 2)
+        assert (m.params, m.grads, m.optimizer) == (4 * held, 4 * held, 8 * held)
+        assert m.unsharded == (2 + 4) * dense  # pp > 1: gathered bf16 params + fp32 grad accumulators
+        assert m.activations == inflight * 2 * per_layer
+        assert m.logits == (s * b * V / t * (2 + 4) if r == 1 else 0)
+        assert m.total == m.params + m.grads + m.optimizer + m.unsharded + m.activations + m.logits
+
+
+def test_activation_formula_variants():
+    from lightning_4d.planner.memory import layer_activation_bytes
+
+    s, b, h, a, t = 16, 2, 32, 4, 2
+    sbh, scores = s * b * h, 5 * a * s / h
+    no_flash = TrainSpec(1, flash_attention=False)
+    assert layer_activation_bytes(TINY, 0, ParallelDims(1), no_flash, b) == sbh * (34 + scores)  # Korthikanti
+    tp_only = ParallelDims(2, tp=2, sequence_parallel=False)
+    assert layer_activation_bytes(TINY, 0, tp_only, no_flash, b) == sbh * (10 + 24 / t + scores / t)
+    assert layer_activation_bytes(TINY, 0, ParallelDims(2, tp=2), no_flash, b) == sbh * (34 + scores) / t
+    assert layer_activation_bytes(TINY, 0, ParallelDims(1), no_flash.with_(precision="32-true"), b) == \
+        2 * sbh * (34 + scores)
+    full = memory_per_rank(TINY, ParallelDims(1), TrainSpec(2, activation_checkpointing="full"))[0]
+    assert full.activations == 4 * 2 * sbh + sbh * 34  # 2sbh per layer stored + one layer's working set
+
+
+def test_memory_replicate_and_no_pp():
+    dims = ParallelDims.from_world(2, tp=1)  # dp = 2, one micro-batch
+    rep = memory_per_rank(TINY, dims, TrainSpec(4, data_parallel="replicate"))[0]
+    fsdp = memory_per_rank(TINY, dims, TrainSpec(4))[0]
+    total = TINY.total_params()
+    assert rep.dense_params == total and rep.params == 4 * total and fsdp.params == 4 * (total // 2)
+    layer = 4 * 32 * 32 + 2 * 32 * 128 + 2 * 32
+    root = 2 * 64 * 32 + 32
+    assert fsdp.unsharded == (2 * 2 + 4) * layer + 2 * root and rep.unsharded == 2 * 2 * layer
+
+
+# ---------------------------------------------------------------- communication
+def test_collective_formulas():
+    assert collective_bytes("all_reduce", 8, 800) == 2 * 7 / 8 * 800
+    assert collective_bytes("all_gather", 8, 800) == collective_bytes("reduce_scatter", 8, 800) == 700
+    assert collective_bytes("all_to_all", 8, 800) == 700 and collective_bytes("all_reduce", 1, 800) == 0
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tp_comm_hand_computed(sp):
+    spec = TransformerSpec(vocab_size=64, hidden=32, layers=2, heads=4, seq_len=16)
+    dims = ParallelDims(2, tp=2, sequence_parallel=sp)
+    out = summarize(comm_per_rank(spec, dims, TrainSpec(global_batch_size=2))[0])
+    A = 2 * 16 * 32 * 2  # b·s·h·bf16
+    loss = 3 * 2 * (1 / 2) * (2 * 16 * 4)  # 3 all-reduces of b·s fp32 numbers
+    repl = 2 * (1 / 2) * (2 * 2 * 32 + 32) * 2  # norm grads (bf16) all-reduced over tp
+    if sp:  # 2 layers × 4 pairs, embedding (RS fwd, AG bwd), head (AG fwd, RS bwd)
+        assert out["tp"] == {"all_gather": 10 * A / 2, "reduce_scatter": 10 * A / 2, "all_reduce": loss + repl}
+    else:  # 2 layers × 4 all-reduces, embedding fwd, head bwd
+        assert out["tp"] == {"all_reduce": 10 * 2 * (1 / 2) * A + loss + repl}
+    assert set(out) == {"tp"}
+
+
+def test_pp_ep_dp_comm_hand_computed():
+    spec = TransformerSpec(vocab_size=64, hidden=32, layers=4, heads=4, seq_len=16, num_experts=4, top_k=2,
+                           expert_hidden=16)
+    dims = ParallelDims.from_world(8, tp=2, pp=2, ep=2)  # dp = 2, edp = 2
+    recs = comm_per_rank(spec, dims, TrainSpec(global_batch_size=8, microbatches=2))  # b = 2
+    b, s, h, t, m = 2, 16, 32, 2, 2
+    first, last = summarize(recs[0]), summarize(recs[1])
+    assert first["pp"] == last["pp"] == {"send": m * b * s * h * 2 / t}  # SP shard, one boundary each way
+    tokens = b * s / t
+    a2a = 4 * m * 2 * (1 / 2) * tokens * 2 * h * 2 + m * 2 * (1 / 2) * 8 * 4  # 2 MoE layers; + counts
+    assert first["ep"] == {"all_to_all": a2a}
+    experts_local = 2 * 4 * 3 * h * 16 // 2  # 2 layers, E/ep experts each
+    # experts reshard after forward: m + in_flight gathers under 1F1B (rank 0 holds 2 in flight).
+    assert first["edp"]["all_gather"] == (m + 2) * (1 / 2) * experts_local * 2
+    assert first["edp"]["reduce_scatter"] == (1 / 2) * experts_local * 4
+
+
+# ---------------------------------------------------------------- bubble
+def test_bubble_formulas():
+    from lightning_4d.pipeline.schedules import bubble_theory
+
+    for p, m in ((2, 4), (4, 8), (8, 8)):
+        assert bubble_fraction("1f1b", p, m) == bubble_fraction("gpipe", p, m) == (p - 1) / (m + p - 1)
+        assert bubble_fraction("1f1b", p, m) == pytest.approx(bubble_theory("1f1b", p, m))
+        assert bubble_fraction("interleaved_1f1b", p, m, 2) == (p - 1) / (2 * m + p - 1)
+        assert idle_time("zb_h1", p, m) == pytest.approx(idle_time("1f1b", p, m) / 3)
+        assert bubble_fraction("zbv", p, m, 2) == 0.0
+    assert [in_flight_microbatches("1f1b", 4, 8, r) for r in range(4)] == [4, 3, 2, 1]
+    assert in_flight_microbatches("gpipe", 4, 8, 3) == 8 and in_flight_microbatches("1f1b", 4, 2, 0) == 2
+    with pytest.raises(ValueError, match="exactly 2 stages"):
+        bubble_fraction("zbv", 4, 8, 1)
+
+
+# ---------------------------------------------------------------- hardware
+def test_axis_groups_and_node_crossing():
+    dims = ParallelDims.from_world(16, tp=4, pp=2, ep=4)  # dp = 2, edp = 2
+    same = {"tp": ("pp", "dp"), "dp": ("pp", "tp"), "pp": ("dp", "tp"), "ep": ("pp", "edp"), "edp": ("pp", "ep")}
+    for axis, fixed in same.items():
+        for r in range(16):
+            group = axis_group(dims, axis, r)
+            assert r in group and len(group) == getattr(dims, axis)
+            coords = [rank_coordinates(dims, x) for x in group]
+            assert sorted(c[axis] for c in coords) == list(range(len(group)))
+            assert all(c[k] == coords[0][k] for c in coords for k in fixed)
+    cross = axes_crossing_nodes(dims, ClusterSpec(2, 8))
+    assert cross == {"tp": False, "dp": False, "pp": True, "ep": False, "edp": False}
+    assert axes_crossing_nodes(dims, ClusterSpec(4, 4))["dp"] is True
+
+
+# ---------------------------------------------------------------- search
+def test_enumerated_layouts_are_valid():
+    spec = TransformerSpec(vocab_size=64, hidden=32, layers=4, heads=4, seq_len=16, num_experts=4, top_k=1,
+                           expert_hidden=16)
+    cluster = ClusterSpec(2, 4)
+    seen = list(enumerate_layouts(spec, cluster, TrainSpec(global_batch_size=16)))
+    assert len({(d.tp, d.pp, d.ep) for d, _ in seen}) > 5
+    for dims, train in seen:
+        ParallelDims.from_world(8, tp=dims.tp, pp=dims.pp, ep=dims.ep, virtual_stages=dims.virtual_stages)
+        assert dims.tp <= 4 and spec.heads % dims.tp == 0 and spec.num_experts % dims.ep == 0
+        assert dims.num_stages <= spec.layers and (16 // dims.dp) % train.microbatches == 0
+        assert dims.pp > 1 or train.schedule == "1f1b"
+
+
+def test_search_ranks_pure_dp_first_on_a_toy_cluster():
+    spec = TransformerSpec(vocab_size=256, hidden=64, layers=4, heads=4, seq_len=32)
+    res = search(spec, ClusterSpec(1, 4, CPU_TOY), TrainSpec(global_batch_size=16))
+    assert (res[0].dims.tp, res[0].dims.pp, res[0].dims.dp) == (1, 1, 4)
+    assert res[0].reason.startswith("fastest") and len(res) == 5
+    times = [c.estimate.step_s for c in res]
+    assert times == sorted(times) and all(c.fits and c.reason for c in res)
+    assert all("slower than #1" in c.reason or "as fast as #1" in c.reason for c in res[1:])
+
+
+def test_search_prefers_model_parallel_when_memory_forces_it():
+    spec = TransformerSpec(vocab_size=256, hidden=64, layers=4, heads=4, seq_len=32)
+    every = search(spec, ClusterSpec(1, 4, CPU_TOY), TrainSpec(16), top=1000, distinct=False)
+    cap = min(c.peak_memory for c in every if c.dims.dp == 4) - 1  # pure data parallelism no longer fits
+    expected = min((c for c in every if c.peak_memory <= cap), key=lambda c: (c.estimate.step_s, c.peak_memory))
+    res = search(spec, ClusterSpec(1, 4, CPU_TOY.with_(memory_bytes=cap)), TrainSpec(16))
+    assert res[0].label == expected.label and res[0].dims.tp * res[0].dims.pp > 1
+    assert all(c.peak_memory <= cap for c in res)
+
+
+def test_impossible_request_names_the_smallest_memory():
+    with pytest.raises(NoLayoutFits, match=r"smallest peak memory is [0-9.]+ GB per device \(tp=") as err:
+        search(seed_moe_1t(), ClusterSpec(1, 8, H100), TrainSpec(global_batch_size=8))
+    assert "Needs a device with at least" in str(err.value)
+    with pytest.raises(ValueError, match="No valid layout"):
+        search(TransformerSpec(vocab_size=8, hidden=8, layers=1, heads=1), ClusterSpec(1, 3), TrainSpec(2))
+
+
+# ---------------------------------------------------------------- report
+def test_make_plan_and_write(tmp_path):
+    spec, dims = seed_moe_1t(), ParallelDims.from_world(512, tp=8, pp=4, ep=8)  # the seed's layout (conf)
+    train = TrainSpec(512, microbatches=32, activation_checkpointing="full")
+    plan = make_plan(spec, dims, ClusterSpec(64, 8, H100), train)
+    for key in ("total_params", "active_params_per_token", "memory", "communication", "bubble", "step_time_s",
+                "mfu", "assumptions"):
+        assert key in plan
+    assert plan["bubble"]["theory"] == 3 / 35
+    assert len(plan["memory"]["per_role"]) == 4 and set(plan["communication"]["busiest_rank"]) == {
+        "tp", "pp", "ep", "dp", "edp"}
+    # Under pipelining torch keeps FSDP parameters gathered and fp32 gradients unsharded between
+    # micro-batches: 6 bytes per local parameter (~32.5 B of them) on top of the sharded states.
+    assert not plan["memory"]["fits"] and plan["memory"]["per_role"][0]["unsharded"] > 190e9
+    assert "uniform routing" in " ".join(plan["assumptions"])
+    assert "bytes sent per step" in format_table(plan)
+    path = write_plan(plan, tmp_path / "out" / "plan.json")
+    assert json.load(open(path))["total_params"] == spec.total_params()
