@@ -115,9 +115,10 @@ def sync_tied(strategy: Any) -> None:
         sync_tied_grads(strategy.model, plan.pipeline_tied, runner.group, runner.first_rank, runner.last_rank)
 
 
-def _dp(strategy: Any) -> tuple[Optional[Any], int]:
-    dims = strategy.dims
-    return (strategy.mesh["dp"].get_group() if dims.dp > 1 else None), dims.dp
+def _dp(strategy: Any) -> tuple[Any, int]:
+    # Always the dp group (size 1 when dp == 1): ``None`` would mean the whole world, where TP/PP peers
+    # hold the same targets and would be counted again.
+    return strategy.mesh["dp"].get_group(), strategy.dims.dp
 
 
 def _token_total(module: Any, targets: Tensor, group: Optional[Any]) -> float:

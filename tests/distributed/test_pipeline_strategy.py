@@ -40,6 +40,15 @@ def test_pipeline_parity(world: int, references: dict[str, Any]) -> None:
 
 
 
+def test_pipeline_gradient_scale_without_clipping() -> None:
+    # Unclipped raw gradients of one step: a wrong loss or gradient scale cannot hide behind clipping.
+    spec = dict(model="llama-8", steps=1, clip=None, accumulate=2)
+    ref = fit_spec(spec)
+    specs = [dict(spec, world=4, strategy=s) for s in (dict(pp=4), dict(pp=2, tp=2), dict(pp=2, schedule="zbv"))]
+    for got, s in zip(merge_ranks(run_world(world_fit, 4, specs)), specs):
+        assert_parity(got, ref, label=f"unclipped {s['strategy']}")
+
+
 def _non_sequential(rank: int) -> None:
     import torch
 

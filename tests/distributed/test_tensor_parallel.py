@@ -30,6 +30,16 @@ def _specs(world: int, tp: int, modes: tuple[str, ...]) -> list[dict[str, Any]]:
     ]
 
 
+def test_gradient_scale_without_clipping() -> None:
+    # Clipping rescales every gradient to the same norm and AdamW ignores a constant scale: check the raw
+    # gradients of one step, unclipped, for TP and TP+DP layouts.
+    spec = dict(model="llama", steps=1, clip=None)
+    ref = fit_spec(spec)
+    specs = [dict(spec, world=4, strategy=s) for s in (dict(tp=4), dict(tp=2), dict(tp=2, sequence_parallel=False))]
+    for got, s in zip(run_world(world_fit, 4, specs)[0], specs):
+        assert_parity(got, ref, label=f"unclipped {s['strategy']}")
+
+
 @pytest.mark.parametrize(
     "world, tp, modes",
     [(2, 2, ("fsdp",)), (4, 2, ("fsdp", "replicate")), (4, 4, ("fsdp",)), (8, 4, ("fsdp", "replicate"))],
