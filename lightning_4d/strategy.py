@@ -380,15 +380,16 @@ class FourDStrategy(ParallelStrategy):
         mean is the data-parallel mean)."""
         if not isinstance(tensor, Tensor) or not dist.is_initialized():
             return tensor
-        op = str(reduce_op).lower() if reduce_op is not None else "sum"
+        # ReduceOp members print as e.g. "RedOpType.SUM" (torch 2.13) or "ReduceOp.SUM": keep the name.
+        op = str(reduce_op).lower().rsplit(".", 1)[-1] if reduce_op is not None else "sum"
         out = tensor.detach().clone() if not tensor.is_floating_point() else tensor.clone()
-        if op in ("mean", "avg", "reduceop.avg"):
+        if op in ("mean", "avg"):
             out = all_reduce_sum(out.float(), group) / dist.get_world_size(group)
-        elif op in ("sum", "reduceop.sum"):
+        elif op == "sum":
             out = all_reduce_sum(out, group)
-        elif op in ("max", "reduceop.max"):
+        elif op == "max":
             dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
-        elif op in ("min", "reduceop.min"):
+        elif op == "min":
             dist.all_reduce(out, op=dist.ReduceOp.MIN, group=group)
         else:
             raise ValueError(f"reduce_op={reduce_op!r} is not supported; use 'mean', 'sum', 'max' or 'min'.")

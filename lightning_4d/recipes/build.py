@@ -1,0 +1,534 @@
+"""Builders behind ``recipes/train.py``: config → data, model, strategy, callbacks, Trainer → training.
+
+Each function takes the composed Hydra config (a ``DictConfig``) or the validated
+:class:`~lightning_4d.recipes.schema.TrainConfig`, so they are usable from the command line, from
+Hydra's compose API and from tests alike.
+
+Example:
+    >>> from hydra import compose, initialize_config_dir
+    >>> from lightning_4d.recipes import conf_dir, register_configs
+    >>> register_configs()
+    >>> with initialize_config_dir(str(conf_dir()), version_base=None):
+    ...     cfg = compose("train", ["model=tiny_dense", "parallel=none", "trainer.devices=1",
+    ...                             "data=synthetic", "trainer.max_steps=2"])
+    >>> result = run(cfg)  # doctest: +SKIP
+    >>> result.losses[-1] < result.losses[0]  # doctest: +SKIP
+    True
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass, field, fields
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_4d.recipes.resources import ResourceReport, check_resources, count_params
+from lightning_4d.recipes.schema import (
+    GPT2ModelConfig,
+    LlamaModelConfig,
+    MoEModelConfig,
+    RecipeConfigError,
+    SyntheticDataConfig,
+    TextDataConfig,
+    TrainConfig,
+    to_train_config,
+)
+
+if TYPE_CHECKING:
+    import lightning as L
+    from torch import nn
+
+__all__ = [
+    "RunResult",
+    "build_callbacks",
+    "build_data",
+    "build_loggers",
+    "build_model",
+    "build_network",
+    "build_strategy",
+    "build_trainer",
+    "layout_gaps",
+    "output_dir",
+    "run",
+    "validate",
+]
+
+_RUN_DIR_ENV = "LIGHTNING_4D_RUN_DIR"
+META_INIT_THRESHOLD = 100_000_000
+"""With ``meta_init: null`` models with more parameters than this are built on the meta device."""
+
+Config = Union[DictConfig, TrainConfig]
+
+
+def _cfg(cfg: Config) -> TrainConfig:
+    return to_train_config(cfg)
+
+
+def _is_main_local_process() -> bool:
+    return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("RANK", "0") == "0"
+
+
+def _print(msg: str) -> None:
+    if _is_main_local_process():
+        print(msg, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- checks
+def _data_vocab(data: Any) -> int:
+    if isinstance(data, SyntheticDataConfig):
+        return data.vocab_size
+    from lightning_4d.data.tokenizer import get_tokenizer
+
+    try:
+        return get_tokenizer(data.tokenizer).vocab_size
+    except (ImportError, ValueError) as err:
+        raise RecipeConfigError(f"data.tokenizer={data.tokenizer!r}: {err}") from err
+
+
+def validate(cfg: Config) -> TrainConfig:
+    """Schema rules plus cross-group rules (vocabulary and sequence length fit the model); pure.
+
+    Example:
+        >>> from lightning_4d.recipes.schema import SyntheticDataConfig
+        >>> validate(TrainConfig(model=LlamaModelConfig(vocab_size=64), data=SyntheticDataConfig(vocab_size=256)))
+        ... # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lightning_4d.recipes.schema.RecipeConfigError: data vocabulary (256 ids) exceeds model.vocab_size=64: ...
+    """
+    c = _cfg(cfg)
+    vocab = _data_vocab(c.data)
+    if vocab > c.model.vocab_size:
+        raise RecipeConfigError(
+            f"data vocabulary ({vocab} ids) exceeds model.vocab_size={c.model.vocab_size}: raise model.vocab_size "
+            f"to at least {vocab} or use a smaller tokenizer / data.vocab_size.")
+    if c.data.seq_len > c.model.max_seq_len:
+        key = "model.block_size" if isinstance(c.model, GPT2ModelConfig) else "model.max_seq_len"
+        raise RecipeConfigError(f"data.seq_len={c.data.seq_len} exceeds {key}={c.model.max_seq_len}.")
+    return c
+
+
+# ---------------------------------------------------------------------------------------------- paths
+def output_dir(cfg: Config) -> Path:
+    """Where logs and checkpoints go: ``output_dir``, else Hydra's run directory, else ``outputs/recipes``.
+
+    Ranks started by Lightning's launcher inherit the first process's directory (an environment
+    variable), so every rank agrees even across a Hydra multirun.
+
+    Example:
+        >>> output_dir(TrainConfig(output_dir="/tmp/run")).as_posix()
+        '/tmp/run'
+    """
+    c = cfg if isinstance(cfg, TrainConfig) else None
+    explicit = c.output_dir if c is not None else OmegaConf.select(cfg, "output_dir")
+    if explicit:
+        return Path(explicit).absolute()
+    if "LOCAL_RANK" in os.environ and os.environ.get(_RUN_DIR_ENV):
+        return Path(os.environ[_RUN_DIR_ENV])
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        return Path(HydraConfig.get().runtime.output_dir).absolute()
+    return Path("outputs/recipes").absolute()
+
+
+# ---------------------------------------------------------------------------------------------- data
+def build_data(cfg: Config) -> "L.LightningDataModule":
+    """The DataModule of ``cfg.data`` (``TextDataModule`` or ``SyntheticDataModule``).
+
+    Example:
+        >>> from lightning_4d.recipes.schema import SyntheticDataConfig
+        >>> dm = build_data(TrainConfig(model=LlamaModelConfig(), data=SyntheticDataConfig(seq_len=8)))
+        >>> type(dm).__name__
+        'SyntheticDataModule'
+    """
+    d = _cfg(cfg).data
+    if isinstance(d, SyntheticDataConfig):
+        from lightning_4d.data import SyntheticDataModule
+
+        return SyntheticDataModule(
+            vocab_size=d.vocab_size, seq_len=d.seq_len, batch_size=d.batch_size,
+            num_train_samples=d.num_train_samples, num_val_samples=d.num_val_samples, kind=d.kind,
+            period=d.period, seed=d.seed, num_workers=d.num_workers)
+    assert isinstance(d, TextDataConfig)
+    from lightning_4d.data import TextDataModule
+
+    data_dir = Path(d.data_dir).absolute()
+    if not d.prepare and not (data_dir / "train.bin").exists():
+        raise RecipeConfigError(
+            f"data.data_dir={str(data_dir)!r} holds no train.bin and data.prepare=false. Prepare it first: "
+            f"python -m lightning_4d.data prepare --out {d.data_dir} --text YOUR_TEXT (or set data.prepare=true).")
+    text = [str(Path(t).absolute()) for t in d.text] if d.text is not None else None
+    for t in text or []:
+        if not Path(t).exists():
+            raise RecipeConfigError(f"data.text entry {t!r} does not exist.")
+    return TextDataModule(
+        data_dir=data_dir, text=text, seq_len=d.seq_len, batch_size=d.batch_size, num_workers=d.num_workers,
+        tokenizer=d.tokenizer, max_bytes=d.max_bytes, val_fraction=d.val_fraction, seed=d.seed, stride=d.stride)
+
+
+# ---------------------------------------------------------------------------------------------- model
+def _kwargs_for(schema: Any, target: type) -> dict[str, Any]:
+    """Schema fields accepted by ``target``; a non-default value for a field it lacks is an error."""
+    accepted = {f.name for f in fields(target)}
+    out: dict[str, Any] = {}
+    for f in fields(schema):
+        if f.name == "name":
+            continue
+        value = getattr(schema, f.name)
+        if f.name in accepted:
+            out[f.name] = value
+        elif value != f.default:
+            raise RecipeConfigError(
+                f"model.{f.name}={value!r} is not supported by {target.__module__}.{target.__name__} in this version "
+                f"of lightning_4d; remove it from the model config.")
+    return out
+
+
+def build_network(cfg: Config) -> "nn.Module":
+    """The plain torch network of ``cfg.model`` (``Llama``, ``GPT2`` or ``MoETransformer``), on the
+    current default device (wrap in ``torch.device("meta")`` for an empty build).
+
+    Raises:
+        RecipeConfigError: ``base_moe`` models when ``lightning_4d.models.moe`` is not available.
+
+    Example:
+        >>> net = build_network(TrainConfig(model=LlamaModelConfig(dim=32, n_heads=4, ffn_hidden=64)))
+        >>> type(net).__name__, sum(p.numel() for p in net.parameters())
+        ('Llama', 37024)
+    """
+    m = _cfg(cfg).model
+    if isinstance(m, MoEModelConfig):
+        try:
+            from lightning_4d.models.moe import MoEConfig, MoETransformer
+        except ImportError as err:
+            raise RecipeConfigError(
+                f"model={m.name} is a mixture-of-experts model, but lightning_4d.models.moe (MoEConfig, "
+                f"MoETransformer) is not available in this installation ({err}). Choose a dense model, e.g. "
+                f"model=tiny_dense.") from err
+        return MoETransformer(MoEConfig(**_kwargs_for(m, MoEConfig)))
+    if isinstance(m, LlamaModelConfig):
+        from lightning_4d.models import Llama, LlamaConfig
+
+        return Llama(LlamaConfig(**_kwargs_for(m, LlamaConfig)))
+    if isinstance(m, GPT2ModelConfig):
+        from lightning_4d.models import GPT2, GPT2Config
+
+        return GPT2(GPT2Config(**_kwargs_for(m, GPT2Config)))
+    raise RecipeConfigError(f"model of type {type(m).__name__} has no builder.")
+
+
+def build_model(cfg: Config, trainer: Optional["L.Trainer"] = None) -> "L.LightningModule":
+    """A :class:`~lightning_4d.models.CausalLM` around :func:`build_network`, with ``cfg.optim``.
+
+    With a ``trainer`` and ``meta_init`` (``null``: over 100M parameters) the network is built inside
+    ``trainer.init_module(empty_init=True)``, i.e. on the meta device, and the strategy materialises
+    and shards it.
+
+    Example:
+        >>> lm = build_model(TrainConfig(model=LlamaModelConfig(dim=32, n_heads=4)))
+        >>> lm.hparams.lr
+        0.0003
+    """
+    from lightning_4d.models import CausalLM
+
+    c = _cfg(cfg)
+    meta = c.meta_init if c.meta_init is not None else count_params(c.model).total > META_INIT_THRESHOLD
+    if trainer is not None and meta:
+        with trainer.init_module(empty_init=True):
+            net = build_network(c)
+    else:
+        net = build_network(c)
+    o = c.optim
+    return CausalLM(net, lr=o.lr, weight_decay=o.weight_decay, betas=(o.betas[0], o.betas[1]),
+                    warmup_steps=o.warmup_steps)
+
+
+# ---------------------------------------------------------------------------------------------- trainer
+def build_strategy(cfg: Config) -> Any:
+    """``FourDStrategy`` with the options of ``cfg.parallel``.
+
+    Example:
+        >>> from lightning_4d.recipes.schema import ParallelConfig
+        >>> build_strategy(TrainConfig(parallel=ParallelConfig(tp=2))).config.tp
+        2
+    """
+    from lightning_4d import FourDStrategy
+
+    p = _cfg(cfg).parallel
+    return FourDStrategy(
+        tp=p.tp, pp=p.pp, ep=p.ep, dp=p.dp, sequence_parallel=p.sequence_parallel, microbatches=p.microbatches,
+        schedule=p.schedule, virtual_stages=p.virtual_stages, data_parallel=p.data_parallel,
+        activation_checkpointing=p.activation_checkpointing, timeout=timedelta(minutes=p.timeout_min))
+
+
+class LossHistory:
+    """Callback factory: records the global ``train_loss`` of every step (same value on every rank).
+
+    Example:
+        >>> LossHistory.create().losses
+        []
+    """
+
+    @staticmethod
+    def create() -> Any:
+        """A new ``lightning.Callback`` with a ``losses`` list."""
+        import lightning as L
+
+        class _LossHistory(L.Callback):
+            def __init__(self) -> None:
+                self.losses: list[float] = []
+
+            def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+                value = trainer.callback_metrics.get("train_loss")
+                if value is not None:
+                    self.losses.append(float(value))
+
+        return _LossHistory()
+
+
+def layout_gaps(plan: Any, tp: int, pp: int, ep: int) -> list[str]:
+    """Degrees > 1 that the strategy's plan shows no trace of (pure; empty when all were applied).
+
+    Reads ``plan.tp_modules``, ``plan.pipeline`` and ``plan.expert_modules`` of
+    :class:`~lightning_4d.parallelize.ParallelPlan`; a field the plan lacks is not checked.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> layout_gaps(SimpleNamespace(tp_modules=["wq"], pipeline=None, expert_modules=[]), 2, 2, 1)
+        ['pp=2 (no pipeline stages were built)']
+    """
+    gaps: list[str] = []
+    if tp > 1 and hasattr(plan, "tp_modules") and not plan.tp_modules:
+        gaps.append(f"tp={tp} (no module was tensor-parallelised)")
+    if pp > 1 and hasattr(plan, "pipeline") and plan.pipeline is None:
+        gaps.append(f"pp={pp} (no pipeline stages were built)")
+    if ep > 1 and hasattr(plan, "expert_modules") and not plan.expert_modules:
+        gaps.append(f"ep={ep} (no expert layer was made expert-parallel)")
+    return gaps
+
+
+class LayoutGuard:
+    """Callback factory: after the strategy has set up, fail if a requested degree was not applied,
+    so a run never silently trains a different layout than the one asked for.
+
+    Example:
+        >>> type(LayoutGuard.create(2, 1, 1)).__name__
+        '_LayoutGuard'
+    """
+
+    @staticmethod
+    def create(tp: int, pp: int, ep: int) -> Any:
+        """A new ``lightning.Callback`` checking ``trainer.strategy.plan`` in ``on_fit_start``."""
+        import lightning as L
+
+        class _LayoutGuard(L.Callback):
+            def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+                plan = getattr(trainer.strategy, "plan", None)
+                gaps = layout_gaps(plan, tp, pp, ep) if plan is not None else []
+                if gaps:
+                    raise RuntimeError(
+                        f"FourDStrategy did not apply {', '.join(gaps)} to {type(pl_module.model).__name__}. This "
+                        f"layout is not supported by this version of lightning_4d yet; choose e.g. parallel=tp "
+                        f"(and model=tiny_dense) or set the degree to 1.")
+
+        return _LayoutGuard()
+
+
+def build_callbacks(cfg: Config, root: Optional[Path] = None) -> list[Any]:
+    """Progress bar, ``ModelCheckpoint`` (under ``<output_dir>/checkpoints``), the layout guard and the
+    loss history (always last).
+
+    Example:
+        >>> from lightning_4d.recipes.schema import CallbacksConfig
+        >>> cbs = build_callbacks(TrainConfig(callbacks=CallbacksConfig(checkpoint=False)), Path("/tmp/x"))
+        >>> [type(cb).__name__ for cb in cbs]
+        ['TQDMProgressBar', '_LayoutGuard', '_LossHistory']
+    """
+    from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+
+    c = _cfg(cfg)
+    root = root if root is not None else output_dir(c)
+    cbs: list[Any] = []
+    if c.callbacks.progress_bar:
+        cbs.append(TQDMProgressBar(refresh_rate=c.callbacks.progress_refresh_rate))
+    if c.callbacks.checkpoint:
+        # Every n steps, by default once at the last step (a run that stops mid-epoch would save nothing).
+        every = c.callbacks.checkpoint_every_n_steps or (c.trainer.max_steps if c.trainer.max_steps > 0 else None)
+        cbs.append(ModelCheckpoint(
+            dirpath=str(root / "checkpoints"), every_n_train_steps=every, save_last=c.callbacks.save_last,
+            save_top_k=1))
+    p = c.parallel
+    cbs.append(LayoutGuard.create(p.tp, p.pp, p.ep))
+    cbs.append(LossHistory.create())
+    return cbs
+
+
+def build_loggers(cfg: Config, root: Optional[Path] = None) -> list[Any]:
+    """``CSVLogger`` and, when ``tensorboard`` (or ``tensorboardX``) is installed, ``TensorBoardLogger``.
+
+    Example:
+        >>> [type(lg).__name__ for lg in build_loggers(TrainConfig(), Path("/tmp/x"))][:1]
+        ['CSVLogger']
+    """
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    c = _cfg(cfg)
+    root = root if root is not None else output_dir(c)
+    loggers: list[Any] = []
+    if c.logger.csv:
+        loggers.append(CSVLogger(save_dir=str(root), name="csv"))
+    has_tb = any(importlib.util.find_spec(m) is not None for m in ("tensorboard", "tensorboardX"))
+    if c.logger.tensorboard and has_tb:
+        loggers.append(TensorBoardLogger(save_dir=str(root), name="tensorboard"))
+    return loggers
+
+
+def build_trainer(cfg: Config, root: Optional[Path] = None) -> "L.Trainer":
+    """The ``lightning.Trainer`` of ``cfg.trainer`` with the strategy, callbacks and loggers above.
+
+    Example:
+        >>> trainer = build_trainer(TrainConfig(model=LlamaModelConfig()), Path("/tmp/x"))  # doctest: +SKIP
+        >>> type(trainer.strategy).__name__  # doctest: +SKIP
+        'FourDStrategy'
+    """
+    import lightning as L
+
+    c = _cfg(cfg)
+    t = c.trainer
+    root = root if root is not None else output_dir(c)
+    loggers = build_loggers(c, root)
+    return L.Trainer(
+        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=build_strategy(c),
+        precision=t.precision, max_steps=t.max_steps, max_epochs=t.max_epochs,
+        val_check_interval=t.val_check_interval, check_val_every_n_epoch=None if t.val_check_interval else 1,
+        limit_val_batches=t.limit_val_batches, num_sanity_val_steps=t.num_sanity_val_steps,
+        log_every_n_steps=t.log_every_n_steps, gradient_clip_val=t.gradient_clip_val,
+        accumulate_grad_batches=t.accumulate_grad_batches, default_root_dir=str(root),
+        callbacks=build_callbacks(c, root), logger=loggers or False, enable_checkpointing=c.callbacks.checkpoint,
+        enable_progress_bar=c.callbacks.progress_bar, deterministic=t.deterministic,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- run
+@dataclass
+class RunResult:
+    """What :func:`run` returns (picklable): per-step global losses, where things were written, the
+    resource report and the last logged metrics.
+
+    Example:
+        >>> RunResult(losses=[2.0, 1.0]).loss_drop
+        1.0
+    """
+
+    losses: list[float] = field(default_factory=list)
+    output_dir: str = ""
+    log_dir: Optional[str] = None
+    checkpoint: Optional[str] = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    summary: str = ""
+
+    @property
+    def loss_drop(self) -> float:
+        """First minus last recorded training loss (``nan`` with fewer than two steps)."""
+        return self.losses[0] - self.losses[-1] if len(self.losses) >= 2 else float("nan")
+
+
+def _hydra_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+_LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", _RUN_DIR_ENV)
+
+
+def _prepare_subprocess_launch(root: Path) -> Optional[dict[str, Optional[str]]]:
+    """Make ranks started by Lightning's launcher (which re-runs ``sys.argv``) run *this* job.
+
+    Returns the launch-related environment to restore after the job (``None`` in a launched rank,
+    under torchrun or SLURM, where there is nothing to launch).
+    """
+    if "LOCAL_RANK" in os.environ:
+        return None
+    saved = {k: os.environ.get(k) for k in _LAUNCH_ENV}
+    os.environ[_RUN_DIR_ENV] = str(root)
+    if _hydra_multirun():
+        from hydra.core.hydra_config import HydraConfig
+        from omegaconf import read_write
+
+        # Without this every launched rank would run the whole sweep; give it this job's overrides.
+        hc = HydraConfig.get()
+        sys.argv = [sys.argv[0], *hc.overrides.task]
+        # The launcher passes hydra.run.dir to the ranks: make it this job's directory (not a new one).
+        with read_write(hc):
+            hc.run.dir = hc.runtime.output_dir
+    return saved
+
+
+def _finish_launch(saved: Optional[dict[str, Optional[str]]]) -> None:
+    """Undo what launching did (process group, ``LOCAL_RANK``, ``MASTER_PORT``, ...) so that the next
+    run in this process (the next job of a multirun) launches its own ranks on a fresh port."""
+    if saved is None:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def run(cfg: Config) -> RunResult:
+    """Validate, check resources (fail fast), then build data, Trainer and model, and train.
+
+    Order matters: nothing is built, downloaded or allocated before the resource check passes.
+
+    Example:
+        >>> result = run(cfg)  # doctest: +SKIP
+        >>> result.losses[0] > result.losses[-1]  # doctest: +SKIP
+        True
+    """
+    import lightning as L
+
+    c = validate(cfg)
+    report: Optional[ResourceReport] = check_resources(c) if c.check_resources else None
+    root = output_dir(c)
+    saved_env = _prepare_subprocess_launch(root)
+    try:
+        if report is not None:
+            _print(report.describe())
+        L.seed_everything(c.seed, workers=True, verbose=False)
+        data = build_data(c)
+        trainer = build_trainer(c, root)
+        model = build_model(c, trainer)
+        if trainer.logger is not None:
+            hp = OmegaConf.to_container(OmegaConf.structured(c), resolve=True)
+            for lg in trainer.loggers:
+                lg.log_hyperparams({"recipe": hp})
+        trainer.fit(model, datamodule=data)
+        log_dir = trainer.log_dir  # a broadcast: every rank calls it
+        trainer.strategy.barrier("recipe_end")  # no rank tears down while another still communicates
+    finally:
+        _finish_launch(saved_env)
+    history = next(cb for cb in trainer.callbacks if type(cb).__name__ == "_LossHistory")
+    ckpt = next((cb for cb in trainer.callbacks if type(cb).__name__ == "ModelCheckpoint"), None)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
+    result = RunResult(
+        losses=list(history.losses), output_dir=str(root), log_dir=log_dir,
+        checkpoint=(ckpt.last_model_path or ckpt.best_model_path or None) if ckpt is not None else None,
+        metrics=metrics, summary=report.describe() if report is not None else "")
+    if result.losses:
+        _print(f"train_loss: {result.losses[0]:.4f} -> {result.losses[-1]:.4f} over {len(result.losses)} steps; "
+               f"logs in {result.log_dir or root}")
+    return result

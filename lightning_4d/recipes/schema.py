@@ -1,0 +1,538 @@
+"""Typed schemas of the Hydra recipes, registered with Hydra's ``ConfigStore``.
+
+Every YAML file under ``conf/`` starts from one of these dataclasses (its defaults list names the
+schema first), so Hydra/OmegaConf reject a misspelt key or a wrongly typed value while composing,
+naming the full key::
+
+    $ python recipes/train.py parallel.tpp=2
+    Could not override 'parallel.tpp'. ... Key 'tpp' not in 'ParallelConfig'
+
+Value rules (a positive degree, a known schedule, ...) are checked in ``__post_init__``, which runs
+when the composed config is turned into objects (:func:`to_train_config`); messages name the key.
+Keys added with Hydra's ``+key=value`` (which bypasses the schema) are rejected there too, with the
+nearest known key suggested.
+
+Schemas registered (group / name):
+
+- ``train_schema`` — :class:`TrainConfig`, the primary config (``conf/train.yaml``).
+- ``model/base_llama``, ``model/base_gpt2``, ``model/base_moe`` — :class:`LlamaModelConfig`,
+  :class:`GPT2ModelConfig`, :class:`MoEModelConfig`.
+- ``parallel/base_parallel`` — :class:`ParallelConfig`.
+- ``trainer/base_trainer`` — :class:`TrainerConfig`.
+- ``data/base_text``, ``data/base_synthetic`` — :class:`TextDataConfig`, :class:`SyntheticDataConfig`.
+- ``optim/base_adamw`` — :class:`OptimConfig`.
+
+Example:
+    >>> from omegaconf import OmegaConf
+    >>> cfg = OmegaConf.structured(ParallelConfig)
+    >>> cfg.tp = 2
+    >>> cfg.tpp = 2
+    Traceback (most recent call last):
+    ...
+    omegaconf.errors.ConfigAttributeError: Key 'tpp' not in 'ParallelConfig'
+        full_key: tpp
+        object_type=ParallelConfig
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Union
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from lightning_4d.config import ACTIVATION_CHECKPOINTING, DATA_PARALLEL, SCHEDULES
+
+__all__ = [
+    "CallbacksConfig",
+    "GPT2ModelConfig",
+    "LlamaModelConfig",
+    "LoggerConfig",
+    "MoEModelConfig",
+    "ModelConfig",
+    "DataConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "RecipeConfigError",
+    "SyntheticDataConfig",
+    "TextDataConfig",
+    "TrainConfig",
+    "TrainerConfig",
+    "register_configs",
+    "to_train_config",
+]
+
+_SCHEDULES = tuple(SCHEDULES)
+_DATA_PARALLEL = tuple(DATA_PARALLEL)
+_ACTIVATION_CHECKPOINTING = tuple(ACTIVATION_CHECKPOINTING)
+_PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true")
+_ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
+
+
+class RecipeConfigError(ValueError):
+    """A recipe config value breaks a rule; the message names the key, the rule and a fix.
+
+    Example:
+        >>> str(RecipeConfigError("parallel.tp=0 must be >= 1"))
+        'parallel.tp=0 must be >= 1'
+    """
+
+
+def _positive(key: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RecipeConfigError(f"{key}={value!r} must be a positive integer; e.g. {key}=1.")
+
+
+def _non_negative(key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise RecipeConfigError(f"{key}={value!r} must be a number >= 0.")
+
+
+def _one_of(key: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        shown = ", ".join("null" if c is None else repr(c) for c in choices)
+        raise RecipeConfigError(f"{key}={value!r} is not one of {shown}.")
+
+
+# ---------------------------------------------------------------------------------------------- model
+@dataclass
+class LlamaModelConfig:
+    """A :class:`~lightning_4d.models.Llama` (TorchTitan names). Fields mirror ``LlamaConfig``.
+
+    ``name`` labels the run; everything else is passed to ``LlamaConfig``.
+
+    Example:
+        >>> LlamaModelConfig(dim=64, n_heads=4).n_layers
+        2
+    """
+
+    name: str = "llama"
+    vocab_size: int = 256
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: Optional[int] = None
+    ffn_hidden: Optional[int] = None
+    multiple_of: int = 256
+    max_seq_len: int = 2048
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    dropout: float = 0.0
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for key in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "multiple_of"):
+            _positive(f"model.{key}", getattr(self, key))
+        _positive("model.n_kv_heads", self.n_kv_heads, allow_none=True)
+        _positive("model.ffn_hidden", self.ffn_hidden, allow_none=True)
+        if self.dim % self.n_heads:
+            raise RecipeConfigError(
+                f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}.")
+        kv = self.n_kv_heads or self.n_heads
+        if self.n_heads % kv:
+            raise RecipeConfigError(
+                f"model.n_heads={self.n_heads} must be divisible by model.n_kv_heads={kv} (GQA groups).")
+
+
+@dataclass
+class MoEModelConfig(LlamaModelConfig):
+    """The package's mixture-of-experts transformer (``lightning_4d.models.moe.MoEConfig``):
+    Llama fields plus the MoE ones. Blocks ``< first_dense_layers`` are dense, then every
+    ``moe_every``-th block is MoE; ``shared_experts`` always-active experts of ``expert_hidden``.
+
+    Example:
+        >>> MoEModelConfig(num_experts=4, top_k=2).expert_hidden
+        128
+        >>> MoEModelConfig(num_experts=2, top_k=3)
+        Traceback (most recent call last):
+        ...
+        lightning_4d.recipes.schema.RecipeConfigError: model.top_k=3 exceeds model.num_experts=2.
+    """
+
+    name: str = "moe"
+    num_experts: int = 4
+    top_k: int = 2
+    expert_hidden: int = 128
+    moe_every: int = 1
+    first_dense_layers: int = 0
+    shared_experts: int = 0
+    score_func: str = "softmax"
+    renormalize: bool = True
+    route_scale: float = 1.0
+    aux_loss_coef: float = 0.0
+    bias_update_rate: float = 0.0
+    capacity_factor: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("num_experts", "top_k", "expert_hidden", "moe_every"):
+            _positive(f"model.{key}", getattr(self, key))
+        if self.top_k > self.num_experts:
+            raise RecipeConfigError(f"model.top_k={self.top_k} exceeds model.num_experts={self.num_experts}.")
+        _non_negative("model.first_dense_layers", self.first_dense_layers)
+        _non_negative("model.shared_experts", self.shared_experts)
+        _one_of("model.score_func", self.score_func, ("softmax", "sigmoid"))
+
+
+@dataclass
+class GPT2ModelConfig:
+    """A :class:`~lightning_4d.models.GPT2` (nanoGPT names). Fields mirror ``GPT2Config``.
+
+    Example:
+        >>> GPT2ModelConfig().n_embd
+        768
+    """
+
+    name: str = "gpt2"
+    vocab_size: int = 50304
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    block_size: int = 1024
+    dropout: float = 0.0
+    bias: bool = True
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for key in ("vocab_size", "n_embd", "n_layer", "n_head", "block_size"):
+            _positive(f"model.{key}", getattr(self, key))
+        if self.n_embd % self.n_head:
+            raise RecipeConfigError(f"model.n_embd={self.n_embd} must be divisible by model.n_head={self.n_head}.")
+
+    @property
+    def max_seq_len(self) -> int:
+        """Longest sequence the model accepts (``block_size``)."""
+        return self.block_size
+
+
+ModelConfig = Union[LlamaModelConfig, MoEModelConfig, GPT2ModelConfig]
+
+
+# ---------------------------------------------------------------------------------------------- parallel
+@dataclass
+class ParallelConfig:
+    """The layout: every option of :class:`~lightning_4d.FourDStrategy`.
+
+    ``dp`` is an integer or ``"auto"`` (``world / (tp·pp)``); ``timeout_min`` is the process-group
+    timeout in minutes.
+
+    Example:
+        >>> ParallelConfig(tp=2, pp=2, ep=2, dp=2).schedule
+        '1f1b'
+        >>> ParallelConfig(schedule="2f2b")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lightning_4d.recipes.schema.RecipeConfigError: parallel.schedule='2f2b' is not one of 'gpipe', '1f1b', ...
+    """
+
+    name: str = "custom"
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    dp: Any = "auto"
+    sequence_parallel: bool = True
+    microbatches: Optional[int] = None
+    schedule: str = "1f1b"
+    virtual_stages: Optional[int] = None
+    data_parallel: str = "fsdp"
+    activation_checkpointing: Optional[str] = None
+    timeout_min: float = 30.0
+
+    def __post_init__(self) -> None:
+        for key in ("tp", "pp", "ep"):
+            _positive(f"parallel.{key}", getattr(self, key))
+        if self.dp != "auto":
+            _positive("parallel.dp", self.dp)
+        _positive("parallel.microbatches", self.microbatches, allow_none=True)
+        _positive("parallel.virtual_stages", self.virtual_stages, allow_none=True)
+        _one_of("parallel.schedule", self.schedule, _SCHEDULES)
+        _one_of("parallel.data_parallel", self.data_parallel, _DATA_PARALLEL)
+        _one_of("parallel.activation_checkpointing", self.activation_checkpointing, _ACTIVATION_CHECKPOINTING)
+        if self.timeout_min <= 0:
+            raise RecipeConfigError(f"parallel.timeout_min={self.timeout_min} must be > 0 (minutes).")
+
+
+# ---------------------------------------------------------------------------------------------- trainer
+@dataclass
+class TrainerConfig:
+    """Arguments of ``lightning.Trainer`` used by the recipes (``devices`` is an int or ``"auto"``).
+
+    Example:
+        >>> TrainerConfig(devices=2).accelerator
+        'cpu'
+    """
+
+    accelerator: str = "cpu"
+    devices: Any = 1
+    num_nodes: int = 1
+    precision: str = "32-true"
+    max_steps: int = 100
+    max_epochs: Optional[int] = None
+    val_check_interval: Optional[int] = None
+    limit_val_batches: Optional[int] = 4
+    num_sanity_val_steps: int = 0
+    log_every_n_steps: int = 10
+    gradient_clip_val: Optional[float] = 1.0
+    accumulate_grad_batches: int = 1
+    default_root_dir: Optional[str] = None
+    deterministic: bool = False
+
+    def __post_init__(self) -> None:
+        _one_of("trainer.accelerator", self.accelerator, _ACCELERATORS)
+        if self.devices != "auto":
+            _positive("trainer.devices", self.devices)
+        _positive("trainer.num_nodes", self.num_nodes)
+        _one_of("trainer.precision", str(self.precision), _PRECISIONS)
+        if self.max_steps != -1:
+            _positive("trainer.max_steps", self.max_steps)
+        _positive("trainer.max_epochs", self.max_epochs, allow_none=True)
+        _positive("trainer.val_check_interval", self.val_check_interval, allow_none=True)
+        if self.limit_val_batches is not None:
+            _non_negative("trainer.limit_val_batches", self.limit_val_batches)
+        _positive("trainer.log_every_n_steps", self.log_every_n_steps)
+        _positive("trainer.accumulate_grad_batches", self.accumulate_grad_batches)
+
+
+# ---------------------------------------------------------------------------------------------- data
+@dataclass
+class TextDataConfig:
+    """:class:`~lightning_4d.data.TextDataModule`: token files in ``data_dir``, prepared from
+    ``text`` (files or directories; ``null``: the Python standard library's sources) on first use.
+    ``prepare: false`` requires existing files (a directory made by ``python -m lightning_4d.data
+    prepare``). A relative ``data_dir`` is relative to the directory the command was started in.
+    ``batch_size`` is per data-parallel rank.
+
+    Example:
+        >>> TextDataConfig(seq_len=64).tokenizer
+        'byte'
+    """
+
+    name: str = "text"
+    data_dir: str = "data/stdlib"
+    text: Optional[List[str]] = None
+    prepare: bool = True
+    tokenizer: str = "byte"
+    max_bytes: Optional[int] = None
+    val_fraction: float = 0.05
+    seq_len: int = 128
+    batch_size: int = 8
+    stride: Optional[int] = None
+    num_workers: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _positive("data.seq_len", self.seq_len)
+        _positive("data.batch_size", self.batch_size)
+        _positive("data.max_bytes", self.max_bytes, allow_none=True)
+        _positive("data.stride", self.stride, allow_none=True)
+        _non_negative("data.num_workers", self.num_workers)
+        if not 0.0 < self.val_fraction < 1.0:
+            raise RecipeConfigError(f"data.val_fraction={self.val_fraction} must be in (0, 1).")
+        if self.text is not None and not self.prepare:
+            raise RecipeConfigError("data.text is given but data.prepare=false: set data.prepare=true or drop text.")
+
+
+@dataclass
+class SyntheticDataConfig:
+    """:class:`~lightning_4d.data.SyntheticDataModule`: seeded synthetic tokens, no files.
+
+    Example:
+        >>> SyntheticDataConfig().kind
+        'repeat'
+    """
+
+    name: str = "synthetic"
+    vocab_size: int = 256
+    seq_len: int = 128
+    batch_size: int = 8
+    num_train_samples: int = 4096
+    num_val_samples: int = 64
+    kind: str = "repeat"
+    period: int = 8
+    seed: int = 0
+    num_workers: int = 0
+
+    def __post_init__(self) -> None:
+        for key in ("vocab_size", "seq_len", "batch_size", "num_train_samples", "num_val_samples", "period"):
+            _positive(f"data.{key}", getattr(self, key))
+        _one_of("data.kind", self.kind, ("random", "increment", "repeat"))
+        _non_negative("data.num_workers", self.num_workers)
+
+
+DataConfig = Union[TextDataConfig, SyntheticDataConfig]
+
+
+# ---------------------------------------------------------------------------------------------- optim
+@dataclass
+class OptimConfig:
+    """AdamW of :class:`~lightning_4d.models.CausalLM` with an optional linear warm-up.
+
+    Example:
+        >>> OptimConfig().betas
+        [0.9, 0.95]
+    """
+
+    name: str = "adamw"
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise RecipeConfigError(f"optim.lr={self.lr} must be > 0.")
+        _non_negative("optim.weight_decay", self.weight_decay)
+        _non_negative("optim.warmup_steps", self.warmup_steps)
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise RecipeConfigError(f"optim.betas={list(self.betas)} must be two numbers in [0, 1).")
+
+
+# ---------------------------------------------------------------------------------------------- top level
+@dataclass
+class CallbacksConfig:
+    """Callbacks added by :func:`~lightning_4d.recipes.build.build_callbacks`.
+
+    Example:
+        >>> CallbacksConfig().checkpoint
+        True
+    """
+
+    progress_bar: bool = True
+    progress_refresh_rate: int = 10
+    checkpoint: bool = True
+    checkpoint_every_n_steps: Optional[int] = None
+    save_last: bool = False
+
+    def __post_init__(self) -> None:
+        _positive("callbacks.progress_refresh_rate", self.progress_refresh_rate)
+        _positive("callbacks.checkpoint_every_n_steps", self.checkpoint_every_n_steps, allow_none=True)
+
+
+@dataclass
+class LoggerConfig:
+    """Loggers: CSV always available; TensorBoard when the ``tensorboard`` package is installed.
+
+    Example:
+        >>> LoggerConfig().csv
+        True
+    """
+
+    csv: bool = True
+    tensorboard: bool = True
+
+
+@dataclass
+class TrainConfig:
+    """The primary config of ``recipes/train.py`` (``conf/train.yaml``).
+
+    ``output_dir`` (``null``: Hydra's run directory, else ``outputs/recipes``) receives logs and
+    checkpoints; ``check_resources`` runs the fail-fast device/memory check before anything is built;
+    ``meta_init`` builds the model on the meta device (``null``: when it has over 100M parameters).
+
+    Example:
+        >>> TrainConfig().seed
+        0
+    """
+
+    model: Any = MISSING
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    data: Any = MISSING
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    callbacks: CallbacksConfig = field(default_factory=CallbacksConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    seed: int = 0
+    output_dir: Optional[str] = None
+    check_resources: bool = True
+    meta_init: Optional[bool] = None
+
+
+_REGISTERED = False
+
+
+def register_configs() -> None:
+    """Register every schema with Hydra's ``ConfigStore`` (idempotent). Call before composing.
+
+    Example:
+        >>> register_configs()
+        >>> from hydra.core.config_store import ConfigStore
+        >>> "base_llama.yaml" in ConfigStore.instance().repo["model"]
+        True
+    """
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    cs.store(group="model", name="base_llama", node=LlamaModelConfig)
+    cs.store(group="model", name="base_moe", node=MoEModelConfig)
+    cs.store(group="model", name="base_gpt2", node=GPT2ModelConfig)
+    cs.store(group="parallel", name="base_parallel", node=ParallelConfig)
+    cs.store(group="trainer", name="base_trainer", node=TrainerConfig)
+    cs.store(group="data", name="base_text", node=TextDataConfig)
+    cs.store(group="data", name="base_synthetic", node=SyntheticDataConfig)
+    cs.store(group="optim", name="base_adamw", node=OptimConfig)
+    _REGISTERED = True
+
+
+def to_train_config(cfg: Union[DictConfig, TrainConfig]) -> TrainConfig:
+    """Validate a composed config and return it as dataclass objects.
+
+    Runs every schema's ``__post_init__`` rule; the model and data nodes must come from one of the
+    registered schemas (a YAML file whose defaults list names ``base_*``).
+
+    Raises:
+        RecipeConfigError: a value breaks a rule, or ``model``/``data`` is not typed by a schema.
+
+    Example:
+        >>> cfg = OmegaConf.structured(TrainConfig)
+        >>> cfg.model = OmegaConf.structured(LlamaModelConfig)
+        >>> cfg.data = OmegaConf.structured(SyntheticDataConfig)
+        >>> to_train_config(cfg).parallel.tp
+        1
+    """
+    if isinstance(cfg, TrainConfig):
+        return cfg
+    checks = (
+        ("model", (LlamaModelConfig, GPT2ModelConfig), "base_llama, base_moe or base_gpt2", "tiny_dense"),
+        ("data", (TextDataConfig, SyntheticDataConfig), "base_text or base_synthetic", "stdlib"),
+    )
+    for key, kinds, bases, example in checks:
+        if OmegaConf.is_missing(cfg, key) or OmegaConf.select(cfg, key) is None:
+            raise RecipeConfigError(f"{key} is not set: choose one on the command line, e.g. {key}={example}.")
+        typ = OmegaConf.get_type(OmegaConf.select(cfg, key))
+        if not (isinstance(typ, type) and issubclass(typ, kinds)):
+            raise RecipeConfigError(
+                f"{key} has no schema (type {getattr(typ, '__name__', typ)}): a YAML file of the {key} group must "
+                f"name its schema first in its defaults list ({bases}; see lightning_4d/recipes/schema.py).")
+    _reject_unknown_keys(cfg, "")
+    obj = OmegaConf.to_object(cfg)
+    assert isinstance(obj, TrainConfig)
+    return obj
+
+
+def _reject_unknown_keys(node: DictConfig, prefix: str) -> None:
+    """Keys a schema does not declare. Hydra's ``+key=value`` lifts the struct flag while applying the
+    override and ``OmegaConf.to_object`` would then drop the key silently; name it instead."""
+    import dataclasses
+    import difflib
+
+    typ = OmegaConf.get_type(node)
+    if not (isinstance(typ, type) and dataclasses.is_dataclass(typ)):
+        return
+    known = [f.name for f in dataclasses.fields(typ)]
+    for key in node.keys():
+        path = f"{prefix}{key}"
+        if key not in known:
+            near = difflib.get_close_matches(str(key), known, n=1)
+            hint = f" Did you mean {prefix}{near[0]}?" if near else f" Known keys: {', '.join(known)}."
+            raise RecipeConfigError(f"{path} is not a key of {typ.__name__}.{hint}")
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            _reject_unknown_keys(child, f"{path}.")

@@ -1,0 +1,284 @@
+"""The Hydra recipes: every config composes and validates, mistakes fail clearly, the big layouts fail
+fast, and tiny trainings run through the compose API (2 ranks, no launcher) and the command line."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from lightning_4d.recipes import conf_dir, count_params, register_configs, to_train_config, validate
+from lightning_4d.recipes.resources import (
+    GiB,
+    DeviceInventory,
+    ResourceError,
+    bytes_per_param,
+    check_resources,
+    estimate_memory,
+    resolve_layout,
+)
+from lightning_4d.recipes.schema import (
+    GPT2ModelConfig,
+    LlamaModelConfig,
+    MoEModelConfig,
+    RecipeConfigError,
+    TextDataConfig,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+CONF = conf_dir()
+GROUPS = ("model", "parallel", "trainer", "data", "optim")
+# Options whose YAML leaves a mandatory value (???) to the command line.
+REQUIRED = {
+    ("data", "text_file"): ["data.text=[README.md]"],
+    ("data", "token_dir"): ["data.data_dir=data/books"],
+}
+# Tiny, fast settings shared by the training tests.
+TINY = [
+    "model=tiny_dense", "model.dim=32", "model.n_layers=2", "model.ffn_hidden=64", "model.max_seq_len=32",
+    "trainer.log_every_n_steps=1", "trainer.val_check_interval=null", "trainer.limit_val_batches=0",
+    "callbacks.progress_bar=false", "callbacks.checkpoint=false", "logger.tensorboard=false",
+    "optim.warmup_steps=0", "optim.lr=2e-2",
+]
+SYNTHETIC = ["data=synthetic", "data.kind=increment", "data.seq_len=16", "data.batch_size=4",
+             "data.num_train_samples=64"]
+
+def _compose(overrides: list[str], config_dir: Path = CONF) -> Any:
+    register_configs()
+    with initialize_config_dir(str(config_dir), version_base=None):
+        return compose("train", overrides)
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+# ---------------------------------------------------------------------------------------------- compose
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
+def test_every_config_composes_and_validates(group: str, option: str) -> None:
+    cfg = _compose([f"{group}={option}", *REQUIRED.get((group, option), [])])
+    typed = validate(cfg)
+    node = getattr(typed, group)
+    assert getattr(node, "name", option) == option, f"{group}/{option}.yaml should set name: {option}"
+
+
+def test_groups_have_the_required_options() -> None:
+    want = {
+        "model": {"tiny_dense", "tiny_moe", "gpt2_125m", "llama3_8b", "mixtral_8x7b", "deepseek_v3", "moe_1t"},
+        "parallel": {"none", "dp", "tp", "cpu_4d", "moe_1t"},
+        "trainer": {"cpu", "gpu"},
+        "data": {"stdlib", "text_file", "synthetic", "token_dir"},
+        "optim": {"adamw"},
+    }
+    for group, options in want.items():
+        assert options <= set(_options(group)), group
+
+
+def test_default_is_the_cpu_4d_run() -> None:
+    c = to_train_config(_compose([]))
+    p = c.parallel
+    assert (p.tp, p.pp, p.ep) == (2, 2, 2) and c.trainer.devices == 8
+    assert resolve_layout(p, c.trainer.devices).dp == 2
+    assert isinstance(c.model, MoEModelConfig) and c.model.num_experts % p.ep == 0
+    assert isinstance(c.data, TextDataConfig) and c.data.text is None and c.data.tokenizer == "byte"
+    assert c.data.batch_size % p.microbatches == 0
+    check_resources(c, DeviceInventory("cpu", 2, 16 * GiB))
+
+
+# ---------------------------------------------------------------------------------------------- mistakes
+def test_typo_key_on_the_command_line_fails_clearly() -> None:
+    with pytest.raises(ConfigCompositionException) as err:
+        _compose(["parallel.tpp=2"])
+    assert "tpp" in str(err.value) and "parallel" in str(err.value)
+    # '+' makes Hydra add the key despite the schema; validation names it instead of dropping it.
+    with pytest.raises(RecipeConfigError, match=r"model\.n_layer is not a key of MoEModelConfig\. Did you mean "
+                                                r"model\.n_layers\?"):
+        to_train_config(_compose(["+model.n_layer=3"]))
+    with pytest.raises(RecipeConfigError, match="parallel.tpp is not a key"):
+        to_train_config(_compose(["+parallel.tpp=2"]))
+
+
+def test_typo_key_in_a_yaml_file_fails_clearly(tmp_path: Path) -> None:
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    with open(conf / "model" / "tiny_dense.yaml", "a") as fh:
+        fh.write("n_layer: 3\n")
+    with pytest.raises((ConfigCompositionException, ConfigKeyError)) as err:
+        _compose(["model=tiny_dense"], conf)
+    text = str(err.value) + str(err.value.__cause__)
+    assert "n_layer" in text and "LlamaModelConfig" in text
+
+
+def test_wrong_type_fails_clearly() -> None:
+    with pytest.raises((ConfigCompositionException, ValidationError)) as err:
+        _compose(["parallel.tp=two"])
+    text = str(err.value) + str(err.value.__cause__)
+    assert "parallel.tp" in text and "two" in text
+
+
+def test_value_rules_name_the_key() -> None:
+    with pytest.raises(RecipeConfigError, match=r"parallel\.schedule='2f2b'"):
+        to_train_config(_compose(["parallel.schedule=2f2b"]))
+    with pytest.raises(RecipeConfigError, match=r"parallel\.tp=0"):
+        to_train_config(_compose(["parallel.tp=0"]))
+    with pytest.raises(RecipeConfigError, match="model.vocab_size=64"):
+        validate(_compose(["model=tiny_dense", "model.vocab_size=64"]))
+    with pytest.raises(RecipeConfigError, match="data.seq_len=512"):
+        validate(_compose(["model=tiny_dense", "data.seq_len=512"]))
+
+
+# ---------------------------------------------------------------------------------------------- arithmetic
+@pytest.mark.parametrize("schema", [
+    LlamaModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48),
+    LlamaModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, tie_embeddings=True),
+    GPT2ModelConfig(vocab_size=64, n_embd=32, n_layer=2, n_head=4, block_size=16),
+    GPT2ModelConfig(vocab_size=64, n_embd=32, n_layer=1, n_head=4, block_size=16, bias=False, tie_embeddings=False),
+    MoEModelConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=48, num_experts=4,
+                   top_k=2, expert_hidden=16, moe_every=2, first_dense_layers=1, shared_experts=1),
+])
+def test_param_count_matches_the_real_model(schema: Any) -> None:
+    from lightning_4d.recipes import build_network
+    from lightning_4d.recipes.schema import TrainConfig
+
+    if isinstance(schema, MoEModelConfig):
+        pytest.importorskip("lightning_4d.models.moe")
+    net = build_network(TrainConfig(model=schema))
+    assert count_params(schema).total == sum(p.numel() for p in net.parameters())
+    if isinstance(schema, MoEModelConfig):
+        assert count_params(schema).active == net.num_active_params()
+
+
+def test_moe_model_without_the_moe_module_fails_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_4d.recipes import build_network
+
+    monkeypatch.setitem(sys.modules, "lightning_4d.models.moe", None)  # import now raises ImportError
+    with pytest.raises(RecipeConfigError, match="model=tiny_moe is a mixture-of-experts model.*model=tiny_dense"):
+        build_network(to_train_config(_compose(["model=tiny_moe"])))
+
+
+def test_big_models_have_their_documented_sizes() -> None:
+    sizes = {name: count_params(to_train_config(_compose([f"model={name}"])).model) for name in _options("model")}
+    assert 1.0e12 < sizes["moe_1t"].total < 1.1e12 and sizes["moe_1t"].total == 1_038_954_930_176
+    assert abs(sizes["llama3_8b"].total / 8.03e9 - 1) < 0.01
+    assert abs(sizes["mixtral_8x7b"].total / 46.7e9 - 1) < 0.01
+    assert abs(sizes["gpt2_125m"].total / 124.5e6 - 1) < 0.01
+    assert 6.5e11 < sizes["deepseek_v3"].total < 7.0e11
+
+
+def test_memory_estimate_follows_the_documented_formula() -> None:
+    c = to_train_config(_compose(["model=moe_1t", "parallel=moe_1t", "trainer=gpu"]))
+    params = count_params(c.model)
+    layout = resolve_layout(c.parallel, None)
+    assert (layout.world, layout.edp) == (512, 16)
+    est = estimate_memory(params, layout, "bf16-mixed")
+    assert est.expert_per_rank == pytest.approx(params.expert / (8 * 4) / 16)
+    assert est.dense_per_rank == pytest.approx(params.dense / (8 * 4) / 16)
+    assert 25 * GiB < est.bytes_per_rank < 35 * GiB
+    assert bytes_per_param("bf16-true") == 8
+
+
+# ---------------------------------------------------------------------------------------------- fail fast
+def test_moe_1t_fails_fast_without_its_devices() -> None:
+    cpu = to_train_config(_compose(["model=moe_1t", "parallel=moe_1t"]))
+    with pytest.raises(ResourceError) as err:
+        check_resources(cpu, DeviceInventory("cpu", 2, 16 * GiB))
+    msg = str(err.value)
+    assert "512" in msg and "tp=8" in msg and "pp=4" in msg and "ep=8" in msg and "GiB per rank" in msg
+    assert "trainer.num_nodes=64" in msg and "recipes/plan.py" in msg
+    # The right world, but a node with one small GPU.
+    gpu = to_train_config(_compose(["model=moe_1t", "parallel=moe_1t", "trainer=gpu", "trainer.num_nodes=64"]))
+    with pytest.raises(ResourceError, match="8 CUDA devices per node are needed"):
+        check_resources(gpu, DeviceInventory("cuda", 1, 80 * GiB, 1))
+    # Eight 16 GiB GPUs: enough devices, not enough memory.
+    with pytest.raises(ResourceError, match="GiB per rank is needed but a GPU here has 16"):
+        check_resources(gpu, DeviceInventory("cuda", 8, 16 * GiB, 8))
+    # Eight 80 GiB GPUs per node, 64 nodes: passes.
+    assert check_resources(gpu, DeviceInventory("cuda", 8, 80 * GiB, 8)).layout.world == 512
+
+
+def test_layout_must_fit_the_model() -> None:
+    cpu = DeviceInventory("cpu", 2, 16 * GiB)
+    c = to_train_config(_compose(["model=tiny_dense", "parallel=cpu_4d"]))
+    with pytest.raises(ResourceError, match="needs a mixture-of-experts model"):
+        check_resources(c, cpu)
+    c = to_train_config(_compose(["model=tiny_moe", "parallel=tp", "parallel.tp=8"]))
+    with pytest.raises(ResourceError, match=r"model.n_kv_heads=4 is not divisible by parallel.tp=8"):
+        check_resources(c, cpu)
+    c = to_train_config(_compose(["parallel.tp=4", "trainer.max_steps=20"]))  # the brief's override example
+    assert check_resources(c, cpu).layout.dp == 1
+
+
+def _run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0"}
+    env.pop("LOCAL_RANK", None)
+    return subprocess.run([sys.executable, str(REPO / "recipes" / "train.py"), *args], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+def test_moe_1t_command_line_fails_fast(tmp_path: Path) -> None:
+    proc = _run_cli("model=moe_1t", "parallel=moe_1t", f"hydra.run.dir={tmp_path}", timeout=60)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "This recipe cannot run here" in proc.stderr and "512" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "csv").exists()  # nothing was built
+
+
+# ---------------------------------------------------------------------------------------------- training
+def _train_in_world(rank: int, conf: str, runs: list[list[str]]) -> list[list[float]]:
+    from lightning_4d.recipes import run
+
+    out = []
+    for overrides in runs:
+        register_configs()
+        with initialize_config_dir(conf, version_base=None):
+            cfg = compose("train", overrides)
+        out.append(run(cfg).losses)
+    return out
+
+
+def test_tiny_training_through_compose_on_two_ranks(tmp_path: Path) -> None:
+    from lightning_4d.testing import run_world
+
+    common = [*TINY, "trainer.devices=2", "trainer.max_steps=5"]
+    runs = [
+        [*common, *SYNTHETIC, "parallel=tp", f"output_dir={tmp_path / 'tp'}"],
+        # data parallel on the stdlib text corpus (a small slice), byte tokenizer
+        [*common, "parallel=dp", "data=stdlib", f"data.data_dir={tmp_path / 'stdlib'}", "data.max_bytes=40000",
+         "data.seq_len=16", "data.batch_size=4", f"output_dir={tmp_path / 'dp'}"],
+    ]
+    results = run_world(_train_in_world, 2, str(CONF), runs, timeout_s=300, pg_timeout_s=60)
+    for losses in results[0]:
+        assert len(losses) == 5 and all(x == x for x in losses)
+        assert losses[-1] < losses[0]
+    assert results[0] == results[1]  # the logged loss is global: every rank reports the same
+    assert (tmp_path / "tp" / "csv").is_dir() and (tmp_path / "stdlib" / "train.bin").exists()
+
+
+def test_command_line_overrides_and_multirun(tmp_path: Path) -> None:
+    proc = _run_cli(
+        "-m", *TINY, *SYNTHETIC, "parallel=none", "trainer.devices=1", "trainer.max_steps=2", "optim.lr=1e-3,2e-3",
+        f"hydra.sweep.dir={tmp_path}", "hydra.sweep.subdir=${hydra.job.num}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for job in ("0", "1"):
+        metrics = list((tmp_path / job / "csv").glob("version_*/metrics.csv"))
+        assert metrics, f"job {job} wrote no metrics: {proc.stdout[-2000:]}"
+        assert "train_loss" in metrics[0].read_text()
+    assert "lr: 0.002" in (tmp_path / "1" / ".hydra" / "config.yaml").read_text()
+
+
+def test_checkpoint_is_written(tmp_path: Path) -> None:
+    from lightning_4d.testing import run_world
+
+    tiny = [o for o in TINY if not o.startswith("callbacks.checkpoint")]
+    overrides = [*tiny, *SYNTHETIC, "trainer.devices=1", "trainer.max_steps=2", "parallel=none",
+                 "callbacks.checkpoint=true", f"output_dir={tmp_path}"]
+    run_world(_train_in_world, 1, str(CONF), [overrides], timeout_s=120, pg_timeout_s=30)
+    assert any((tmp_path / "checkpoints").iterdir())
