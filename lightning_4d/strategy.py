@@ -8,6 +8,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Generator, Iterable, Literal, Optional, Union
@@ -92,6 +93,7 @@ class FourDStrategy(ParallelStrategy):
         self._mesh: Optional[FourDMesh] = None
         self._plan: Any = None
         self._grads_stale = True
+        self._resume_loops: Optional[dict[str, Any]] = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -437,7 +439,27 @@ class FourDStrategy(ParallelStrategy):
         from lightning_4d.checkpoint.state import load_sharded
 
         assert self.model is not None
-        return load_sharded(self.broadcast(str(checkpoint_path)), self.model, self.optimizers)
+        meta = load_sharded(self.broadcast(str(checkpoint_path)), self.model, self.optimizers)
+        # Re-positioned once the training dataloader (and so the epoch length) is known.
+        self._resume_loops = copy.deepcopy(meta.get("loops"))
+        return meta
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """After a resume, restore the exact loop position and skip the batches already trained on."""
+        trainer = self.lightning_module.trainer
+        if self._resume_loops is None or not trainer.training or "fit_loop" not in self._resume_loops:
+            return dataloader
+        from lightning_4d.checkpoint.resume import normalize_loop_state, skip_first_batches
+
+        loops, self._resume_loops = self._resume_loops, None
+        try:
+            batches = len(dataloader)
+        except TypeError:
+            return dataloader  # an iterable without a length: left to Lightning
+        skip = normalize_loop_state({"loops": loops}, batches)
+        trainer.fit_loop.load_state_dict(loops["fit_loop"])
+        return skip_first_batches(dataloader, skip)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

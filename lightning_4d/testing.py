@@ -89,7 +89,7 @@ def run_world(
     world_size: int,
     *args: Any,
     timeout_s: float = 600.0,
-    pg_timeout_s: float = 60.0,
+    pg_timeout_s: float = 300.0,
     raise_on_error: bool = True,
 ) -> list[Any]:
     """Run ``fn(rank, *args)`` on ``world_size`` CPU ranks joined by a gloo process group.
