@@ -1,0 +1,410 @@
+"""Datasets and Lightning DataModules that yield ``(inputs, targets)`` token batches.
+
+Batches are pairs of ``LongTensor`` of shape ``(batch_size, seq_len)`` where ``targets`` is
+``inputs`` shifted left by one token. ``batch_size`` is per data-parallel rank: the data
+loaders here are plain ``DataLoader`` objects and Lightning replaces their sampler with a
+``DistributedSampler`` keyed on the strategy's data-parallel rank (``use_distributed_sampler=True``,
+the default), so tensor- and pipeline-parallel peers receive the same batch.
+
+Example:
+    >>> dm = SyntheticDataModule(vocab_size=32, seq_len=8, batch_size=2, kind="increment")
+    >>> dm.setup("fit")
+    >>> x, y = next(iter(dm.train_dataloader()))
+    >>> x.shape, bool(((x + 1) % 32 == y).all())
+    (torch.Size([2, 8]), True)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal, Optional, Union
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
+
+from lightning_4d.data.tokenizer import Tokenizer, get_tokenizer
+from lightning_4d.data.tokens import TokenFile, prepare, source_record
+
+__all__ = ["SyntheticDataModule", "SyntheticTokenDataset", "TextDataModule", "TokenWindowDataset"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+SyntheticKind = Literal["random", "increment", "repeat"]
+
+
+class TokenWindowDataset(Dataset):
+    """Fixed-length windows over a token stream, as ``(inputs, targets)`` pairs.
+
+    Window ``i`` covers tokens ``[i*stride, i*stride + seq_len + 1)``; ``inputs`` are its first
+    ``seq_len`` tokens and ``targets`` its last ``seq_len`` (shifted by one). With the default
+    ``stride=seq_len`` windows do not overlap in their inputs.
+
+    Args:
+        tokens: a :class:`~lightning_4d.data.tokens.TokenFile` or any 1-D integer array.
+        seq_len: tokens per sample.
+        stride: distance between window starts (default ``seq_len``).
+
+    Raises:
+        ValueError: fewer than ``seq_len + 1`` tokens, or a non-positive length or stride.
+
+    Example:
+        >>> ds = TokenWindowDataset(np.arange(10), seq_len=4)
+        >>> len(ds)
+        2
+        >>> x, y = ds[1]
+        >>> x.tolist(), y.tolist()
+        ([4, 5, 6, 7], [5, 6, 7, 8])
+    """
+
+    def __init__(self, tokens: Union[TokenFile, np.ndarray, Sequence[int]], seq_len: int, stride: Optional[int] = None):
+        if seq_len <= 0:
+            raise ValueError(f"seq_len must be positive, got {seq_len}")
+        stride = seq_len if stride is None else stride
+        if stride <= 0:
+            raise ValueError(f"stride must be positive, got {stride}")
+        self.tokens = tokens if isinstance(tokens, TokenFile) else np.asarray(tokens)
+        self.seq_len = seq_len
+        self.stride = stride
+        n = len(self.tokens)
+        if n < seq_len + 1:
+            where = f" in {str(tokens.path)!r}" if isinstance(tokens, TokenFile) else ""
+            raise ValueError(
+                f"not enough tokens{where}: {n} tokens, but one window of seq_len={seq_len} needs {seq_len + 1}"
+            )
+        self._len = (n - seq_len - 1) // stride + 1
+
+    def __len__(self) -> int:
+        return self._len
+
+    @override
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if index < 0:
+            index += self._len
+        if not 0 <= index < self._len:
+            raise IndexError(f"window {index} out of range for {self._len} windows")
+        start = index * self.stride
+        window = torch.from_numpy(np.array(self.tokens[start : start + self.seq_len + 1], dtype=np.int64))
+        return window[:-1], window[1:]
+
+
+class SyntheticTokenDataset(Dataset):
+    """Deterministic synthetic token sequences as ``(inputs, targets)`` pairs.
+
+    Sample ``i`` depends only on ``(seed, split, i)``, never on global RNG state.
+
+    Args:
+        num_samples: dataset length.
+        seq_len: tokens per sample.
+        vocab_size: ids are drawn from ``[0, vocab_size)``.
+        kind: ``"random"`` (uniform, nothing to learn beyond chance: loss ≈ ln(vocab_size)),
+            ``"increment"`` (each token is the previous plus one modulo ``vocab_size``; a
+            bigram model learns it), or ``"repeat"`` (a random motif of ``period`` tokens
+            repeated; learnable by copying from ``period`` positions back).
+        period: motif length for ``"repeat"``.
+        seed: base seed.
+        split: stream id so that train and validation sets differ.
+
+    Example:
+        >>> ds = SyntheticTokenDataset(4, seq_len=6, vocab_size=100, kind="repeat", period=3)
+        >>> x, y = ds[0]
+        >>> x[:3].tolist() == x[3:].tolist(), x[1:].tolist() == y[:-1].tolist()
+        (True, True)
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        seq_len: int,
+        vocab_size: int,
+        kind: SyntheticKind = "random",
+        period: int = 8,
+        seed: int = 0,
+        split: int = 0,
+    ) -> None:
+        if kind not in ("random", "increment", "repeat"):
+            raise ValueError(f"kind must be 'random', 'increment' or 'repeat', got {kind!r}")
+        if num_samples <= 0 or seq_len <= 0 or vocab_size <= 0 or period <= 0:
+            raise ValueError("num_samples, seq_len, vocab_size and period must be positive")
+        self.num_samples = num_samples
+        self.seq_len = seq_len
+        self.vocab_size = vocab_size
+        self.kind = kind
+        self.period = period
+        self.seed = seed
+        self.split = split
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    @override
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if index < 0:
+            index += self.num_samples
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"sample {index} out of range for {self.num_samples} samples")
+        rng = np.random.default_rng([self.seed, self.split, index])
+        n = self.seq_len + 1
+        if self.kind == "random":
+            seq = rng.integers(0, self.vocab_size, size=n)
+        elif self.kind == "increment":
+            seq = (rng.integers(0, self.vocab_size) + np.arange(n)) % self.vocab_size
+        else:
+            seq = np.resize(rng.integers(0, self.vocab_size, size=self.period), n)
+        window = torch.from_numpy(np.asarray(seq, dtype=np.int64))
+        return window[:-1], window[1:]
+
+
+def _loader(
+    dataset: Dataset, batch_size: int, shuffle: bool, seed: int, num_workers: int, pin_memory: bool
+) -> DataLoader:
+    if len(dataset) < batch_size:  # type: ignore[arg-type]
+        raise ValueError(
+            f"dataset has {len(dataset)} samples, fewer than batch_size={batch_size}; "  # type: ignore[arg-type]
+            "with drop_last=True it would yield no batch"
+        )
+    generator = torch.Generator().manual_seed(seed) if shuffle else None
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        generator=generator,
+        drop_last=True,  # equal batch shapes on every step (pipeline micro-batching needs them)
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=num_workers > 0,
+    )
+
+
+class TextDataModule(L.LightningDataModule):
+    """Language-model batches from memory-mapped token files (``train.bin`` / ``val.bin``).
+
+    ``prepare_data`` (run by Lightning on one process per node) tokenizes the text into
+    ``data_dir`` once; files are written atomically, so concurrent nodes sharing a file system
+    are safe. Existing files are reused unless they were built from a different ``text``,
+    ``max_bytes``, ``val_fraction`` or tokenizer. If ``text`` is ``None`` and ``data_dir``
+    already holds files prepared from user text (e.g. with ``python -m lightning_4d.data
+    prepare``), they are used as they are; otherwise the standard library's ``.py`` sources
+    are the corpus.
+
+    Args:
+        data_dir: directory of the token files.
+        text: text file(s) or directories to tokenize; ``None`` for the default corpus.
+        seq_len: tokens per sample.
+        batch_size: samples per batch **per data-parallel rank**.
+        num_workers: DataLoader worker processes.
+        tokenizer: ``"byte"`` or a tiktoken name such as ``"gpt2"``.
+        max_bytes: cap on raw text bytes (default: 4 MB for the default corpus, none for user text).
+        val_fraction: share of tokens held out for validation.
+        seed: seed of the training shuffle.
+        stride: distance between training window starts (default ``seq_len``: no overlap).
+        pin_memory: passed to the DataLoaders.
+
+    Example:
+        >>> import tempfile
+        >>> dm = TextDataModule(tempfile.mkdtemp(), seq_len=16, batch_size=2, max_bytes=20_000)
+        >>> dm.prepare_data(); dm.setup("fit")
+        >>> x, y = next(iter(dm.train_dataloader()))
+        >>> x.shape, dm.vocab_size
+        (torch.Size([2, 16]), 256)
+    """
+
+    def __init__(
+        self,
+        data_dir: PathLike = "data",
+        text: Optional[Union[PathLike, Sequence[PathLike]]] = None,
+        seq_len: int = 256,
+        batch_size: int = 8,
+        num_workers: int = 0,
+        tokenizer: Union[str, Tokenizer] = "byte",
+        max_bytes: Optional[int] = None,
+        val_fraction: float = 0.05,
+        seed: int = 0,
+        stride: Optional[int] = None,
+        pin_memory: bool = False,
+    ) -> None:
+        super().__init__()
+        if seq_len <= 0 or batch_size <= 0:
+            raise ValueError(f"seq_len and batch_size must be positive, got {seq_len} and {batch_size}")
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        self.data_dir = Path(data_dir)
+        if text is not None and not isinstance(text, (str, os.PathLike)):
+            text = [str(t) for t in text]  # also turns Hydra ListConfig into a plain list
+        self.text = text
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.tokenizer = tokenizer
+        self.max_bytes = max_bytes
+        self.val_fraction = val_fraction
+        self.seed = seed
+        self.stride = stride
+        self.pin_memory = pin_memory
+        self.train_file: Optional[TokenFile] = None
+        self.val_file: Optional[TokenFile] = None
+        self.train_dataset: Optional[TokenWindowDataset] = None
+        self.val_dataset: Optional[TokenWindowDataset] = None
+
+    @property
+    def train_path(self) -> Path:
+        """``data_dir / "train.bin"``."""
+        return self.data_dir / "train.bin"
+
+    @property
+    def val_path(self) -> Path:
+        """``data_dir / "val.bin"``."""
+        return self.data_dir / "val.bin"
+
+    @property
+    def tokenizer_name(self) -> str:
+        """Name of the configured tokenizer (as recorded in the sidecars)."""
+        return self.tokenizer if isinstance(self.tokenizer, str) else self.tokenizer.name
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size: from the token files after ``setup``, else from the tokenizer."""
+        if self.train_file is not None:
+            return self.train_file.vocab_size
+        return get_tokenizer(self.tokenizer).vocab_size
+
+    def _needs_prepare(self) -> bool:
+        """Whether the token files in ``data_dir`` are missing or stale."""
+        try:
+            files = [TokenFile(self.train_path), TokenFile(self.val_path)]
+        except (FileNotFoundError, ValueError):
+            return True
+        recorded = [f.meta.get("source") for f in files]
+        if self.text is None and recorded[0] is not None and recorded[0].get("sources") is not None:
+            return False  # prepared from user text elsewhere: use as is (setup checks the tokenizer)
+        wanted = source_record(self.text, self.max_bytes, self.val_fraction)
+        return any(r != wanted or f.tokenizer != self.tokenizer_name for r, f in zip(recorded, files))
+
+    @override
+    def prepare_data(self) -> None:
+        """Tokenize the corpus into ``data_dir`` unless up-to-date token files are there."""
+        if self._needs_prepare():
+            prepare(
+                self.text,
+                self.data_dir,
+                tokenizer=self.tokenizer,
+                val_fraction=self.val_fraction,
+                max_bytes=self.max_bytes,
+            )
+
+    @override
+    def setup(self, stage: str) -> None:
+        """Open the token files (memory maps) and build the window datasets."""
+        if self.train_file is not None:
+            return
+        train_file = TokenFile(self.train_path)
+        val_file = TokenFile(self.val_path)
+        for f in (train_file, val_file):
+            f.check(tokenizer=self.tokenizer_name)
+        val_file.check(vocab_size=train_file.vocab_size)
+        self.train_dataset = TokenWindowDataset(train_file, self.seq_len, self.stride)
+        self.val_dataset = TokenWindowDataset(val_file, self.seq_len) if len(val_file) > self.seq_len else None
+        self.train_file, self.val_file = train_file, val_file
+
+    def _require_setup(self) -> None:
+        if self.train_dataset is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: call prepare_data() and setup() before asking for data loaders"
+            )
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled (seeded), ``drop_last=True`` batches of ``(inputs, targets)``."""
+        self._require_setup()
+        assert self.train_dataset is not None
+        return _loader(self.train_dataset, self.batch_size, True, self.seed, self.num_workers, self.pin_memory)
+
+    @override
+    def val_dataloader(self) -> DataLoader:
+        """In-order, ``drop_last=True`` batches from the validation split."""
+        self._require_setup()
+        if self.val_dataset is None:
+            assert self.val_file is not None
+            raise ValueError(
+                f"validation split {str(self.val_path)!r} has {len(self.val_file)} tokens, fewer than "
+                f"seq_len + 1 = {self.seq_len + 1}; raise val_fraction or max_bytes, or lower seq_len"
+            )
+        return _loader(self.val_dataset, self.batch_size, False, self.seed, self.num_workers, self.pin_memory)
+
+    @override
+    def test_dataloader(self) -> DataLoader:
+        """The validation split (there is no separate test split)."""
+        return self.val_dataloader()
+
+
+class SyntheticDataModule(L.LightningDataModule):
+    """Synthetic ``(inputs, targets)`` batches for tests and benchmarks; no files, fully seeded.
+
+    Args:
+        vocab_size: ids are drawn from ``[0, vocab_size)``.
+        seq_len: tokens per sample.
+        batch_size: samples per batch **per data-parallel rank**.
+        num_train_samples: training set size.
+        num_val_samples: validation set size.
+        kind: ``"random"``, ``"increment"`` or ``"repeat"`` (see :class:`SyntheticTokenDataset`).
+        period: motif length for ``"repeat"``.
+        seed: seed of the data and of the training shuffle.
+        num_workers: DataLoader worker processes.
+
+    Example:
+        >>> dm = SyntheticDataModule(vocab_size=50, seq_len=4, batch_size=3)
+        >>> dm.setup("fit")
+        >>> x, y = next(iter(dm.val_dataloader()))
+        >>> x.shape, x.dtype
+        (torch.Size([3, 4]), torch.int64)
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        seq_len: int = 64,
+        batch_size: int = 8,
+        num_train_samples: int = 256,
+        num_val_samples: int = 32,
+        kind: SyntheticKind = "random",
+        period: int = 8,
+        seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        self.vocab_size = vocab_size
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.seed = seed
+        self.train_dataset = SyntheticTokenDataset(num_train_samples, seq_len, vocab_size, kind, period, seed, split=0)
+        self.val_dataset = SyntheticTokenDataset(num_val_samples, seq_len, vocab_size, kind, period, seed, split=1)
+
+    @override
+    def setup(self, stage: str) -> None:
+        """Nothing to do: the datasets are built in ``__init__`` and generate samples on demand."""
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled (seeded), ``drop_last=True`` training batches."""
+        return _loader(self.train_dataset, self.batch_size, True, self.seed, self.num_workers, False)
+
+    @override
+    def val_dataloader(self) -> DataLoader:
+        """In-order, ``drop_last=True`` validation batches."""
+        return _loader(self.val_dataset, self.batch_size, False, self.seed, self.num_workers, False)
+
+    @override
+    def test_dataloader(self) -> DataLoader:
+        """The validation set."""
+        return self.val_dataloader()
+
+    @override
+    def predict_dataloader(self) -> DataLoader:
+        """The validation set."""
+        return self.val_dataloader()
