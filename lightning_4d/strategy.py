@@ -260,7 +260,14 @@ class FourDStrategy(ParallelStrategy):
         return out
 
     def _reduce_tp_partial_grads(self) -> None:
-        """Sum over ``tp`` the gradients of plain parameters that saw only this rank's sequence shard."""
+        """Sum over ``tp`` the gradients of plain parameters that saw only this rank's sequence shard, and
+        resolve DTensor gradients left ``Partial`` (SP norm weights) once, instead of in every optimizer op."""
+        from torch.distributed.tensor import DTensor, Partial
+
+        for p in self.model.parameters():
+            g = p.grad
+            if isinstance(g, DTensor) and isinstance(p, DTensor) and any(isinstance(x, Partial) for x in g.placements):
+                p.grad = g.redistribute(p.device_mesh, p.placements)
         names = set(self._plan.tp_partial_params) if self._plan is not None else set()
         if not names:
             return

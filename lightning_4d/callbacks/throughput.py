@@ -1,0 +1,211 @@
+"""Training throughput across the mesh: tokens per second, model FLOP utilisation (MFU), peak memory per rank.
+
+Tokens per step are the inputs' elements on one rank times the number of ranks that see different
+samples (``dims.dp`` under ``FourDStrategy``: TP and PP peers share a batch; the world otherwise).
+Time is wall time between logging points (data loading included: what the run achieves); on CUDA the
+device is synchronised at each logging point only. MFU = ``flops_per_token(seq_len) · tokens/s ÷
+(peak FLOP/s per device · world size)``, with ``flops_per_token`` taken from the model (the package's
+models define it: ``6·N_active + 12·L·H·s``). Peak memory is ``torch.cuda.max_memory_allocated`` on
+CUDA, else the process's resident-set high-water mark (``resource.getrusage``).
+
+Example:
+    >>> round(mfu(flops_per_token=1e9, tokens_per_second=1e5, peak_flops=1e15, devices=8), 4)
+    0.0125
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_4d.callbacks._common import RunContext, every_n, gather_rows, log_metrics, resolve_every_n
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["FourDThroughputMonitor", "mfu", "peak_memory_bytes", "find_flops_per_token"]
+
+
+def mfu(flops_per_token: float, tokens_per_second: float, peak_flops: float, devices: int) -> float:
+    """Model FLOP utilisation: achieved model FLOP/s over the devices' peak.
+
+    Example:
+        >>> mfu(6.0, 10.0, 100.0, 2)
+        0.3
+    """
+    if peak_flops <= 0 or devices <= 0:
+        return 0.0
+    return flops_per_token * tokens_per_second / (peak_flops * devices)
+
+
+def peak_memory_bytes(device: Optional[torch.device] = None) -> int:
+    """Peak memory of this rank: CUDA ``max_memory_allocated`` on a CUDA device, else the process's
+    maximum resident set size (``ru_maxrss``: KiB on Linux, bytes on macOS).
+
+    Example:
+        >>> peak_memory_bytes(torch.device("cpu")) > 0
+        True
+    """
+    if device is not None and device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def find_flops_per_token(pl_module: Any) -> Optional[Callable[[int], float]]:
+    """The first ``flops_per_token(seq_len)`` of the LightningModule or one of its submodules, or ``None``.
+
+    Example:
+        >>> find_flops_per_token(torch.nn.Linear(2, 2)) is None
+        True
+    """
+    for module in [pl_module, *getattr(pl_module, "modules", lambda: [])()]:
+        fn = getattr(module, "flops_per_token", None)
+        if callable(fn):
+            return fn
+    return None
+
+
+def _frozen_linear(fn: Optional[Callable[[int], float]]) -> Optional[Callable[[int], float]]:
+    """``s ↦ fn(0) + (fn(1) − fn(0))·s`` evaluated now, or ``None``."""
+    if fn is None:
+        return None
+    try:
+        a = float(fn(0))
+        b = float(fn(1)) - a
+    except Exception:  # noqa: BLE001 - not callable with an int: ask again later
+        return None
+    return lambda s: a + b * s
+
+
+class FourDThroughputMonitor(Callback):
+    """Logs tokens per second, MFU and peak memory per rank across the whole mesh.
+
+    At every logging point (every ``every_n_steps`` batches), over the batches since the previous one:
+
+    - ``perf/tokens_per_second`` (global: all data-parallel replicas), ``perf/step_seconds`` (mean wall
+      time per batch; the slowest rank),
+    - ``perf/mfu`` when the model has ``flops_per_token(seq_len)`` (or ``flops_per_token=`` is given),
+    - ``perf/peak_memory_bytes_max`` / ``_mean`` and ``perf/peak_memory_bytes_rank{r}`` (``per_rank``;
+      default: worlds of at most 16 ranks).
+
+    Works with any strategy (the world is the data-parallel group outside ``FourDStrategy``); named to
+    avoid a clash with Lightning's ``ThroughputMonitor``.
+
+    Args:
+        peak_flops_per_device: peak FLOP/s of one device for MFU (e.g. ``989e12`` for an H100 in bf16).
+        every_n_steps: log every N training batches (default: ``trainer.log_every_n_steps``).
+        flops_per_token: ``fn(seq_len) -> FLOPs`` overriding the model's.
+        per_rank: log one peak-memory key per rank.
+        tokens_fn: ``fn(batch) -> tokens on this rank`` (default: elements of the inputs).
+
+    Example:
+        >>> monitor = FourDThroughputMonitor(peak_flops_per_device=989e12, every_n_steps=10)
+        >>> trainer = L.Trainer(strategy=FourDStrategy(tp=8, pp=4), callbacks=[monitor])  # doctest: +SKIP
+        >>> trainer.fit(lm, data)  # doctest: +SKIP
+        >>> float(trainer.callback_metrics["perf/mfu"])  # doctest: +SKIP
+        0.41
+    """
+
+    def __init__(self, peak_flops_per_device: float = 0.0, every_n_steps: Optional[int] = None,
+                 flops_per_token: Optional[Callable[[int], float]] = None, per_rank: Optional[bool] = None,
+                 tokens_fn: Optional[Callable[[Any], int]] = None) -> None:
+        super().__init__()
+        if peak_flops_per_device < 0:
+            raise ValueError(f"peak_flops_per_device={peak_flops_per_device} must be >= 0 (0: no MFU).")
+        if every_n_steps is not None and every_n_steps < 1:
+            raise ValueError(f"every_n_steps={every_n_steps} must be >= 1 (or None for trainer.log_every_n_steps).")
+        self.peak_flops_per_device = float(peak_flops_per_device)
+        self.every_n_steps = every_n_steps
+        self.flops_per_token = flops_per_token
+        self.per_rank = per_rank
+        self.tokens_fn = tokens_fn
+        self._ctx: Optional[RunContext] = None
+        self._every = 1
+        self._fpt: Optional[Callable[[int], float]] = None
+        self._t_last: Optional[float] = None
+        self._tokens = 0
+        self._batches = 0
+        self._seq = 0
+        self._seen = 0
+
+    @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self._ctx = RunContext.from_trainer(trainer)
+        self._every = resolve_every_n(self.every_n_steps, trainer)
+        # Before the strategy splits the model into pipeline stages (a stage alone would count only its
+        # own parameters): keep FLOPs(s) = a + b·s (linear in the sequence length, as the formula is).
+        self._fpt = self.flops_per_token or _frozen_linear(find_flops_per_token(pl_module))
+
+    @override
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._fpt is None:  # a model created in configure_model
+            self._fpt = find_flops_per_token(pl_module)
+        self._t_last = None
+
+    def _local_tokens(self, pl_module: Any, batch: Any) -> tuple[int, int]:
+        if self.tokens_fn is not None:
+            return int(self.tokens_fn(batch)), self._seq
+        split = getattr(pl_module, "split_batch", None)
+        try:
+            inputs = split(batch)[0] if callable(split) else (batch[0] if isinstance(batch, (tuple, list)) else batch)
+        except Exception:  # noqa: BLE001 - an unusual batch: count nothing
+            return 0, self._seq
+        if isinstance(inputs, torch.Tensor):
+            return int(inputs.numel()), int(inputs.shape[1]) if inputs.dim() >= 2 else int(inputs.numel())
+        return 0, self._seq
+
+    def _now(self, pl_module: Any) -> float:
+        device = getattr(pl_module, "device", None)
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    @override
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+                             batch_idx: int) -> None:
+        if self._t_last is None:
+            self._t_last = self._now(pl_module)
+
+    @override
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        tokens, self._seq = self._local_tokens(pl_module, batch)
+        self._tokens += tokens
+        self._batches += 1
+        step, self._seen = self._seen, self._seen + 1
+        if not every_n(self._every, step) or self._t_last is None:
+            return
+        ctx = self._ctx
+        assert ctx is not None
+        now = self._now(pl_module)
+        elapsed = now - self._t_last
+        device = getattr(pl_module, "device", None)
+        row = torch.tensor([elapsed, float(self._tokens), float(self._batches), float(peak_memory_bytes(device))],
+                           dtype=torch.float64)
+        rows = gather_rows(row, device)  # (world, 4)
+        self._t_last, self._tokens, self._batches = now, 0, 0
+        seconds = float(rows[:, 0].max())
+        # TP / PP peers hold copies of the same samples: count dp replicas once.
+        tokens_global = float(rows[:, 1].sum()) * ctx.dp / max(ctx.world_size, 1)
+        batches = float(rows[:, 2].max())
+        metrics = {
+            "perf/tokens_per_second": tokens_global / seconds if seconds > 0 else 0.0,
+            "perf/step_seconds": seconds / batches if batches else 0.0,
+            "perf/peak_memory_bytes_max": float(rows[:, 3].max()),
+            "perf/peak_memory_bytes_mean": float(rows[:, 3].mean()),
+        }
+        if self._fpt is not None and self.peak_flops_per_device > 0 and self._seq:
+            metrics["perf/mfu"] = mfu(float(self._fpt(self._seq)), metrics["perf/tokens_per_second"],
+                                      self.peak_flops_per_device, ctx.world_size)
+        per_rank = self.per_rank if self.per_rank is not None else ctx.world_size <= 16
+        if per_rank:
+            metrics.update({f"perf/peak_memory_bytes_rank{r}": float(v) for r, v in enumerate(rows[:, 3])})
+        log_metrics(pl_module, metrics)
