@@ -1,5 +1,5 @@
 """Activation checkpointing per block: ``"full"`` recomputes the whole block in backward,
-``"selective"`` saves the outputs of matrix multiplications and attention and recomputes the rest
+``"selective"`` saves the outputs of matrix multiplications, attention and collectives and recomputes the rest
 (norms, activations, elementwise ops) — the usual trade of TorchTitan / Megatron's selective recompute.
 
 The block's ``forward`` is wrapped in place (no wrapper module), so parameter names and checkpoints
@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from lightning_4d import _compat
+
 __all__ = ["apply_activation_checkpointing", "SAVE_OPS"]
 
 # Outputs worth keeping under "selective": the expensive ops.
@@ -29,9 +31,7 @@ SAVE_OPS = {
     torch.ops.aten.bmm.default,
     torch.ops.aten.baddbmm.default,
     torch.ops.aten.linear.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    *_compat.attention_ops(),  # the fused SDPA kernels (private aten ops)
 }
 
 

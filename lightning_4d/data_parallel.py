@@ -79,6 +79,7 @@ def apply_data_parallel(
     expert_mesh: Any = None,
     ignored_params: Optional[set] = None,
     reshard_after_forward: bool = True,
+    reshard_root: bool = False,
 ) -> nn.Module:
     """Wrap each block, then the root, for data parallelism over ``mesh`` (the dp axis).
 
@@ -86,7 +87,9 @@ def apply_data_parallel(
     ``expert_mesh`` (the ``edp`` axis), so their gradients are averaged only over the ranks
     that hold the same experts. ``ignored_params`` are left alone (e.g. experts when ``edp == 1``).
     ``reshard_after_forward=False`` keeps gathered parameters between forward and backward (used under
-    pipeline parallelism, where every micro-batch would otherwise gather them again).
+    pipeline parallelism, where every micro-batch would otherwise gather them again); ``reshard_root``
+    frees the root's gathered parameters after forward too (used for expert modules, whose forward is
+    not followed at once by their backward).
 
     Example:
         >>> apply_data_parallel(model, mesh["dp"], blocks=model.layers, mode="replicate")  # doctest: +SKIP
@@ -100,7 +103,7 @@ def apply_data_parallel(
         # The last block's parameters are needed again right away in backward.
         reshard = reshard_after_forward and i < len(block_list) - 1
         _wrap(block, mesh, mode, mp_policy, reshard=reshard, ignored=ignored_params)
-    _wrap(root, mesh, mode, mp_policy, reshard=False, ignored=ignored_params)
+    _wrap(root, mesh, mode, mp_policy, reshard=reshard_root, ignored=ignored_params)
     return root
 
 

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from torch import nn
 
+from lightning_4d._compat import registered_submodule
 from lightning_4d.activation_checkpoint import apply_activation_checkpointing
 from lightning_4d.config import FourDConfig
 from lightning_4d.data_parallel import apply_data_parallel
@@ -85,8 +86,10 @@ def parallelize_module(
 
         parts = split_pipeline(module, mesh, config, split)
         plan.blocks = _blocks_of(module.get_submodule(blocks_path))
-        plan.expert_modules = [n for n in plan.expert_modules if _exists(module, n)]
-        plan.tp_partial_params = [n for n in plan.tp_partial_params if _exists(module, n.rpartition(".")[0])]
+        kept = [n for n in plan.expert_modules if registered_submodule(module, n) is not None]
+        plan.expert_modules = kept
+        plan.tp_partial_params = [n for n in plan.tp_partial_params
+                                  if registered_submodule(module, n.rpartition(".")[0]) is not None]
 
     if dims.tp > 1:
         from lightning_4d.tensor_parallel import apply_tensor_parallel
@@ -101,7 +104,8 @@ def parallelize_module(
     if experts and dims.edp > 1:
         # Experts first, over edp: their gradients are averaged only over replicas of the same experts.
         for expert in experts:
-            apply_data_parallel(expert, mesh["edp"], mode=config.data_parallel, precision=precision)
+            apply_data_parallel(expert, mesh["edp"], mode=config.data_parallel, precision=precision,
+                                reshard_root=parts is None)
     if dims.dp > 1:
         direct = [name for name, p in module.named_parameters(recurse=False)]
         if direct:
@@ -126,15 +130,6 @@ def parallelize_module(
 
 def _blocks_of(container: nn.Module) -> list[nn.Module]:
     return list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
-
-
-def _exists(root: nn.Module, name: str) -> bool:
-    node: Any = root
-    for part in name.split("."):
-        node = getattr(node, "_modules", {}).get(part)
-        if node is None:
-            return False
-    return True
 
 
 def _apply_experts(module: nn.Module, mesh: FourDMesh, plan: ParallelPlan, accumulate: int) -> None:

@@ -11,7 +11,9 @@ The layers of the planner:
 - :mod:`.roofline` — step time and MFU;
 - :mod:`.search` — enumerate, filter by memory, rank by time;
 - :mod:`.report` — ``make_plan`` / ``format_table`` / ``write_plan``;
-- :mod:`.fake_world` — one-process dry runs on torch's ``fake`` process group (traced collectives).
+- :mod:`.fake_world` — one-process dry runs on torch's ``fake`` process group (traced collectives);
+- :mod:`.dry_run` — the real ``parallelize_module`` of a meta model traced for one rank per pipeline
+  stage on a fake group of the full world size, compared with :mod:`.comm` (``recipes/plan.py``).
 
 Example:
     >>> from lightning_4d.planner import seed_moe_1t, TrainSpec, ClusterSpec, H200, search

@@ -12,21 +12,33 @@ compute bytes ``c`` = 2 for bf16, activation ``A = b·s·h·c``):
   gradients of the column-parallel inputs); with SP each becomes an all-gather + a reduce-scatter of
   ``A`` — the same bytes in twice the calls. An MoE layer (experts folded into the dp×tp ranks, tokens
   routed from the rank's own sequence shard) keeps only the attention's half. The vocab-parallel
-  embedding adds an all-reduce forward (SP: reduce-scatter forward, all-gather backward); the
+  embedding adds an all-reduce forward (SP: reduce-scatter forward, all-gather backward; with learned
+  positions added in the same parent module, GPT-2, the all-reduce stays and the split is local); the
   column-parallel head an all-reduce backward (SP: all-gather forward, reduce-scatter backward);
-  loss parallel 3 all-reduces of ``b·s`` fp32 numbers (max, sum of exponentials, target logit);
-  gradients of tp-replicated parameters (norms, router, shared experts) one all-reduce per layer.
+  loss parallel 3 all-reduces of ``b·s`` fp32 numbers (max, sum of exponentials, target logit).
+  With SP only (without it tp-replicated parameters see replicated activations and need nothing): the
+  norms' gradients, one DTensor all-reduce per tensor and micro-batch inside a data-parallel wrapper
+  (dp > 1; without one, dp = 1, they stay Partial until the strategy resolves them once per step); the
+  router's and shared experts' fp32 gradients, summed over tp once per step by the strategy on the
+  rank's FSDP shard. Activation checkpointing (``full``, and ``selective``, whose policy saves only
+  matmul outputs) runs each block's forward again in backward, with its collectives, up to the last
+  one whose output backward needs (torch's early stop): a dense block's MLP output reduction is not
+  repeated.
 - **pp** (per micro-batch): each stage boundary to another rank carries one activation ``A`` forward
   (``A / t`` with SP: a rank sends its sequence shard) and its gradient backward.
 - **ep** (per MoE layer and micro-batch): dispatch and combine all-to-alls forward, their reverses
   backward, each of ``S = N·k·h·c·ι`` with ``N = b·s/t`` tokens (SP) routed to ``k`` experts,
   **assuming uniform routing** (each rank sends ``(n − 1)/n`` of its assignments away) times the
-  imbalance factor ``ι`` (``TrainSpec.expert_imbalance``); plus one all-to-all of ``E`` int64 counts.
+  imbalance factor ``ι`` (``TrainSpec.expert_imbalance``); plus one all-to-all of ``E`` int64 counts
+  (forward; again when recomputed). With a router aux loss (``TransformerSpec.router_aux_loss``) one
+  all-reduce of ``2E + 1`` fp64 statistics per MoE forward over ep and edp (dp without SP).
 - **dp / edp** (dense parameters over dp, routed experts over edp): FSDP2 all-gathers the
   compute-dtype parameters and reduce-scatters fp32 gradients once per step; ``replicate``
   all-reduces fp32 gradients once. Units as ``lightning_4d.data_parallel`` wraps them: each block
-  (all but the last reshard after forward), each MoE layer's experts (over edp, resharding) and the
-  root (embedding, final norm, head; not resharding). All-gathers per unit: without pipelining a
+  (without pipelining all but the last reshard after forward, under pipelining none does), each MoE
+  layer's experts (over edp, resharding; ``TrainSpec.expert_reshard_after_forward``) and the root
+  (embedding, final norm, head; not resharding). FSDP2 shards dim 0, so ``E/ep`` local experts over
+  more ``edp`` ranks are padded (:func:`expert_padding`). All-gathers per unit: without pipelining a
   resharding unit gathers twice per micro-step (forward, backward), the others once; with pipelining
   torch keeps parameters gathered after each backward until the last, so a non-resharding unit
   gathers once per step and a resharding one (every forward frees it) once per micro-batch backward
@@ -48,7 +60,8 @@ from lightning_4d.mesh import ParallelDims
 from lightning_4d.planner.memory import local_params, micro_batch_size, resolve_microbatches, stage_layout
 from lightning_4d.planner.spec import TrainSpec, TransformerSpec
 
-__all__ = ["KINDS", "Collective", "collective_bytes", "comm_per_rank", "summarize", "ROUTING_ASSUMPTION"]
+__all__ = ["KINDS", "Collective", "collective_bytes", "comm_per_rank", "expert_padding", "summarize",
+           "ROUTING_ASSUMPTION"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 ROUTING_ASSUMPTION = "uniform routing: every rank sends (ep-1)/ep of its k·N token copies away, times the imbalance"
@@ -92,19 +105,35 @@ class Collective:
         return {**asdict(self), "bytes_sent": self.bytes_sent}
 
 
+def _sharded_rows(rows: int, cols: int, n: int) -> int:
+    """Elements of one rank's FSDP2 shard of a ``rows × cols`` tensor over ``n`` ranks (dim-0 chunks of
+    ``ceil(rows / n)`` rows, the rank holding a full chunk)."""
+    return -(-rows // n) * cols
+
+
 def _tp(spec: TransformerSpec, dims: ParallelDims, layers: list[int], first: bool, last: bool, m: int,
-        act: float, bs: int, c: int) -> list[Collective]:
+        act: float, bs: int, c: int, recompute: bool = False, dp_shards: int = 1) -> list[Collective]:
     t = dims.tp
     if t == 1:
         return []
     dense = sum(1 for i in layers if not spec.is_moe_layer(i))
     moe = len(layers) - dense
+    # A recomputed forward (activation checkpointing) repeats the blocks' forward collectives, except the
+    # last one of a dense block (its MLP output feeds only the residual sum, so torch's checkpoint stops
+    # recomputing before it).
+    redo_in = m * (2 * dense + moe) if recompute else 0  # SP all-gathers (region inputs)
+    redo_out = m * (dense + moe) if recompute else 0  # SP reduce-scatters / all-reduces (region outputs)
     out = []
     if dims.sp:
         pairs = m * (4 * dense + 2 * moe)  # all-gather + reduce-scatter pairs, forward + backward
-        out += [Collective("tp", "all_gather", "SP layer inputs (fwd) / grads (bwd)", pairs, act, t),
-                Collective("tp", "reduce_scatter", "SP layer outputs (fwd) / grads (bwd)", pairs, act, t)]
-        if first:
+        out += [Collective("tp", "all_gather", "SP layer inputs (fwd) / grads (bwd)", pairs + redo_in, act, t),
+                Collective("tp", "reduce_scatter", "SP layer outputs (fwd) / grads (bwd)", pairs + redo_out, act, t)]
+        if first and spec.learned_positions:
+            # Token + position embeddings in one parent module (GPT-2): the vocab-parallel output is all-reduced,
+            # the sum split locally into sequence shards (its backward: an all-gather).
+            out += [Collective("tp", "all_reduce", "vocab-parallel embedding fwd", m, act, t),
+                    Collective("tp", "all_gather", "embedding output split bwd", m, act, t)]
+        elif first:
             out += [Collective("tp", "reduce_scatter", "vocab-parallel embedding fwd", m, act, t),
                     Collective("tp", "all_gather", "vocab-parallel embedding bwd", m, act, t)]
         if last:
@@ -112,21 +141,43 @@ def _tp(spec: TransformerSpec, dims: ParallelDims, layers: list[int], first: boo
                     Collective("tp", "reduce_scatter", "head input grad bwd", m, act, t)]
     else:
         out.append(Collective("tp", "all_reduce", "row-parallel outputs (fwd), column-parallel input grads (bwd)",
-                              m * (4 * dense + 2 * moe), act, t))
+                              m * (4 * dense + 2 * moe) + redo_out, act, t))
         if first:
             out.append(Collective("tp", "all_reduce", "vocab-parallel embedding fwd", m, act, t))
         if last:
             out.append(Collective("tp", "all_reduce", "head input grad bwd", m, act, t))
     if last:
         out.append(Collective("tp", "all_reduce", "loss parallel (max, sum exp, target logit)", 3 * m, bs * 4.0, t))
-    repl = 0
+    if not dims.sp:  # tp-replicated parameters see identical (replicated) activations: nothing to reduce
+        return out
+    # Sequence-parallel norms (DTensor Replicate parameters fed by sequence shards): their gradients are Partial
+    # DTensors. Inside a data-parallel wrapper (dp > 1) it reduces each one in the backward of every micro-batch
+    # (compute dtype); without one (dp = 1) they stay Partial until the strategy resolves them once per step,
+    # after backward (fp32 parameters). (Row-parallel biases are added before the reduce-scatter, to the full
+    # sequence: their gradients need nothing.)
+    per_norm = 2 if spec.norm == "layernorm" and spec.norm_bias else 1
+    norms = 2 * len(layers) + int(last)
+    if norms and dims.dp > 1:
+        out.append(Collective("tp", "all_reduce", "grads of SP norms (per micro-batch)", m * norms * per_norm,
+                              spec.norm_params * c / per_norm, t))
+    elif norms:
+        out.append(Collective("tp", "all_reduce", "grads of SP norms (Partial, resolved once per step)",
+                              norms * per_norm, spec.norm_params * 4.0 / per_norm, t))
+    # Router and shared experts (plain parameters fed by sequence shards): the strategy sums their fp32
+    # gradients over tp once per step, after backward, on the rank's FSDP shard.
+    calls = elems = 0
+    h = spec.hidden
     for i in layers:
-        lp = spec.layer_params(i)
-        repl += lp["norms"] + lp["router"] + lp["shared_experts"]
-    repl += spec.norm_params if last else 0
-    if repl:
-        out.append(Collective("tp", "all_reduce", "grads of tp-replicated params", m * (len(layers) + last),
-                              repl * c / max(1, len(layers) + last), t))
+        if not spec.is_moe_layer(i):
+            continue
+        calls, elems = calls + 1, elems + _sharded_rows(spec.num_experts, h, dp_shards)
+        if spec.shared_experts:
+            fs = spec.shared_experts * spec.expert_hidden
+            calls += 3
+            elems += 2 * _sharded_rows(fs, h, dp_shards) + _sharded_rows(h, fs, dp_shards)
+    if calls:
+        out.append(Collective("tp", "all_reduce", "grads of router / shared experts (once per step)", calls,
+                              elems * 4.0 / calls, t))
     return out
 
 
@@ -145,15 +196,21 @@ def _gather_passes(dims: ParallelDims, train: TrainSpec, m: int, pp_rank: int, r
     return int(min(2 * m, m + round(warm)))
 
 
-def _data_parallel(dims: ParallelDims, train: TrainSpec, m: int, r: int, lp: dict, c: int) -> list[Collective]:
-    """FSDP2 / replicate collectives of one rank, unit by unit as ``lightning_4d.data_parallel`` wraps them:
-    each block over dp (all but the last reshard after forward), each MoE layer's experts over edp
-    (resharding), the root (embedding, final norm, head) over dp without resharding."""
-    raf = train.reshard_after_forward is not False
+def _data_parallel(dims: ParallelDims, train: TrainSpec, m: int, r: int, lp: dict, c: int,
+                   expert_padding: float = 1.0) -> list[Collective]:
+    """FSDP2 / replicate collectives of one rank, unit by unit as ``lightning_4d.parallelize`` wraps them:
+    each block over dp (without pipelining all but the last reshard after forward; under pipelining none
+    does), each MoE layer's experts over edp (resharding unless ``train`` says otherwise), the root
+    (embedding, final norm, head) over dp without resharding. ``expert_padding`` multiplies the expert
+    units' bytes (FSDP2 pads dim 0, the ``E/ep`` local experts, to a multiple of ``edp``)."""
+    raf = train.reshard_after_forward if train.reshard_after_forward is not None else dims.pp == 1
+    raf_experts = (train.expert_reshard_after_forward if train.expert_reshard_after_forward is not None
+                   else train.reshard_after_forward is not False)
     n = len(lp["layer_dense"])
     units = [("dp", "root", lp["root"], False)]
     units += [("dp", "block", d, raf and i < n - 1) for i, d in enumerate(lp["layer_dense"])]
-    units += [("edp", "experts", e, raf) for e in lp["layer_experts"] if e]
+    pad = expert_padding if train.data_parallel == "fsdp" else 1.0
+    units += [("edp", "experts", e * pad, raf_experts) for e in lp["layer_experts"] if e]
     groups = {"dp": dims.dp, "edp": dims.edp}
     acc: dict[tuple, list] = {}
     for axis, what, params, reshards in units:
@@ -173,6 +230,22 @@ def _data_parallel(dims: ParallelDims, train: TrainSpec, m: int, r: int, lp: dic
             for (axis, kind, label), (calls, total) in acc.items()]
 
 
+def expert_padding(spec: TransformerSpec, dims: ParallelDims) -> float:
+    """Factor FSDP2's dim-0 padding puts on the expert units: the ``E/ep`` local experts of each weight are
+    sharded over ``edp`` ranks in chunks of ``ceil(E/ep / edp)``, so fewer local experts than ``edp``
+    ranks are padded to ``edp`` rows (e.g. the seed's 8 local experts over edp = 16: factor 2).
+
+    Example:
+        >>> from lightning_4d.planner.spec import seed_moe_1t
+        >>> expert_padding(seed_moe_1t(), ParallelDims.from_world(512, tp=8, pp=4, ep=8))
+        2.0
+    """
+    if not spec.num_experts or dims.edp == 1:
+        return 1.0
+    local = spec.num_experts // dims.ep
+    return -(-local // dims.edp) * dims.edp / local
+
+
 def comm_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
                   layout: Optional[list[list[int]]] = None) -> list[list[Collective]]:
     """Collectives of one step for each pipeline rank (see the module docstring).
@@ -190,12 +263,17 @@ def comm_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
     act = float(b * s * h * c)
     style_v = train.schedule in ("zbv", "dualpipev") and dims.pp > 1
     num_stages = dims.num_stages
+    # Checkpointed blocks run their forward again in backward; its collectives with it (the package's
+    # "selective" policy saves matmul outputs only, so collectives are recomputed there too).
+    recompute = train.activation_checkpointing in ("full", "selective")
+    padding = expert_padding(spec, dims)
     from lightning_4d.pipeline.partition import stage_ids_for_rank, stage_to_rank
 
     out = []
     for r, layers in enumerate(layout):
         first, last = r == 0, r == (0 if style_v else dims.pp - 1)
-        recs = _tp(spec, dims, layers, first, last, m, act, b * s, c)
+        recs = _tp(spec, dims, layers, first, last, m, act, b * s, c, recompute,
+                   dims.dp if train.data_parallel == "fsdp" else 1)
         if dims.pp > 1:
             style = "v" if style_v else "loop"
             stages = stage_ids_for_rank(r, dims.pp, dims.virtual_stages, style)
@@ -207,15 +285,22 @@ def comm_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
             if bwd:
                 recs.append(Collective("pp", "send", "activation grads to the previous stage", m * bwd, shard, 2))
         n_moe = sum(1 for i in layers if spec.is_moe_layer(i))
+        fwd_passes = 2 if recompute else 1  # forwards of each MoE layer per micro-batch
         if dims.ep > 1 and n_moe:
             tokens = b * s / (t if dims.sp else 1)
             payload = tokens * spec.top_k * h * c * train.expert_imbalance
             recs += [Collective("ep", "all_to_all", "dispatch + combine (fwd) and their reverses (bwd)",
-                                4 * m * n_moe, payload, dims.ep),
-                     Collective("ep", "all_to_all", "token counts per expert", m * n_moe,
+                                (2 + 2 * fwd_passes) * m * n_moe, payload, dims.ep),
+                     Collective("ep", "all_to_all", "token counts per expert", fwd_passes * m * n_moe,
                                 8.0 * spec.num_experts, dims.ep)]
+        if spec.router_aux_loss and n_moe:
+            # Router statistics (counts, probability sums, token count: 2E + 1 fp64) for the aux loss, over the
+            # groups holding one batch's tokens (lightning_4d.parallelize: ep and edp, or dp without SP).
+            stats = [("ep", dims.ep), ("edp", dims.edp)] if (dims.sp or t == 1) else [("dp", dims.dp)]
+            recs += [Collective(axis, "all_reduce", "router statistics (aux loss)", fwd_passes * m * n_moe,
+                                8.0 * (2 * spec.num_experts + 1), n) for axis, n in stats if n > 1]
         lp = local_params(spec, dims, layers, first, last)
-        recs += _data_parallel(dims, train, m, r, lp, c)
+        recs += _data_parallel(dims, train, m, r, lp, c, padding)
         out.append(recs)
     return out
 

@@ -15,11 +15,11 @@ Findings (torch 2.13, CPU):
   groups; :class:`CollectiveRecorder` (a ``TorchDispatchMode``) adds bytes and the mesh axis of each
   call, in the format of :func:`lightning_4d.planner.comm.summarize`, so analytic and traced bytes
   can be compared (see ``tests/unit/test_planner_fake.py``: the TP bytes agree exactly).
-- Limits: MoE layers do not run under fake tensors, even without EP: counting tokens per expert
+- Limits: MoE layers do not run under plain fake tensors, even without EP: counting tokens per expert
   (``aten.bincount``) has a data-dependent output shape (``DynamicOutputShapeException``), and EP's
-  all-to-all split sizes come from ``.tolist()`` on those counts; the planner's EP bytes stay
-  analytic. Pipelining's point-to-point stages are not exercised (dry-run one stage's module per pp
-  rank instead). The fake group gives no timing.
+  all-to-all split sizes come from ``.tolist()`` on those counts. :mod:`lightning_4d.planner.dry_run`
+  works around it with a uniform-routing stand-in (see there). Pipelining's point-to-point stages are
+  not exercised (dry-run each stage's module per pp rank instead). The fake group gives no timing.
 
 Private torch APIs are confined to the functions marked ``TORCH-INTERNALS`` (to move to
 ``lightning_4d/_compat.py``): ``torch.testing._internal.distributed.fake_pg.FakeStore`` (registers the
@@ -141,8 +141,8 @@ def _nbytes(x: Any) -> float:
 class CollectiveRecorder(_dispatch_mode_base()):  # type: ignore[misc]
     """Record every ``c10d`` / ``c10d_functional`` collective with its bytes and mesh axis.
 
-    ``mesh`` (a ``DeviceMesh`` with dim names, or a dict of them) names the groups; others are
-    labelled ``"group<N>"``.
+    ``mesh`` (a ``DeviceMesh`` with dim names, a dict of them, or a ``FourDMesh``) names the groups;
+    others are labelled ``"group<N>"``. A group shared by several axes is named after the first.
 
     Example:
         >>> with fake_world(4):
@@ -156,11 +156,18 @@ class CollectiveRecorder(_dispatch_mode_base()):  # type: ignore[misc]
         super().__init__()
         self.records: list[TracedCollective] = []
         self._names: dict[str, tuple[str, int]] = {}
-        meshes = mesh.values() if isinstance(mesh, dict) else ([mesh] if mesh is not None else [])
+        if isinstance(mesh, dict):
+            meshes = list(mesh.values())
+        elif hasattr(mesh, "dense") and hasattr(mesh, "expert"):  # a lightning_4d FourDMesh
+            meshes = [mesh.dense, mesh.expert]
+        else:
+            meshes = [mesh] if mesh is not None else []
+        # A group shared by several axes (e.g. an axis spanning the whole world reuses the default group)
+        # keeps the first name: dense axes before expert ones.
         for msh in meshes:
             for dim in msh.mesh_dim_names or ():
                 sub = msh[dim]
-                self._names[sub.get_group().group_name] = (dim, sub.size())
+                self._names.setdefault(sub.get_group().group_name, (dim, sub.size()))
         if dist.is_initialized():
             world = dist.group.WORLD
             self._names.setdefault(world.group_name, ("world", world.size()))

@@ -77,7 +77,10 @@ def make_plan(spec: TransformerSpec, dims: ParallelDims, cluster: ClusterSpec, t
         "memory: AdamW with fp32 params, grads and two moments (16 B/param) sharded by FSDP2; bf16 compute copies",
         "activations: Korthikanti et al. 2022 per-layer formula" + (", flash attention (no s×s term)"
                                                                    if train.flash_attention else ""),
-        "tp: norms, router and shared experts replicated over tp, their grads all-reduced per micro-batch",
+        "tp: norms, router and shared experts replicated over tp; with SP their grads are summed over tp (norms per "
+        "micro-batch by DTensor, router and shared experts once per step on the FSDP shard)",
+        "dp: FSDP2 units as lightning_4d.parallelize wraps them (blocks reshard after forward only without "
+        "pipelining); dim-0 padding of the local experts over edp included",
         f"ep: {ROUTING_ASSUMPTION} (imbalance {train.expert_imbalance:g})" if dims.ep > 1 else "ep: none",
         "time: tp/ep/pp traffic on the critical path, dp traffic overlapped with compute; bubble from closed form",
     ]

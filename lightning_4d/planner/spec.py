@@ -47,6 +47,8 @@ class TransformerSpec:
     ``kv_heads=None`` means ``heads``; ``ffn_hidden=None`` means ``4·hidden``. A model is MoE when
     ``num_experts > 0``: layer ``i`` is MoE when ``i >= first_dense_layers`` and
     ``(i − first_dense_layers) % moe_every == 0`` (the rule of ``lightning_4d.models.moe``).
+    ``router_aux_loss``: the routers compute a load-balancing loss from statistics all-reduced over the
+    expert groups (``aux_loss_coef > 0``); it only adds small collectives.
 
     Example:
         >>> moe = TransformerSpec(vocab_size=64, hidden=32, layers=3, heads=4, ffn_hidden=64,
@@ -77,6 +79,7 @@ class TransformerSpec:
     mlp_bias: bool = False
     learned_positions: int = 0
     name: str = ""
+    router_aux_loss: bool = False
 
     def __post_init__(self) -> None:
         for n in ("vocab_size", "hidden", "layers", "heads", "seq_len", "moe_every"):
@@ -247,7 +250,8 @@ class TransformerSpec:
             if getattr(cfg, "num_experts", 0):
                 moe = dict(num_experts=cfg.num_experts, top_k=cfg.top_k, expert_hidden=cfg.expert_hidden,
                            moe_every=cfg.moe_every, first_dense_layers=cfg.first_dense_layers,
-                           shared_experts=cfg.shared_experts)
+                           shared_experts=cfg.shared_experts,
+                           router_aux_loss=float(getattr(cfg, "aux_loss_coef", 0.0) or 0.0) > 0)
             return cls(cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, ffn,
                        tied_embeddings=cfg.tie_embeddings, seq_len=seq_len or cfg.max_seq_len,
                        name=name or ("moe" if moe else "llama"), **moe)
@@ -303,8 +307,12 @@ class TrainSpec:
         optimizer_state_bytes: bytes of optimizer state per parameter (AdamW: two fp32 moments = 8).
         expert_imbalance: multiplier (>= 1) on the busiest expert rank's tokens, 1.0 = uniform routing.
         reshard_after_forward: FSDP2 blocks free their gathered parameters after forward (``None``: the
-            package's choice, ``True`` for all blocks but the last; ``False``: TorchTitan's choice under
-            pipelining, one all-gather per step instead of one per micro-batch).
+            package's choice, as ``lightning_4d.parallelize`` wraps them: ``True`` for all blocks but the
+            last without pipelining, ``False`` under pipelining (TorchTitan's choice: one all-gather per
+            step instead of one per micro-batch)).
+        expert_reshard_after_forward: whether the experts' FSDP2 units free their gathered parameters
+            after forward (``None``: as designed, resharding unless ``reshard_after_forward=False``).
+            :func:`lightning_4d.planner.dry_run.dry_run` sets it to what the wrapped model really does.
 
     Example:
         >>> TrainSpec(global_batch_size=8).act_bytes
@@ -322,6 +330,7 @@ class TrainSpec:
     optimizer_state_bytes: int = 8
     expert_imbalance: float = 1.0
     reshard_after_forward: Optional[bool] = None
+    expert_reshard_after_forward: Optional[bool] = None
 
     def __post_init__(self) -> None:
         _positive("global_batch_size", self.global_batch_size)

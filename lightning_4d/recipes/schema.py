@@ -15,6 +15,7 @@ nearest known key suggested.
 Schemas registered (group / name):
 
 - ``train_schema`` — :class:`TrainConfig`, the primary config (``conf/train.yaml``).
+- ``plan_schema`` — :class:`PlanRecipeConfig`, the planner's primary config (``conf/plan.yaml``).
 - ``model/base_llama``, ``model/base_gpt2``, ``model/base_moe`` — :class:`LlamaModelConfig`,
   :class:`GPT2ModelConfig`, :class:`MoEModelConfig`.
 - ``parallel/base_parallel`` — :class:`ParallelConfig`.
@@ -53,6 +54,8 @@ __all__ = [
     "DataConfig",
     "OptimConfig",
     "ParallelConfig",
+    "PlanConfig",
+    "PlanRecipeConfig",
     "RecipeConfigError",
     "SyntheticDataConfig",
     "TextDataConfig",
@@ -451,6 +454,83 @@ class TrainConfig:
     meta_init: Optional[bool] = None
 
 
+# ---------------------------------------------------------------------------------------------- plan
+_PLAN_DEVICES = ("H100", "H200", "custom")
+
+
+@dataclass
+class PlanConfig:
+    """The ``plan`` section of ``recipes/plan.py`` (``conf/plan.yaml``): the cluster and what to report.
+
+    ``device``: ``H100`` (80 GB), ``H200`` (141 GB) or ``custom`` (then ``memory_gb``, ``peak_tflops``,
+    ``nvlink_gb_s`` and ``infiniband_gb_s`` are required); any of those four also overrides a named
+    device. Bandwidths are GB/s per GPU and direction (NVLink inside a node, the NIC share across nodes).
+    ``nodes`` (``null``: the layout's world / ``gpus_per_node``) × ``gpus_per_node`` (``null``:
+    ``trainer.devices``) is the cluster. ``global_batch_size`` / ``seq_len`` (``null``: from ``data``),
+    ``expert_imbalance`` (>= 1, 1 = uniform routing). ``search``: rank every layout of the cluster and show
+    the ``top`` ones. ``trace``: dry-run the real rewriting on a fake process group and compare traced bytes
+    with the formulas, over ``trace_blocks`` blocks (``null``: the whole model up to 8 blocks) and the ranks
+    ``trace_ranks`` (``null``: one per pipeline rank). ``output``: the JSON file (relative: in the run dir).
+
+    Example:
+        >>> PlanConfig().device, PlanConfig(device="custom", memory_gb=96, peak_tflops=400, nvlink_gb_s=300,
+        ...                                 infiniband_gb_s=25).memory_gb
+        ('H100', 96)
+        >>> PlanConfig(device="B300")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lightning_4d.recipes.schema.RecipeConfigError: plan.device='B300' is not one of 'H100', 'H200', 'custom'.
+    """
+
+    device: str = "H100"
+    memory_gb: Optional[float] = None
+    peak_tflops: Optional[float] = None
+    nvlink_gb_s: Optional[float] = None
+    infiniband_gb_s: Optional[float] = None
+    gpus_per_node: Optional[int] = None
+    nodes: Optional[int] = None
+    global_batch_size: Optional[int] = None
+    seq_len: Optional[int] = None
+    expert_imbalance: float = 1.0
+    flash_attention: bool = True
+    search: bool = False
+    top: int = 5
+    trace: bool = True
+    trace_blocks: Optional[int] = None
+    trace_ranks: Optional[List[int]] = None
+    output: str = "plan.json"
+
+    def __post_init__(self) -> None:
+        _one_of("plan.device", self.device, _PLAN_DEVICES)
+        for key in ("memory_gb", "peak_tflops", "nvlink_gb_s", "infiniband_gb_s"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise RecipeConfigError(f"plan.{key}={value!r} must be a number > 0.")
+            if self.device == "custom" and value is None:
+                raise RecipeConfigError(f"plan.device=custom needs plan.{key} (memory_gb, peak_tflops, nvlink_gb_s "
+                                        f"and infiniband_gb_s describe the device).")
+        for key in ("gpus_per_node", "nodes", "global_batch_size", "seq_len", "trace_blocks"):
+            _positive(f"plan.{key}", getattr(self, key), allow_none=True)
+        _positive("plan.top", self.top)
+        if not self.expert_imbalance >= 1.0:
+            raise RecipeConfigError(
+                f"plan.expert_imbalance={self.expert_imbalance} must be >= 1 (1 = uniform routing).")
+        for r in self.trace_ranks or []:
+            _non_negative("plan.trace_ranks", r)
+
+
+@dataclass
+class PlanRecipeConfig(TrainConfig):
+    """The primary config of ``recipes/plan.py`` (``conf/plan.yaml``): the training config plus ``plan``.
+
+    Example:
+        >>> PlanRecipeConfig().plan.search
+        False
+    """
+
+    plan: PlanConfig = field(default_factory=PlanConfig)
+
+
 _REGISTERED = False
 
 
@@ -470,6 +550,7 @@ def register_configs() -> None:
 
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
+    cs.store(name="plan_schema", node=PlanRecipeConfig)
     cs.store(group="model", name="base_llama", node=LlamaModelConfig)
     cs.store(group="model", name="base_moe", node=MoEModelConfig)
     cs.store(group="model", name="base_gpt2", node=GPT2ModelConfig)

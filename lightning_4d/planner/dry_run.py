@@ -1,0 +1,639 @@
+"""Dry run of the real layout on one CPU: the rewriting training uses, traced on a fake process group.
+
+For each *role* (one global rank per pipeline rank; ranks of one stage hold equal shares and send
+the same bytes) :func:`dry_run` does, in one process and without allocating any parameter:
+
+1. make the process rank ``r`` of a ``fake`` process group of the full world size
+   (:func:`~lightning_4d.planner.fake_world.fake_world`) and build the package's meshes
+   (:func:`lightning_4d.mesh.build_mesh`);
+2. build the user's LightningModule on the ``meta`` device and rewrite it with
+   :func:`lightning_4d.parallelize.parallelize_module` — the very function ``FourDStrategy`` calls:
+   pipeline split, expert parallelism, TP/SP, activation checkpointing, FSDP2 / replicate;
+3. turn the (already sharded) meta parameters into fake tensors (``to_empty`` under
+   ``FakeTensorMode``) and run one micro-batch forward and backward through each of the rank's stage
+   modules (the loss under loss parallelism on the last stage), then the strategy's once-per-step
+   tp reduction of sequence-parallel partial gradients and one step of the module's own optimizer
+   (``configure_optimizers``; gradient clipping is not traced);
+4. record every collective with its bytes and mesh axis
+   (:class:`~lightning_4d.planner.fake_world.CollectiveRecorder`) and compare them, axis by axis and
+   kind by kind, with the formulas of :func:`lightning_4d.planner.comm.comm_per_rank` for the same
+   model, layout and micro-batch (``m = 1``).
+
+What is real and what is a stand-in:
+
+- Real: every module rewrite, DTensor redistribution, FSDP2 all-gather / reduce-scatter, the
+  expert all-to-alls (dispatch, combine and their backward), the router statistics all-reduces,
+  activation-checkpoint recomputation, loss-parallel all-reduces.
+- **Routing is uniform** (the planner's assumption): under fake tensors the router's choices are
+  unknown and counting tokens per expert has a data-dependent shape (``aten.bincount``), so the
+  MoE layer's permutation is replaced by a deterministic uniform one (:func:`uniform_experts`: the
+  assignments go round-robin over the ep ranks, then over each rank's experts), built on real index
+  tensors, and the per-expert counts every rank receives are those of uniform routing. Dispatch,
+  combine and the experts then run unchanged (experts with the loop kernel: the meta kernel of
+  ``torch._grouped_mm`` takes bf16 only).
+  The router's own token counts are fake zeros (they only feed the aux-loss statistics).
+- Host-side random draws (``torch.randint``, e.g. the per-TP-rank dropout seeds) run on real tensors.
+- The pipeline check's sequential forward (``check_pipeline_model``) is skipped (no data on meta);
+  the split itself is the same. Torch's pipeline schedule is not run (its warm-up reads received
+  values): each stage module runs directly, and the pp traffic is *measured* from the stage boundary
+  tensors (output forward, input gradient backward) instead of traced.
+- One micro-batch: per-step totals of the formulas scale with ``m`` (FSDP gathers per the schedule rule).
+
+What the cross-check found (and :mod:`~lightning_4d.planner.comm` now models): FSDP2 blocks do not
+reshard after forward under pipelining; expert units never reshard after forward
+(``lightning_4d.parallelize`` wraps them as roots; the planner's default assumes they do, so the dry run
+compares with what it finds and says so); FSDP2 pads the ``E/ep`` local experts to a multiple of
+``edp`` (the seed's 8 experts over edp = 16: twice the expert bytes); without SP the tp-replicated
+parameters need no reduction; with SP and dp = 1 the norms' gradients stay ``Partial`` through
+backward (AdamW would all-reduce them on each of its 3 reads; the strategy now resolves them once per
+step); row-parallel biases need none; router and shared-expert
+gradients are summed over tp once per step on the FSDP shard; the router's aux-loss statistics are
+all-reduced over ep and edp; recomputation repeats the forward collectives except a dense block's
+last reduction (torch's checkpoint stops early); GPT-2's embedding output is all-reduced, then split.
+
+Patches are applied only inside :func:`dry_run` (module attributes of
+``lightning_4d.expert_parallel.moe`` / ``.dispatch`` and ``lightning_4d.pipeline_glue``) and undone
+after it; do not run it concurrently with training in the same process.
+
+Example:
+    >>> import torch
+    >>> from lightning_4d.models import CausalLM, Llama, LlamaConfig
+    >>> from lightning_4d.mesh import ParallelDims
+    >>> from lightning_4d.planner import TrainSpec, TransformerSpec
+    >>> cfg = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, ffn_hidden=128, max_seq_len=32)
+    >>> result = dry_run(lambda: CausalLM(Llama(cfg)), TransformerSpec.from_config(cfg, seq_len=32),
+    ...                  ParallelDims.from_world(8, tp=2, pp=2), TrainSpec(4, precision="32-true"))
+    >>> result.ok, [r.rank for r in result.ranks], sorted(result.ranks[0].traced)
+    (True, [0, 7], ['dp', 'pp', 'tp'])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import time
+from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+from torch import nn
+
+from lightning_4d.mesh import ParallelDims, rank_coordinates
+from lightning_4d.planner.comm import comm_per_rank, summarize
+from lightning_4d.planner.memory import micro_batch_size, stage_layout
+from lightning_4d.planner.spec import TrainSpec, TransformerSpec
+
+__all__ = ["RankTrace", "DryRunResult", "dry_run", "representative_ranks", "uniform_experts", "uniform_routing",
+           "DRY_RUN_ASSUMPTIONS"]
+
+DRY_RUN_ASSUMPTIONS = [
+    "dry run: lightning_4d.parallelize.parallelize_module (the code FourDStrategy runs) on a meta model, one rank "
+    "per pipeline rank in a fake process group of the full world size; one micro-batch forward + backward on "
+    "fake tensors, compared with the formulas for m = 1",
+    "dry run: uniform routing (assignments round-robin over the ep ranks, then their experts); the expert "
+    "all-to-alls, dispatch and combine are the real ones",
+    "dry run: pipeline sends measured from the stage boundary tensors (torch's schedule is not run); the "
+    "pipeline's sequential check is skipped on meta",
+]
+
+_AXES = ("pp", "dp", "tp", "edp", "ep")  # naming precedence of a group shared by several axes (dense first)
+
+
+# ---------------------------------------------------------------------------------------------- results
+@dataclass
+class RankTrace:
+    """One traced role: the rank, its coordinates and stages, bytes sent per axis and kind (traced and
+    from the formulas), call counts and the differences found.
+
+    Example:
+        >>> RankTrace(0, {"pp": 0}, [0], [0, 1], {}, {}, {}, {}, [], 0.1).matches
+        True
+    """
+
+    rank: int
+    coordinates: dict[str, int]
+    stages: list[int]
+    layers: list[int]
+    traced: dict[str, dict[str, float]]
+    traced_calls: dict[str, dict[str, int]]
+    analytic: dict[str, dict[str, float]]
+    analytic_calls: dict[str, dict[str, int]]
+    differences: list[str]
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+    expert_reshard_after_forward: Optional[bool] = None
+
+    @property
+    def matches(self) -> bool:
+        """Traced bytes equal the formulas' on every axis and kind."""
+        return not self.differences
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dict for JSON (with ``matches``)."""
+        return {**asdict(self), "matches": self.matches}
+
+
+@dataclass
+class DryRunResult:
+    """What :func:`dry_run` found: one :class:`RankTrace` per role plus the traced setting.
+
+    Example:
+        >>> DryRunResult(world_size=8, layout={}, model="toy", layers=2, micro_batch_size=1, seq_len=16,
+        ...              precision="32-true").ok
+        True
+    """
+
+    world_size: int
+    layout: dict[str, Any]
+    model: str
+    layers: int
+    micro_batch_size: int
+    seq_len: int
+    precision: str
+    ranks: list[RankTrace] = field(default_factory=list)
+    assumptions: list[str] = field(default_factory=lambda: list(DRY_RUN_ASSUMPTIONS))
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """Every traced role matches the formulas."""
+        return all(r.matches for r in self.ranks)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dict for JSON."""
+        out = asdict(self)
+        out["ranks"] = [r.as_dict() for r in self.ranks]
+        out["ok"] = self.ok
+        return out
+
+    def format(self) -> str:
+        """A short text report: per role, bytes per axis traced vs formula, and the differences.
+
+        Example:
+            >>> print(DryRunResult(8, {}, "toy", 2, 1, 16, "32-true").format().splitlines()[0])  # doctest: +ELLIPSIS
+            dry run of toy (2 blocks) on a fake 8-rank group: ...
+        """
+        n_entries = sum(len(k) for r in self.ranks for k in _union(r.traced, r.analytic).values())
+        n_diff = sum(len(r.differences) for r in self.ranks)
+        lines = [f"dry run of {self.model} ({self.layers} blocks) on a fake {self.world_size}-rank group: "
+                 f"{len(self.ranks)} role(s), micro-batch {self.micro_batch_size}×{self.seq_len}, {self.precision}, "
+                 f"{self.seconds:.1f} s; traced = formulas on {n_entries - n_diff} of {n_entries} axis·kind entries"]
+        for r in self.ranks:
+            coords = " ".join(f"{k}={v}" for k, v in r.coordinates.items())
+            lines.append(f"  rank {r.rank} ({coords}; stages {r.stages}, blocks {_span(r.layers)}): "
+                         + ("matches" if r.matches else f"{len(r.differences)} difference(s)"))
+            for axis, kinds in _union(r.traced, r.analytic).items():
+                parts = []
+                for kind in kinds:
+                    t, a = r.traced.get(axis, {}).get(kind, 0.0), r.analytic.get(axis, {}).get(kind, 0.0)
+                    mark = "" if _close(t, a) else f" (formula {_fmt(a)})"
+                    parts.append(f"{kind} {_fmt(t)}{mark}")
+                lines.append(f"    {axis:>4}: " + ", ".join(parts))
+            lines += [f"    ! {d}" for d in r.differences]
+        notes = list(dict.fromkeys(n for r in self.ranks for n in r.notes))
+        lines += [f"  note: {n}" for n in notes]
+        return "\n".join(lines)
+
+    @property
+    def expert_reshard_after_forward(self) -> Optional[bool]:
+        """Whether the traced experts' FSDP units reshard after forward (``None``: no expert unit traced)."""
+        values = {r.expert_reshard_after_forward for r in self.ranks} - {None}
+        return values.pop() if len(values) == 1 else None
+
+
+def _union(a: dict[str, dict[str, Any]], b: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for src in (a, b):
+        for axis, kinds in src.items():
+            lst = out.setdefault(axis, [])
+            lst += [k for k in kinds if k not in lst]
+    return {axis: out[axis] for axis in sorted(out, key=lambda x: (_AXES + (x,)).index(x))}
+
+
+def _close(x: float, y: float, rel: float = 1e-9) -> bool:
+    return abs(x - y) <= rel * max(abs(x), abs(y), 1.0)
+
+
+def _fmt(x: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.4g} {unit}"
+    return f"{x:.0f} B"
+
+
+def _span(ids: Sequence[int]) -> str:
+    ids = list(ids)
+    if not ids:
+        return "-"
+    return f"{ids[0]}-{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) and len(ids) > 1 else str(ids)
+
+
+# ---------------------------------------------------------------------------------------------- ranks
+def representative_ranks(dims: ParallelDims) -> list[int]:
+    """One global rank per pipeline rank (the roles), with tp / dp coordinates varying between roles.
+
+    All ranks of a pipeline rank hold equal shares and send the same bytes, so one of each suffices;
+    pp rank ``r`` is represented by the rank with ``tp = r mod tp`` and ``dp = r mod dp``.
+
+    Example:
+        >>> representative_ranks(ParallelDims.from_world(512, tp=8, pp=4, ep=8))
+        [0, 137, 274, 411]
+    """
+    inner = dims.dp * dims.tp
+    return [r * inner + (r % dims.dp) * dims.tp + (r % dims.tp) for r in range(dims.pp)]
+
+
+# ---------------------------------------------------------------------------------------------- stand-ins
+def _module(name: str) -> Any:
+    # ``lightning_4d.expert_parallel`` re-exports a *function* named ``dispatch``: import the module by name.
+    return importlib.import_module(name)
+
+
+def _unset_fake() -> Any:
+    """TORCH-INTERNALS: ``torch._subclasses.fake_tensor.unset_fake_temporarily`` (real tensors inside a fake mode)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
+def _is_fake(t: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def uniform_experts(num_assignments: int, num_experts: int, ep: int = 1) -> torch.Tensor:
+    """Expert of each of ``N·k`` assignments under uniform routing: round-robin over the ``ep`` ranks first,
+    then over each rank's ``E/ep`` experts, so every rank receives ``N·k/ep`` of them and every expert
+    ``N·k/E`` (when those divide) even when there are fewer assignments than experts; a token's ``k``
+    consecutive assignments go to distinct experts.
+
+    Example:
+        >>> uniform_experts(8, num_experts=8, ep=4).tolist()
+        [0, 2, 4, 6, 1, 3, 5, 7]
+    """
+    i = torch.arange(num_assignments)
+    local = num_experts // ep
+    return (i % ep) * local + (i // ep) % local
+
+
+@contextlib.contextmanager
+def uniform_routing(ep: int = 1) -> Iterator[None]:
+    """Route every token of the package's MoE layers uniformly and deterministically (for fake tensors).
+
+    Inside the context ``MoE.forward`` sorts assignments with a uniform plan (:func:`uniform_experts` for
+    ``ep`` expert-parallel ranks, real index tensors), ``dispatch`` computes its split sizes on real
+    tensors, and the per-expert count all-to-all (still issued, so it is traced) yields the counts of
+    uniform routing on every rank. Outside fake tensors the layer computes the same outputs for this
+    routing as without the context.
+
+    Example:
+        >>> from lightning_4d.expert_parallel import MoE
+        >>> with uniform_routing():
+        ...     out = MoE(8, 16, num_experts=4, top_k=2)(torch.randn(2, 3, 8))
+        >>> out.shape
+        torch.Size([2, 3, 8])
+    """
+    import torch.distributed as dist
+
+    moe_mod = _module("lightning_4d.expert_parallel.moe")
+    disp_mod = _module("lightning_4d.expert_parallel.dispatch")
+    real_plan, real_dispatch, real_a2a = moe_mod.make_permutation, moe_mod.dispatch, disp_mod._a2a_raw
+
+    def make_permutation(indices: torch.Tensor, num_experts: int, scores: Optional[torch.Tensor] = None,
+                         capacity: Optional[int] = None) -> Any:
+        n, k = indices.shape
+        with _unset_fake():
+            idx = uniform_experts(n * k, num_experts, ep if num_experts % ep == 0 else 1).view(n, k)
+            idx = idx.to(indices.device)
+            sc = torch.ones(n, k, device=indices.device) if capacity is not None else None
+            return real_plan(idx, num_experts, scores=sc, capacity=capacity)
+
+    def dispatch(xs: torch.Tensor, tokens_per_expert: torch.Tensor, group: Any, *, label: str = "ep") -> Any:
+        with _unset_fake():  # counts and split sizes real; the rows (xs) stay fake
+            return real_dispatch(xs, tokens_per_expert, group, label=label)
+
+    def a2a_raw(x: torch.Tensor, output_splits: Any, input_splits: Any, group: Any, label: str, tag: str) -> Any:
+        out = real_a2a(x, output_splits, input_splits, group, label, tag)
+        if tag == "counts" and not _is_fake(x):
+            # Uniform routing is the same on every rank: rank s sends this rank what this rank sends itself.
+            n, r = dist.get_world_size(group), dist.get_rank(group)
+            out = x.view(n, -1)[r].repeat(n)
+        return out
+
+    moe_mod.make_permutation, moe_mod.dispatch, disp_mod._a2a_raw = make_permutation, dispatch, a2a_raw
+    try:
+        yield
+    finally:
+        moe_mod.make_permutation, moe_mod.dispatch, disp_mod._a2a_raw = real_plan, real_dispatch, real_a2a
+
+
+@contextlib.contextmanager
+def _split_without_check() -> Iterator[None]:
+    """``check_pipeline_model`` without its sequential forward (no data on meta): the same split only."""
+    glue = _module("lightning_4d.pipeline_glue")
+    real = glue.check_pipeline_model
+
+    def check_pipeline_model(module: nn.Module, blocks_path: str) -> Any:
+        from lightning_4d.pipeline import find_pipeline_split
+
+        hook = glue._user_hook(module, "configure_pipeline_split")
+        split = hook() if hook else find_pipeline_split(module, blocks_path)
+        return find_pipeline_split(module, split) if isinstance(split, str) else split
+
+    glue.check_pipeline_model = check_pipeline_model
+    try:
+        yield
+    finally:
+        glue.check_pipeline_model = real
+
+
+def _fake_friendly_mode() -> Any:
+    """TORCH-INTERNALS: a ``TorchDispatchMode`` letting the package's models run on fake tensors:
+    ``aten.bincount`` of a fake tensor gives fake zeros of length ``minlength`` (the router's counts; values
+    never matter), ``aten.randint`` (host seeds) and ``.item()`` of real tensors run for real."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _FakeFriendly(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+            kwargs = kwargs or {}
+            if func is torch.ops.aten.bincount.default and _is_fake(args[0]):
+                n = kwargs.get("minlength", args[2] if len(args) > 2 else 0)
+                return torch.zeros(int(n), dtype=torch.long, device=args[0].device)
+            if func.overloadpacket is torch.ops.aten.randint or (
+                    func is torch.ops.aten._local_scalar_dense.default and not _is_fake(args[0])):
+                with _unset_fake():
+                    return func(*args, **kwargs)
+            return func(*args, **kwargs)
+
+    return _FakeFriendly()
+
+
+def _clear_dtensor_caches() -> None:
+    """TORCH-INTERNALS: forget DTensor's sharding-propagation and redistribution caches. Their entries hold the
+    ``DeviceMesh`` they were computed on (meshes hash by shape and names, not by process group), so after a
+    fake world is destroyed and another built, stale entries would point at destroyed groups."""
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor._api import DTensor
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    meta_cache = getattr(type(propagator), "_propagate_tensor_meta_cached", None)
+    if hasattr(meta_cache, "cache_clear"):
+        meta_cache.cache_clear()
+    for fn in ("_gen_transform_infos",):
+        cached = getattr(_redistribute, fn, None)
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+    clear = getattr(_redistribute, "clear_redistribute_planner_cache", None)
+    if callable(clear):
+        clear()
+
+
+def _reshards_after_forward(module: nn.Module) -> Optional[bool]:
+    """TORCH-INTERNALS: whether an FSDP2-wrapped module frees its gathered parameters after forward
+    (``FSDPParamGroup.post_forward_mesh_info``); ``None`` when it is not wrapped."""
+    get = getattr(module, "_get_fsdp_state", None)
+    if get is None:
+        return None
+    group = getattr(get(), "_fsdp_param_group", None)
+    if group is None:
+        return None
+    return group.post_forward_mesh_info is not None
+
+
+# ---------------------------------------------------------------------------------------------- one rank
+def _leaves(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for y in x for t in _leaves(y)]
+    return []
+
+
+def _nbytes(t: torch.Tensor) -> float:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return float(local.numel() * local.element_size())
+
+
+def _group_names(mesh: Any) -> dict[str, str]:
+    return {axis: mesh[axis].get_group().group_name for axis in _AXES}
+
+
+def _merge_shared_axes(summary: dict[str, dict[str, float]], names: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Fold axes that share one process group into the first one's name (as the recorder labels them)."""
+    first: dict[str, str] = {}
+    for axis in _AXES:
+        first.setdefault(names[axis], axis)
+    out: dict[str, dict[str, float]] = {}
+    for axis, kinds in summary.items():
+        target = first.get(names.get(axis, ""), axis)
+        for kind, v in kinds.items():
+            out.setdefault(target, {})[kind] = out.get(target, {}).get(kind, 0) + v
+    return out
+
+
+def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
+                config: Any, rank: int, b: int, boundary: dict, optimizer_step: bool = True) -> RankTrace:
+    import torch.distributed as dist
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from lightning_4d.mesh import build_mesh
+    from lightning_4d.parallelize import parallelize_module
+    from lightning_4d.pipeline.partition import stage_to_rank
+    from lightning_4d.planner.fake_world import CollectiveRecorder, TracedCollective, _fake_tensor_mode, fake_world
+
+    def autocast() -> Any:  # what Lightning's bf16-mixed plugin wraps the training step in
+        return torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext()
+
+    start = time.perf_counter()
+    s = train.seq(spec)
+    precision = train.precision
+    coords = rank_coordinates(dims, rank)
+    _clear_dtensor_caches()
+    with fake_world(dims.world_size, rank=rank):
+        mesh = build_mesh(dims, "cpu")
+        with torch.device("meta"):
+            module = build()
+        with _split_without_check():
+            plan = parallelize_module(module, mesh, config, precision, accumulate=1)
+        expert_modules = [module.get_submodule(n) for n in plan.expert_modules]
+        for sub in module.modules():
+            if hasattr(sub, "grouped_mm") and hasattr(sub, "w1"):
+                sub.grouped_mm = False  # the meta kernel of torch._grouped_mm takes bf16 only
+        expert_raf = {_reshards_after_forward(e) for e in expert_modules} - {None}
+        runner = plan.pipeline
+        stages = [st.submod for st in runner.stages] if runner is not None else [module]
+        stage_ids = list(runner.stage_ids) if runner is not None else [0]
+        num_stages = runner.num_stages if runner is not None else 1
+        names = _group_names(mesh)
+        fake_mode = _fake_tensor_mode()
+        with fake_mode:
+            module.to_empty(device="cpu")
+        sends: list[TracedCollective] = []
+        style = runner.info.style if runner is not None else "loop"
+        with uniform_routing(dims.ep), CollectiveRecorder(mesh) as rec, fake_mode, _fake_friendly_mode():
+            for sid, stage in zip(stage_ids, stages):
+                if sid == 0:
+                    x = torch.randint(0, spec.vocab_size, (b, s))
+                else:
+                    shape, dtype = boundary.get("shape"), boundary.get("dtype")
+                    if shape is None:  # no first stage traced: the formula's sequence shard
+                        shape = (b, s // dims.tp if dims.sp else s, spec.hidden)
+                        dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
+                    x = torch.randn(*shape, dtype=dtype, requires_grad=True)
+                with autocast():
+                    out = stage(x)
+                if sid == 0 and runner is not None:
+                    first = _leaves(out)[0]
+                    boundary.setdefault("shape", tuple(first.shape))
+                    boundary.setdefault("dtype", first.dtype)
+                if sid == num_stages - 1:
+                    targets = torch.randint(0, spec.vocab_size, (b, s))
+                    with loss_parallel() if plan.loss_parallel else contextlib.nullcontext():
+                        with autocast():
+                            loss = module.loss_fn(out, targets)
+                        loss.backward()
+                else:
+                    outs = [t for t in _leaves(out) if t.requires_grad]
+                    torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+                    if stage_to_rank(sid + 1, dims.pp, style) != coords["pp"]:
+                        sends += [TracedCollective("boundary (measured)", "send", "pp", 2, _nbytes(t)) for t in outs]
+                if sid > 0 and stage_to_rank(sid - 1, dims.pp, style) != coords["pp"]:
+                    sends.append(TracedCollective("boundary grad (measured)", "send", "pp", 2, _nbytes(x)))
+            _reduce_tp_partial_grads(plan, mesh, module)
+            skipped = _optimizer_step(module) if optimizer_step else "optimizer step not traced"
+        traced_records = rec.records + sends
+    _clear_dtensor_caches()
+    assert not dist.is_initialized()
+
+    traced: dict[str, dict[str, float]] = {}
+    traced_calls: dict[str, dict[str, int]] = {}
+    for t in traced_records:
+        traced_calls.setdefault(t.axis, {})
+        traced_calls[t.axis][t.kind] = traced_calls[t.axis].get(t.kind, 0) + 1
+        if t.bytes_sent:
+            traced.setdefault(t.axis, {})
+            traced[t.axis][t.kind] = traced[t.axis].get(t.kind, 0.0) + t.bytes_sent
+
+    notes: list[str] = [skipped] if skipped else []
+    ref = train.with_(global_batch_size=b * dims.dp, microbatches=1)
+    if len(expert_raf) == 1:
+        (raf,) = expert_raf
+        designed = train.reshard_after_forward is not False
+        if train.expert_reshard_after_forward is None and raf != designed:
+            notes.append(f"experts are wrapped with reshard_after_forward={raf} by lightning_4d.parallelize; the "
+                         f"planner's default assumes {designed} (compared with {raf})")
+        ref = ref.with_(expert_reshard_after_forward=raf)
+    records = comm_per_rank(spec, dims, ref)[coords["pp"]]
+    analytic = _merge_shared_axes(summarize(records), names)
+    analytic_calls: dict[str, dict[str, int]] = {}
+    for rec_ in records:
+        if rec_.group > 1 or rec_.kind == "send":
+            for ax, kinds in _merge_shared_axes({rec_.axis: {rec_.kind: rec_.calls}}, names).items():
+                for kind, calls in kinds.items():
+                    analytic_calls.setdefault(ax, {})
+                    analytic_calls[ax][kind] = analytic_calls[ax].get(kind, 0) + int(calls)
+    differences = []
+    for axis, kinds in _union(traced, analytic).items():
+        for kind in kinds:
+            t, a = traced.get(axis, {}).get(kind, 0.0), analytic.get(axis, {}).get(kind, 0.0)
+            if not _close(t, a):
+                differences.append(f"{axis} {kind}: traced {_fmt(t)} ({traced_calls.get(axis, {}).get(kind, 0)} "
+                                   f"calls), formula {_fmt(a)} ({analytic_calls.get(axis, {}).get(kind, 0)} calls)")
+    layout = stage_layout(spec, dims, train.schedule)
+    return RankTrace(rank, coords, stage_ids, layout[coords["pp"]], traced, traced_calls, analytic, analytic_calls,
+                     differences, time.perf_counter() - start, notes,
+                     expert_raf.copy().pop() if len(expert_raf) == 1 else None)
+
+
+def _optimizer_step(module: nn.Module) -> Optional[str]:
+    """One step of the module's own optimizer (``configure_optimizers``) on the fake gradients: DTensor gradients
+    still ``Partial`` after backward (sequence-parallel norms outside any data-parallel wrapper) are reduced here."""
+    try:
+        configured = module.configure_optimizers() if hasattr(module, "configure_optimizers") else None
+    except Exception as err:  # noqa: BLE001 - e.g. an optimizer that needs a Trainer: the step is left out
+        return f"optimizer step not traced ({type(err).__name__}: {err})"
+    if isinstance(configured, dict):
+        configured = configured.get("optimizer")
+    if isinstance(configured, (list, tuple)):
+        configured = configured[0] if configured else None
+    if isinstance(configured, dict):
+        configured = configured.get("optimizer")
+    if configured is None:
+        return "optimizer step not traced (configure_optimizers gave no optimizer)"
+    configured.step()
+    return None
+
+
+def _reduce_tp_partial_grads(plan: Any, mesh: Any, module: nn.Module) -> None:
+    """What ``FourDStrategy`` does once per step after backward: sum over tp the gradients of plain parameters
+    that saw only this rank's sequence shard (router, shared experts) and resolve DTensor gradients left
+    ``Partial``. Calls the strategy's own method (on a stand-in holding plan, mesh and model)."""
+    from lightning_4d.strategy import FourDStrategy
+
+    FourDStrategy._reduce_tp_partial_grads(SimpleNamespace(_plan=plan, mesh=mesh, model=module))
+
+
+# ---------------------------------------------------------------------------------------------- entry point
+def _config_for(dims: ParallelDims, train: TrainSpec) -> Any:
+    from lightning_4d.config import FourDConfig
+
+    return FourDConfig(
+        tp=dims.tp, pp=dims.pp, ep=dims.ep, dp=dims.dp, sequence_parallel=dims.sequence_parallel,
+        microbatches=train.microbatches, schedule=train.schedule if dims.pp > 1 else "1f1b",
+        virtual_stages=dims.virtual_stages if dims.pp > 1 else None, data_parallel=train.data_parallel,
+        activation_checkpointing=train.activation_checkpointing)
+
+
+def dry_run(build: Callable[[], nn.Module], spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
+            ranks: Optional[Sequence[int]] = None, config: Any = None) -> DryRunResult:
+    """Trace one micro-batch of the real layout for each role and compare with the formulas (module docstring).
+
+    Args:
+        build: builds the LightningModule (a ``FourDModule`` with ``loss_fn``) on the current default device;
+            it is called under ``torch.device("meta")`` once per traced rank.
+        spec: the planner's description of the *same* model (its counts must match ``build()``'s).
+        dims: the layout (its ``world_size`` is the fake group's size).
+        train: micro-batch size (``global_batch_size / (dp · m)``), sequence length, schedule, precision
+            (``"bf16-mixed"``: bf16 autocast and FSDP2 mixed precision, as Lightning's plugin), data
+            parallelism and activation checkpointing.
+        ranks: global ranks to trace (default :func:`representative_ranks`).
+        config: a :class:`~lightning_4d.config.FourDConfig` (default: built from ``dims`` and ``train``).
+
+    Returns:
+        A :class:`DryRunResult`; ``result.ok`` when every traced byte count equals the formula's.
+
+    Raises:
+        RuntimeError: a process group is already initialised in this process.
+
+    Example:
+        >>> dry_run(build, spec, ParallelDims.from_world(512, tp=8, pp=4, ep=8), train).ok  # doctest: +SKIP
+        True
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError("dry_run needs a process without a process group (it creates a fake one per rank).")
+    start = time.perf_counter()
+    config = config if config is not None else _config_for(dims, train)
+    b = micro_batch_size(dims, train)
+    ranks = list(ranks) if ranks is not None else representative_ranks(dims)
+    # Trace a rank holding stage 0 first: its output shape is the boundary later stages receive.
+    order = sorted(range(len(ranks)), key=lambda i: (rank_coordinates(dims, ranks[i])["pp"] != 0, i))
+    boundary: dict = {}
+    result = DryRunResult(
+        world_size=dims.world_size,
+        layout={"tp": dims.tp, "pp": dims.pp, "ep": dims.ep, "dp": dims.dp, "edp": dims.edp,
+                "sequence_parallel": dims.sp, "virtual_stages": dims.virtual_stages,
+                "schedule": train.schedule if dims.pp > 1 else "none", "data_parallel": train.data_parallel,
+                "activation_checkpointing": train.activation_checkpointing},
+        model=spec.name or "model", layers=spec.layers, micro_batch_size=b, seq_len=train.seq(spec),
+        precision=train.precision)
+    for i in order:
+        result.ranks.append(_trace_rank(build, spec, dims, train, config, ranks[i], b, boundary))
+    result.ranks.sort(key=lambda t: t.rank)
+    result.seconds = time.perf_counter() - start
+    return result

@@ -1,0 +1,410 @@
+"""The logic behind ``recipes/plan.py``: a composed config → planner inputs → plan, dry run, search, ``plan.json``.
+
+:func:`plan_setup` turns the config groups of the training recipe plus the ``plan`` section into the
+planner's inputs — the :class:`~lightning_4d.planner.TransformerSpec` of the model config, the layout
+(:class:`~lightning_4d.mesh.ParallelDims`) of ``parallel``, the :class:`~lightning_4d.planner.TrainSpec`
+of ``data`` / ``trainer`` / ``parallel`` and the :class:`~lightning_4d.planner.ClusterSpec` of ``plan`` —
+and names where each number came from. :func:`run_plan` then calls
+:func:`~lightning_4d.planner.make_plan`, optionally the dry run on a fake process group
+(:func:`~lightning_4d.planner.dry_run.dry_run`) and the layout search, and writes ``plan.json``.
+
+Requests that cannot be planned (a layout that does not divide the model or the cluster, a batch that
+does not split, a search where nothing fits) raise :class:`PlanError` with a message naming the keys.
+
+Example:
+    >>> from hydra import compose, initialize_config_dir
+    >>> from lightning_4d.recipes import conf_dir, register_configs
+    >>> register_configs()
+    >>> with initialize_config_dir(str(conf_dir()), version_base=None):
+    ...     cfg = compose("plan", ["model=moe_1t", "parallel=moe_1t"])
+    >>> setup = plan_setup(cfg)
+    >>> setup.dims.world_size, setup.cluster.nodes, setup.spec.total_params()
+    (512, 64, 1038954930176)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from omegaconf import DictConfig
+
+from lightning_4d.recipes.schema import (
+    GPT2ModelConfig,
+    LlamaModelConfig,
+    MoEModelConfig,
+    PlanConfig,
+    PlanRecipeConfig,
+    RecipeConfigError,
+    TrainConfig,
+)
+
+__all__ = ["PlanError", "PlanSetup", "PlanOutcome", "plan_setup", "run_plan", "model_config", "TRACE_BLOCKS"]
+
+TRACE_BLOCKS = 8
+"""With ``plan.trace_blocks: null`` models of at most this many blocks are traced whole, bigger ones cut down
+(the formulas are per block; tracing time grows with the blocks, about 0.1-0.5 s each on one CPU core)."""
+
+
+class PlanError(RecipeConfigError):
+    """The request cannot be planned (layout, cluster, batch or memory); the message says why and what to change.
+
+    Example:
+        >>> str(PlanError("no layout fits"))
+        'no layout fits'
+    """
+
+
+@dataclass
+class PlanSetup:
+    """The planner's inputs derived from a composed config, and notes on where they came from.
+
+    Example:
+        >>> PlanSetup.__dataclass_fields__["notes"].default_factory()
+        []
+    """
+
+    config: TrainConfig
+    plan: PlanConfig
+    spec: Any
+    dims: Any
+    cluster: Any
+    train: Any
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PlanOutcome:
+    """What :func:`run_plan` produced: the plan dict (also in ``path``), its text report and the exit code
+    (0, or 1 when the dry run disagrees with the formulas).
+
+    Example:
+        >>> PlanOutcome(plan={}, text="", path=None).exit_code
+        0
+    """
+
+    plan: dict
+    text: str
+    path: Optional[str]
+    exit_code: int = 0
+    seconds: float = 0.0
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+def _plan_section(c: TrainConfig) -> PlanConfig:
+    return c.plan if isinstance(c, PlanRecipeConfig) else PlanConfig()
+
+
+def model_config(model: Any) -> Any:
+    """The package's model config (``LlamaConfig``, ``MoEConfig``, ``GPT2Config``) of a model schema.
+
+    Example:
+        >>> type(model_config(LlamaModelConfig())).__name__
+        'LlamaConfig'
+    """
+    from lightning_4d.recipes.build import _kwargs_for
+
+    if isinstance(model, MoEModelConfig):
+        from lightning_4d.models.moe import MoEConfig
+
+        return MoEConfig(**_kwargs_for(model, MoEConfig))
+    if isinstance(model, LlamaModelConfig):
+        from lightning_4d.models import LlamaConfig
+
+        return LlamaConfig(**_kwargs_for(model, LlamaConfig))
+    if isinstance(model, GPT2ModelConfig):
+        from lightning_4d.models import GPT2Config
+
+        return GPT2Config(**_kwargs_for(model, GPT2Config))
+    raise PlanError(f"model of type {type(model).__name__} cannot be planned.")
+
+
+def _spec(model: Any, seq_len: int) -> Any:
+    from lightning_4d.planner import TransformerSpec
+
+    return TransformerSpec.from_config(model_config(model), seq_len=seq_len, name=model.name)
+
+
+def _precision(trainer_precision: str) -> tuple[str, Optional[str]]:
+    p = str(trainer_precision)
+    if p in ("32-true", "32"):
+        return "32-true", None
+    if p == "bf16-mixed":
+        return "bf16-mixed", None
+    if p in ("16-mixed", "bf16-true", "16-true", "bf16", "16"):
+        return "bf16-mixed", (f"trainer.precision={p} is modelled as bf16-mixed (16-bit compute, fp32 weights, "
+                              f"gradients and AdamW states)")
+    raise PlanError(f"trainer.precision={p} is not modelled by the planner; use 32-true or bf16-mixed.")
+
+
+def _device(plan: PlanConfig) -> Any:
+    from lightning_4d.planner import H100, H200, DeviceSpec
+
+    if plan.device == "custom":
+        base = DeviceSpec("custom", plan.memory_gb * 1e9, plan.peak_tflops * 1e12, plan.nvlink_gb_s * 1e9,
+                          plan.infiniband_gb_s * 1e9)
+    else:
+        base = {"H100": H100, "H200": H200}[plan.device]
+    changes = {k: v for k, v in (("memory_bytes", plan.memory_gb), ("peak_flops", plan.peak_tflops),
+                                 ("intra_node_bw", plan.nvlink_gb_s), ("inter_node_bw", plan.infiniband_gb_s))
+               if v is not None}
+    scale = {"memory_bytes": 1e9, "peak_flops": 1e12, "intra_node_bw": 1e9, "inter_node_bw": 1e9}
+    if plan.device != "custom" and changes:
+        base = base.with_(name=f"{base.name}*", **{k: v * scale[k] for k, v in changes.items()})
+    return base
+
+
+def plan_setup(cfg: Union[DictConfig, TrainConfig]) -> PlanSetup:
+    """Derive model spec, layout, train spec and cluster from a composed ``plan`` (or ``train``) config.
+
+    Rules (each noted in ``PlanSetup.notes`` when a default is used):
+
+    - world: ``tp·pp·dp`` with an explicit ``parallel.dp``; with ``dp: auto`` ``plan.nodes ×
+      gpus_per_node`` if ``plan.nodes`` is set, else ``trainer.devices × trainer.num_nodes``;
+    - cluster: ``plan.gpus_per_node`` (``null``: ``trainer.devices``, 8 for ``auto``) and ``plan.nodes``
+      (``null``: enough nodes for the world);
+    - sequence length: ``plan.seq_len`` or ``data.seq_len``; global batch: ``plan.global_batch_size`` or
+      ``data.batch_size × dp × trainer.accumulate_grad_batches``, raised to the next multiple of
+      ``dp × microbatches`` when the pipeline needs more sequences than that (noted);
+    - precision: ``trainer.precision`` (16-bit variants modelled as ``bf16-mixed``).
+
+    Raises:
+        PlanError: the layout does not fit the model or the cluster, or the batch does not split.
+
+    Example:
+        >>> setup = plan_setup(cfg)  # doctest: +SKIP
+    """
+    from lightning_4d.config import FourDConfig
+    from lightning_4d.planner import ClusterSpec, TrainSpec
+    from lightning_4d.planner.memory import check_layout
+    from lightning_4d.recipes.build import validate
+
+    c = validate(cfg)
+    plan, par, t = _plan_section(c), c.parallel, c.trainer
+    notes: list[str] = []
+    gpn = plan.gpus_per_node or (t.devices if isinstance(t.devices, int) else 8)
+    if par.dp != "auto":
+        world = par.tp * par.pp * int(par.dp)
+        source = f"parallel: tp·pp·dp = {par.tp}·{par.pp}·{par.dp}"
+    elif plan.nodes is not None:
+        world = plan.nodes * gpn
+        source = f"plan.nodes × gpus_per_node = {plan.nodes} × {gpn} (parallel.dp=auto)"
+    else:
+        devices = t.devices if isinstance(t.devices, int) else gpn
+        world = devices * t.num_nodes
+        source = f"trainer.devices × trainer.num_nodes = {devices} × {t.num_nodes} (parallel.dp=auto)"
+    notes.append(f"world: {world} ranks from {source}")
+    try:
+        fourd = FourDConfig(tp=par.tp, pp=par.pp, ep=par.ep, dp=par.dp, sequence_parallel=par.sequence_parallel,
+                            microbatches=par.microbatches, schedule=par.schedule, virtual_stages=par.virtual_stages,
+                            data_parallel=par.data_parallel, activation_checkpointing=par.activation_checkpointing)
+        dims = fourd.resolve(world)
+    except ValueError as err:
+        raise PlanError(f"layout {par.name}: {err}") from None
+    nodes = plan.nodes or -(-world // gpn)
+    if nodes * gpn < world:
+        raise PlanError(
+            f"cluster: the layout needs {world} ranks ({source}) but plan.nodes × gpus_per_node = {nodes} × {gpn} = "
+            f"{nodes * gpn} GPUs; set plan.nodes={-(-world // gpn)}, or parallel.dp=auto to fill the cluster.")
+    if plan.nodes is None:
+        notes.append(f"cluster: {nodes} node(s) × {gpn} GPUs from the world (plan.nodes=null)")
+    cluster = ClusterSpec(nodes, gpn, _device(plan))
+
+    seq = plan.seq_len or c.data.seq_len
+    if seq > c.model.max_seq_len:
+        raise PlanError(f"plan.seq_len={seq} exceeds the model's max_seq_len={c.model.max_seq_len}.")
+    notes.append(f"seq_len: {seq} from " + ("plan.seq_len" if plan.seq_len else "data.seq_len"))
+    spec = _spec(c.model, seq)
+    try:
+        check_layout(spec, dims)
+    except ValueError as err:
+        raise PlanError(f"layout {par.name} does not fit model {c.model.name}: {err}") from None
+
+    precision, note = _precision(t.precision)
+    if note:
+        notes.append(note)
+    m = dims.pp * dims.virtual_stages if (par.microbatches is None and dims.pp > 1) else (par.microbatches or 1)
+    if plan.global_batch_size is not None:
+        gbs = plan.global_batch_size
+        if gbs % (dims.dp * m):
+            raise PlanError(f"plan.global_batch_size={gbs} does not split into dp·microbatches = {dims.dp}·{m} equal "
+                            f"micro-batches; use a multiple of {dims.dp * m}.")
+        notes.append(f"global batch: {gbs} sequences from plan.global_batch_size")
+    else:
+        local = c.data.batch_size * t.accumulate_grad_batches
+        gbs = local * dims.dp
+        text = (f"data.batch_size × dp × trainer.accumulate_grad_batches = {c.data.batch_size} × {dims.dp} × "
+                f"{t.accumulate_grad_batches}")
+        if local % m:
+            local = -(-local // m) * m
+            notes.append(f"global batch: {text} = {gbs} does not split into {m} micro-batches per dp rank; planned "
+                         f"with {local} sequences per dp rank ({local * dims.dp} in all); set plan.global_batch_size "
+                         f"or data.batch_size to plan another")
+            gbs = local * dims.dp
+        else:
+            notes.append(f"global batch: {gbs} sequences = {text}")
+    if dims.pp > 1:
+        from lightning_4d.pipeline.schedules import validate_microbatches
+
+        try:
+            validate_microbatches(par.schedule, dims.pp, dims.virtual_stages, m, gbs // dims.dp)
+        except ValueError as err:
+            raise PlanError(f"parallel.schedule={par.schedule} with pp={dims.pp}: {err}") from None
+    train = TrainSpec(global_batch_size=gbs, seq_len=seq, microbatches=m, schedule=par.schedule,
+                      data_parallel=par.data_parallel, precision=precision,
+                      activation_checkpointing=par.activation_checkpointing, flash_attention=plan.flash_attention,
+                      expert_imbalance=plan.expert_imbalance)
+    bad = [r for r in plan.trace_ranks or [] if not 0 <= r < world]
+    if bad:
+        raise PlanError(f"plan.trace_ranks={bad} are outside the world of {world} ranks.")
+    return PlanSetup(c, plan, spec, dims, cluster, train, notes)
+
+
+# ---------------------------------------------------------------------------------------------- dry run
+def _traced_model(model: Any, blocks: int) -> Any:
+    """The model schema cut to ``blocks`` blocks (same widths); an MoE keeps dense and MoE blocks when both exist."""
+    if isinstance(model, GPT2ModelConfig):
+        return dataclasses.replace(model, n_layer=blocks)
+    changes: dict[str, Any] = {"n_layers": blocks}
+    if isinstance(model, MoEModelConfig) and model.first_dense_layers:
+        changes["first_dense_layers"] = 0 if blocks == 1 else min(model.first_dense_layers, blocks // 2)
+    return dataclasses.replace(model, **changes)
+
+
+def _n_blocks(model: Any) -> int:
+    return model.n_layer if isinstance(model, GPT2ModelConfig) else model.n_layers
+
+
+def trace_blocks(setup: PlanSetup) -> int:
+    """How many blocks the dry run traces: ``plan.trace_blocks`` or the whole model up to :data:`TRACE_BLOCKS`,
+    as a multiple of the pipeline stages (at least one block per stage).
+
+    Example:
+        >>> trace_blocks(setup)  # doctest: +SKIP
+        40
+    """
+    total = _n_blocks(setup.config.model)
+    stages = setup.dims.num_stages
+    want = setup.plan.trace_blocks if setup.plan.trace_blocks is not None else (
+        total if total <= TRACE_BLOCKS else TRACE_BLOCKS)
+    if want >= total:
+        return total
+    return min(total, max(stages, want // stages * stages))
+
+
+def run_dry_run(setup: PlanSetup) -> Any:
+    """:func:`~lightning_4d.planner.dry_run.dry_run` of the config's model (cut to :func:`trace_blocks` blocks)
+    with the setup's layout and micro-batch.
+
+    Example:
+        >>> run_dry_run(plan_setup(cfg)).ok  # doctest: +SKIP
+        True
+    """
+    import torch  # noqa: F401 - the model builder runs under torch.device("meta")
+
+    from lightning_4d.planner.dry_run import dry_run
+    from lightning_4d.recipes.build import build_model
+
+    blocks = trace_blocks(setup)
+    model = _traced_model(setup.config.model, blocks) if blocks < _n_blocks(setup.config.model) else \
+        setup.config.model
+    c = dataclasses.replace(setup.config, model=model)
+    spec = _spec(model, setup.train.seq(setup.spec))
+    result = dry_run(lambda: build_model(c), spec, setup.dims, setup.train, ranks=setup.plan.trace_ranks)
+    if blocks < _n_blocks(setup.config.model):
+        result.assumptions.append(
+            f"dry run: {blocks} of {_n_blocks(setup.config.model)} blocks traced (plan.trace_blocks); the formulas are "
+            f"per block, compared for the same {blocks} blocks")
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- run
+def _format_search(cands: list) -> str:
+    lines = [f"layout search: the {len(cands)} fastest layouts that fit"]
+    for i, cand in enumerate(cands, 1):
+        lines.append(f"  #{i} {cand.label}: {cand.reason}")
+    return "\n".join(lines)
+
+
+def run_plan(cfg: Union[DictConfig, TrainConfig], out_dir: Optional[Union[str, Path]] = None) -> PlanOutcome:
+    """Plan the configured run: table, optional dry run and search, ``plan.json``.
+
+    Args:
+        cfg: a composed ``plan`` config (or a ``train`` config: default ``plan`` section).
+        out_dir: where a relative ``plan.output`` goes (default: ``output_dir``, Hydra's run directory).
+
+    Returns:
+        A :class:`PlanOutcome` (plan dict, text, path; exit code 1 when the dry run disagrees with the formulas).
+
+    Raises:
+        PlanError: the request is impossible (see :func:`plan_setup`), or ``plan.search`` finds no layout.
+
+    Example:
+        >>> outcome = run_plan(cfg, tmp_path)  # doctest: +SKIP
+        >>> outcome.plan["total_params"]  # doctest: +SKIP
+        1038954930176
+    """
+    from lightning_4d.planner import NoLayoutFits, format_table, make_plan, search, write_plan
+    from lightning_4d.recipes.build import output_dir
+
+    start = time.perf_counter()
+    setup = plan_setup(cfg)
+    plan_cfg = setup.plan
+    plan = make_plan(setup.spec, setup.dims, setup.cluster, setup.train, replay_bubble=setup.dims.pp > 1)
+    plan["inputs"] = {"model": setup.config.model.name, "parallel": setup.config.parallel.name,
+                      "device": setup.cluster.device.name, "notes": list(setup.notes)}
+    plan["assumptions"] = list(plan["assumptions"]) + list(setup.notes)
+    text = [format_table(plan)]
+    if not plan["memory"]["fits"]:
+        bigger = "" if setup.cluster.device.memory_bytes >= 141e9 else " a larger device (plan.device=H200),"
+        text.append(f"note: the peak {plan['memory']['peak'] / 1e9:.1f} GB per GPU exceeds the usable "
+                    f"{plan['memory']['usable'] / 1e9:.1f} GB of a {setup.cluster.device.name}: try plan.search=true,"
+                    f"{bigger} more GPUs or activation checkpointing.")
+    exit_code = 0
+    result = None
+    if plan_cfg.trace:
+        try:
+            result = run_dry_run(setup)
+        except Exception as err:  # noqa: BLE001 - the analytic plan stands without the cross-check
+            plan["dry_run"] = {"ok": False, "error": f"{type(err).__name__}: {err}"}
+            text += ["", f"dry run failed ({type(err).__name__}: {err}); the plan above is analytic only. "
+                         f"Skip it with plan.trace=false."]
+            exit_code = 1
+    if result is not None:
+        detected = result.expert_reshard_after_forward
+        if detected is not None and setup.train.expert_reshard_after_forward is None and detected != (
+                setup.train.reshard_after_forward is not False):
+            # Plan what the code does: the traced wrapping of the experts replaces the planner's default.
+            setup.train = setup.train.with_(expert_reshard_after_forward=detected)
+            note = (f"experts: lightning_4d.parallelize wraps them with FSDP reshard_after_forward={detected} (seen in "
+                    f"the dry run); the plan uses that instead of the planner's default")
+            setup.notes.append(note)
+            inputs, assumptions = plan["inputs"], plan["assumptions"] + [note]
+            plan = make_plan(setup.spec, setup.dims, setup.cluster, setup.train, replay_bubble=setup.dims.pp > 1)
+            plan["inputs"], plan["assumptions"] = inputs, list(plan["assumptions"]) + [
+                a for a in assumptions if a not in plan["assumptions"]]
+            text[0] = format_table(plan)
+        plan["dry_run"] = result.as_dict()
+        plan["assumptions"] += [a for a in result.assumptions if a not in plan["assumptions"]]
+        text += ["", result.format()]
+        if not result.ok:
+            exit_code = 1
+    if plan_cfg.search:
+        try:
+            cands = search(setup.spec, setup.cluster, setup.train, top=plan_cfg.top)
+        except NoLayoutFits as err:
+            raise PlanError(str(err)) from None
+        except ValueError as err:
+            raise PlanError(f"search: {err}") from None
+        plan["search"] = [cand.as_dict() for cand in cands]
+        text += ["", _format_search(cands)]
+    plan["planner_seconds"] = time.perf_counter() - start
+    target = Path(plan_cfg.output)
+    if not target.is_absolute():
+        target = Path(out_dir if out_dir is not None else output_dir(setup.config)) / target
+    path = write_plan(plan, target)
+    text.append(f"\nplan written to {path}")
+    return PlanOutcome(plan, "\n".join(text), path, exit_code, time.perf_counter() - start)

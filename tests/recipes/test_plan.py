@@ -1,0 +1,137 @@
+"""``recipes/plan.py``: the dry-run planner composed from the training recipe's config groups — plan.json for a
+tiny model and for the seed's 1T MoE (with a dry run of the real rewriting), impossible requests, the layout
+search, and the command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+
+from lightning_4d.recipes import conf_dir, count_params, register_configs, to_train_config
+from lightning_4d.recipes.planning import PlanError, plan_setup, run_plan
+from lightning_4d.recipes.schema import PlanRecipeConfig
+
+REPO = Path(__file__).resolve().parents[2]
+KEYS = ("model", "total_params", "active_params_per_token", "components", "layout", "memory", "communication",
+        "bubble", "step", "step_time_s", "mfu", "tokens_per_s", "assumptions", "inputs")
+# A toy cluster: 4 devices of a made-up accelerator (numbers in GB, TFLOP/s, GB/s).
+TOY = ["plan.device=custom", "plan.memory_gb=80", "plan.peak_tflops=10", "plan.nvlink_gb_s=100",
+       "plan.infiniband_gb_s=10", "plan.nodes=1", "plan.gpus_per_node=4"]
+
+
+def _compose(overrides: list[str]) -> Any:
+    register_configs()
+    with initialize_config_dir(str(conf_dir()), version_base=None):
+        return compose("plan", overrides)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
+        env.pop(key, None)
+    return env
+
+
+# ---------------------------------------------------------------------------------------------- compose
+def test_plan_config_has_the_train_groups_and_a_typed_plan_section() -> None:
+    typed = to_train_config(_compose([]))
+    assert isinstance(typed, PlanRecipeConfig)
+    assert (typed.model.name, typed.parallel.name, typed.trainer.accelerator) == ("tiny_moe", "cpu_4d", "gpu")
+    assert typed.plan.device == "H100" and typed.plan.trace and not typed.plan.search
+    with pytest.raises(ConfigCompositionException, match="devcie"):
+        _compose(["plan.devcie=H200"])
+    with pytest.raises(ValueError, match="plan.device=custom needs plan.memory_gb"):
+        to_train_config(_compose(["plan.device=custom"]))
+
+
+# ---------------------------------------------------------------------------------------------- plans
+def test_tiny_plan_writes_plan_json_with_a_matching_dry_run(tmp_path: Path) -> None:
+    cfg = _compose(["model=tiny_moe", "parallel=cpu_4d", f"output_dir={tmp_path}"])
+    outcome = run_plan(cfg)
+    assert outcome.exit_code == 0, outcome.text
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    for key in KEYS + ("dry_run",):
+        assert key in plan, key
+    assert plan["total_params"] == count_params(to_train_config(cfg).model).total
+    assert len(plan["memory"]["per_role"]) == 2 and {"tp", "pp", "ep", "dp", "edp"} <= set(
+        plan["communication"]["busiest_rank"])
+    assert plan["dry_run"]["ok"] and len(plan["dry_run"]["ranks"]) == 2
+    assert plan["layout"]["world_size"] == 8 and plan["layout"]["cluster"]["nodes"] == 1
+    assert any("uniform routing" in a for a in plan["assumptions"])
+    assert "bytes sent per step" in outcome.text and "dry run of tiny_moe" in outcome.text
+
+
+def test_seed_moe_1t_plan(tmp_path: Path) -> None:
+    cfg = _compose(["model=moe_1t", "parallel=moe_1t", "plan.trace_blocks=4", f"output_dir={tmp_path}"])
+    setup = plan_setup(cfg)
+    assert (setup.dims.tp, setup.dims.pp, setup.dims.ep, setup.dims.dp, setup.dims.world_size) == (8, 4, 8, 16, 512)
+    assert (setup.cluster.nodes, setup.cluster.gpus_per_node) == (64, 8)
+    outcome = run_plan(cfg)
+    plan = json.loads(Path(outcome.path).read_text())
+    for key in KEYS + ("dry_run",):
+        assert key in plan, key
+    assert plan["total_params"] == count_params(to_train_config(cfg).model).total == 1_038_954_930_176
+    assert round(plan["active_params_per_token"] / 1e9, 1) == 40.4
+    assert plan["bubble"]["theory"] == pytest.approx(3 / 35)
+    assert len(plan["memory"]["per_role"]) == 4 and set(plan["communication"]["busiest_rank"]) == {
+        "tp", "pp", "ep", "dp", "edp"}
+    # One block per pipeline stage traced on a fake 512-rank group: the bytes equal the formulas.
+    assert plan["dry_run"]["ok"] and plan["dry_run"]["layers"] == 4 and plan["dry_run"]["world_size"] == 512
+    # data.batch_size=8 per dp rank is fewer than the 32 micro-batches: planned with 32 (noted).
+    assert plan["layout"]["global_batch_size"] == 512 and any("32 micro-batches" in n for n in plan["inputs"]["notes"])
+
+
+def test_dp_auto_fills_the_requested_nodes() -> None:
+    setup = plan_setup(_compose(["model=tiny_dense", "parallel=tp", "plan.nodes=2", "plan.trace=false"]))
+    assert (setup.dims.tp, setup.dims.dp, setup.cluster.world_size) == (2, 8, 16)
+    assert setup.train.global_batch_size == 8 * 8 and setup.train.precision == "bf16-mixed"
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model=tiny_dense", "parallel=tp", "parallel.tp=3", "parallel.dp=1"], "n_heads=8 is not divisible by tp=3|tp"),
+    (["model=moe_1t", "parallel=moe_1t", "plan.nodes=32"], "needs 512 ranks .* plan.nodes=64"),
+    (["model=tiny_moe", "parallel=cpu_4d", "plan.global_batch_size=6"], "global_batch_size=6 does not split"),
+    (["model=tiny_moe", "parallel=cpu_4d", "parallel.ep=3"], "ep=3"),
+    (["model=moe_1t", "parallel=none", "plan.nodes=1", "plan.search=true", "plan.trace=false"],
+     "No layout of moe_1t fits 1 node"),
+])
+def test_impossible_requests_fail_with_a_clear_message(tmp_path: Path, overrides: list[str], message: str) -> None:
+    with pytest.raises(PlanError, match=message):
+        run_plan(_compose([*overrides, f"output_dir={tmp_path}"]))
+
+
+def test_search_on_a_toy_cluster_ranks_the_known_best_first(tmp_path: Path) -> None:
+    """A 0.7M-parameter model on 4 slow devices, compute-bound: pure data parallelism (no tp / pp / ep traffic on
+    the critical path, its dp traffic hidden behind compute, no bubble) is the fastest layout."""
+    cfg = _compose(["model=tiny_dense", "parallel=none", *TOY, "plan.search=true", "plan.trace=false",
+                    "plan.global_batch_size=64", "data.seq_len=256", f"output_dir={tmp_path}"])
+    outcome = run_plan(cfg)
+    found = json.loads(Path(outcome.path).read_text())["search"]
+    assert 2 <= len(found) <= 5
+    assert (found[0]["tp"], found[0]["pp"], found[0]["dp"]) == (1, 1, 4) and found[0]["reason"].startswith("fastest")
+    assert all("slower than #1" in c["reason"] or "as fast as #1" in c["reason"] for c in found[1:])
+    assert [c["step_s"] for c in found] == sorted(c["step_s"] for c in found)
+    assert "#1 tp=1 pp=1 ep=1 dp=4" in outcome.text
+
+
+# ---------------------------------------------------------------------------------------------- command line
+def test_command_line_plan_and_impossible_request(tmp_path: Path) -> None:
+    script = str(REPO / "recipes" / "plan.py")
+    ok = subprocess.run([sys.executable, script, "model=tiny_dense", "parallel=tp", "plan.nodes=1",
+                         f"hydra.run.dir={tmp_path / 'ok'}"], capture_output=True, text=True, env=_env(),
+                        cwd=tmp_path, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert "dry run of tiny_dense" in ok.stdout and (tmp_path / "ok" / "plan.json").exists()
+    bad = subprocess.run([sys.executable, script, "model=moe_1t", "parallel=none", "plan.nodes=1", "plan.search=true",
+                          "plan.trace=false", f"hydra.run.dir={tmp_path / 'bad'}"], capture_output=True, text=True,
+                         env=_env(), cwd=tmp_path, timeout=300)
+    assert bad.returncode == 2, bad.stdout[-2000:] + bad.stderr[-2000:]
+    assert "error: No layout of moe_1t fits 1 node(s) × 8 H100" in bad.stderr and "Traceback" not in bad.stderr

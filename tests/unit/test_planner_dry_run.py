@@ -1,0 +1,150 @@
+"""The planner's communication formulas against the collectives of the real rewriting
+(``lightning_4d.parallelize.parallelize_module``) traced on torch's ``fake`` process group, in one process:
+dense TP / SP / DP / PP layouts, activation checkpointing, bf16, GPT-2 and MoE models, and the seed's 1T MoE."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_4d.mesh import ParallelDims
+from lightning_4d.models import GPT2, CausalLM, GPT2Config, Llama, LlamaConfig
+from lightning_4d.planner import TrainSpec, TransformerSpec
+from lightning_4d.planner.comm import expert_padding
+from lightning_4d.planner.dry_run import dry_run, representative_ranks, uniform_experts, uniform_routing
+
+pytestmark = pytest.mark.skipif(dist.is_initialized(), reason="needs a process without a process group")
+
+LLAMA = dict(vocab_size=256, dim=64, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=32)
+
+
+def _check(result, axes):
+    assert result.ok, result.format()
+    for r in result.ranks:
+        assert set(r.traced) == set(r.analytic), result.format()
+        for axis, kinds in r.analytic.items():
+            for kind, value in kinds.items():
+                assert r.traced[axis][kind] == pytest.approx(value, rel=1e-9), (r.rank, axis, kind)
+    assert set().union(*(r.traced for r in result.ranks)) == set(axes)
+
+
+# ---------------------------------------------------------------------------------------------- dense
+DENSE = {
+    "tp+sp, fsdp": (4, dict(tp=2), dict(), 2, {"tp", "dp"}),
+    "tp without sp, replicate, full AC": (
+        4, dict(tp=2, sequence_parallel=False), dict(data_parallel="replicate", activation_checkpointing="full"), 2,
+        {"tp", "dp"}),
+    "tp+sp, pp 1f1b, fsdp, bf16-mixed": (8, dict(tp=2, pp=2), dict(microbatches=4, precision="bf16-mixed"), 2,
+                                         {"tp", "dp", "pp"}),
+    "interleaved pp, tp+sp, selective AC": (
+        4, dict(tp=2, pp=2, virtual_stages=2), dict(microbatches=2, schedule="interleaved_1f1b",
+                                                   activation_checkpointing="selective"), 4, {"tp", "pp"}),
+    "zbv, dp": (4, dict(pp=2, virtual_stages=2), dict(microbatches=4, schedule="zbv"), 4, {"dp", "pp"}),
+    # dp = 1: the SP norms' gradients stay Partial DTensors until the strategy resolves them, once per step
+    "tp+sp without dp": (2, dict(tp=2), dict(), 2, {"tp"}),
+}
+
+
+@pytest.mark.parametrize("name", list(DENSE))
+def test_dense_layouts_trace_to_the_formulas(name):
+    world, degrees, train_kw, layers, axes = DENSE[name]
+    cfg = LlamaConfig(n_layers=layers, **LLAMA)
+    dims = ParallelDims.from_world(world, **degrees)
+    train_kw = {"precision": "32-true", **train_kw}
+    m = train_kw.get("microbatches") or 1
+    train = TrainSpec(global_batch_size=dims.dp * m, **train_kw)
+    result = dry_run(lambda: CausalLM(Llama(cfg)), TransformerSpec.from_config(cfg, seq_len=32), dims, train)
+    _check(result, axes)
+    assert [r.rank for r in result.ranks] == representative_ranks(dims)
+
+
+def test_gpt2_learned_positions_biases_and_tied_head():
+    cfg = GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, block_size=32)
+    dims = ParallelDims.from_world(8, tp=2, pp=2)
+    result = dry_run(lambda: CausalLM(GPT2(cfg)), TransformerSpec.from_config(cfg, seq_len=32), dims,
+                     TrainSpec(global_batch_size=8, microbatches=4, precision="32-true"))
+    _check(result, {"tp", "dp", "pp"})
+
+
+def test_pipeline_sends_are_the_measured_boundary_tensors():
+    cfg = LlamaConfig(n_layers=2, **LLAMA)
+    dims = ParallelDims.from_world(4, tp=2, pp=2)
+    result = dry_run(lambda: CausalLM(Llama(cfg)), TransformerSpec.from_config(cfg, seq_len=32), dims,
+                     TrainSpec(global_batch_size=2, microbatches=2, precision="32-true"))
+    shard = 1 * (32 // 2) * 64 * 4  # b · s/tp · h · fp32: a rank sends its sequence shard
+    assert [r.traced["pp"]["send"] for r in result.ranks] == [shard, shard]
+
+
+# ---------------------------------------------------------------------------------------------- MoE
+def test_moe_layers_trace_to_the_formulas_under_uniform_routing():
+    from lightning_4d.models.moe import MoEConfig, MoETransformer
+
+    cfg = MoEConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=32,
+                    num_experts=4, top_k=2, expert_hidden=64, first_dense_layers=1, shared_experts=1,
+                    aux_loss_coef=0.01)
+    dims = ParallelDims.from_world(8, tp=2, pp=2, ep=2)
+    train = TrainSpec(global_batch_size=8, microbatches=4, precision="bf16-mixed", activation_checkpointing="full")
+    spec = TransformerSpec.from_config(cfg, seq_len=32)
+    assert spec.router_aux_loss
+    result = dry_run(lambda: CausalLM(MoETransformer(cfg)), spec, dims, train)
+    _check(result, {"tp", "dp", "pp", "ep", "edp"})
+    for r in result.ranks:  # dispatch + combine, their reverses and the recomputed forward's (6), counts (2)
+        n_moe = sum(spec.is_moe_layer(i) for i in r.layers)
+        assert r.traced_calls["ep"]["all_to_all"] == r.analytic_calls["ep"]["all_to_all"] == n_moe * (6 + 2)
+        assert r.traced["ep"]["all_reduce"] > 0 and r.traced["edp"]["all_reduce"] > 0
+    assert "uniform routing" in " ".join(result.assumptions)
+
+
+def test_seed_moe_1t_one_block_per_stage_on_512_fake_ranks():
+    """The seed's layout (tp=8 + SP, ep=8, pp=4, dp=16) with the real widths, one block per pipeline stage."""
+    from lightning_4d.models.moe import MoEConfig, MoETransformer
+
+    cfg = MoEConfig(vocab_size=128256, dim=8192, n_layers=4, n_heads=64, n_kv_heads=8, ffn_hidden=28672,
+                    max_seq_len=8192, num_experts=64, top_k=2, expert_hidden=16384, aux_loss_coef=0.001)
+    dims = ParallelDims.from_world(512, tp=8, pp=4, ep=8)
+    train = TrainSpec(global_batch_size=16 * 32, seq_len=256, microbatches=32, activation_checkpointing="full")
+    spec = TransformerSpec.from_config(cfg, seq_len=256)
+    result = dry_run(lambda: CausalLM(MoETransformer(cfg)), spec, dims, train)
+    _check(result, {"tp", "dp", "pp", "ep", "edp"})
+    assert [r.rank for r in result.ranks] == [0, 137, 274, 411]
+    # 8 local experts sharded over edp = 16 ranks: FSDP2 pads dim 0 to 16 rows, twice the expert bytes.
+    assert expert_padding(spec, dims) == 2.0
+    experts_local = 64 // 8 * 3 * 8192 * 16384
+    assert result.ranks[0].traced["edp"]["reduce_scatter"] == pytest.approx(15 / 16 * 2 * experts_local * 4)
+
+
+# ---------------------------------------------------------------------------------------------- pieces
+def test_uniform_experts_spread_over_ranks_then_experts():
+    idx = uniform_experts(32, num_experts=64, ep=8)  # fewer assignments than experts: still 4 per ep rank
+    assert torch.bincount(idx // 8, minlength=8).tolist() == [4] * 8
+    assert torch.bincount(uniform_experts(256, 64, 8), minlength=64).tolist() == [4] * 64
+    pairs = uniform_experts(12, 4, 2).view(6, 2)
+    assert all(a != b for a, b in pairs.tolist())  # a token's k choices are distinct experts
+
+
+def test_uniform_routing_runs_the_real_layer_and_restores_it():
+    from lightning_4d.expert_parallel import MoE
+
+    moe_mod = importlib.import_module("lightning_4d.expert_parallel.moe")
+    original = moe_mod.make_permutation
+    layer = MoE(8, 16, num_experts=4, top_k=2)
+    x = torch.randn(2, 6, 8)
+    with uniform_routing():
+        out = layer(x)
+    assert out.shape == x.shape and layer.tokens_per_expert.tolist() == [6, 6, 6, 6]
+    assert moe_mod.make_permutation is original
+
+
+def test_recorder_names_a_group_shared_by_two_axes_after_the_dense_one():
+    from lightning_4d.mesh import build_mesh
+    from lightning_4d.planner.fake_world import CollectiveRecorder, fake_world
+
+    dims = ParallelDims.from_world(4, tp=4)  # tp spans the world: tp, edp and the default group coincide
+    with fake_world(4, rank=1):
+        mesh = build_mesh(dims, "cpu")
+        with CollectiveRecorder(mesh) as rec:
+            dist.all_reduce(torch.ones(4), group=mesh["tp"].get_group())
+    assert rec.counts() == {"tp": {"all_reduce": 1}}
