@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_4d import _compat
 
 __all__ = ["CommCounter", "CommRecord", "wire_bytes", "axis_names_for"]
 
@@ -93,25 +94,18 @@ def axis_names_for(mesh: Any) -> dict[str, str]:
 
 
 def _group_info(func_name: str, args: tuple, kwargs: dict) -> tuple[Optional[str], int]:
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
     for arg in list(args) + list(kwargs.values()):
-        if isinstance(arg, str):
-            try:
-                pg = _resolve_process_group(arg)
-                return pg.group_name, dist.get_world_size(pg)
-            except Exception:  # noqa: BLE001 - not a group name
-                continue
-        if isinstance(arg, torch.ScriptObject) or type(arg).__name__ == "ProcessGroup":
-            try:
-                return arg.group_name, arg.size()
-            except Exception:  # noqa: BLE001
-                continue
+        pg = _compat.process_group_of(arg)
+        if pg is None:
+            continue
+        try:
+            return pg.group_name, pg.size()
+        except Exception:  # noqa: BLE001
+            continue
     return None, 1
 
 
-class CommCounter(TorchDispatchMode):
+class CommCounter(_compat.dispatch_mode_base()):  # type: ignore[misc]
     """Records collectives issued while active (forward and backward).
 
     Args:
@@ -130,14 +124,14 @@ class CommCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        if isinstance(func, torch._ops.HigherOrderOperator):
+        if _compat.is_higher_order_op(func):
             return func(*args, **kwargs)
         from torch.distributed.tensor import DTensor
 
         if any(t is DTensor or (isinstance(t, type) and issubclass(t, DTensor)) for t in types):
             return NotImplemented  # let DTensor desugar into collectives first, then see those
         out = func(*args, **kwargs)
-        name = func._overloadpacket.__name__
+        name = _compat.op_name(func)
         kind = _KINDS.get(name)
         if kind is not None:
             group, size = _group_info(name, args, kwargs)
@@ -148,7 +142,7 @@ class CommCounter(TorchDispatchMode):
             if kind == "all_gather":
                 nbytes *= size  # S is the gathered (output) size
             axis = self.axis_names.get(group or "", group or "?")
-            self.records.append(CommRecord(kind, axis, size, nbytes, torch._C._current_graph_task_id() != -1))
+            self.records.append(CommRecord(kind, axis, size, nbytes, _compat.in_backward()))
         return out
 
     def totals(self, backward: Optional[bool] = None) -> dict[tuple[str, str], dict[str, float]]:

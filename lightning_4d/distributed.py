@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_4d import _compat
+
 __all__ = ["all_reduce_sum", "broadcast_module_state", "global_grad_norm", "to_full"]
 
 
@@ -58,7 +60,7 @@ def broadcast_module_state(module: nn.Module, src: int = 0) -> None:
 
 
 def _local_norm_pow(grads: list[Tensor], norm_type: float) -> Tensor:
-    norms = torch._foreach_norm(grads, norm_type)
+    norms = _compat.foreach_norm(grads, norm_type)
     return torch.stack([n.float() for n in norms]).pow(norm_type).sum()
 
 

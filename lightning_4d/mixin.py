@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from torch import Tensor
 
+from lightning_4d import _compat
 from lightning_4d.loss import count_targets
 
 __all__ = ["FourDModule"]
@@ -79,7 +80,7 @@ class FourDModule:
     def _fourd_strategy(self) -> Any:
         from lightning_4d.strategy import FourDStrategy
 
-        trainer = getattr(self, "_trainer", None)
+        trainer = _compat.attached_trainer(self)
         strategy = trainer.strategy if trainer is not None else None
         return strategy if isinstance(strategy, FourDStrategy) else None
 

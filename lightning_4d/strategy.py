@@ -163,10 +163,9 @@ class FourDStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ processes and mesh
     @override
-    def _configure_launcher(self) -> None:
+    def _configure_launcher(self) -> None:  # Lightning's (private) hook for custom strategies
         assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _compat.subprocess_launcher(self.cluster_environment, self.num_processes, self.num_nodes)
+        _compat.install_subprocess_launcher(self)
 
     def set_world_ranks(self) -> None:
         """Derive global rank and world size from node rank, local rank and processes per node."""
@@ -192,7 +191,7 @@ class FourDStrategy(ParallelStrategy):
             )
         self._mesh = build_mesh(dims, self.root_device.type, backend=backend, timeout=self._timeout)
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._mesh.dense
+        _compat.set_device_mesh(self.lightning_module, self._mesh.dense)
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -212,7 +211,7 @@ class FourDStrategy(ParallelStrategy):
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
-            self._reset_optimizers_and_schedulers()
+            self.optimizers, self.lr_scheduler_configs = [], []  # a re-fit builds them anew
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 

@@ -15,16 +15,15 @@ handle — ``Work.wait()`` for ``c10d`` calls (synchronous ones wait inside ``to
 asynchronous FSDP all-gathers and pipeline sends/receives wait later) and ``wait_tensor`` for
 functional collectives. To see the ``Work.wait()`` calls, the recorder wraps the
 ``torch.distributed.Work.wait`` method while it is active and restores it on exit (the one patch;
-see :func:`_patch_work_wait`). On CUDA the host waits only for the enqueue unless
+see :func:`lightning_4d._compat.patch_work_wait`). On CUDA the host waits only for the enqueue unless
 ``sync_cuda=True`` (device-inclusive times; profiling only).
 
 The dispatch mode sees every tensor operation, so it costs a few microseconds per op: the monitor
 records only every ``every_n_steps`` steps (default: the Trainer's ``log_every_n_steps``).
 
-Private torch APIs (marked TORCH-INTERNALS, to move to ``lightning_4d/_compat.py``):
-``torch.utils._python_dispatch.TorchDispatchMode``, ``distributed_c10d._resolve_process_group``
-(group of a functional collective's group name) and ``ProcessGroup.unbox`` / ``Work.unbox``
-(the objects behind a ``c10d`` op's script-object arguments and results).
+Private torch APIs (``TorchDispatchMode``, the group behind a collective's group argument, the
+``Work`` behind a ``c10d`` op's result, the ``Work.wait`` patch, the autograd engine's state) are
+used only through :mod:`lightning_4d._compat`.
 
 Example:
     >>> from lightning_4d.callbacks import CommunicationMonitor
@@ -37,16 +36,16 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_4d import _compat
 from lightning_4d.callbacks._common import (
     RunContext,
     every_n,
@@ -167,42 +166,6 @@ def op_bytes(name: str, kind: str, args: tuple, n: int, rank: int) -> float:
     return (n - 1) / n * full  # broadcast (ring / pipelined estimate)
 
 
-def _resolve_group(arg: Any) -> Optional[Any]:
-    """TORCH-INTERNALS: the ``ProcessGroup`` behind a collective's group argument, or ``None``.
-
-    Functional collectives pass the group *name* (``distributed_c10d._resolve_process_group``);
-    ``c10d`` ops a script object (``ProcessGroup.unbox``).
-    """
-    import torch.distributed as dist
-
-    if isinstance(arg, str):
-        try:
-            from torch.distributed.distributed_c10d import _resolve_process_group
-
-            return _resolve_process_group(arg)
-        except Exception:  # noqa: BLE001 - not a group name (e.g. the reduce op "sum")
-            return None
-    if isinstance(arg, dist.ProcessGroup):
-        return arg
-    if isinstance(arg, torch.ScriptObject):
-        try:
-            return dist.ProcessGroup.unbox(arg)
-        except Exception:  # noqa: BLE001 - another script object (ReduceOp, Work, ...)
-            return None
-    return None
-
-
-def _unbox_work(obj: Any) -> Optional[Any]:
-    """TORCH-INTERNALS: the Python ``Work`` for a ``c10d`` op's script-object result (same object the
-    ``torch.distributed`` call returns), or ``None``."""
-    import torch.distributed as dist
-
-    try:
-        return dist.Work.unbox(obj)
-    except Exception:  # noqa: BLE001
-        return None
-
-
 def axis_groups(mesh: Any) -> dict[Any, tuple[str, ...]]:
     """Mesh axes per process group, keyed by group name and by the tuple of its global ranks (several
     axes when they span the same ranks, e.g. ``tp`` and ``ep`` folded onto one node).
@@ -232,53 +195,7 @@ def axis_groups(mesh: Any) -> dict[Any, tuple[str, ...]]:
     return {k: tuple(v) for k, v in out.items()}
 
 
-_PATCH_LISTENERS: list[Callable[[Any, float, float], None]] = []
-_PATCH_STATE: dict[str, Any] = {}
-
-
-@contextlib.contextmanager
-def _patch_work_wait(listener: Callable[[Any, float, float], None]) -> Iterator[None]:
-    """Wrap ``torch.distributed.Work.wait`` while the block runs, reporting ``(work, t0, t1)`` of every
-    wait to ``listener``; restored on exit (nested uses share one wrapper, the last exit restores it).
-
-    A monkey-patch of a public class method: the pybind ``Work`` class accepts a Python function as
-    its ``wait`` attribute; every ``work.wait()`` issued from Python (``torch.distributed``'s
-    synchronous calls, FSDP2, the pipeline schedules) goes through it.
-    """
-    import torch.distributed as dist
-
-    if not _PATCH_LISTENERS:
-        original = dist.Work.wait
-
-        @functools.wraps(original)
-        def timed_wait(self: Any, *args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return original(self, *args, **kwargs)
-            finally:
-                t1 = time.perf_counter()
-                for fn in list(_PATCH_LISTENERS):
-                    fn(self, t0, t1)
-
-        _PATCH_STATE["original"] = original
-        dist.Work.wait = timed_wait  # type: ignore[method-assign]
-    _PATCH_LISTENERS.append(listener)
-    try:
-        yield
-    finally:
-        _PATCH_LISTENERS.remove(listener)
-        if not _PATCH_LISTENERS:
-            dist.Work.wait = _PATCH_STATE.pop("original")  # type: ignore[method-assign]
-
-
-def _dispatch_mode_base() -> type:
-    """TORCH-INTERNALS: ``torch.utils._python_dispatch.TorchDispatchMode`` (what ``CommDebugMode`` builds on)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    return TorchDispatchMode
-
-
-class CommRecorder(_dispatch_mode_base()):  # type: ignore[misc]
+class CommRecorder(_compat.dispatch_mode_base()):  # type: ignore[misc]
     """Records every collective dispatched while active: :class:`CommEvent` per call (see module docstring).
 
     Args:
@@ -308,7 +225,7 @@ class CommRecorder(_dispatch_mode_base()):  # type: ignore[misc]
 
     # -- context ---------------------------------------------------------------------------------
     def __enter__(self) -> "CommRecorder":
-        self._patch = _patch_work_wait(self._on_wait)
+        self._patch = _compat.patch_work_wait(self._on_wait)
         self._patch.__enter__()
         try:
             return super().__enter__()
@@ -368,7 +285,7 @@ class CommRecorder(_dispatch_mode_base()):  # type: ignore[misc]
             hit = self._group_cache.get(key)
             if hit is not None:
                 return hit[0], hit[1], hit[2]
-            pg = _resolve_group(arg)
+            pg = _compat.process_group_of(arg)
             if pg is None:
                 continue
             info = (self._axis(pg, kind), int(pg.size()), int(pg.rank()), pg.group_name)
@@ -379,7 +296,7 @@ class CommRecorder(_dispatch_mode_base()):  # type: ignore[misc]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        if isinstance(func, torch._ops.HigherOrderOperator):
+        if _compat.is_higher_order_op(func):
             return func(*args, **kwargs)
         from torch.distributed.tensor import DTensor
 
@@ -388,7 +305,7 @@ class CommRecorder(_dispatch_mode_base()):  # type: ignore[misc]
         namespace = getattr(func, "namespace", "")
         if namespace not in _NAMESPACES:
             return func(*args, **kwargs)
-        name = func._overloadpacket.__name__
+        name = _compat.op_name(func)
         if name == "wait_tensor":
             t0 = time.perf_counter()
             out = func(*args, **kwargs)
@@ -404,13 +321,12 @@ class CommRecorder(_dispatch_mode_base()):  # type: ignore[misc]
         out = func(*args, **kwargs)
         seconds = time.perf_counter() - t0
         axis, n, rank = self._group(args, kwargs, kind)
-        event = CommEvent(kind, axis, n, op_bytes(name, kind, args, n, rank), seconds,
-                          torch._C._current_graph_task_id() != -1)
+        event = CommEvent(kind, axis, n, op_bytes(name, kind, args, n, rank), seconds, _compat.in_backward())
         self.events.append(event)
         if namespace == "c10d":
             for obj in (out if isinstance(out, (tuple, list)) else (out,)):
                 if isinstance(obj, torch.ScriptObject):
-                    work = _unbox_work(obj)
+                    work = _compat.unbox_work(obj)
                     if work is not None:
                         self._pending_works[id(work)] = (event, work)  # keeps the id unique until waited
         else:

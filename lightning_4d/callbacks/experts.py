@@ -23,6 +23,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_4d import _compat
 from lightning_4d.callbacks._common import (
     RunContext,
     every_n,
@@ -209,7 +210,7 @@ class ExpertLoadMonitor(Callback):
     def _make_hook(self, name: str) -> Any:
         def hook(module: Any, inputs: Any, output: Any) -> None:
             # Forwards of the recorded training step only; not recomputation inside backward.
-            if not self._recording or torch._C._current_graph_task_id() != -1:
+            if not self._recording or _compat.in_backward():
                 return
             acc = self._acc.get(name)
             aux = getattr(getattr(module, "router", None), "aux_loss", None)

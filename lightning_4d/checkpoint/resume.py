@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
+from lightning_4d import _compat
+
 __all__ = ["consumed_batches", "normalize_loop_state", "SkipFirstBatches", "skip_first_batches"]
 
 
@@ -112,6 +114,6 @@ def skip_first_batches(dataloader: Any, skip: int) -> Any:
     if skip <= 0 or getattr(dataloader, "batch_sampler", None) is None:
         return dataloader
     # DataLoader forbids re-assigning its batch sampler after construction; this is the same object.
-    object.__setattr__(dataloader, "batch_sampler", SkipFirstBatches(dataloader.batch_sampler, skip))
+    _compat.replace_batch_sampler(dataloader, SkipFirstBatches(dataloader.batch_sampler, skip))
     return dataloader
 

@@ -47,11 +47,18 @@ def model_state_dict(model: nn.Module) -> dict[str, Any]:
     return get_model_state_dict(model, options=_options())
 
 
+def _unwrap_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside a ``LightningOptimizer`` (any other object unchanged)."""
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
 def optimizer_state_dict(model: nn.Module, optimizer: Any) -> dict[str, Any]:
     """This rank's shards of the optimizer state, keyed by parameter names."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    optimizer = getattr(optimizer, "_optimizer", optimizer)
+    optimizer = _unwrap_optimizer(optimizer)
     return get_optimizer_state_dict(model, optimizer, options=_options(optimizer=True))
 
 
@@ -128,7 +135,7 @@ def load_sharded(path: str, model: nn.Module, optimizers: Iterable[Any]) -> dict
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     check_checkpoint(path)
-    optimizers = [getattr(o, "_optimizer", o) for o in optimizers]
+    optimizers = [_unwrap_optimizer(o) for o in optimizers]
     state: dict[str, Any] = {"model": model_state_dict(model)}
     for i, opt in enumerate(optimizers):
         state[f"optimizer_{i}"] = optimizer_state_dict(model, opt)

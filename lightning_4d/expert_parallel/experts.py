@@ -4,9 +4,10 @@
 (replicated over ``edp``) apart from the dense router and shared experts (replicated over ``dp``).
 
 Experts are stored stacked, ``w1 [E, F, H]``, ``w2 [E, H, F]``, ``w3 [E, F, H]``; the rows for expert
-``e`` are contiguous (``counts[e]`` of them). ``torch._grouped_mm`` (private, used only in
-:func:`_grouped_mm_private`) runs all experts in one kernel where it is available (CPU fp32/bf16/fp16,
-CUDA bf16 on sm90+, rows of 16-byte multiples); otherwise a per-expert loop gives the same math.
+``e`` are contiguous (``counts[e]`` of them). torch's private grouped matmul (through
+:func:`lightning_4d._compat.grouped_mm`) runs all experts in one kernel where it is available (CPU
+fp32/bf16/fp16, CUDA bf16 on sm90+, rows of 16-byte multiples); otherwise a per-expert loop gives the
+same math.
 
 Example:
     >>> x = torch.randn(5, 8)                              # (M, H) sorted by expert
@@ -24,34 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_4d import _compat
+
 __all__ = ["GroupedExperts", "grouped_linear", "swiglu_experts", "scale_grad", "SwiGLU", "init_experts_", "GroupedMM"]
 
 GroupedMM = Union[bool, Literal["auto"]]
-
-
-def _grouped_mm_private(x: torch.Tensor, w_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """PRIVATE TORCH API: ``torch._grouped_mm(x (M, K), w_t (G, K, N), offs (G,) int32 cumsum) -> (M, N)``.
-
-    Its backward rejects non-contiguous incoming gradients (e.g. from ``.sum()``), so the output
-    gets a hook that makes the gradient contiguous.
-    """
-    y = torch._grouped_mm(x, w_t, offs=offs)  # (M, N)
-    if y.requires_grad:
-        y.register_hook(lambda g: g.contiguous())
-    return y
-
-
-def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
-        return False
-    align = 16 // x.element_size()
-    if w.shape[-1] % align or w.shape[-2] % align:
-        return False
-    if x.device.type == "cpu":
-        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-    if x.device.type == "cuda":
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
-    return False
 
 
 def grouped_linear(
@@ -69,10 +47,10 @@ def grouped_linear(
         >>> grouped_linear(torch.ones(3, 4), torch.ones(2, 5, 4), torch.tensor([1, 2])).shape
         torch.Size([3, 5])
     """
-    use = _grouped_mm_ok(x, w) if grouped_mm == "auto" else bool(grouped_mm)
+    use = _compat.grouped_mm_supported(x, w) if grouped_mm == "auto" else bool(grouped_mm)
     if use:
         offs = torch.cumsum(counts, 0).to(torch.int32)  # (G,)
-        return _grouped_mm_private(x.contiguous(), w.transpose(-2, -1), offs)  # (M, out)
+        return _compat.grouped_mm(x.contiguous(), w.transpose(-2, -1), offs)  # (M, out)
     chunks = x.split(counts.tolist(), dim=0)
     outs = [F.linear(c, w[e]) for e, c in enumerate(chunks)]  # [(m_e, out)]
     if not outs:
@@ -177,11 +155,7 @@ def first_local_expert(p: torch.Tensor) -> int:
 
     if not isinstance(p, DTensor):
         return 0
-    # PRIVATE TORCH API: the global offset of this rank's shard for any placement combination.
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    return int(offset[0])
+    return _compat.shard_global_offset(p)[0]
 
 
 class GroupedExperts(nn.Module):

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Union
 
+from lightning_4d import _compat
 from lightning_4d.pipeline.partition import stage_to_rank
 from lightning_4d.pipeline.schedules import ScheduleInfo, get_schedule_info, validate_microbatches
 
@@ -43,26 +44,9 @@ class Action(NamedTuple):
 
 
 def _torch_pipeline_order(info: ScheduleInfo, pp: int, virtual_stages: int, microbatches: int) -> dict[int, list[Any]]:
-    """TORCH-INTERNALS (move to ``_compat.py``): build a torch schedule without a process group.
-
-    torch computes the whole action table (``schedule.pipeline_order``, a public attribute) in the
-    constructor and only reads ``num_stages``, ``group_size``, ``group_rank``, ``stage_index`` and
-    ``submod`` from its stages there, so duck-typed stand-ins suffice (torch's own
-    ``_schedule_visualizer.get_schedule_ops`` does the same with mocks).
-    """
-    from types import SimpleNamespace
-
-    num_stages = pp * virtual_stages
-
-    def stub(i: int) -> SimpleNamespace:
-        return SimpleNamespace(num_stages=num_stages, group_size=pp, group_rank=0, submod=None, stage_index=i)
-
-    stages: Any = [stub(i) for i in range(virtual_stages)] if info.multi_stage else stub(0)
-    sched = info.torch_class(stages, microbatches)
-    order = sched.pipeline_order
-    if order is None:
-        raise ValueError(f"torch's {info.torch_name} exposes no action list (pipeline_order) in this version.")
-    return order
+    """torch's action table for the schedule, built without a process group
+    (:func:`lightning_4d._compat.schedule_action_table`)."""
+    return _compat.schedule_action_table(info.torch_class, pp, virtual_stages, microbatches, info.multi_stage)
 
 
 def _flatten(action: Any) -> list[Action]:

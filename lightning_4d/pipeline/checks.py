@@ -22,14 +22,15 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from lightning_4d.pipeline.stages import HOOK_HINT, PipelineSplit, StageModule, _get, find_pipeline_split
+from lightning_4d._compat import child_modules, pytree, registered_submodule
+from lightning_4d.pipeline.stages import HOOK_HINT, PipelineSplit, StageModule, find_pipeline_split
 
 __all__ = ["check_sequential"]
 
 
 def _diff(a: Any, b: Any) -> float:
-    ta = [t for t in torch.utils._pytree.tree_leaves(a) if isinstance(t, torch.Tensor)]  # noqa: SLF001
-    tb = [t for t in torch.utils._pytree.tree_leaves(b) if isinstance(t, torch.Tensor)]  # noqa: SLF001
+    ta = [t for t in pytree.tree_leaves(a) if isinstance(t, torch.Tensor)]
+    tb = [t for t in pytree.tree_leaves(b) if isinstance(t, torch.Tensor)]
     if len(ta) != len(tb) or any(x.shape != y.shape for x, y in zip(ta, tb)):
         return float("inf")
     return max((float((x.float() - y.float()).abs().max()) for x, y in zip(ta, tb) if x.numel()), default=0.0)
@@ -71,9 +72,10 @@ def check_sequential(
     cls = type(model).__name__
     split = split or find_pipeline_split(model, blocks_path)
     whole = StageModule(model, split, 0, 1, split.block_keys, pre_fn, post_fn)
-    container = _get(model, split.blocks_path)
+    container = registered_submodule(model, split.blocks_path)
     assert container is not None
-    first, last = container._modules[split.block_keys[0]], container._modules[split.block_keys[-1]]  # noqa: SLF001
+    blocks = child_modules(container)
+    first, last = blocks[split.block_keys[0]], blocks[split.block_keys[-1]]
     seen: dict[str, Any] = {}
     hooks = [first.register_forward_pre_hook(lambda m, a: seen.setdefault("in", a)),
              last.register_forward_hook(lambda m, a, out: seen.__setitem__("out", out))]
@@ -96,7 +98,7 @@ def check_sequential(
                     f"be a plain chain; otherwise {HOOK_HINT}."
                 ) from err
             err = _diff(got, expected)
-            scale = max((float(t.abs().max()) for t in torch.utils._pytree.tree_leaves(expected)  # noqa: SLF001
+            scale = max((float(t.abs().max()) for t in pytree.tree_leaves(expected)
                          if isinstance(t, torch.Tensor) and t.numel()), default=0.0)
             if err > atol + rtol * scale:
                 side = "the modules after the blocks (post) or the blocks themselves"
@@ -126,7 +128,7 @@ def check_sequential(
 def _chain(model: nn.Module, paths: Sequence[str], args: tuple) -> Any:
     h: Any = args if len(args) != 1 else args[0]
     for path in paths:
-        mod = _get(model, path)
+        mod = registered_submodule(model, path)
         if mod is not None:
             h = mod(*h) if isinstance(h, tuple) else mod(h)
     return h

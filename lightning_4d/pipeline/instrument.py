@@ -3,10 +3,10 @@
 :class:`PipelineInstrument` wraps, on this rank's ``PipelineStage`` objects, the three methods every
 torch schedule calls for compute — ``forward_one_chunk`` (F), ``backward_one_chunk`` (B, or I when
 called with ``full_backward=False``) and ``backward_weight_one_chunk`` (W) — and, while a step
-runs, the function through which every torch schedule waits on its send/receive work
-(``torch.distributed.pipelining.schedules._wait_batch_p2p``; the one private patch, isolated in
-:func:`_patch_p2p_wait`). Each becomes a :class:`PipelineEvent` ``(step, rank, stage, kind,
-microbatch, t0, t1)``; the whole ``schedule.step`` is recorded as kind ``"step"``.
+runs, the function through which every torch schedule waits on its send/receive work (torch
+internals, both isolated in :func:`lightning_4d._compat.time_stage_compute` and
+:func:`lightning_4d._compat.patch_p2p_wait`). Each becomes a :class:`PipelineEvent` ``(step, rank,
+stage, kind, microbatch, t0, t1)``; the whole ``schedule.step`` is recorded as kind ``"step"``.
 
 :func:`bubble_share` turns events (gathered from all pp ranks) into ``1 − busy / makespan`` per
 rank or per stage, averaged over steps. Timestamps use ``time.perf_counter`` (``CLOCK_MONOTONIC``,
@@ -22,12 +22,13 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional
+
+from lightning_4d import _compat
 
 __all__ = ["PipelineEvent", "PipelineInstrument", "bubble_share", "COMPUTE_KINDS"]
 
@@ -55,38 +56,6 @@ class PipelineEvent:
     def duration(self) -> float:
         """``t1 − t0`` in seconds."""
         return self.t1 - self.t0
-
-
-@contextlib.contextmanager
-def _patch_p2p_wait(on_wait: Callable[[float, float], None]) -> Iterator[None]:
-    """TORCH-INTERNALS (move to ``_compat.py``): time every p2p wait of torch's schedules.
-
-    All torch schedules (single-stage loops and the multi-stage runtime) block on send/receive work
-    only through the module-level ``_wait_batch_p2p(works)`` of ``torch.distributed.pipelining.schedules``,
-    which they look up at call time; it is replaced for the duration of the block.
-    """
-    from torch.distributed.pipelining import schedules as torch_schedules
-
-    original = getattr(torch_schedules, "_wait_batch_p2p", None)
-    if original is None:  # a torch without this hook point: compute is still timed
-        yield
-        return
-
-    @functools.wraps(original)
-    def timed_wait(work: Any, *args: Any, **kwargs: Any) -> Any:
-        if not work:
-            return original(work, *args, **kwargs)
-        t0 = time.perf_counter()
-        try:
-            return original(work, *args, **kwargs)
-        finally:
-            on_wait(t0, time.perf_counter())
-
-    torch_schedules._wait_batch_p2p = timed_wait  # noqa: SLF001
-    try:
-        yield
-    finally:
-        torch_schedules._wait_batch_p2p = original  # noqa: SLF001
 
 
 class PipelineInstrument:
@@ -129,47 +98,16 @@ class PipelineInstrument:
         for stage in self.stages:
             index = int(stage.stage_index)
 
-            def fwd(orig: Callable[..., Any], index: int = index) -> Callable[..., Any]:
-                def run(chunk: int, *args: Any, **kwargs: Any) -> Any:
-                    t0 = time.perf_counter()
-                    try:
-                        return orig(chunk, *args, **kwargs)
-                    finally:
-                        self._record(index, "F", chunk, t0, time.perf_counter())
-                return run
+            def on_compute(kind: str, chunk: int, t0: float, t1: float, index: int = index) -> None:
+                self._record(index, kind, chunk, t0, t1)
 
-            def bwd(orig: Callable[..., Any], index: int = index, stage: Any = stage) -> Callable[..., Any]:
-                def run(chunk: int, *args: Any, **kwargs: Any) -> Any:
-                    if not stage.has_backward:
-                        return orig(chunk, *args, **kwargs)
-                    kind = "B" if kwargs.get("full_backward", args[1] if len(args) > 1 else True) else "I"
-                    t0 = time.perf_counter()
-                    try:
-                        return orig(chunk, *args, **kwargs)
-                    finally:
-                        self._record(index, kind, chunk, t0, time.perf_counter())
-                return run
-
-            def wgt(orig: Callable[..., Any], index: int = index, stage: Any = stage) -> Callable[..., Any]:
-                def run(chunk: int, *args: Any, **kwargs: Any) -> Any:
-                    if not stage.has_backward:
-                        return orig(chunk, *args, **kwargs)
-                    t0 = time.perf_counter()
-                    try:
-                        return orig(chunk, *args, **kwargs)
-                    finally:
-                        self._record(index, "W", chunk, t0, time.perf_counter())
-                return run
-
-            self._wrap(stage, "forward_one_chunk", fwd)
-            self._wrap(stage, "backward_one_chunk", bwd)
-            self._wrap(stage, "backward_weight_one_chunk", wgt)
+            self._patched.extend((stage, name) for name in _compat.time_stage_compute(stage, on_compute))
 
         def step(orig: Callable[..., Any]) -> Callable[..., Any]:
             def run(*args: Any, **kwargs: Any) -> Any:
                 t0 = time.perf_counter()
                 try:
-                    with _patch_p2p_wait(lambda a, b: self._record(None, "wait", None, a, b)):
+                    with _compat.patch_p2p_wait(lambda a, b: self._record(None, "wait", None, a, b)):
                         return orig(*args, **kwargs)
                 finally:
                     self._record(None, "step", None, t0, time.perf_counter())

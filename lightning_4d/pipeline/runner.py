@@ -21,15 +21,15 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils import _pytree as pytree
 
+from lightning_4d import _compat
+from lightning_4d._compat import pytree
 from lightning_4d.pipeline.partition import stage_ids_for_rank, stage_to_rank
 from lightning_4d.pipeline.schedules import get_schedule_info, validate_microbatches
 from lightning_4d.pipeline.tied import sync_tied_grads
@@ -65,38 +65,6 @@ def _leaves(value: Any) -> list[torch.Tensor]:
 def _batch_size(value: Any) -> Optional[int]:
     leaves = _leaves(value)
     return int(leaves[0].shape[0]) if leaves else None
-
-
-@contextlib.contextmanager
-def _forward_only_actions(schedule: Any) -> Iterator[None]:
-    """TORCH-INTERNALS (move to ``_compat.py``): run a multi-stage schedule's table without backward actions.
-
-    ``schedule.eval()`` of torch's runtime schedules still walks the backward actions (as no-ops);
-    with the V placement (ZBV, DualPipeV) two adjacent stages share a rank and their local
-    gradient hand-off raises "can't steal_bwd_input if this stage doesn't have backward" (torch
-    2.13). For the eval step we swap ``pipeline_order_with_comms`` for a copy keeping only forward
-    compute and forward send/recv (the forward halves of overlapped F+B actions), then restore it.
-    """
-    table = getattr(schedule, "pipeline_order_with_comms", None)
-    if not table:
-        yield
-        return
-    keep = {"F", "SEND_F", "RECV_F", "UNSHARD", "RESHARD"}
-    filtered: dict[int, list[Any]] = {}
-    for rank, actions in table.items():
-        out: list[Any] = []
-        for action in actions:
-            subs = getattr(action, "sub_actions", None)
-            if subs:
-                out.extend(sub for sub in subs if sub.computation_type.value == "F")
-            elif action.computation_type.value in keep:
-                out.append(action)
-        filtered[rank] = out
-    schedule.pipeline_order_with_comms = filtered
-    try:
-        yield
-    finally:
-        schedule.pipeline_order_with_comms = table
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -283,7 +251,7 @@ class PipelineRunner:
         self._grad_scale = 1.0
         losses: list[torch.Tensor] = []
         try:
-            with _forward_only_actions(self.schedule):
+            with _compat.forward_only_actions(self.schedule):
                 out = self.schedule.eval(*self._args(inputs), target=target if self.has_last else None, losses=losses)
         finally:
             self._mode = "train"

@@ -46,8 +46,8 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from torch.nn.modules.loss import _Loss
 
+from lightning_4d._compat import child_modules, is_loss_module, registered_submodule
 from lightning_4d.pipeline.partition import StageStyle, partition_blocks, stage_ids_for_rank
 
 __all__ = ["PipelineSplit", "StageModule", "PipelineParts", "find_pipeline_split", "build_pipeline_stages", "HOOK_HINT"]
@@ -80,16 +80,9 @@ class PipelineSplit:
         return len(self.block_keys)
 
 
-def _get(root: nn.Module, path: str) -> Optional[nn.Module]:
-    mod: Optional[nn.Module] = root
-    for part in path.split(".") if path else []:
-        mod = mod._modules.get(part) if mod is not None else None  # noqa: SLF001 - registered children
-    return mod
-
-
 def _set(root: nn.Module, path: str, value: Optional[nn.Module]) -> None:
     parent_path, _, name = path.rpartition(".")
-    parent = _get(root, parent_path)
+    parent = registered_submodule(root, parent_path)
     assert parent is not None
     setattr(parent, name, value)
 
@@ -108,7 +101,7 @@ def find_pipeline_split(root: nn.Module, blocks_path: Optional[str] = None) -> P
 
     Pre/post modules are the siblings registered before/after the path to the container, at every
     level from the root down (outer pre-modules run first, outer post-modules last). Loss modules
-    (``nn.modules.loss._Loss``) are never included, and parameter-free modules only in the
+    (torch's loss classes) are never included, and parameter-free modules only in the
     container's direct parent (so a LightningModule's metrics or criterion stay out of the chain).
 
     Raises:
@@ -127,7 +120,7 @@ def find_pipeline_split(root: nn.Module, blocks_path: Optional[str] = None) -> P
         for name, mod in root.named_modules():
             if not isinstance(mod, (nn.ModuleList, nn.ModuleDict)) or len(mod) == 0:
                 continue
-            kinds = {type(m) for m in mod._modules.values() if m is not None}  # noqa: SLF001
+            kinds = {type(m) for m in child_modules(mod).values()}
             if len(kinds) != 1:
                 continue
             n = _num_params(mod)
@@ -140,7 +133,7 @@ def find_pipeline_split(root: nn.Module, blocks_path: Optional[str] = None) -> P
                 f"`configure_pipeline_split(self)` on the LightningModule."
             )
         blocks_path = best[1]
-    container = _get(root, blocks_path)
+    container = registered_submodule(root, blocks_path)
     if not isinstance(container, (nn.ModuleList, nn.ModuleDict)):
         raise ValueError(f"{cls}: blocks_path={blocks_path!r} is not an nn.ModuleList / nn.ModuleDict in the model.")
     pre_levels: list[list[str]] = []
@@ -149,14 +142,14 @@ def find_pipeline_split(root: nn.Module, blocks_path: Optional[str] = None) -> P
     parent: nn.Module = root
     for depth, part in enumerate(parts):
         prefix = ".".join(parts[:depth])
-        children = {n: m for n, m in parent._modules.items() if m is not None}  # noqa: SLF001
+        children = child_modules(parent)
         direct_parent = depth == len(parts) - 1
         # Loss modules never belong to the chain; above the container's own parent, parameter-free
         # modules (metrics, criteria on a LightningModule) are skipped too.
         names = [n for n, m in children.items() if n == part or (
-            not isinstance(m, _Loss) and (direct_parent or _num_params(m) > 0))]
+            not is_loss_module(m) and (direct_parent or _num_params(m) > 0))]
         idx = names.index(part)
-        own = [n for n, p in parent._parameters.items() if p is not None]  # noqa: SLF001
+        own = [n for n, _ in parent.named_parameters(recurse=False, remove_duplicate=False)]
         if own:
             raise ValueError(
                 f"{cls}: parameter(s) {[f'{prefix}.{n}'.lstrip('.') for n in own]} sit directly on an ancestor of the "
@@ -165,10 +158,10 @@ def find_pipeline_split(root: nn.Module, blocks_path: Optional[str] = None) -> P
             )
         pre_levels.append([f"{prefix}.{n}".lstrip(".") for n in names[:idx]])
         post_levels.append([f"{prefix}.{n}".lstrip(".") for n in names[idx + 1:]])
-        parent = parent._modules[part]  # noqa: SLF001
+        parent = children[part]
     pre = tuple(p for level in pre_levels for p in level)
     post = tuple(p for level in reversed(post_levels) for p in level)
-    keys = tuple(k for k, m in container._modules.items() if m is not None)  # noqa: SLF001
+    keys = tuple(child_modules(container))
     return PipelineSplit(blocks_path, keys, pre, post)
 
 
@@ -213,30 +206,30 @@ class StageModule(nn.Module):
         self.post_paths = list(split.post) if stage_index == num_stages - 1 else []
         self.pre_fn = pre_fn
         self.post_fn = post_fn
-        container = _get(root, split.blocks_path)
+        container = registered_submodule(root, split.blocks_path)
         if container is None:
             raise ValueError(f"the model has no blocks container at {split.blocks_path!r}")
         blocks = nn.ModuleDict()
         for key in self.block_keys:
-            block = container._modules.get(key)  # noqa: SLF001
+            block = child_modules(container).get(key)
             if block is None:
                 raise ValueError(f"block {split.blocks_path}.{key} is not on this rank (pruned away?)")
             blocks[key] = block
         for path in self.pre_paths:
-            if (mod := _get(root, path)) is not None:
+            if (mod := registered_submodule(root, path)) is not None:
                 self._mount(path, mod)
         self._mount(split.blocks_path, blocks)
         for path in self.post_paths:
-            if (mod := _get(root, path)) is not None:
+            if (mod := registered_submodule(root, path)) is not None:
                 self._mount(path, mod)
 
     def _mount(self, path: str, module: nn.Module) -> None:
         node: nn.Module = self
         *parents, leaf = path.split(".")
         for part in parents:
-            if node._modules.get(part) is None:  # noqa: SLF001
+            if registered_submodule(node, part) is None:
                 node.add_module(part, nn.Module())
-            node = node._modules[part]  # noqa: SLF001
+            node = child_modules(node)[part]
         node.add_module(leaf, module)
 
     @property
@@ -250,7 +243,7 @@ class StageModule(nn.Module):
         return self.stage_index == self.num_stages - 1
 
     def _module(self, path: str) -> Optional[nn.Module]:
-        return _get(self, path)
+        return registered_submodule(self, path)
 
     def forward(self, *args: Any) -> Any:
         if self.is_first:
@@ -355,9 +348,9 @@ def build_pipeline_stages(
 
     tied = find_tied_parameters(model, split)
     keep = {split.block_keys[i] for s in stage_ids for i in parts[s]}
-    container = _get(model, split.blocks_path)
+    container = registered_submodule(model, split.blocks_path)
     assert container is not None
-    kept = nn.ModuleDict({k: m for k, m in container._modules.items() if k in keep and m is not None})  # noqa: SLF001
+    kept = nn.ModuleDict({k: m for k, m in child_modules(container).items() if k in keep})
     _set(model, split.blocks_path, kept)
     if 0 not in stage_ids:
         for path in split.pre:

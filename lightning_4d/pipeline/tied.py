@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch import nn
 
-from lightning_4d.pipeline.stages import PipelineSplit, _get
+from lightning_4d._compat import registered_submodule
+from lightning_4d.pipeline.stages import PipelineSplit
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -50,7 +51,7 @@ def find_tied_parameters(root: nn.Module, split: PipelineSplit) -> list[tuple[st
     def params(paths: Sequence[str]) -> dict[int, str]:
         out: dict[int, str] = {}
         for path in paths:
-            mod = _get(root, path)
+            mod = registered_submodule(root, path)
             if mod is not None:
                 for n, p in mod.named_parameters(remove_duplicate=False):
                     out.setdefault(id(p), f"{path}.{n}")

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from torch import nn
 
+from lightning_4d._compat import registered_submodule
 from lightning_4d.tensor_parallel.plan import block_plan, model_plan
 from lightning_4d.tensor_parallel.rng import ShardedRNG, install_sharded_rng, sharded_dropout_modules
 
@@ -151,15 +152,6 @@ def plan_tensor_parallel(module: nn.Module, mesh: Any, blocks_path: str) -> TPLa
     return tp_styles(module, blocks, blocks_path, dims.tp, dims.sp)
 
 
-def _present(root: nn.Module, name: str) -> bool:
-    node: Any = root
-    for part in name.split("."):
-        node = getattr(node, "_modules", {}).get(part)
-        if node is None:
-            return False
-    return True
-
-
 def apply_tensor_parallel(module: nn.Module, mesh: Any, plan: Any, layout: Optional[TPLayout] = None) -> None:
     """Rewrite ``module`` in place for the ``tp`` axis of ``mesh``; records into ``plan``.
 
@@ -177,17 +169,21 @@ def apply_tensor_parallel(module: nn.Module, mesh: Any, plan: Any, layout: Optio
     tp_mesh = mesh["tp"]
     layout = layout if layout is not None else plan_tensor_parallel(module, mesh, plan.blocks_path)
     groups = _tied_groups(module)
-    styles = {name: style for name, style in layout.styles.items() if _present(module, name)}
+
+    def present(name: str) -> bool:  # a pipeline split may have removed it from this rank
+        return registered_submodule(module, name) is not None
+
+    styles = {name: style for name, style in layout.styles.items() if present(name)}
     parallelize_module(module, tp_mesh, styles)
     for region, attrs in layout.heads.items():
-        if not _present(module, region):
+        if not present(region):
             continue
         target = module.get_submodule(region)
         for attr, value in attrs.items():
             setattr(target, attr, value // dims.tp)
     _retie(module, groups)
     # Dropout on sharded activations draws per-rank masks; replicated activations keep the shared stream.
-    blocks = [(name, module.get_submodule(name)) for name in layout.regions if _present(module, name)]
+    blocks = [(name, module.get_submodule(name)) for name in layout.regions if present(name)]
     tracker = ShardedRNG(tp_mesh.get_local_rank())
     install_sharded_rng(module, sharded_dropout_modules(blocks, layout.regions, dims.sp), tracker)
     plan.loss_parallel = layout.loss_parallel

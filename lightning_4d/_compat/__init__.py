@@ -1,0 +1,76 @@
+"""The one place that touches private torch / Lightning APIs, version-gated where it matters.
+
+Everything here is an implementation detail. Each helper names the private symbol it uses, so an
+upgrade of torch or Lightning only needs changes in this package. Where a symbol is missing in
+another version, a helper falls back to public code (a loop instead of a fused kernel, nothing to
+time, ``None``) or raises an error naming the symbol.
+
+Areas (one module each, all re-exported here):
+
+- :mod:`.trainer`: Lightning's process-group helpers, launcher, LightningModule / loop internals.
+- :mod:`.distributed`: ``c10d`` groups and ``Work`` objects, ``DeviceMesh`` options, FSDP-based
+  ``replicate``, DTensor shard offsets.
+- :mod:`.dispatch`: ``TorchDispatchMode``, operator objects, the autograd engine, pytrees.
+- :mod:`.pipelining`: internals of ``torch.distributed.pipelining`` schedules.
+- :mod:`.kernels`: private operators (``_foreach_norm``, ``_grouped_mm``, the SDPA kernels).
+- :mod:`.modules`: ``nn.Module`` / ``DataLoader`` internals, meta-device materialisation.
+
+Example:
+    >>> from lightning_4d import _compat
+    >>> callable(_compat.replicate)
+    True
+"""
+
+from __future__ import annotations
+
+import torch
+
+TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+from lightning_4d._compat.dispatch import (  # noqa: E402
+    dispatch_mode_base,
+    in_backward,
+    is_higher_order_op,
+    op_name,
+    pytree,
+)
+from lightning_4d._compat.distributed import (  # noqa: E402
+    mesh_backend_override,
+    patch_work_wait,
+    process_group_of,
+    replicate,
+    shard_global_offset,
+    unbox_work,
+)
+from lightning_4d._compat.kernels import (  # noqa: E402
+    attention_ops,
+    foreach_norm,
+    grouped_mm,
+    grouped_mm_supported,
+)
+from lightning_4d._compat.modules import (  # noqa: E402
+    child_modules,
+    is_loss_module,
+    materialize_meta_module,
+    registered_submodule,
+    replace_batch_sampler,
+)
+from lightning_4d._compat.pipelining import (  # noqa: E402
+    forward_only_actions,
+    patch_p2p_wait,
+    schedule_action_table,
+    time_stage_compute,
+)
+from lightning_4d._compat.trainer import (  # noqa: E402
+    attached_trainer,
+    default_pg_backend,
+    init_dist_connection,
+    install_subprocess_launcher,
+    set_device_mesh,
+    should_accumulate,
+)
+
+from lightning_4d._compat import dispatch, distributed, kernels, modules, pipelining, trainer  # noqa: E402
+
+__all__ = ["TORCH_VERSION", *trainer.__all__, *distributed.__all__, *dispatch.__all__, *pipelining.__all__,
+           *kernels.__all__, *modules.__all__]

@@ -1,0 +1,60 @@
+"""Private dispatcher / autograd APIs: ``TorchDispatchMode``, operator objects, the autograd engine, pytrees.
+
+Example:
+    >>> import torch
+    >>> op_name(torch.ops.aten.mm.default), in_backward()
+    ('mm', False)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree  # private ``torch.utils._pytree`` (no public pytree module yet)
+
+__all__ = ["dispatch_mode_base", "in_backward", "is_higher_order_op", "op_name", "pytree"]
+
+
+def dispatch_mode_base() -> type:
+    """``torch.utils._python_dispatch.TorchDispatchMode`` (what ``CommDebugMode`` builds on), to subclass.
+
+    Where it is missing, a stand-in base whose ``__enter__`` raises, so modules defining a mode
+    still import.
+    """
+    try:
+        from torch.utils._python_dispatch import TorchDispatchMode
+    except ImportError:
+
+        class TorchDispatchMode:  # type: ignore[no-redef]
+            def __enter__(self) -> Any:
+                raise RuntimeError(
+                    f"torch {torch.__version__} has no torch.utils._python_dispatch.TorchDispatchMode; "
+                    f"update lightning_4d/_compat/dispatch.py."
+                )
+
+            def __exit__(self, *exc: Any) -> None:
+                return None
+
+    return TorchDispatchMode
+
+
+def is_higher_order_op(func: Any) -> bool:
+    """Whether ``func`` (as seen by ``__torch_dispatch__``) is a ``torch._ops.HigherOrderOperator``,
+    which a dispatch mode should run rather than inspect."""
+    cls = getattr(getattr(torch, "_ops", None), "HigherOrderOperator", None)
+    return cls is not None and isinstance(func, cls)
+
+
+def op_name(func: Any) -> str:
+    """The overload packet's name of an ``OpOverload`` (``aten.mm.default`` → ``"mm"``); ``OpOverload``
+    lives in the private ``torch._ops``."""
+    packet = getattr(func, "overloadpacket", None) or getattr(func, "_overloadpacket", None)
+    return packet.__name__ if packet is not None else str(func)
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread (private
+    ``torch._C._current_graph_task_id() != -1``; ``False`` where it is missing)."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
