@@ -11,6 +11,8 @@ Areas (one module each, all re-exported here):
 - :mod:`.distributed`: ``c10d`` groups and ``Work`` objects, ``DeviceMesh`` options, FSDP-based
   ``replicate``, DTensor shard offsets.
 - :mod:`.dispatch`: ``TorchDispatchMode``, operator objects, the autograd engine, pytrees.
+- :mod:`.fake`: the planner's dry runs: the ``fake`` process group, fake tensors, DTensor caches,
+  FSDP2 state.
 - :mod:`.pipelining`: internals of ``torch.distributed.pipelining`` schedules.
 - :mod:`.kernels`: private operators (``_foreach_norm``, ``_grouped_mm``, the SDPA kernels).
 - :mod:`.modules`: ``nn.Module`` / ``DataLoader`` internals, meta-device materialisation.
@@ -42,6 +44,15 @@ from lightning_4d._compat.distributed import (  # noqa: E402
     shard_global_offset,
     unbox_work,
 )
+from lightning_4d._compat.fake import (  # noqa: E402
+    clear_dtensor_caches,
+    fake_store,
+    fake_tensor_mode,
+    fsdp_param_group,
+    is_fake,
+    is_item_op,
+    unset_fake,
+)
 from lightning_4d._compat.kernels import (  # noqa: E402
     attention_ops,
     foreach_norm,
@@ -70,7 +81,7 @@ from lightning_4d._compat.trainer import (  # noqa: E402
     should_accumulate,
 )
 
-from lightning_4d._compat import dispatch, distributed, kernels, modules, pipelining, trainer  # noqa: E402
+from lightning_4d._compat import dispatch, distributed, fake, kernels, modules, pipelining, trainer  # noqa: E402
 
-__all__ = ["TORCH_VERSION", *trainer.__all__, *distributed.__all__, *dispatch.__all__, *pipelining.__all__,
-           *kernels.__all__, *modules.__all__]
+__all__ = ["TORCH_VERSION", *trainer.__all__, *distributed.__all__, *dispatch.__all__, *fake.__all__,
+           *pipelining.__all__, *kernels.__all__, *modules.__all__]

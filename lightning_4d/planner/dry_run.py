@@ -79,6 +79,15 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
+from lightning_4d._compat import (
+    clear_dtensor_caches,
+    dispatch_mode_base,
+    fake_tensor_mode,
+    fsdp_param_group,
+    is_fake,
+    is_item_op,
+    unset_fake,
+)
 from lightning_4d.mesh import ParallelDims, rank_coordinates
 from lightning_4d.planner.comm import comm_per_rank, summarize
 from lightning_4d.planner.memory import micro_batch_size, stage_layout
@@ -250,19 +259,6 @@ def _module(name: str) -> Any:
     return importlib.import_module(name)
 
 
-def _unset_fake() -> Any:
-    """TORCH-INTERNALS: ``torch._subclasses.fake_tensor.unset_fake_temporarily`` (real tensors inside a fake mode)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    return unset_fake_temporarily()
-
-
-def _is_fake(t: Any) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor)
-
-
 def uniform_experts(num_assignments: int, num_experts: int, ep: int = 1) -> torch.Tensor:
     """Expert of each of ``N·k`` assignments under uniform routing: round-robin over the ``ep`` ranks first,
     then over each rank's ``E/ep`` experts, so every rank receives ``N·k/ep`` of them and every expert
@@ -304,19 +300,19 @@ def uniform_routing(ep: int = 1) -> Iterator[None]:
     def make_permutation(indices: torch.Tensor, num_experts: int, scores: Optional[torch.Tensor] = None,
                          capacity: Optional[int] = None) -> Any:
         n, k = indices.shape
-        with _unset_fake():
+        with unset_fake():
             idx = uniform_experts(n * k, num_experts, ep if num_experts % ep == 0 else 1).view(n, k)
             idx = idx.to(indices.device)
             sc = torch.ones(n, k, device=indices.device) if capacity is not None else None
             return real_plan(idx, num_experts, scores=sc, capacity=capacity)
 
     def dispatch(xs: torch.Tensor, tokens_per_expert: torch.Tensor, group: Any, *, label: str = "ep") -> Any:
-        with _unset_fake():  # counts and split sizes real; the rows (xs) stay fake
+        with unset_fake():  # counts and split sizes real; the rows (xs) stay fake
             return real_dispatch(xs, tokens_per_expert, group, label=label)
 
     def a2a_raw(x: torch.Tensor, output_splits: Any, input_splits: Any, group: Any, label: str, tag: str) -> Any:
         out = real_a2a(x, output_splits, input_splits, group, label, tag)
-        if tag == "counts" and not _is_fake(x):
+        if tag == "counts" and not is_fake(x):
             # Uniform routing is the same on every rank: rank s sends this rank what this rank sends itself.
             n, r = dist.get_world_size(group), dist.get_rank(group)
             out = x.view(n, -1)[r].repeat(n)
@@ -350,55 +346,28 @@ def _split_without_check() -> Iterator[None]:
 
 
 def _fake_friendly_mode() -> Any:
-    """TORCH-INTERNALS: a ``TorchDispatchMode`` letting the package's models run on fake tensors:
-    ``aten.bincount`` of a fake tensor gives fake zeros of length ``minlength`` (the router's counts; values
-    never matter), ``aten.randint`` (host seeds) and ``.item()`` of real tensors run for real."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    """A ``TorchDispatchMode`` letting the package's models run on fake tensors: ``aten.bincount`` of a fake
+    tensor gives fake zeros of length ``minlength`` (the router's counts; values never matter),
+    ``aten.randint`` (host seeds) and ``.item()`` of real tensors run for real."""
 
-    class _FakeFriendly(TorchDispatchMode):
+    class _FakeFriendly(dispatch_mode_base()):  # type: ignore[misc]
         def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
             kwargs = kwargs or {}
-            if func is torch.ops.aten.bincount.default and _is_fake(args[0]):
+            if func is torch.ops.aten.bincount.default and is_fake(args[0]):
                 n = kwargs.get("minlength", args[2] if len(args) > 2 else 0)
                 return torch.zeros(int(n), dtype=torch.long, device=args[0].device)
-            if func.overloadpacket is torch.ops.aten.randint or (
-                    func is torch.ops.aten._local_scalar_dense.default and not _is_fake(args[0])):
-                with _unset_fake():
+            if func.overloadpacket is torch.ops.aten.randint or (is_item_op(func) and not is_fake(args[0])):
+                with unset_fake():
                     return func(*args, **kwargs)
             return func(*args, **kwargs)
 
     return _FakeFriendly()
 
 
-def _clear_dtensor_caches() -> None:
-    """TORCH-INTERNALS: forget DTensor's sharding-propagation and redistribution caches. Their entries hold the
-    ``DeviceMesh`` they were computed on (meshes hash by shape and names, not by process group), so after a
-    fake world is destroyed and another built, stale entries would point at destroyed groups."""
-    from torch.distributed.tensor import _redistribute
-    from torch.distributed.tensor._api import DTensor
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    _clear_sharding_prop_cache()
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    meta_cache = getattr(type(propagator), "_propagate_tensor_meta_cached", None)
-    if hasattr(meta_cache, "cache_clear"):
-        meta_cache.cache_clear()
-    for fn in ("_gen_transform_infos",):
-        cached = getattr(_redistribute, fn, None)
-        if hasattr(cached, "cache_clear"):
-            cached.cache_clear()
-    clear = getattr(_redistribute, "clear_redistribute_planner_cache", None)
-    if callable(clear):
-        clear()
-
-
 def _reshards_after_forward(module: nn.Module) -> Optional[bool]:
-    """TORCH-INTERNALS: whether an FSDP2-wrapped module frees its gathered parameters after forward
+    """Whether an FSDP2-wrapped module frees its gathered parameters after forward
     (``FSDPParamGroup.post_forward_mesh_info``); ``None`` when it is not wrapped."""
-    get = getattr(module, "_get_fsdp_state", None)
-    if get is None:
-        return None
-    group = getattr(get(), "_fsdp_param_group", None)
+    group = fsdp_param_group(module)
     if group is None:
         return None
     return group.post_forward_mesh_info is not None
@@ -443,7 +412,7 @@ def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Par
     from lightning_4d.mesh import build_mesh
     from lightning_4d.parallelize import parallelize_module
     from lightning_4d.pipeline.partition import stage_to_rank
-    from lightning_4d.planner.fake_world import CollectiveRecorder, TracedCollective, _fake_tensor_mode, fake_world
+    from lightning_4d.planner.fake_world import CollectiveRecorder, TracedCollective, fake_world
 
     def autocast() -> Any:  # what Lightning's bf16-mixed plugin wraps the training step in
         return torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext()
@@ -452,7 +421,7 @@ def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Par
     s = train.seq(spec)
     precision = train.precision
     coords = rank_coordinates(dims, rank)
-    _clear_dtensor_caches()
+    clear_dtensor_caches()
     with fake_world(dims.world_size, rank=rank):
         mesh = build_mesh(dims, "cpu")
         with torch.device("meta"):
@@ -469,7 +438,7 @@ def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Par
         stage_ids = list(runner.stage_ids) if runner is not None else [0]
         num_stages = runner.num_stages if runner is not None else 1
         names = _group_names(mesh)
-        fake_mode = _fake_tensor_mode()
+        fake_mode = fake_tensor_mode()
         with fake_mode:
             module.to_empty(device="cpu")
         sends: list[TracedCollective] = []
@@ -506,7 +475,7 @@ def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Par
             _reduce_tp_partial_grads(plan, mesh, module)
             skipped = _optimizer_step(module) if optimizer_step else "optimizer step not traced"
         traced_records = rec.records + sends
-    _clear_dtensor_caches()
+    clear_dtensor_caches()
     assert not dist.is_initialized()
 
     traced: dict[str, dict[str, float]] = {}

@@ -21,11 +21,9 @@ Findings (torch 2.13, CPU):
   works around it with a uniform-routing stand-in (see there). Pipelining's point-to-point stages are
   not exercised (dry-run each stage's module per pp rank instead). The fake group gives no timing.
 
-Private torch APIs are confined to the functions marked ``TORCH-INTERNALS`` (to move to
-``lightning_4d/_compat.py``): ``torch.testing._internal.distributed.fake_pg.FakeStore`` (registers the
-``fake`` backend), ``torch._subclasses.fake_tensor.FakeTensorMode``,
-``torch.utils._python_dispatch.TorchDispatchMode`` and ``ProcessGroup.unbox`` (the group behind a
-``c10d`` op's script-object argument).
+The private torch APIs this needs (``FakeStore``, which registers the ``fake`` backend;
+``FakeTensorMode``; ``TorchDispatchMode``; ``ProcessGroup.unbox``, the group behind a ``c10d`` op's
+script-object argument) are reached through :mod:`lightning_4d._compat`.
 
 Example:
     >>> with fake_world(256, rank=3):  # doctest: +SKIP
@@ -45,38 +43,17 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_4d._compat import (
+    dispatch_mode_base,
+    fake_store,
+    fake_tensor_mode,
+    is_higher_order_op,
+    op_name,
+    process_group_of,
+)
 from lightning_4d.planner.comm import collective_bytes
 
 __all__ = ["fake_world", "CollectiveRecorder", "TracedCollective", "fake_forward_backward"]
-
-
-def _fake_store() -> Any:
-    """TORCH-INTERNALS: ``FakeStore`` from ``torch.testing._internal`` (importing it registers ``fake``)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    return FakeStore()
-
-
-def _dispatch_mode_base() -> type:
-    """TORCH-INTERNALS: ``torch.utils._python_dispatch.TorchDispatchMode`` (what ``CommDebugMode`` builds on)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    return TorchDispatchMode
-
-
-def _fake_tensor_mode() -> Any:
-    """TORCH-INTERNALS: a ``torch._subclasses.fake_tensor.FakeTensorMode`` accepting real inputs."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    return FakeTensorMode(allow_non_fake_inputs=True)
-
-
-def _unbox_group(obj: Any) -> Optional[dist.ProcessGroup]:
-    """TORCH-INTERNALS: the ``ProcessGroup`` behind a ``c10d`` op's ``ScriptObject`` argument, or ``None``."""
-    try:
-        return dist.ProcessGroup.unbox(obj)
-    except Exception:  # noqa: BLE001 - other script objects (ReduceOp, ...) are not groups
-        return None
 
 
 @contextlib.contextmanager
@@ -96,7 +73,7 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
         raise RuntimeError("fake_world needs a process without a default process group (one is initialised).")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} must be in [0, {world_size}).")
-    dist.init_process_group("fake", store=_fake_store(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
@@ -138,7 +115,7 @@ def _nbytes(x: Any) -> float:
     return 0.0
 
 
-class CollectiveRecorder(_dispatch_mode_base()):  # type: ignore[misc]
+class CollectiveRecorder(dispatch_mode_base()):  # type: ignore[misc]
     """Record every ``c10d`` / ``c10d_functional`` collective with its bytes and mesh axis.
 
     ``mesh`` (a ``DeviceMesh`` with dim names, a dict of them, or a ``FourDMesh``) names the groups;
@@ -177,12 +154,12 @@ class CollectiveRecorder(_dispatch_mode_base()):  # type: ignore[misc]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        if isinstance(func, torch._ops.HigherOrderOperator):
+        if is_higher_order_op(func):
             return func(*args, **kwargs)
         if any(t.__name__ == "DTensor" for t in types):
             return NotImplemented  # let DTensor desugar into collectives first (as CommDebugMode does)
         out = func(*args, **kwargs)
-        name = func._schema.name.split("::")[-1]
+        name = op_name(func)
         if func.namespace in ("c10d", "_c10d_functional", "_dtensor") and name in _KINDS:
             self.records.append(self._trace(name, args, out))
         return out
@@ -194,7 +171,7 @@ class CollectiveRecorder(_dispatch_mode_base()):  # type: ignore[misc]
             if isinstance(a, str):
                 group_name = a
             elif isinstance(a, torch.ScriptObject):
-                pg = _unbox_group(a)
+                pg = process_group_of(a)
                 if pg is not None:
                     group_name, size = pg.group_name, pg.size()
         axis, size = self._axis(group_name, size)
@@ -231,7 +208,7 @@ def fake_forward_backward(model: torch.nn.Module, inputs: torch.Tensor,
     Example:
         >>> fake_forward_backward(meta_model, torch.randint(0, 1024, (2, 256)))  # doctest: +SKIP
     """
-    with _fake_tensor_mode():
+    with fake_tensor_mode():
         model.to_empty(device="cpu")
         out = model(inputs)
         loss = loss_fn(out) if loss_fn is not None else out.float().sum()

@@ -7,19 +7,19 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_4d._compat import dispatch_mode_base, op_name
 from lightning_4d.activation_checkpoint import apply_activation_checkpointing
 from lightning_4d.models import Llama, LlamaConfig
 
 
-class _OpCounter(TorchDispatchMode):
+class _OpCounter(dispatch_mode_base()):  # type: ignore[misc]
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-        self.ops[func._overloadpacket.__name__] += 1
+        self.ops[op_name(func)] += 1
         return func(*args, **(kwargs or {}))
 
 
