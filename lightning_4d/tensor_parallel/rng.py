@@ -86,8 +86,29 @@ def sharded_dropout_modules(blocks: list[tuple[str, nn.Module]], regions: dict[s
     return names
 
 
+_DROPOUT_ATTRS = ("dropout", "dropout_p", "attn_dropout", "attention_dropout", "resid_dropout")
+
+
+def uses_dropout(module: nn.Module) -> bool:
+    """Whether ``module`` may draw dropout masks: an ``nn.Dropout`` with ``p > 0`` or a positive float
+    attribute such as ``dropout`` (passed to ``scaled_dot_product_attention``) anywhere inside.
+
+    Example:
+        >>> uses_dropout(nn.Sequential(nn.Dropout(0.0))), uses_dropout(nn.Sequential(nn.Dropout(0.1)))
+        (False, True)
+    """
+    for sub in module.modules():
+        if isinstance(sub, nn.Dropout) and sub.p > 0:
+            return True
+        for name in _DROPOUT_ATTRS:
+            value = getattr(sub, name, None)
+            if isinstance(value, float) and value > 0:
+                return True
+    return False
+
+
 def install_sharded_rng(root: nn.Module, names: list[str], tracker: ShardedRNG) -> None:
-    """Make each named module run its forward on ``tracker``'s stream (hooks; no code change).
+    """Make each named module that uses dropout run its forward on ``tracker``'s stream (hooks).
 
     Example:
         >>> net = nn.Sequential(nn.Dropout(0.5))
@@ -95,6 +116,8 @@ def install_sharded_rng(root: nn.Module, names: list[str], tracker: ShardedRNG) 
     """
     for name in names:
         module = root.get_submodule(name)
+        if not uses_dropout(module):
+            continue  # no mask is drawn: forking the stream would only cost time
         contexts: list[Any] = []
 
         def pre(_mod: nn.Module, _args: Any, _c: list = contexts) -> None:
