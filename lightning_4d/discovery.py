@@ -27,7 +27,9 @@ def num_params(module: nn.Module) -> int:
 
 
 def find_blocks(root: nn.Module, path: Optional[str] = None) -> tuple[str, nn.Module]:
-    """The container of repeated blocks: the ``ModuleList``/``ModuleDict`` holding the most parameters.
+    """The container of repeated blocks: the ``ModuleList``/``ModuleDict`` of identical modules holding the
+    most parameters — one rule for data, tensor and pipeline parallelism (a nanoGPT ``transformer``
+    ``ModuleDict`` of mixed modules is not it; its ``h`` list is).
 
     Args:
         root: the model (or LightningModule).
@@ -47,17 +49,20 @@ def find_blocks(root: nn.Module, path: Optional[str] = None) -> tuple[str, nn.Mo
             raise ValueError(f"blocks path {path!r} does not exist in {type(root).__name__}: {err}") from err
         return path, container
     best: Optional[tuple[str, nn.Module]] = None
-    best_size = -1
+    best_size = 0
     for name, module in root.named_modules():
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) > 0:
-            size = num_params(module)
-            if size > best_size:
-                best, best_size = (name, module), size
+        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) or len(module) == 0:
+            continue
+        if len({type(m) for m in module.children()}) != 1:
+            continue
+        size = num_params(module)
+        if size > best_size:
+            best, best_size = (name, module), size
     if best is None:
         raise ValueError(
-            f"No repeated blocks (an nn.ModuleList or nn.ModuleDict) were found in {type(root).__name__}. "
-            f"Keep the transformer blocks in a ModuleList, or implement `fourd_blocks_path(self) -> str` on "
-            f"your FourDModule to name them."
+            f"No repeated blocks (an nn.ModuleList or nn.ModuleDict of identical modules holding parameters) were "
+            f"found in {type(root).__name__}. Keep the transformer blocks in a ModuleList, or implement "
+            f"`fourd_blocks_path(self) -> str` on your FourDModule to name them."
         )
     return best
 

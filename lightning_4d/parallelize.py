@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
 from torch import nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from lightning_4d._compat import registered_submodule
 from lightning_4d.activation_checkpoint import apply_activation_checkpointing
@@ -20,6 +22,7 @@ from lightning_4d.config import FourDConfig
 from lightning_4d.data_parallel import apply_data_parallel
 from lightning_4d.discovery import find_blocks, top_level_modules
 from lightning_4d.mesh import FourDMesh
+from lightning_4d.trace import example_tokens, trace_model
 
 __all__ = ["ParallelPlan", "parallelize_module"]
 
@@ -54,8 +57,9 @@ def parallelize_module(
 ) -> ParallelPlan:
     """Rewrite ``module`` (a LightningModule, usually a ``FourDModule``) in place for ``mesh``.
 
-    Order: pipeline check (full model) → expert parallel → TP plan (full model) → pipeline split →
-    TP/SP on what stays on this rank → activation checkpointing → data parallel → pipeline schedule.
+    Order: trace one forward of the full model on a tiny input → pipeline split decided and checked
+    (full model) → expert parallel → TP/SP on the full model, checked against the traced output →
+    pipeline pruning → activation checkpointing → data parallel → pipeline schedule.
 
     Example:
         >>> parallelize_module(lm, mesh, FourDConfig(), "32-true").blocks_path  # doctest: +SKIP
@@ -66,19 +70,25 @@ def parallelize_module(
     blocks_path, container = find_blocks(module, path_hook() if path_hook else None)
     plan = ParallelPlan(blocks_path=blocks_path, blocks=_blocks_of(container))
 
+    trace, example = None, None
+    if dims.tp > 1 or dims.pp > 1:
+        example = example_tokens(module, dims.tp)
+        trace = trace_model(module, blocks_path, example)
+
     split = None
     if dims.pp > 1:
-        from lightning_4d.pipeline_glue import check_pipeline_model
+        from lightning_4d.pipeline_glue import prepare_pipeline
 
-        split = check_pipeline_model(module, blocks_path)
+        split = prepare_pipeline(module, mesh, config, trace, example)
 
     _apply_experts(module, mesh, plan, accumulate)
 
-    layout = None
     if dims.tp > 1:
-        from lightning_4d.tensor_parallel import plan_tensor_parallel
+        from lightning_4d.tensor_parallel import apply_tensor_parallel, plan_tensor_parallel
 
-        layout = plan_tensor_parallel(module, mesh, blocks_path)
+        apply_tensor_parallel(module, mesh, plan, plan_tensor_parallel(module, mesh, trace))
+        if not plan.expert_modules:
+            _check_tensor_parallel(module, split, example, trace.output)
 
     parts = None
     if dims.pp > 1:
@@ -90,11 +100,6 @@ def parallelize_module(
         plan.expert_modules = kept
         plan.tp_partial_params = [n for n in plan.tp_partial_params
                                   if registered_submodule(module, n.rpartition(".")[0]) is not None]
-
-    if dims.tp > 1:
-        from lightning_4d.tensor_parallel import apply_tensor_parallel
-
-        apply_tensor_parallel(module, mesh, plan, layout)
 
     apply_activation_checkpointing(plan.blocks, config.activation_checkpointing)
 
@@ -126,6 +131,78 @@ def parallelize_module(
         plan.pipeline = build_runner(module, mesh, config, parts)
         plan.pipeline_tied = list(parts.tied)
     return plan
+
+
+def _check_tensor_parallel(module: nn.Module, split: Any, example: Any, expected: Any) -> None:
+    """Run the sharded model on the traced input and compare with the unsharded output (every rank, same
+    input). A rewrite that changes the forward fails here, loudly, instead of training on."""
+    from lightning_4d.distributed import to_full
+    from lightning_4d.pipeline.staged import StagedForward, check_staged
+
+    if any(p.is_meta for p in module.parameters()):
+        return  # a dry run on the meta device: no values to compare
+    if isinstance(split, StagedForward):
+        try:
+            check_staged(split, example, expected, rtol=_rtol(expected))
+        except ValueError as err:
+            raise ValueError(f"With tensor parallelism: {err}") from err
+        return
+    if split is not None:
+        return  # user pipeline hooks: checked by their own sequential check before sharding
+    was_training = module.training
+    module.eval()
+    names = {id(m): n for n, m in module.named_modules()}
+    stack: list[str] = []
+    def enter(mod: nn.Module, _args: Any) -> None:
+        stack.append(names.get(id(mod), type(mod).__name__))
+
+    def leave(_mod: nn.Module, _args: Any, _out: Any) -> None:
+        if stack:
+            stack.pop()
+
+    hooks = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
+    try:
+        with torch.no_grad():
+            got = to_full(module(*(example if isinstance(example, tuple) else (example,))))
+    except Exception as err:  # noqa: BLE001 - reported with the hint
+        failed = [n for n in stack if n]
+        where = failed[-1] if failed else type(module).__name__
+        raise ValueError(
+            f"{type(module).__name__}: the forward of {where} fails after the tensor-parallel rewrite "
+            f"({type(err).__name__}: {err}). Attention/MLP code must take head counts and widths from attributes "
+            f"(divided by tp, e.g. `self.n_head`, `self.split_size`) or from `-1` in view/reshape, not from its "
+            f"input's width (`C // self.n_head` with `B, T, C = x.size()`); otherwise implement "
+            f"`fourd_tp_plan(self, tp_mesh, sequence_parallel)`, or use tp=1."
+        ) from err
+    finally:
+        for h in hooks:
+            h.remove()
+        module.train(was_training)
+    diff, scale = _max_diff(got, expected)
+    if diff > 1e-5 + _rtol(expected) * scale:
+        raise ValueError(
+            f"{type(module).__name__}: the tensor-parallel rewrite changes its output (max abs difference "
+            f"{diff:.3g} on a test input). Implement `fourd_tp_plan(self, tp_mesh, sequence_parallel)` for this model."
+        )
+
+
+def _rtol(expected: Any) -> float:
+    from lightning_4d._compat import pytree
+
+    dtypes = [t.dtype for t in pytree.tree_leaves(expected) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return max([1e-4] + [16 * torch.finfo(d).eps for d in dtypes])
+
+
+def _max_diff(got: Any, expected: Any) -> tuple[float, float]:
+    from lightning_4d._compat import pytree
+
+    a = [t for t in pytree.tree_leaves(got) if isinstance(t, torch.Tensor)]
+    b = [t for t in pytree.tree_leaves(expected) if isinstance(t, torch.Tensor)]
+    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
+        return float("inf"), 0.0
+    diff = max((float((x.float() - y.float()).abs().max()) for x, y in zip(a, b) if x.numel()), default=0.0)
+    scale = max((float(y.float().abs().max()) for y in b if y.numel()), default=0.0)
+    return diff, scale
 
 
 def _blocks_of(container: nn.Module) -> list[nn.Module]:

@@ -23,8 +23,10 @@ from torch import Tensor, nn
 
 from lightning_4d.distributed import all_reduce_sum, to_full
 
-__all__ = ["check_pipeline_model", "split_pipeline", "build_runner", "pipeline_train_loss", "pipeline_eval",
-           "example_input", "sync_tied"]
+__all__ = ["check_pipeline_model", "prepare_pipeline", "split_pipeline", "build_runner", "pipeline_train_loss",
+           "pipeline_eval", "example_input", "sync_tied", "uses_pipeline_hooks"]
+
+_HOOKS = ("configure_pipeline_split", "pipeline_pre_blocks", "pipeline_post_blocks")
 
 
 def _user_hook(module: nn.Module, name: str) -> Any:
@@ -79,12 +81,39 @@ def check_pipeline_model(module: nn.Module, blocks_path: str) -> Any:
     return split
 
 
+def uses_pipeline_hooks(module: nn.Module) -> bool:
+    """Whether the user split the model by hand (then stages chain pre → blocks → post as told)."""
+    return any(_user_hook(module, name) for name in _HOOKS)
+
+
+def prepare_pipeline(module: nn.Module, mesh: Any, config: Any, trace: Any, example: Any) -> Any:
+    """Decide the split on the full model, before anything is sharded, and check it on ``example``.
+
+    Without user hooks: stages run the model's own forward (:mod:`lightning_4d.pipeline.staged`), and
+    the stage-by-stage composition is compared with the traced plain forward. With hooks: the chain
+    the hooks describe is checked (:func:`check_pipeline_model`).
+    """
+    from lightning_4d.pipeline import get_schedule_info
+    from lightning_4d.pipeline.staged import check_staged, prepare_staged
+
+    if uses_pipeline_hooks(module):
+        return check_pipeline_model(module, trace.blocks_path)
+    num_stages = mesh.dims.pp * mesh.dims.virtual_stages
+    get_schedule_info(config.schedule)  # an unknown schedule fails here, before anything changes
+    staged = prepare_staged(module, trace, num_stages)
+    check_staged(staged, example, trace.output)
+    return staged
+
+
 def split_pipeline(module: nn.Module, mesh: Any, config: Any, split: Any) -> Any:
     """Prune ``module`` in place to this rank's stages (original parameter names kept)."""
-    from lightning_4d.pipeline import build_pipeline_stages, get_schedule_info
+    from lightning_4d.pipeline import build_pipeline_stages, get_schedule_info, stage_ids_for_rank
+    from lightning_4d.pipeline.staged import StagedForward, prune_staged
 
     dims = mesh.dims
     info = get_schedule_info(config.schedule)
+    if isinstance(split, StagedForward):
+        return prune_staged(split, stage_ids_for_rank(mesh.rank("pp"), dims.pp, dims.virtual_stages, info.style))
     return build_pipeline_stages(
         module, mesh.rank("pp"), dims.pp, dims.virtual_stages, info.style, split=split,
         pre_fn=_user_hook(module, "pipeline_pre_blocks"), post_fn=_user_hook(module, "pipeline_post_blocks"),
@@ -97,8 +126,12 @@ def build_runner(module: nn.Module, mesh: Any, config: Any, parts: Any) -> Any:
 
     ignore = getattr(module, "ignore_index", -100)
     count = getattr(module, "count_targets", None)
+    from lightning_4d.pipeline.staged import StagedBlocks
+
+    staged = isinstance(module.get_submodule(parts.split.blocks_path), StagedBlocks)
     return PipelineRunner(
         parts.modules, mesh["pp"], module.loss_fn, schedule=config.schedule, microbatches=config.microbatches,
+        inputs_to_every_stage=staged,
         ignore_index=-100 if ignore is None else ignore,
         token_count_fn=(lambda t: int(count(t))) if callable(count) else None,
         model=module,  # tied weights are synchronised by the strategy once per optimizer step

@@ -93,6 +93,7 @@ class FourDStrategy(ParallelStrategy):
         self._mesh: Optional[FourDMesh] = None
         self._plan: Any = None
         self._grads_stale = True
+        self._replicas_checked = False  # replicated TP parameters are compared after the first step
         self._resume_loops: Optional[dict[str, Any]] = None
 
     # ------------------------------------------------------------------ properties
@@ -258,6 +259,22 @@ class FourDStrategy(ParallelStrategy):
                 sync_tied(self)
         return out
 
+    def _check_replicas(self) -> None:
+        """After the first optimizer step: every parameter tensor parallelism left whole must be identical
+        on all TP ranks; one that is not (a gradient from sharded activations never summed) fails loudly."""
+        from lightning_4d.callbacks._common import internal_comm
+        from lightning_4d.tensor_parallel.replicas import replica_mismatches
+
+        with internal_comm():  # a one-time check, not the step's communication
+            bad = replica_mismatches(self.model, self.mesh["tp"].get_group())
+        if bad:
+            raise RuntimeError(
+                f"After the first optimizer step these parameters differ across the {self.dims.tp} tensor-parallel "
+                f"ranks although each rank holds them whole: {', '.join(bad[:8])}{' …' if len(bad) > 8 else ''}. "
+                f"They see sharded activations whose gradients were not summed, so training would go on wrong. "
+                f"Implement `fourd_tp_plan(self, tp_mesh, sequence_parallel)` to shard them, or use tp=1."
+            )
+
     def _reduce_tp_partial_grads(self) -> None:
         """Sum over ``tp`` the gradients of plain parameters that saw only this rank's sequence shard, and
         resolve DTensor gradients left ``Partial`` (SP norm weights) once, instead of in every optimizer op."""
@@ -280,6 +297,9 @@ class FourDStrategy(ParallelStrategy):
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._grads_stale = True
+        if not self._replicas_checked and self.dims.tp > 1:
+            self._replicas_checked = True
+            self._check_replicas()
         if self._plan is not None and self._plan.bias_update:
             from lightning_4d.expert_parallel import update_expert_bias
 

@@ -35,8 +35,15 @@ def _options(optimizer: bool = False) -> Any:
     return StateDictOptions(full_state_dict=False, cpu_offload=False, flatten_optimizer_state_dict=optimizer)
 
 
+def _perms(model: nn.Module) -> dict[str, Any]:
+    from lightning_4d.tensor_parallel.layouts import permutations_of
+
+    return permutations_of(model)
+
+
 def model_state_dict(model: nn.Module) -> dict[str, Any]:
-    """This rank's shards of the model state, keyed by the original parameter names.
+    """This rank's shards of the model state, keyed by the original parameter names, in the user's own
+    layout (fused projections that tensor parallelism permuted are stored unpermuted).
 
     Example:
         >>> sorted(model_state_dict(nn.Linear(1, 1)))
@@ -44,7 +51,9 @@ def model_state_dict(model: nn.Module) -> dict[str, Any]:
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return get_model_state_dict(model, options=_options())
+    from lightning_4d.tensor_parallel.layouts import canonical_state
+
+    return canonical_state(get_model_state_dict(model, options=_options()), _perms(model))
 
 
 def _unwrap_optimizer(optimizer: Any) -> Any:
@@ -58,8 +67,10 @@ def optimizer_state_dict(model: nn.Module, optimizer: Any) -> dict[str, Any]:
     """This rank's shards of the optimizer state, keyed by parameter names."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+    from lightning_4d.tensor_parallel.layouts import canonical_state
+
     optimizer = _unwrap_optimizer(optimizer)
-    return get_optimizer_state_dict(model, optimizer, options=_options(optimizer=True))
+    return canonical_state(get_optimizer_state_dict(model, optimizer, options=_options(optimizer=True)), _perms(model))
 
 
 def is_checkpoint(path: str | os.PathLike) -> bool:
@@ -148,9 +159,13 @@ def load_sharded(path: str, model: nn.Module, optimizers: Iterable[Any]) -> dict
             f"Could not load {path}: {_first_line(err)}. The checkpoint is damaged or belongs to another model "
             f"(parameter names or shapes differ); the live model and optimizer may be partially loaded."
         ) from err
-    set_model_state_dict(model, state["model"], options=_options())
+    from lightning_4d.tensor_parallel.layouts import sharded_state
+
+    perms = _perms(model)
+    set_model_state_dict(model, sharded_state(state["model"], perms), options=_options())
     for i, opt in enumerate(optimizers):
-        set_optimizer_state_dict(model, opt, state[f"optimizer_{i}"], options=_options(optimizer=True))
+        set_optimizer_state_dict(model, opt, sharded_state(state[f"optimizer_{i}"], perms),
+                                 options=_options(optimizer=True))
     rank = dist.get_rank() if dist.is_initialized() else 0
     rng = Path(path) / f"rng_rank{rank}.pt"
     if rng.exists():

@@ -89,6 +89,8 @@ class PipelineRunner:
         device: device of the stages (default: that of their first parameter).
         model / tied: the pruned model and its tied first/last-stage parameter pairs; the gradients
             are summed between the owning ranks after each train step.
+        inputs_to_every_stage: pass each micro-batch's inputs to every stage as the keyword
+            ``fourd_inputs`` (stages that run the model's own forward need them).
 
     Example:
         >>> runner = PipelineRunner(parts.modules, pp_group, loss_fn, schedule="zbv")  # doctest: +SKIP
@@ -109,6 +111,7 @@ class PipelineRunner:
         device: Optional[Union[str, torch.device]] = None,
         model: Optional[nn.Module] = None,
         tied: Sequence[tuple[str, str]] = (),
+        inputs_to_every_stage: bool = False,
     ) -> None:
         from torch.distributed.pipelining import PipelineStage
 
@@ -143,6 +146,7 @@ class PipelineRunner:
         self.token_count_fn = token_count_fn
         self.model = model
         self.tied = list(tied)
+        self.inputs_to_every_stage = inputs_to_every_stage
         self.stage_ids = ids
         self.first_rank = stage_to_rank(0, self.pp, self.info.style)
         self.last_rank = stage_to_rank(self.num_stages - 1, self.pp, self.info.style)
@@ -193,6 +197,14 @@ class PipelineRunner:
             raise ValueError(f"pp rank {self.pp_rank} runs the first stage and needs the inputs.")
         return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
 
+    def _kwargs(self, inputs: Any) -> dict[str, Any]:
+        # Stages that run the model's own forward derive masks / rotary tables from the inputs.
+        if not self.inputs_to_every_stage:
+            return {}
+        from lightning_4d.pipeline.staged import INPUTS_KW
+
+        return {INPUTS_KW: inputs}
+
     def train_step(
         self, inputs: Any, targets: Optional[torch.Tensor], *, grad_scale: float = 1.0,
         num_tokens: Optional[int] = None,
@@ -220,7 +232,7 @@ class PipelineRunner:
         self._mode = "train"
         losses: list[torch.Tensor] = []
         self.schedule.step(*self._args(inputs), target=targets if self.has_last else None, losses=losses,
-                           return_outputs=False)
+                           return_outputs=False, **self._kwargs(inputs))
         loss = torch.zeros((), device=self.device)
         if self.has_last:
             loss = torch.stack([_local(t).detach().float() for t in losses]).sum() / self._grad_scale
@@ -252,7 +264,8 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []
         try:
             with _compat.forward_only_actions(self.schedule):
-                out = self.schedule.eval(*self._args(inputs), target=target if self.has_last else None, losses=losses)
+                out = self.schedule.eval(*self._args(inputs), target=target if self.has_last else None, losses=losses,
+                                         **self._kwargs(inputs))
         finally:
             self._mode = "train"
         loss = None

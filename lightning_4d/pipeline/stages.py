@@ -116,23 +116,16 @@ def find_pipeline_split(root: nn.Module, blocks_path: Optional[str] = None) -> P
     """
     cls = type(root).__name__
     if blocks_path is None:
-        best: Optional[tuple[int, str]] = None
-        for name, mod in root.named_modules():
-            if not isinstance(mod, (nn.ModuleList, nn.ModuleDict)) or len(mod) == 0:
-                continue
-            kinds = {type(m) for m in child_modules(mod).values()}
-            if len(kinds) != 1:
-                continue
-            n = _num_params(mod)
-            if best is None or n > best[0]:
-                best = (n, name)
-        if best is None or best[0] == 0:
+        from lightning_4d.discovery import find_blocks
+
+        try:
+            blocks_path = find_blocks(root)[0]
+        except ValueError as err:
             raise ValueError(
                 f"{cls}: no container of repeated blocks (an nn.ModuleList / nn.ModuleDict of identical modules "
                 f"holding parameters) was found to split into pipeline stages. Pass blocks_path, or implement "
                 f"`configure_pipeline_split(self)` on the LightningModule."
-            )
-        blocks_path = best[1]
+            ) from err
     container = registered_submodule(root, blocks_path)
     if not isinstance(container, (nn.ModuleList, nn.ModuleDict)):
         raise ValueError(f"{cls}: blocks_path={blocks_path!r} is not an nn.ModuleList / nn.ModuleDict in the model.")

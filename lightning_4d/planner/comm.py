@@ -12,9 +12,9 @@ compute bytes ``c`` = 2 for bf16, activation ``A = b·s·h·c``):
   gradients of the column-parallel inputs); with SP each becomes an all-gather + a reduce-scatter of
   ``A`` — the same bytes in twice the calls. An MoE layer (experts folded into the dp×tp ranks, tokens
   routed from the rank's own sequence shard) keeps only the attention's half. The vocab-parallel
-  embedding adds an all-reduce forward (SP: reduce-scatter forward, all-gather backward; with learned
-  positions added in the same parent module, GPT-2, the all-reduce stays and the split is local); the
-  column-parallel head an all-reduce backward (SP: all-gather forward, reduce-scatter backward);
+  embedding adds an all-reduce forward, the column-parallel head an all-reduce backward. SP splits the
+  sequence between the blocks only (code around them sees the full sequence): the first block's input
+  split costs an all-gather backward, the last block's output an all-gather forward;
   loss parallel 3 all-reduces of ``b·s`` fp32 numbers (max, sum of exponentials, target logit).
   With SP only (without it tp-replicated parameters see replicated activations and need nothing): the
   norms' gradients, one DTensor all-reduce per tensor and micro-batch inside a data-parallel wrapper
@@ -128,17 +128,16 @@ def _tp(spec: TransformerSpec, dims: ParallelDims, layers: list[int], first: boo
         pairs = m * (4 * dense + 2 * moe)  # all-gather + reduce-scatter pairs, forward + backward
         out += [Collective("tp", "all_gather", "SP layer inputs (fwd) / grads (bwd)", pairs + redo_in, act, t),
                 Collective("tp", "reduce_scatter", "SP layer outputs (fwd) / grads (bwd)", pairs + redo_out, act, t)]
-        if first and spec.learned_positions:
-            # Token + position embeddings in one parent module (GPT-2): the vocab-parallel output is all-reduced,
-            # the sum split locally into sequence shards (its backward: an all-gather).
+        if first:
+            # The sequence is split between the blocks only: the vocab-parallel embedding's output is all-reduced
+            # (code before the blocks sees the full sequence), the first block keeps its shard (its backward: an
+            # all-gather).
             out += [Collective("tp", "all_reduce", "vocab-parallel embedding fwd", m, act, t),
-                    Collective("tp", "all_gather", "embedding output split bwd", m, act, t)]
-        elif first:
-            out += [Collective("tp", "reduce_scatter", "vocab-parallel embedding fwd", m, act, t),
-                    Collective("tp", "all_gather", "vocab-parallel embedding bwd", m, act, t)]
+                    Collective("tp", "all_gather", "first block input split bwd", m, act, t)]
         if last:
-            out += [Collective("tp", "all_gather", "head input fwd", m, act, t),
-                    Collective("tp", "reduce_scatter", "head input grad bwd", m, act, t)]
+            # The last block's output is gathered; the head's replicated input gets its gradient all-reduced.
+            out += [Collective("tp", "all_gather", "last block output fwd", m, act, t),
+                    Collective("tp", "all_reduce", "head input grad bwd", m, act, t)]
     else:
         out.append(Collective("tp", "all_reduce", "row-parallel outputs (fwd), column-parallel input grads (bwd)",
                               m * (4 * dense + 2 * moe) + redo_out, act, t))
@@ -156,7 +155,7 @@ def _tp(spec: TransformerSpec, dims: ParallelDims, layers: list[int], first: boo
     # after backward (fp32 parameters). (Row-parallel biases are added before the reduce-scatter, to the full
     # sequence: their gradients need nothing.)
     per_norm = 2 if spec.norm == "layernorm" and spec.norm_bias else 1
-    norms = 2 * len(layers) + int(last)
+    norms = 2 * len(layers)  # the final norm runs on the full (gathered) sequence: replicated
     if norms and dims.dp > 1:
         out.append(Collective("tp", "all_reduce", "grads of SP norms (per micro-batch)", m * norms * per_norm,
                               spec.norm_params * c / per_norm, t))

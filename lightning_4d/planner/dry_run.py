@@ -348,12 +348,13 @@ def _split_without_check() -> Iterator[None]:
 def _fake_friendly_mode() -> Any:
     """A ``TorchDispatchMode`` letting the package's models run on fake tensors: ``aten.bincount`` of a fake
     tensor gives fake zeros of length ``minlength`` (the router's counts; values never matter),
-    ``aten.randint`` (host seeds) and ``.item()`` of real tensors run for real."""
+    ``aten.randint`` (host seeds) and ``.item()`` of real tensors run for real. On meta tensors (the set-up
+    trace of a meta model) ``bincount`` gives meta zeros likewise."""
 
     class _FakeFriendly(dispatch_mode_base()):  # type: ignore[misc]
         def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
             kwargs = kwargs or {}
-            if func is torch.ops.aten.bincount.default and is_fake(args[0]):
+            if func is torch.ops.aten.bincount.default and (is_fake(args[0]) or args[0].is_meta):
                 n = kwargs.get("minlength", args[2] if len(args) > 2 else 0)
                 return torch.zeros(int(n), dtype=torch.long, device=args[0].device)
             if func.overloadpacket is torch.ops.aten.randint or (is_item_op(func) and not is_fake(args[0])):
@@ -412,6 +413,7 @@ def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Par
     from lightning_4d.mesh import build_mesh
     from lightning_4d.parallelize import parallelize_module
     from lightning_4d.pipeline.partition import stage_to_rank
+    from lightning_4d.pipeline.staged import INPUTS_KW
     from lightning_4d.planner.fake_world import CollectiveRecorder, TracedCollective, fake_world
 
     def autocast() -> Any:  # what Lightning's bf16-mixed plugin wraps the training step in
@@ -426,7 +428,7 @@ def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Par
         mesh = build_mesh(dims, "cpu")
         with torch.device("meta"):
             module = build()
-        with _split_without_check():
+        with _split_without_check(), _fake_friendly_mode():  # the set-up trace routes on meta tensors too
             plan = parallelize_module(module, mesh, config, precision, accumulate=1)
         expert_modules = [module.get_submodule(n) for n in plan.expert_modules]
         for sub in module.modules():
@@ -444,9 +446,12 @@ def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Par
         sends: list[TracedCollective] = []
         style = runner.info.style if runner is not None else "loop"
         with uniform_routing(dims.ep), CollectiveRecorder(mesh) as rec, fake_mode, _fake_friendly_mode():
+            tokens = torch.randint(0, spec.vocab_size, (b, s))
+            # Stages that run the model's own forward get the micro-batch's inputs on every stage.
+            kwargs = {INPUTS_KW: tokens} if runner is not None and runner.inputs_to_every_stage else {}
             for sid, stage in zip(stage_ids, stages):
                 if sid == 0:
-                    x = torch.randint(0, spec.vocab_size, (b, s))
+                    x = tokens
                 else:
                     shape, dtype = boundary.get("shape"), boundary.get("dtype")
                     if shape is None:  # no first stage traced: the formula's sequence shard
@@ -454,7 +459,7 @@ def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Par
                         dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
                     x = torch.randn(*shape, dtype=dtype, requires_grad=True)
                 with autocast():
-                    out = stage(x)
+                    out = stage(x, **kwargs)
                 if sid == 0 and runner is not None:
                     first = _leaves(out)[0]
                     boundary.setdefault("shape", tuple(first.shape))

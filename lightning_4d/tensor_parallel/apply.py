@@ -2,8 +2,9 @@
 
 The user's attention code runs unchanged on local tensors: inputs of an attention/MLP region are
 gathered to the full sequence (SP) and its column-parallel projections return local shards
-``(B, T, H/tp)``; the per-rank head counts (``n_heads`` ...) are divided by ``tp`` so ``view``
-calls stay right.
+``(B, T, H/tp)``; the per-rank head counts (``n_heads`` ...) and cut widths (``split_size``) are divided
+by ``tp`` so ``view`` / ``split`` calls stay right. Sequence parallelism lives between the blocks: the
+code around them (embedding sums, rotary tables, masks, final norm, head) sees the full sequence.
 
 Example:
     >>> apply_tensor_parallel(lightning_module, mesh, plan)  # doctest: +SKIP
@@ -17,8 +18,11 @@ from typing import Any, Optional
 from torch import nn
 
 from lightning_4d._compat import registered_submodule
+from lightning_4d.tensor_parallel.layouts import register_permutation
 from lightning_4d.tensor_parallel.plan import block_plan, model_plan
 from lightning_4d.tensor_parallel.rng import ShardedRNG, install_sharded_rng, sharded_dropout_modules
+from lightning_4d.tensor_parallel.styles import Colwise, RegionInput, Rowwise, install_sequence_boundary, is_conv1d
+from lightning_4d.trace import HiddenArg, ModelTrace
 
 __all__ = ["TPLayout", "apply_tensor_parallel", "plan_tensor_parallel", "tp_styles"]
 
@@ -62,41 +66,45 @@ class TPLayout:
     heads: dict[str, dict[str, int]] = field(default_factory=dict)  # region -> {attr: global value}
     regions: dict[str, list[str]] = field(default_factory=dict)  # block -> TP regions (attention, MLP)
     loss_parallel: bool = False
+    permutations: dict[str, tuple[list[int], int]] = field(default_factory=dict)  # param fqn -> (rows, dim)
+    partial_params: list[str] = field(default_factory=list)  # replicated params whose grads are summed over tp
+    boundary: Optional[tuple[str, str]] = None  # (first block, last block) that cut / gather the sequence (SP)
+    hidden: HiddenArg = field(default_factory=HiddenArg)
 
 
-def tp_styles(root: nn.Module, blocks: list[tuple[str, nn.Module]], blocks_path: str, tp: int, sp: bool) -> TPLayout:
+def tp_styles(root: nn.Module, trace: ModelTrace, tp: int, sp: bool) -> TPLayout:
     """Plan the whole model: styles per module, head attributes to divide, regions, loss parallel.
 
     Example:
-        >>> layout = tp_styles(model, list(model.layers.named_children()), "layers", 2, True)  # doctest: +SKIP
+        >>> layout = tp_styles(model, trace_model(model, "layers", tokens), 2, True)  # doctest: +SKIP
     """
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        PrepareModuleOutput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
     seq = Shard(1)
-    layout = TPLayout()
+    layout = TPLayout(hidden=trace.hidden)
     styles, heads = layout.styles, layout.heads
+    container = root.get_submodule(trace.blocks_path)
+    blocks = [(f"{trace.blocks_path}.{key}", child) for key, child in container.named_children()]
     for block_name, block in blocks:
-        plan = block_plan(block, block_name, tp)
+        plan = block_plan(block, block_name, tp, trace, sequence_parallel=sp)
         layout.regions[block_name] = list(plan.regions)
         for name, kind in plan.linears.items():
+            fqn = f"{block_name}.{name}"
             if kind == "colwise":
-                styles[f"{block_name}.{name}"] = ColwiseParallel()
+                perm = plan.permutations.get(name)
+                styles[fqn] = Colwise(permutation=perm)
+                if perm is not None:
+                    module = block.get_submodule(name)
+                    layout.permutations[f"{fqn}.weight"] = (perm, 1 if is_conv1d(module) else 0)
+                    if getattr(module, "bias", None) is not None:
+                        layout.permutations[f"{fqn}.bias"] = (perm, 0)
             else:
-                styles[f"{block_name}.{name}"] = RowwiseParallel(output_layouts=seq if sp else Replicate())
+                styles[fqn] = Rowwise(output_layouts=seq if sp else Replicate())
         for region in plan.regions:
             # One DTensor input shared by all column projections of the region: their input gradients add
             # up as a Partial and are reduced once (one all-reduce, or one reduce-scatter with SP).
-            styles[f"{block_name}.{region}"] = PrepareModuleInput(
-                input_layouts=(seq if sp else Replicate(),), desired_input_layouts=(Replicate(),),
-                use_local_output=False,
-            )
+            styles[f"{block_name}.{region}"] = RegionInput(sequence_parallel=sp)
         if sp:
             for norm in plan.norms:
                 styles[f"{block_name}.{norm}"] = SequenceParallel()
@@ -107,71 +115,58 @@ def tp_styles(root: nn.Module, blocks: list[tuple[str, nn.Module]], blocks_path:
                 )
         for region, attrs in plan.head_attrs.items():
             heads[f"{block_name}.{region}"] = attrs
-    mp = model_plan(root, blocks_path, tp)
-    if mp.embedding is not None:
-        direct_sp = sp and mp.embedding_parent is None
-        styles[mp.embedding] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if direct_sp else Replicate())
-        if sp and mp.embedding_parent is not None:
-            styles[mp.embedding_parent] = PrepareModuleOutput(
-                output_layouts=Replicate(), desired_output_layouts=seq, use_local_output=True
-            )
-    elif sp:
+        layout.partial_params += [f"{block_name}.{n}" for n in plan.partial_params]
+    if not styles:
         raise ValueError(
-            f"No token embedding (an nn.Embedding of the vocabulary size before {blocks_path}) was found, so the "
-            f"sequence cannot be split on entry. Set sequence_parallel=False or implement `fourd_tp_plan`."
+            f"tp={tp} but no block of {trace.blocks_path} has a linear layer to shard: tensor parallelism would "
+            f"change nothing. Use tp=1, or implement `fourd_tp_plan(self, tp_mesh, sequence_parallel)`."
         )
     if sp:
-        for norm in mp.final_norms:
-            styles[norm] = SequenceParallel()
+        layout.boundary = (blocks[0][0], blocks[-1][0])
+    mp = model_plan(root, trace, tp)
+    if mp.embedding is not None:
+        # Vocab-parallel lookup; the full sequence outside the blocks (the first block cuts it under SP).
+        styles[mp.embedding] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if mp.head is not None:
-        styles[mp.head] = ColwiseParallel(
-            input_layouts=seq if sp else Replicate(), output_layouts=Shard(-1), use_local_output=False
-        )
+        styles[mp.head] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False)
         layout.loss_parallel = True
-    elif sp:
-        raise ValueError(
-            f"No output head (an nn.Linear after {blocks_path}) was found to gather the sequence at the end. "
-            f"Set sequence_parallel=False or implement `fourd_tp_plan`."
-        )
     return layout
 
 
-def plan_tensor_parallel(module: nn.Module, mesh: Any, blocks_path: str) -> TPLayout:
+def plan_tensor_parallel(module: nn.Module, mesh: Any, trace: ModelTrace) -> TPLayout:
     """Plan TP/SP for the full model (pure; validates divisibility before anything changes).
 
     Example:
-        >>> layout = plan_tensor_parallel(lm, mesh, "model.layers")  # doctest: +SKIP
+        >>> layout = plan_tensor_parallel(lm, mesh, trace)  # doctest: +SKIP
     """
     dims = mesh.dims
     hook = getattr(module, "fourd_tp_plan", None)
     if callable(hook):
         return TPLayout(styles=dict(hook(mesh["tp"], dims.sp)),
                         loss_parallel=bool(getattr(module, "fourd_loss_parallel", False)))
-    container = module.get_submodule(blocks_path)
-    blocks = [(f"{blocks_path}.{name}", child) for name, child in container.named_children()]
-    return tp_styles(module, blocks, blocks_path, dims.tp, dims.sp)
+    return tp_styles(module, trace, dims.tp, dims.sp)
 
 
-def apply_tensor_parallel(module: nn.Module, mesh: Any, plan: Any, layout: Optional[TPLayout] = None) -> None:
+def apply_tensor_parallel(module: nn.Module, mesh: Any, plan: Any, layout: TPLayout) -> None:
     """Rewrite ``module`` in place for the ``tp`` axis of ``mesh``; records into ``plan``.
 
-    ``layout`` (from :func:`plan_tensor_parallel` on the full model) may name modules that a pipeline
-    split removed from this rank: those entries are skipped. A ``fourd_tp_plan(self, tp_mesh,
-    sequence_parallel)`` method on the module replaces the automatic plan: it returns
-    ``{fqn: ParallelStyle}`` (and sets ``self.fourd_loss_parallel`` if the output is vocab-sharded).
+    ``layout`` comes from :func:`plan_tensor_parallel` on the full model; entries for modules a pipeline
+    split removed from this rank are skipped. A ``fourd_tp_plan(self, tp_mesh, sequence_parallel)``
+    method on the module replaces the automatic plan: it returns ``{fqn: ParallelStyle}`` (and sets
+    ``self.fourd_loss_parallel`` if the output is vocab-sharded).
 
     Example:
-        >>> apply_tensor_parallel(lm, mesh, ParallelPlan(blocks_path="model.layers"))  # doctest: +SKIP
+        >>> apply_tensor_parallel(lm, mesh, ParallelPlan(blocks_path="model.layers"), layout)  # doctest: +SKIP
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
     dims = mesh.dims
     tp_mesh = mesh["tp"]
-    layout = layout if layout is not None else plan_tensor_parallel(module, mesh, plan.blocks_path)
     groups = _tied_groups(module)
 
     def present(name: str) -> bool:  # a pipeline split may have removed it from this rank
-        return registered_submodule(module, name) is not None
+        found = registered_submodule(module, name)
+        return found is not None and not getattr(found, "fourd_stub", False)
 
     styles = {name: style for name, style in layout.styles.items() if present(name)}
     parallelize_module(module, tp_mesh, styles)
@@ -182,9 +177,16 @@ def apply_tensor_parallel(module: nn.Module, mesh: Any, plan: Any, layout: Optio
         for attr, value in attrs.items():
             setattr(target, attr, value // dims.tp)
     _retie(module, groups)
+    for fqn, (perm, dim) in layout.permutations.items():
+        if present(fqn.rpartition(".")[0]):
+            register_permutation(module, fqn, perm, dim)
+    if layout.boundary is not None:
+        first, last = (module.get_submodule(n) if present(n) else None for n in layout.boundary)
+        install_sequence_boundary(first, last, layout.hidden, tp_mesh)
     # Dropout on sharded activations draws per-rank masks; replicated activations keep the shared stream.
     blocks = [(name, module.get_submodule(name)) for name in layout.regions if present(name)]
     tracker = ShardedRNG(tp_mesh.get_local_rank())
     install_sharded_rng(module, sharded_dropout_modules(blocks, layout.regions, dims.sp), tracker)
     plan.loss_parallel = layout.loss_parallel
     plan.tp_modules = sorted(styles)
+    plan.tp_partial_params += [n for n in layout.partial_params if present(n.rpartition(".")[0])]

@@ -1,14 +1,19 @@
 """Automatic tensor/sequence-parallel plans from module names (pure: no process group).
 
-Conventions recognised (DESIGN.md):
+What is recognised (DESIGN.md), by name where a convention exists and by dataflow otherwise (the
+:class:`~lightning_4d.trace.ModelTrace` of one forward):
 
-- column-parallel (output features split): ``wq wk wv`` / ``q_proj k_proj v_proj`` / ``c_attn``
-  (fused, per-head interleaved), ``w1 w3`` / ``gate_proj up_proj`` / ``c_fc``;
-- row-parallel (input features split, one reduction): ``wo`` / ``o_proj`` / ``w2`` / ``down_proj`` / ``c_proj``;
-- norms (``LayerNorm``, ``RMSNorm``) directly inside a block: sequence-parallel;
-- the token embedding (an ``nn.Embedding`` with the vocabulary size): vocab-parallel;
-- the output head (the ``nn.Linear`` to the vocabulary after the blocks): column-parallel, with a
-  parallel cross-entropy (``loss_parallel``).
+- column-parallel (output features split): ``wq wk wv`` / ``q_proj k_proj v_proj`` / ``c_attn`` / ``wqkv``,
+  ``w1 w3`` / ``gate_proj up_proj`` / ``c_fc``, and any linear that reads its region's input;
+  ``nn.Linear`` or transformers' ``Conv1D``. A fused projection whose output the model ``split``\s
+  (concatenated ``q|k|v``) gets its rows permuted so that each rank holds ``q_r|k_r|v_r``; one the model
+  ``view``\s per head (interleaved) is sharded as it is;
+- row-parallel (input features split, one reduction): ``wo`` / ``o_proj`` / ``w2`` / ``down_proj`` /
+  ``c_proj``, or the last linear its region calls;
+- norms (``LayerNorm``, ``RMSNorm``) directly inside a block: sequence-parallel; norms inside a region
+  (per-head ``q_norm`` / ``k_norm``) stay replicated and their gradients are summed over ``tp``;
+- the token embedding (the first ``nn.Embedding`` to run): vocab-parallel; the output head (the last
+  linear to run after the blocks): column-parallel, with a parallel cross-entropy (``loss_parallel``).
 
 Every block becomes the Megatron pattern: all-gather (SP) → column → local math → row →
 reduce-scatter (SP), or one all-reduce per attention and per MLP without SP.
@@ -27,10 +32,15 @@ from typing import Optional
 
 from torch import nn
 
+from lightning_4d.tensor_parallel.layouts import concat_permutation
+from lightning_4d.tensor_parallel.styles import is_linear, linear_features
+from lightning_4d.trace import ModelTrace
+
 __all__ = [
     "COLWISE_NAMES",
     "ROWWISE_NAMES",
     "HEAD_ATTRS",
+    "WIDTH_ATTRS",
     "BlockPlan",
     "ModelPlan",
     "block_plan",
@@ -40,11 +50,17 @@ __all__ = [
 ]
 
 COLWISE_NAMES = frozenset({"wq", "wk", "wv", "q_proj", "k_proj", "v_proj", "c_attn", "w1", "w3", "gate_proj",
-                           "up_proj", "c_fc"})
-ROWWISE_NAMES = frozenset({"wo", "o_proj", "w2", "down_proj", "c_proj"})
+                           "up_proj", "c_fc", "wqkv", "qkv_proj", "query_key_value", "gate_up_proj", "w13",
+                           "fc1", "fc_in"})
+ROWWISE_NAMES = frozenset({"wo", "o_proj", "w2", "down_proj", "c_proj", "out_proj", "fc2", "fc_out"})
 # Per-rank head counts that attention code uses in view/reshape calls.
 HEAD_ATTRS = ("n_heads", "n_head", "num_heads", "n_kv_heads", "num_key_value_heads", "num_attention_heads",
               "n_local_heads", "n_local_kv_heads", "num_kv_heads")
+# Widths a region may use to cut or reshape its sharded activations (``split(self.split_size)``).
+WIDTH_ATTRS = ("split_size", "embed_dim", "n_embd", "hidden_size", "all_head_size", "q_size", "kv_size",
+               "intermediate_size", "inner_dim")
+
+_HOOK = "`fourd_tp_plan(self, tp_mesh, sequence_parallel)` on your FourDModule (returns {module path: ParallelStyle})"
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -71,6 +87,8 @@ class BlockPlan:
     norms: list[str] = field(default_factory=list)
     moe: list[str] = field(default_factory=list)
     head_attrs: dict[str, dict[str, int]] = field(default_factory=dict)  # region -> {attr: global value}
+    permutations: dict[str, list[int]] = field(default_factory=dict)  # concatenated fused linear -> row order
+    partial_params: list[str] = field(default_factory=list)  # replicated params that see sharded activations
 
 
 @dataclass
@@ -83,9 +101,7 @@ class ModelPlan:
     """
 
     embedding: Optional[str] = None
-    embedding_parent: Optional[str] = None  # set when the embedding is summed with others (GPT-2 wte + wpe)
     head: Optional[str] = None
-    final_norms: list[str] = field(default_factory=list)
     vocab_size: Optional[int] = None
 
 
@@ -93,12 +109,45 @@ def _divisible(owner: str, attr: str, value: int, tp: int) -> None:
     if value % tp != 0:
         raise ValueError(
             f"{owner}.{attr}={value} is not divisible by tp={tp}: tensor parallelism splits it evenly across ranks. "
-            f"Choose tp among the divisors of {value}, or give an explicit plan with `fourd_tp_plan`."
+            f"Choose tp among the divisors of {value}, or give an explicit plan with {_HOOK}."
         )
 
 
-def block_plan(block: nn.Module, block_name: str, tp: int) -> BlockPlan:
-    """Plan one block from its module names; raise naming the module when it does not fit.
+def _role(block_name: str, name: str, trace: Optional[ModelTrace]) -> str:
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf in COLWISE_NAMES:
+        return "colwise"
+    if leaf in ROWWISE_NAMES:
+        return "rowwise"
+    if trace is not None:
+        if name in trace.takes_block_input:
+            return "colwise"
+        if trace.last_linear.get(name.rpartition(".")[0]) == name:
+            return "rowwise"
+    raise ValueError(
+        f"{block_name}.{name} is a linear layer whose role is unknown: its name {leaf!r} matches no tensor-parallel "
+        f"convention (column: {', '.join(sorted(COLWISE_NAMES))}; row: {', '.join(sorted(ROWWISE_NAMES))}) and it "
+        f"neither reads its module's input (column-parallel) nor is the last linear its module calls (row-parallel). "
+        f"Rename it or implement {_HOOK}."
+    )
+
+
+def _fused_pieces(block_name: str, name: str, width: int, trace: Optional[ModelTrace], tp: int) -> Optional[list[int]]:
+    consumer = trace.consumers.get(name) if trace is not None else None
+    pieces = consumer.pieces(width) if consumer is not None else None
+    if not pieces or len(pieces) < 2:
+        return None
+    for size in pieces:
+        _divisible(f"{block_name}.{name}", f"output piece (of {pieces})", size, tp)
+    return pieces
+
+
+def block_plan(block: nn.Module, block_name: str, tp: int, trace: Optional[ModelTrace] = None,
+               sequence_parallel: bool = False) -> BlockPlan:
+    """Plan one block; raise naming the module when it does not fit.
+
+    ``trace`` (from :func:`~lightning_4d.trace.trace_model`) adds what names cannot tell: roles by
+    dataflow, concatenated fused outputs (``split``) and the sizes the region cuts them into.
 
     Example:
         >>> from lightning_4d.models import GPT2, GPT2Config
@@ -108,6 +157,7 @@ def block_plan(block: nn.Module, block_name: str, tp: int) -> BlockPlan:
     """
     plan = BlockPlan()
     moe_prefixes: list[str] = []
+    cut_sizes: dict[str, set[int]] = {}
     for name, module in block.named_modules():
         if not name:
             continue
@@ -117,70 +167,118 @@ def block_plan(block: nn.Module, block_name: str, tp: int) -> BlockPlan:
             moe_prefixes.append(name)
             plan.moe.append(name)
             continue
-        leaf = name.rsplit(".", 1)[-1]
-        if isinstance(module, nn.Linear):
-            if leaf in COLWISE_NAMES:
-                _divisible(f"{block_name}.{name}", "out_features", module.out_features, tp)
-                plan.linears[name] = "colwise"
-            elif leaf in ROWWISE_NAMES:
-                _divisible(f"{block_name}.{name}", "in_features", module.in_features, tp)
-                plan.linears[name] = "rowwise"
+        if is_linear(module):
+            fan_in, fan_out = linear_features(module)
+            role = _role(block_name, name, trace)
+            plan.linears[name] = role
+            if role == "colwise":
+                _divisible(f"{block_name}.{name}", "out_features", fan_out, tp)
+                pieces = _fused_pieces(block_name, name, fan_out, trace, tp)
+                if pieces is not None:
+                    plan.permutations[name] = concat_permutation(pieces, tp)
+                    cut_sizes.setdefault(name.rpartition(".")[0], set()).update(pieces)
             else:
-                raise ValueError(
-                    f"{block_name}.{name} is an nn.Linear whose name {leaf!r} matches no tensor-parallel convention "
-                    f"(column: {', '.join(sorted(COLWISE_NAMES))}; row: {', '.join(sorted(ROWWISE_NAMES))}). "
-                    f"Rename it or implement `fourd_tp_plan(self)` on your FourDModule."
-                )
+                _divisible(f"{block_name}.{name}", "in_features", fan_in, tp)
+                cut_sizes.setdefault(name.rpartition(".")[0], set()).add(fan_in)
         elif is_norm(module) and "." not in name:
             plan.norms.append(name)
     parents = sorted({n.rsplit(".", 1)[0] if "." in n else "" for n, k in plan.linears.items() if k == "colwise"})
     if "" in parents:
         raise ValueError(
             f"{block_name} holds column-parallel linears directly; put attention and MLP in submodules or "
-            f"implement `fourd_tp_plan(self)`."
+            f"implement {_HOOK}."
         )
     plan.regions = parents
     for region in parents:
         module = block.get_submodule(region)
         attrs = {a: getattr(module, a) for a in HEAD_ATTRS if isinstance(getattr(module, a, None), int)}
+        widths = cut_sizes.get(region, set())
+        attrs.update({a: getattr(module, a) for a in WIDTH_ATTRS
+                      if isinstance(getattr(module, a, None), int) and getattr(module, a) in widths})
         for attr, value in attrs.items():
             _divisible(f"{block_name}.{region}", attr, value, tp)
         if attrs:
             plan.head_attrs[region] = attrs
+        plan.partial_params += _region_params(block_name, region, module, plan)
+    plan.partial_params += _block_params(block_name, block, plan, sequence_parallel)
     return plan
 
 
-def model_plan(root: nn.Module, blocks_path: str, tp: int) -> ModelPlan:
-    """Find the token embedding, final norm(s) and output head around the blocks.
+def _region_params(block_name: str, region: str, module: nn.Module, plan: BlockPlan) -> list[str]:
+    """Replicated parameters inside a region: they see this rank's heads only, so their gradients are
+    partial sums (per-head ``q_norm`` / ``k_norm``). Anything else with parameters is refused."""
+    out: list[str] = []
+    widths = {linear_features(module.get_submodule(n[len(region) + 1:]))[1]
+              for n, k in plan.linears.items() if k == "colwise" and n.startswith(region + ".")}
+    for sub_name, sub in module.named_modules():
+        path = f"{region}.{sub_name}" if sub_name else region
+        if path in plan.linears:
+            continue
+        own = [n for n, _ in sub.named_parameters(recurse=False)]
+        if not own:
+            continue
+        size = getattr(sub, "weight", None)
+        size = int(size.shape[-1]) if size is not None and size.dim() >= 1 else None
+        if sub_name and is_norm(sub) and size not in widths:
+            out += [f"{path}.{n}" for n in own]
+            continue
+        why = (f"normalises over {size} features, a full width that tensor parallelism splits across ranks"
+               if is_norm(sub) else "is not a linear layer or a per-head norm, so its sharded layout is unknown")
+        raise ValueError(
+            f"{block_name}.{path} holds parameters ({', '.join(own)}) inside the tensor-parallel region "
+            f"{block_name}.{region} and {why}. Implement {_HOOK} for this model, or use tp=1."
+        )
+    return out
+
+
+def _block_params(block_name: str, block: nn.Module, plan: BlockPlan, sequence_parallel: bool) -> list[str]:
+    """Under SP, plain parameters of a block outside its regions and norms see sequence shards: refused
+    (their math along the sequence is unknown)."""
+    if not sequence_parallel:
+        return []
+    handled = set(plan.regions) | set(plan.norms) | set(plan.moe)
+    for sub_name, sub in block.named_modules():
+        if any(sub_name == h or sub_name.startswith(h + ".") for h in handled):
+            continue
+        own = [n for n, _ in sub.named_parameters(recurse=False)]
+        if own:
+            where = f"{block_name}.{sub_name}" if sub_name else block_name
+            raise ValueError(
+                f"{where} holds parameters ({', '.join(own)}) outside the attention/MLP regions and norms of the block; "
+                f"with sequence_parallel=True they would see only this rank's part of the sequence. Set "
+                f"sequence_parallel=False or implement {_HOOK}."
+            )
+    return []
+
+
+def model_plan(root: nn.Module, trace: ModelTrace, tp: int) -> ModelPlan:
+    """The token embedding (first ``nn.Embedding`` to run before the blocks) and the output head (last
+    linear to run after them), found from the execution order, wherever they are registered. An
+    embedding subclass with its own ``forward`` (scaling, casts) stays replicated: exact, not sharded.
 
     Example:
+        >>> import torch
         >>> from lightning_4d.models import Llama, LlamaConfig
+        >>> from lightning_4d.trace import trace_model
         >>> m = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4))
-        >>> p = model_plan(m, "layers", tp=2); (p.embedding, p.head, p.final_norms)
-        ('tok_embeddings', 'output', ['norm'])
+        >>> p = model_plan(m, trace_model(m, "layers", torch.zeros(1, 4, dtype=torch.long)), tp=2)
+        >>> (p.embedding, p.head)
+        ('tok_embeddings', 'output')
     """
-    parent_path, _, container_name = blocks_path.rpartition(".")
-    parent = root.get_submodule(parent_path) if parent_path else root
-    prefix = f"{parent_path}." if parent_path else ""
-    names = [n for n, _ in parent.named_children()]
-    idx = names.index(container_name)
-    before, after = names[:idx], names[idx + 1 :]
     plan = ModelPlan()
-    heads = [n for n in after if isinstance(getattr(parent, n), nn.Linear)]
-    if heads:
-        head = getattr(parent, heads[-1])
-        plan.head, plan.vocab_size = prefix + heads[-1], head.out_features
-        _divisible(plan.head, "out_features", head.out_features, tp)
-    plan.final_norms = [prefix + n for n in after if is_norm(getattr(parent, n))]
-    for n in before:
-        child = getattr(parent, n)
-        candidates = [(sub_name, m) for sub_name, m in child.named_modules() if isinstance(m, nn.Embedding)]
-        for sub_name, emb in candidates:
-            if plan.vocab_size is None or emb.num_embeddings == plan.vocab_size:
-                _divisible(prefix + n + (f".{sub_name}" if sub_name else ""), "num_embeddings", emb.num_embeddings, tp)
-                plan.embedding = prefix + n + (f".{sub_name}" if sub_name else "")
-                plan.embedding_parent = None if not sub_name else prefix + n
-                break
-        if plan.embedding:
-            break
+    head = trace.first_of(root, trace.post, (nn.Linear,), last=True)
+    if head is not None:
+        plan.head = head
+        plan.vocab_size = linear_features(root.get_submodule(head))[1]
+        _divisible(head, "out_features", plan.vocab_size, tp)
+    embeddings = [p for p in (trace.first_of(root, (pre,), (nn.Embedding,)) for pre in trace.pre) if p]
+    matching = [p for p in embeddings if plan.vocab_size is None
+                or root.get_submodule(p).num_embeddings == plan.vocab_size]
+    if matching:
+        table = root.get_submodule(matching[0])
+        if type(table).forward is nn.Embedding.forward:
+            plan.embedding = matching[0]
+            _divisible(plan.embedding, "num_embeddings", table.num_embeddings, tp)
+        elif plan.head is not None and root.get_submodule(plan.head).weight is table.weight:
+            plan.head = None  # tied to an embedding whose own forward stays replicated: keep both whole
     return plan

@@ -23,7 +23,12 @@ SEQ = 16
 
 
 def build_model(kind: str) -> torch.nn.Module:
-    """A tiny reference model of ``kind`` (llama | llama-<layers> | gpt2[-<layers>] | hf | moe* | mixtral)."""
+    """A tiny reference model of ``kind`` (llama | llama-<layers> | gpt2[-<layers>] | hf | moe* | mixtral), or a
+    third-party model from :mod:`tests.distributed.byom_models` (hf-llama, hf-gpt2, nanogpt, titan, ...)."""
+    from tests.distributed import byom_models
+
+    if byom_models.is_byom_kind(kind):
+        return byom_models.build_byom(kind)
     kind, _, layers_str = kind.partition("-") if kind.split("-")[0] in ("llama", "gpt2") else (kind, "", "")
     layers = int(layers_str) if layers_str else 2
     if kind == "llama":
@@ -80,15 +85,87 @@ class _Recorder(L.Callback):
 
 
 def full_grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Full gradients by parameter name (collective for DTensor gradients: call on every rank)."""
-    out: dict[str, torch.Tensor] = {}
+    """Full gradients by parameter name in the user's own layout (fused projections that TP permuted are
+    compared unpermuted); collective for DTensor gradients: call on every rank."""
+    from lightning_4d.tensor_parallel.layouts import full_tensors
+
+    return {name: g.clone().float() for name, g in full_tensors(module, grads=True).items()}
+
+
+def _tp_placement(p: torch.Tensor) -> Optional[Any]:
+    """The placement of a DTensor on its mesh's ``tp`` dimension (``None``: not a DTensor or no ``tp`` dim)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        return None
+    names = p.device_mesh.mesh_dim_names or ()
+    return p.placements[names.index("tp")] if "tp" in names else None
+
+
+def _on_expert_mesh(p: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(p, DTensor) and bool({"ep", "edp"} & set(p.device_mesh.mesh_dim_names or ()))
+
+
+@torch.no_grad()
+def assert_replicas_identical(module: torch.nn.Module, mesh: Any, rtol: float = 1e-7) -> None:
+    """Every parameter (and its gradient) replicated across the ``tp`` ranks holds the same value on each.
+
+    ``mesh`` is the strategy's :class:`~lightning_4d.FourDMesh` (``trainer.strategy.mesh``). Local values are
+    compared: ``to_local()`` of a DTensor that is not sharded on ``tp`` (a data-parallel shard is the same
+    shard on every tp peer, which share their dp coordinate), the tensor itself for a plain parameter.
+    Skipped: parameters sharded on ``tp``, and expert parameters (they live on the expert mesh, where tp
+    peers may hold different experts). Collective over the tp group: call it on every rank; the parameter
+    lists are checked to agree before any tensor is exchanged. Raises ``AssertionError`` naming the
+    parameter.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    group = mesh["tp"].get_group()
+    tp = dist.get_world_size(group)
+    if tp == 1:
+        return
+    expert_prefixes = tuple(f"{n}." for n in getattr(getattr(_strategy_of(module), "plan", None), "expert_modules", ()))
+    checked: list[tuple[str, torch.Tensor]] = []
     for name, p in module.named_parameters():
-        if p.grad is None:
+        if isinstance(_tp_placement(p), Shard) or _on_expert_mesh(p) or name.startswith(expert_prefixes):
             continue
+        checked.append((name, p.to_local() if hasattr(p, "to_local") else p))
         g = p.grad
-        g = g.full_tensor() if hasattr(g, "full_tensor") else g
-        out[name] = g.detach().clone().float()
-    return out
+        if g is not None and not isinstance(_tp_placement(g), Shard):
+            checked.append((f"{name} (grad)", g.to_local() if hasattr(g, "to_local") else g))
+    listing = [(n, tuple(t.shape), str(t.dtype)) for n, t in checked]
+    listings: list[Any] = [None] * tp
+    dist.all_gather_object(listings, listing, group=group)
+    for r, other in enumerate(listings):
+        if other != listing:
+            first = next((a, b) for a, b in zip(listing + [None], other + [None]) if a != b)
+            raise AssertionError(f"tp ranks disagree on the replicated parameters: this rank has {len(listing)}, "
+                                 f"tp rank {r} has {len(other)}; first difference: {first}")
+    bad: list[str] = []
+    for name, t in checked:
+        local = t.detach().float().contiguous()
+        parts = [torch.empty_like(local) for _ in range(tp)]
+        dist.all_gather(parts, local, group=group)
+        for r, part in enumerate(parts):
+            err = rel_err(part, parts[0])
+            if err > rtol:
+                bad.append(f"{name}: tp rank {r} differs from tp rank 0 (rel {err:.2e})")
+    assert not bad, "replicated parameters differ across tp ranks:\n" + "\n".join(bad)
+
+
+def _strategy_of(module: torch.nn.Module) -> Any:
+    trainer = getattr(module, "_trainer", None)
+    return trainer.strategy if trainer is not None else None
+
+
+def sharded_on_tp(p: Optional[torch.Tensor]) -> Optional[bool]:
+    """Whether ``p`` is a DTensor with a ``Shard`` placement on the tp mesh dimension (``None``: absent)."""
+    from torch.distributed.tensor import Shard
+
+    return None if p is None else isinstance(_tp_placement(p), Shard)
 
 
 def fit_spec(spec: dict[str, Any]) -> dict[str, Any]:
@@ -140,7 +217,13 @@ def fit_spec(spec: dict[str, Any]) -> dict[str, Any]:
         callbacks=callbacks, num_sanity_val_steps=0,
     )
     trainer.fit(lm, train_dataloaders=loader)
+    if strategy_kwargs is not None and trainer.strategy.dims.tp > 1:
+        assert_replicas_identical(lm, trainer.strategy.mesh)
     result: dict[str, Any] = {"losses": recorder.losses, "grads": full_grads(lm)}
+    if spec.get("check_sharded"):
+        # Per listed parameter (LightningModule names): a DTensor sharded on tp? None where this rank lacks it.
+        params = dict(lm.named_parameters())
+        result["sharded"] = {name: sharded_on_tp(params.get(name)) for name in spec["check_sharded"]}
     if spec.get("model") == "mixtral" and strategy_kwargs is None:
         # The strategy stacks Mixtral experts ([E, ...]); compare under the stacked names.
         import copy
@@ -224,6 +307,9 @@ def merge_ranks(results: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     merged = []
     for per_rank in zip(*results):
         out = dict(per_rank[0])
+        if "sharded" in out:  # under PP a parameter lives on one stage: take the ranks that hold it
+            out["sharded"] = {name: next((res["sharded"][name] for res in per_rank if res["sharded"][name] is not None),
+                                         None) for name in out["sharded"]}
         for key in ("grads", "buffers"):
             if key in out:
                 combined: dict[str, torch.Tensor] = {}

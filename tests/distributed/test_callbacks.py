@@ -133,20 +133,25 @@ def test_tensor_parallel_all_reduces_are_exact(fits: Any) -> None:
 def test_sequence_parallel_all_gathers_and_reduce_scatters_are_exact(fits: Any) -> None:
     m = fits[0][1]["metrics"]
     act = B * SEQ * H * 4
-    for kind in ("all_gather", "reduce_scatter"):
-        assert m[f"comm/tp/{kind}_count"] == 4 * LAYERS + 2
-        assert m[f"comm/tp/{kind}_bytes"] == (4 * LAYERS + 2) * act / 2
+    # 4 per block (2 regions × forward/backward); SP lives between the blocks, so the last block's output
+    # gather (forward) and the first block's input-gradient gather (backward) add two all-gathers.
+    expected = {"all_gather": 4 * LAYERS + 2, "reduce_scatter": 4 * LAYERS}
+    for kind, count in expected.items():
+        assert m[f"comm/tp/{kind}_count"] == count
+        assert m[f"comm/tp/{kind}_bytes"] == count * act / 2
         assert m[f"comm/tp/{kind}_ratio"] == pytest.approx(1.0)  # the planner's formula, exactly
-    # Same total bytes as the all-reduces without SP.
+    # Inside the blocks: the same total bytes as the all-reduces without SP.
     no_sp = fits[0][0]["metrics"]
-    assert m["comm/tp/all_gather_bytes"] + m["comm/tp/reduce_scatter_bytes"] == (
-        no_sp["comm/tp/all_reduce_bytes"] - 3 * (B * SEQ * 4))
-    # All-reduces left: loss parallel (3 of b·s fp32) and the sequence-sharded norms' weight gradients
-    # (2 per block + the final norm, h fp32 each), the latter once per optimizer use of the partial gradient.
-    norms = 2 * LAYERS + 1
-    rest = m["comm/tp/all_reduce_bytes"] - 3 * (B * SEQ * 4)
+    loss = 3 * (B * SEQ * 4)
+    assert m["comm/tp/all_gather_bytes"] - act + m["comm/tp/reduce_scatter_bytes"] == (
+        no_sp["comm/tp/all_reduce_bytes"] - 2 * act - loss)
+    # All-reduces left: loss parallel (3 of b·s fp32), the embedding output and the head's input gradient
+    # (act each), and the sequence-sharded norms' weight gradients (2 per block, h fp32 each), the latter
+    # once per optimizer use of the partial gradient.
+    norms = 2 * LAYERS
+    rest = m["comm/tp/all_reduce_bytes"] - loss - 2 * act
     assert rest > 0 and rest % (norms * H * 4) == 0
-    assert m["comm/tp/all_reduce_count"] == 3 + rest / (H * 4)
+    assert m["comm/tp/all_reduce_count"] == 3 + 2 + rest / (H * 4)
 
 
 def _a2a_expected(loads: dict[str, torch.Tensor], ep: int) -> float:

@@ -58,6 +58,16 @@ def test_tensor_parallel_parity(world: int, tp: int, modes: tuple[str, ...], ref
             assert got["losses"] == ref["losses"]
 
 
+def _tensor_parallel(lm: Any, mesh: Any, path: str) -> None:
+    """What the strategy does for TP: trace one forward, plan, apply."""
+    from lightning_4d.parallelize import ParallelPlan
+    from lightning_4d.tensor_parallel import apply_tensor_parallel, plan_tensor_parallel
+    from lightning_4d.trace import example_tokens, trace_model
+
+    trace = trace_model(lm, path, example_tokens(lm, mesh.dims.tp))
+    apply_tensor_parallel(lm, mesh, ParallelPlan(blocks_path=path), plan_tensor_parallel(lm, mesh, trace))
+
+
 def _count_comm(rank: int, model: str, sp: bool) -> dict[str, Any]:
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.tensor.parallel import loss_parallel
@@ -65,26 +75,23 @@ def _count_comm(rank: int, model: str, sp: bool) -> dict[str, Any]:
     from lightning_4d.comm import CommCounter, axis_names_for
     from lightning_4d.mesh import ParallelDims, build_mesh
     from lightning_4d.models import CausalLM
-    from lightning_4d.parallelize import ParallelPlan
-    from lightning_4d.tensor_parallel import apply_tensor_parallel
-
     torch.manual_seed(0)
     lm = CausalLM(build_model(model))
     mesh = build_mesh(ParallelDims.from_world(2, tp=2, sequence_parallel=sp), "cpu")
     path = "model.layers" if model != "gpt2" else "model.h"
-    apply_tensor_parallel(lm, mesh, ParallelPlan(blocks_path=path))
+    _tensor_parallel(lm, mesh, path)
     x, y = make_dataset(4)[:4]
     debug, counter = CommDebugMode(), CommCounter(axis_names_for(mesh))
-    block = f"CausalLM.{path}.0"
+    blocks = [f"CausalLM.{path}.{i}" for i in range(2)]
     with debug, loss_parallel():
         with counter:
             out = lm(x)
         loss = lm.loss_fn(out, y)
         loss.backward()
-    per_block = {
+    per_block = [{
         phase: {str(op).rsplit(".", 1)[-1]: n for op, n in debug.comm_module_counts[block][phase].items()}
         for phase in ("forward", "backward")
-    }
+    } for block in blocks]
     return {"block": per_block, "forward_totals": counter.totals(backward=False), "records": counter.records}
 
 
@@ -94,10 +101,15 @@ def test_communication_is_megatron_exact(model: str) -> None:
     sp = run_world(_count_comm, 2, model, True)[0]
     # Without SP: one all-reduce per attention and one per MLP in each block's forward, and the matching
     # two in backward (the seed's "one AllReduce per MLP forward").
-    assert no_sp["block"] == {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 2}}
-    # With SP each all-reduce becomes an all-gather + a reduce-scatter.
+    for block in no_sp["block"]:
+        assert block == {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 2}}
+    # With SP each all-reduce becomes an all-gather + a reduce-scatter. The sequence is split between the
+    # blocks only: the last block also gathers its output (forward), the first all-gathers the gradient of
+    # its input split (backward).
     both = {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
-    assert sp["block"] == {"forward": both, "backward": both}
+    one_more = {"all_gather_into_tensor": 3, "reduce_scatter_tensor": 2}
+    assert sp["block"][0] == {"forward": both, "backward": one_more}
+    assert sp["block"][1] == {"forward": one_more, "backward": both}
     # Equal total bytes: per block S = B·T·H·4 bytes; all-reduce sends 2(n−1)/n·S, AG and RS (n−1)/n·S each.
     b, t, h = 4, 16, 32
     s_bytes = b * t * h * 4
@@ -109,14 +121,14 @@ def test_communication_is_megatron_exact(model: str) -> None:
     ag = sp["forward_totals"][("tp", "all_gather")]
     rs = sp["forward_totals"][("tp", "reduce_scatter")]
     emb_ar = sp["forward_totals"].get(("tp", "all_reduce"), {"count": 0, "sent_bytes": 0.0})
-    # SP: one all-gather per region (2 per block) + the head's; one reduce-scatter per region + the
-    # embedding's (Llama). GPT-2 adds wpe to the vocab-parallel wte output, so its embedding keeps an
-    # all-reduce and the sum is then split along the sequence locally.
+    # SP lives between the blocks: one all-gather per region (2 per block) + the last block's output; one
+    # reduce-scatter per region; the vocab-parallel embedding's output is all-reduced (code before the
+    # blocks sees the full sequence) and the first block keeps its shard locally.
     assert ag["count"] == 2 * layers + 1
-    assert rs["count"] + emb_ar["count"] == 2 * layers + 1
-    assert emb_ar["count"] == (1 if model == "gpt2" else 0)
+    assert rs["count"] == 2 * layers
+    assert emb_ar["count"] == 1
     half = 0.5 * s_bytes  # (n−1)/n·S with n = 2
-    blocks_sp = ag["sent_bytes"] + rs["sent_bytes"] - half - (0 if model == "gpt2" else half)
+    blocks_sp = ag["sent_bytes"] + rs["sent_bytes"] - half
     blocks_no_sp = ar["sent_bytes"] - s_bytes
     assert blocks_sp == pytest.approx(blocks_no_sp) == pytest.approx(2 * layers * s_bytes)
 
@@ -124,13 +136,11 @@ def test_communication_is_megatron_exact(model: str) -> None:
 def _dropout_masks(rank: int) -> dict[str, Any]:
     from lightning_4d.mesh import ParallelDims, build_mesh
     from lightning_4d.models import GPT2, CausalLM, GPT2Config
-    from lightning_4d.parallelize import ParallelPlan
-    from lightning_4d.tensor_parallel import apply_tensor_parallel
 
     torch.manual_seed(0)
     lm = CausalLM(GPT2(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4, block_size=16, dropout=0.5)))
     mesh = build_mesh(ParallelDims.from_world(2, tp=2), "cpu")
-    apply_tensor_parallel(lm, mesh, ParallelPlan(blocks_path="model.h"))
+    _tensor_parallel(lm, mesh, "model.h")
     seen: dict[str, torch.Tensor] = {}
 
     def keep(name: str) -> Any:

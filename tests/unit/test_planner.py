@@ -174,9 +174,11 @@ def test_tp_comm_hand_computed(sp):
     A = 2 * 16 * 32 * 2  # b·s·h·bf16
     loss = 3 * 2 * (1 / 2) * (2 * 16 * 4)  # 3 all-reduces of b·s fp32 numbers
     # dp = 1: the SP norms' grads stay Partial DTensors; the strategy all-reduces them (fp32) once per step
-    repl = 2 * (1 / 2) * (2 * 2 * 32 + 32) * 4
-    if sp:  # 2 layers × 4 pairs, embedding (RS fwd, AG bwd), head (AG fwd, RS bwd)
-        assert out["tp"] == {"all_gather": 10 * A / 2, "reduce_scatter": 10 * A / 2, "all_reduce": loss + repl}
+    repl = 2 * (1 / 2) * (2 * 2 * 32) * 4  # 2 norms per layer; the final norm sees the full sequence
+    if sp:  # 2 layers × 4 pairs; the sequence is split at the first block (AG bwd) and gathered after the last
+        # (AG fwd); the embedding's output and the head's input gradient are all-reduced
+        assert out["tp"] == {"all_gather": 10 * A / 2, "reduce_scatter": 8 * A / 2,
+                             "all_reduce": loss + repl + 2 * 2 * (1 / 2) * A}
     else:  # 2 layers × 4 all-reduces, embedding fwd, head bwd; without SP the norms see replicated
         # activations, so their gradients need no all-reduce (checked by tracing: test_planner_dry_run.py)
         assert out["tp"] == {"all_reduce": 10 * 2 * (1 / 2) * A + loss}

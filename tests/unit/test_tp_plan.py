@@ -7,6 +7,11 @@ from torch import nn
 
 from lightning_4d.models import GPT2, GPT2Config, HFStyleConfig, HFStyleLM, Llama, LlamaConfig
 from lightning_4d.tensor_parallel import block_plan, model_plan
+from lightning_4d.trace import example_tokens, trace_model
+
+
+def _model_plan(model: nn.Module, blocks: str, tp: int):
+    return model_plan(model, trace_model(model, blocks, example_tokens(model)), tp)
 
 
 def _llama(**kw: int) -> Llama:
@@ -30,9 +35,8 @@ def test_gpt2_and_hf_conventions() -> None:
     plan = block_plan(gpt.h[0], "h.0", tp=2)
     assert plan.linears == {"attn.c_attn": "colwise", "attn.c_proj": "rowwise", "mlp.c_fc": "colwise",
                             "mlp.c_proj": "rowwise"}
-    mp = model_plan(gpt, "h", tp=2)
-    assert (mp.embedding, mp.embedding_parent, mp.head, mp.final_norms) == ("embeddings.wte", "embeddings",
-                                                                            "lm_head", ["ln_f"])
+    mp = _model_plan(gpt, "h", tp=2)
+    assert (mp.embedding, mp.head) == ("embeddings.wte", "lm_head")
     hf = HFStyleLM(HFStyleConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8))
     hp = block_plan(hf.layers[0], "layers.0", tp=2)
@@ -47,7 +51,7 @@ def test_indivisible_heads_name_the_module() -> None:
 
 def test_indivisible_vocab_names_the_head() -> None:
     with pytest.raises(ValueError, match=r"output\.out_features=66 is not divisible by tp=4"):
-        model_plan(_llama(vocab_size=66, n_kv_heads=4), "layers", tp=4)
+        _model_plan(_llama(vocab_size=66, n_kv_heads=4), "layers", tp=4)
 
 
 def test_unknown_linear_names_module_and_hook() -> None:

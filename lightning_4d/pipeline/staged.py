@@ -1,0 +1,357 @@
+"""Pipeline stages that run the model's own forward, so blocks get exactly what they get in one process.
+
+A Hugging Face decoder layer is called as ``layer(h, attention_mask=..., position_embeddings=...,
+position_ids=...)``: the extras are computed by the model before its loop (rotary tables, masks).
+Instead of calling ``block(h)``, every stage here runs the model's whole ``forward`` on the
+micro-batch's inputs (each pipeline rank has the batch: data parallel samplers are keyed on the dp
+rank), with three changes that :class:`StagedForward` makes while a stage runs:
+
+- the modules that run before the blocks and hold parameters (the token embedding) are replaced on
+  later stages by :class:`ShapeStub`\\s that return zeros of the right shape and dtype (computed on
+  the meta device), so masks and rotary tables are derived on each stage without the weights;
+- the blocks container (:class:`StagedBlocks`) hands out dispatchers: blocks before this stage pass the
+  hidden state through, this stage's first block receives the activation from the previous stage,
+  and the first block after this stage stops the forward (:class:`StageDone`) with the hidden state,
+  which the stage returns and the schedule sends on;
+- the modules after the blocks (final norm, head, soft-capping, output wrappers) run on the last stage
+  as the model wrote them.
+
+Which argument carries the hidden state, and what runs before/after the blocks, comes from
+:func:`lightning_4d.trace.trace_model`; :func:`check_staged` replays all stages in one process on a
+tiny input and compares with the plain forward before anything is split.
+
+Example:
+    >>> staged = StagedForward(lm, trace, {0: ["0"], 1: ["1"]})  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch import nn
+
+from lightning_4d._compat import child_modules, pytree, registered_submodule
+from lightning_4d.trace import ModelTrace
+
+__all__ = ["INPUTS_KW", "ShapeStub", "StageDone", "StagedBlocks", "StagedForward", "check_staged", "prepare_staged",
+           "prune_staged"]
+
+INPUTS_KW = "fourd_inputs"  # the micro-batch's model inputs, passed by the schedule to every stage
+
+
+class StageDone(Exception):
+    """Raised by the first block after the running stage: carries the stage's output hidden state."""
+
+    def __init__(self, hidden: Any) -> None:
+        super().__init__("pipeline stage finished")
+        self.hidden = hidden
+
+
+class ShapeStub(nn.Module):
+    """Stands in for a module with parameters on stages that do not own it: returns zeros shaped like
+    its output (computed on a meta-device copy), so code that only needs shapes keeps working.
+
+    Example:
+        >>> ShapeStub(nn.Embedding(10, 4))(torch.zeros(2, 3, dtype=torch.long)).shape
+        torch.Size([2, 3, 4])
+    """
+
+    fourd_stub = True
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        meta = copy.deepcopy(module).to("meta")
+        object.__setattr__(self, "_meta", meta)  # not registered: no parameters on this stage
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        device = next((t.device for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)),
+                      torch.device("cpu"))
+        to_meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
+        with torch.no_grad():
+            out = self._meta(*pytree.tree_map(to_meta, args), **pytree.tree_map(to_meta, kwargs))
+        return pytree.tree_map(
+            lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) else t, out)
+
+
+@dataclass
+class _Stage:
+    index: int
+    keys: tuple[str, ...]
+    first: int  # positions in the block order
+    last: int
+    is_first: bool
+    activation: Any = None
+
+
+class StagedBlocks(nn.ModuleDict):
+    """The blocks container of a pipelined model: this rank's blocks under their original keys.
+
+    Outside a stage's forward it is an ordinary ``ModuleDict``. While a stage runs it behaves like the
+    original container (a list or a dict of *all* blocks) whose entries are dispatchers.
+    """
+
+    def __init__(self, blocks: dict[str, nn.Module], order: tuple[str, ...], was_list: bool) -> None:
+        super().__init__(blocks)
+        object.__setattr__(self, "_order", order)
+        object.__setattr__(self, "_was_list", was_list)
+        object.__setattr__(self, "_staged", None)
+
+    def _active(self) -> bool:
+        return self._staged is not None and self._staged.stage is not None
+
+    def _dispatchers(self) -> list[Callable[..., Any]]:
+        return [self._staged.dispatcher(i) for i in range(len(self._order))]
+
+    def __getitem__(self, idx: Any) -> Any:
+        if not self._active():
+            return super().__getitem__(idx)
+        if isinstance(idx, str):
+            return self._staged.dispatcher(self._order.index(idx))
+        return self._dispatchers()[idx]
+
+    def __iter__(self) -> Iterator[Any]:
+        if not self._active():
+            return super().__iter__()
+        return iter(self._dispatchers() if self._was_list else self._order)
+
+    def __len__(self) -> int:
+        return len(self._order) if self._active() else super().__len__()
+
+    def values(self) -> Any:
+        return self._dispatchers() if self._active() else super().values()
+
+    def items(self) -> Any:
+        return list(zip(self._order, self._dispatchers())) if self._active() else super().items()
+
+    def keys(self) -> Any:
+        return list(self._order) if self._active() else super().keys()
+
+
+class StagedForward:
+    """Runs one stage of a pipelined model through the model's own ``forward`` (see the module doc).
+
+    Args:
+        root: the module whose forward is the model (the LightningModule).
+        trace: the model's :class:`~lightning_4d.trace.ModelTrace` (taken on the full model).
+        stage_keys: block keys of every stage (all stages of the pipeline, by stage index).
+    """
+
+    def __init__(self, root: nn.Module, trace: ModelTrace, stage_keys: dict[int, list[str]]) -> None:
+        self.root = root
+        self.trace = trace
+        self.order = tuple(trace.block_order)
+        self.hidden = trace.hidden
+        self.num_stages = len(stage_keys)
+        self.stage_keys = {s: tuple(k) for s, k in stage_keys.items()}
+        self.stage: Optional[_Stage] = None
+        self.stubs: dict[str, ShapeStub] = {}
+
+    # -- set-up ---------------------------------------------------------------------------------------
+    def install(self, container_path: Optional[str] = None) -> StagedBlocks:
+        """Replace the blocks container by a :class:`StagedBlocks` over the blocks present now."""
+        path = container_path or self.trace.blocks_path
+        container = registered_submodule(self.root, path)
+        assert container is not None
+        staged = StagedBlocks(child_modules(container), self.order, isinstance(container, nn.ModuleList))
+        object.__setattr__(staged, "_staged", self)
+        parent_path, _, name = path.rpartition(".")
+        parent = registered_submodule(self.root, parent_path)
+        assert parent is not None
+        setattr(parent, name, staged)
+        return staged
+
+    def make_stubs(self) -> None:
+        """Shape stubs for the pre-block modules that hold parameters (made from the full modules)."""
+        for path in self.trace.pre:
+            mod = registered_submodule(self.root, path)
+            if mod is not None and any(True for _ in mod.parameters()):
+                self.stubs[path] = ShapeStub(mod)
+
+    # -- running --------------------------------------------------------------------------------------
+    def dispatcher(self, pos: int) -> Callable[..., Any]:
+        """What the model calls for block ``pos`` while a stage runs."""
+        key = self.order[pos]
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            stage = self.stage
+            assert stage is not None
+            if pos < stage.first:
+                return self.hidden.wrap(self.hidden.get(args, kwargs))  # an earlier stage's block
+            if pos > stage.last:
+                raise StageDone(self.hidden.get(args, kwargs))  # the output of this stage's last block
+            if pos == stage.first and stage.activation is not None:
+                args, kwargs = self.hidden.replace(args, kwargs, stage.activation)
+            container = registered_submodule(self.root, self.trace.blocks_path)
+            return child_modules(container)[key](*args, **kwargs)
+
+        return call
+
+    @contextmanager
+    def _swap_pre(self, is_first: bool) -> Iterator[None]:
+        saved: dict[str, Any] = {}
+        if not is_first:
+            for path, stub in self.stubs.items():
+                parent_path, _, name = path.rpartition(".")
+                parent = registered_submodule(self.root, parent_path)
+                saved[path] = (parent, name, child_modules(parent).get(name))
+                setattr(parent, name, stub)
+        try:
+            yield
+        finally:
+            for parent, name, mod in saved.values():
+                if mod is not None:
+                    setattr(parent, name, mod)
+
+    def run(self, index: int, args: tuple, inputs: Any) -> Any:
+        """Forward of stage ``index``: ``args`` are the model inputs (first stage) or the received
+        activations; ``inputs`` the micro-batch's model inputs."""
+        keys = self.stage_keys[index]
+        positions = [self.order.index(k) for k in keys]
+        is_first = index == 0
+        activation = None if is_first else (args[0] if len(args) == 1 else args)
+        model_inputs = args if is_first else (inputs if isinstance(inputs, tuple) else (inputs,))
+        self.stage = _Stage(index, keys, min(positions), max(positions), is_first, activation)
+        try:
+            with self._swap_pre(is_first):
+                out = self.root(*model_inputs)
+        except StageDone as done:
+            return done.hidden
+        finally:
+            self.stage = None
+        if index != self.num_stages - 1:
+            raise ValueError(
+                f"{type(self.root).__name__}: its forward returned without calling the block after stage {index} "
+                f"(blocks {list(keys)}); pipeline stages need every block called in order."
+            )
+        return out
+
+
+def check_staged(staged: StagedForward, example: Any, expected: Any, atol: float = 1e-5, rtol: float = 1e-4) -> None:
+    """Run every stage in order in one process on ``example`` and compare with ``expected`` (the plain
+    forward's output). Raises a ``ValueError`` naming the model and the hooks when they differ.
+
+    Example:
+        >>> check_staged(staged, tokens, lm(tokens))  # doctest: +SKIP
+    """
+    from lightning_4d.pipeline.stages import HOOK_HINT
+
+    cls = type(staged.root).__name__
+    if any(p.is_meta for p in staged.root.parameters()):
+        return  # a planner dry run on the meta device: nothing to compare
+    args = example if isinstance(example, tuple) else (example,)
+    was_training = staged.root.training
+    staged.root.eval()
+    try:
+        with torch.no_grad():
+            h: Any = args
+            for index in range(staged.num_stages):
+                h = staged.run(index, h if index == 0 else (h,), example)
+    except StageDone:
+        raise
+    except Exception as err:  # noqa: BLE001 - reported with the hint
+        raise ValueError(
+            f"{cls}: running its forward stage by stage failed with {type(err).__name__}: {err}. Pipeline stages "
+            f"run the model's forward with the blocks of other stages skipped and, on later stages, the modules "
+            f"before the blocks ({', '.join(staged.stubs) or 'none'}) replaced by shape-only stand-ins; otherwise "
+            f"{HOOK_HINT}."
+        ) from err
+    finally:
+        staged.root.train(was_training)
+    from lightning_4d.distributed import to_full
+
+    got, want = pytree.tree_leaves(to_full(h)), pytree.tree_leaves(expected)
+    tensors = [(a, b) for a, b in zip(got, want) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)]
+    if len(got) != len(want) or any(a.shape != b.shape for a, b in tensors):
+        diff = float("inf")
+    elif any(a.is_meta or b.is_meta for a, b in tensors):
+        return  # a dry run on the meta device: shapes only
+    else:
+        diff = max((float((a.float() - b.float()).abs().max()) for a, b in tensors if a.numel()), default=0.0)
+    scale = max((float(b.float().abs().max()) for _, b in tensors if b.numel() and not b.is_meta), default=0.0)
+    if diff > atol + rtol * scale:
+        raise ValueError(
+            f"{cls}: its forward run stage by stage differs from the plain forward (max abs difference {diff:.3g}). "
+            f"Later stages compute what the blocks receive (masks, rotary tables) with the modules before the "
+            f"blocks ({', '.join(staged.stubs) or 'none'}) replaced by zeros of the right shape; if those values "
+            f"matter, {HOOK_HINT}."
+        )
+
+
+def prepare_staged(root: nn.Module, trace: ModelTrace, num_stages: int) -> StagedForward:
+    """Partition the blocks over ``num_stages`` stages, make the shape stubs and install the staged
+    container on the full model (nothing is removed yet; :func:`prune_staged` does that).
+
+    Example:
+        >>> staged = prepare_staged(lm, trace, num_stages=4)  # doctest: +SKIP
+    """
+    from lightning_4d.pipeline.partition import partition_blocks
+    from lightning_4d.pipeline.stages import HOOK_HINT
+
+    shared = [p for p in trace.elsewhere
+              if (m := registered_submodule(root, p)) is not None and any(True for _ in m.parameters())]
+    if shared:
+        raise ValueError(
+            f"{type(root).__name__}: {', '.join(shared)} hold(s) parameters and run(s) both before and after the "
+            f"blocks of {trace.blocks_path} (or between them), so no single pipeline stage can own them. Call them "
+            f"on one side only, or {HOOK_HINT}."
+        )
+    parts = partition_blocks(len(trace.block_order), num_stages)
+    staged = StagedForward(root, trace, {s: [trace.block_order[i] for i in idx] for s, idx in enumerate(parts)})
+    staged.make_stubs()
+    staged.install()
+    return staged
+
+
+def prune_staged(staged: StagedForward, stage_ids: list[int]) -> Any:
+    """Keep this rank's stages only: other blocks are dropped, pre-block modules become stubs unless
+    this rank runs stage 0, post-block modules are dropped unless it runs the last stage. Returns the
+    :class:`~lightning_4d.pipeline.stages.PipelineParts` (stage modules keep the original parameter names).
+
+    Example:
+        >>> parts = prune_staged(staged, [0])  # doctest: +SKIP
+    """
+    from lightning_4d.pipeline.stages import PipelineParts, PipelineSplit, StageModule
+    from lightning_4d.pipeline.tied import find_tied_parameters
+
+    root, trace = staged.root, staged.trace
+
+    def holds_params(path: str) -> bool:
+        mod = registered_submodule(root, path)
+        return mod is not None and any(True for _ in mod.parameters())
+
+    split = PipelineSplit(trace.blocks_path, trace.block_order, tuple(p for p in trace.pre if holds_params(p)),
+                          tuple(p for p in trace.post if holds_params(p)))
+    tied = find_tied_parameters(root, split)
+    keep = {k for s in stage_ids for k in staged.stage_keys[s]}
+    container = registered_submodule(root, trace.blocks_path)
+    assert isinstance(container, StagedBlocks)
+    for key in [k for k in child_modules(container) if k not in keep]:
+        del container[key]
+    if 0 not in stage_ids:
+        for path in split.pre:
+            parent_path, _, name = path.rpartition(".")
+            setattr(registered_submodule(root, parent_path), name, staged.stubs[path])
+    if staged.num_stages - 1 not in stage_ids:
+        for path in split.post:
+            parent_path, _, name = path.rpartition(".")
+            setattr(registered_submodule(root, parent_path), name, None)
+    mounted = PipelineSplit(split.blocks_path, split.block_keys, split.pre if 0 in stage_ids else (), split.post)
+    modules: list[nn.Module] = []
+    for s in stage_ids:
+        stage = StageModule(root, mounted, s, staged.num_stages, list(staged.stage_keys[s]))
+        stage.forward = _stage_forward(staged, s)  # type: ignore[method-assign]
+        modules.append(stage)
+    order = {k: i for i, k in enumerate(trace.block_order)}
+    parts = [[order[k] for k in staged.stage_keys[s]] for s in range(staged.num_stages)]
+    return PipelineParts(root, modules, list(stage_ids), staged.num_stages, parts, split, tied)
+
+
+def _stage_forward(staged: StagedForward, index: int) -> Callable[..., Any]:
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return staged.run(index, args, kwargs.get(INPUTS_KW))
+
+    return forward

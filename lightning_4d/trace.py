@@ -1,0 +1,381 @@
+"""How a model actually runs: one forward on a tiny input, recorded (one process, no communication).
+
+Tensor and pipeline parallelism need facts that a model's *registration* order does not give: which
+module is the token embedding and which the output head (Hugging Face keeps ``lm_head`` beside
+``model``, not after ``model.layers``), what else each block receives (rotary tables, masks,
+position ids: ``layer(h, position_embeddings=..., attention_mask=...)``), which argument carries the
+hidden state from block to block, and how a fused projection's output is cut (``split`` of a
+concatenated ``q|k|v`` or a per-head ``view``). :func:`trace_model` runs the model once in eval mode
+without gradients and records them in a :class:`ModelTrace`.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> class Net(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.emb = nn.Embedding(10, 4)
+    ...         self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+    ...         self.head = nn.Linear(4, 10)
+    ...     def forward(self, x):
+    ...         h = self.emb(x)
+    ...         for layer in self.layers:
+    ...             h = layer(h)
+    ...         return self.head(h)
+    >>> t = trace_model(Net(), "layers", torch.zeros(1, 3, dtype=torch.long))
+    >>> t.pre, t.post, t.block_order, t.hidden.position
+    (('emb',), ('head',), ('0', '1'), 0)
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from lightning_4d._compat import child_modules, pytree, registered_submodule
+
+__all__ = ["Consumer", "HiddenArg", "ModelTrace", "trace_model", "example_tokens", "first_param_name", "SPLIT_OPS"]
+
+# Ops that cut a fused projection's output into pieces along its last dimension.
+SPLIT_OPS = ("split", "split_with_sizes", "chunk", "tensor_split", "unbind")
+
+
+@dataclass(frozen=True)
+class HiddenArg:
+    """Where a block receives the hidden state and how it returns it.
+
+    ``position`` (positional index) or ``keyword`` names the argument; ``tuple_out`` is ``None`` when the
+    block returns the hidden state itself, else the length of the tuple it returns (hidden state first).
+
+    Example:
+        >>> HiddenArg(position=0).get((1, 2), {})
+        1
+    """
+
+    position: Optional[int] = 0
+    keyword: Optional[str] = None
+    tuple_out: Optional[int] = None
+
+    def get(self, args: tuple, kwargs: dict) -> Any:
+        """The hidden state among a call's arguments."""
+        if self.keyword is not None and self.keyword in kwargs:
+            return kwargs[self.keyword]
+        return args[self.position or 0]
+
+    def replace(self, args: tuple, kwargs: dict, value: Any) -> tuple[tuple, dict]:
+        """The call's arguments with the hidden state replaced by ``value``."""
+        if self.keyword is not None and self.keyword in kwargs:
+            return args, {**kwargs, self.keyword: value}
+        pos = self.position or 0
+        return args[:pos] + (value,) + args[pos + 1:], kwargs
+
+    def carrier(self, output: Any) -> Any:
+        """The hidden state inside a block's output."""
+        return output[0] if self.tuple_out is not None else output
+
+    def wrap(self, hidden: Any) -> Any:
+        """A block output carrying ``hidden`` (for blocks skipped on this stage)."""
+        return hidden if self.tuple_out is None else (hidden,) + (None,) * (self.tuple_out - 1)
+
+
+@dataclass
+class ModelTrace:
+    """What one forward did (paths relative to the traced root).
+
+    Attributes:
+        order: module paths in the order they were first entered.
+        blocks_path: the container of repeated blocks.
+        block_order: block keys in the order they were called (each once).
+        hidden: where blocks take and return the hidden state.
+        pre / post: outermost modules outside the blocks (and not containing them) entered only before
+            the first block / only after the last one.
+        elsewhere: such modules entered between blocks or both before and after them.
+        consumers: for each linear module inside the first block (path relative to the block), the first
+            op applied to its output (:class:`Consumer`).
+        takes_block_input: linears (relative to their block) whose input is their parent module's input.
+        last_linear: per parent module inside the first block, the last linear it called.
+        output: the model's output.
+    """
+
+    order: list[str] = field(default_factory=list)
+    blocks_path: str = ""
+    block_order: tuple[str, ...] = ()
+    hidden: HiddenArg = field(default_factory=HiddenArg)
+    pre: tuple[str, ...] = ()
+    post: tuple[str, ...] = ()
+    elsewhere: tuple[str, ...] = ()
+    consumers: dict[str, "Consumer"] = field(default_factory=dict)
+    takes_block_input: set[str] = field(default_factory=set)
+    last_linear: dict[str, str] = field(default_factory=dict)
+    output: Any = None
+
+    def called(self, path: str) -> bool:
+        """Whether the module at ``path`` ran."""
+        return path in self._index
+
+    @property
+    def _index(self) -> dict[str, int]:
+        return {p: i for i, p in enumerate(self.order)}
+
+    def first_of(self, root: nn.Module, paths: tuple[str, ...], kind: tuple[type, ...], last: bool = False) -> Optional[str]:
+        """The first (or last) module of ``kind`` entered at or below ``paths``, by execution order."""
+        index = self._index
+        found = []
+        for base in paths:
+            mod = registered_submodule(root, base)
+            if mod is None:
+                continue
+            for sub_name, sub in mod.named_modules():
+                path = f"{base}.{sub_name}" if sub_name else base
+                if isinstance(sub, kind) and path in index:
+                    found.append((index[path], path))
+        if not found:
+            return None
+        return (max(found) if last else min(found))[1]
+
+
+def example_tokens(module: nn.Module, tp: int = 1) -> torch.Tensor:
+    """Tiny token ids valid for every ``nn.Embedding`` of ``module`` (``example_input_array`` wins).
+
+    Example:
+        >>> example_tokens(nn.Sequential(nn.Embedding(5, 2))).shape
+        torch.Size([2, 8])
+    """
+    sample = getattr(module, "example_input_array", None)
+    if sample is not None:
+        return sample
+    tables = [m for m in module.modules() if isinstance(m, nn.Embedding)]
+    if not tables:
+        raise ValueError(
+            f"Cannot build an example input for {type(module).__name__} (it has no nn.Embedding). Set "
+            f"`self.example_input_array` on the module to a small batch of inputs."
+        )
+    high = min(m.num_embeddings for m in tables)
+    seq = max(8, 2 * tp)
+    device = tables[0].weight.device if tables[0].weight.device.type != "meta" else torch.device("cpu")
+    return torch.randint(0, high, (2, seq), generator=torch.Generator().manual_seed(0)).to(device)
+
+
+def first_param_name(module: nn.Module) -> Optional[str]:
+    """Name of the first parameter of ``module.forward`` (its main input when passed by keyword)."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    named = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return named[0].name if named else None
+
+
+def _is_linear(module: nn.Module) -> bool:
+    from lightning_4d.tensor_parallel.styles import is_linear
+
+    return is_linear(module)
+
+
+_INSPECTIONS = ("__get__", "size", "dim", "numel", "__len__", "is_floating_point", "__format__", "__repr__")
+
+
+@dataclass(frozen=True)
+class Consumer:
+    """The first op applied to a linear's output: its name, non-tensor arguments and the output's rank.
+
+    Example:
+        >>> Consumer("split", (32,), {"dim": 2}, 3).pieces(96)
+        [32, 32, 32]
+    """
+
+    op: str
+    args: tuple
+    kwargs: dict
+    ndim: int
+
+    def pieces(self, width: int) -> Optional[list[int]]:
+        """Sizes of the pieces cut along the last dimension (``None`` if this op does not cut it)."""
+        if self.op not in SPLIT_OPS or self.op == "unbind":
+            return None
+        dim = self.args[1] if len(self.args) > 1 else self.kwargs.get("dim", 0)
+        if not isinstance(dim, int) or dim % self.ndim != self.ndim - 1:
+            return None
+        arg = self.args[0] if self.args else next(iter(v for k, v in self.kwargs.items() if k != "dim"), None)
+        if self.op == "chunk" and isinstance(arg, int):
+            return [width // arg] * arg if width % arg == 0 else None
+        if self.op in ("split", "split_with_sizes"):
+            if isinstance(arg, int):
+                return [arg] * (width // arg) if width % arg == 0 else None
+            if isinstance(arg, (list, tuple)) and sum(arg) == width:
+                return [int(a) for a in arg]
+        if self.op == "tensor_split" and isinstance(arg, int):
+            return [width // arg] * arg if width % arg == 0 else None
+        return None
+
+
+class _Consumers(TorchFunctionMode):
+    """Records the first torch function applied to each watched tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.watch: dict[int, tuple[str, torch.Tensor]] = {}
+        self.seen: dict[str, Consumer] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        if self.watch and args and name not in _INSPECTIONS:
+            first = args[0]
+            if isinstance(first, torch.Tensor) and id(first) in self.watch:
+                rel, _ = self.watch.pop(id(first))
+                rest = tuple(a for a in args[1:] if not isinstance(a, torch.Tensor))
+                self.seen.setdefault(rel, Consumer(name, rest, dict(kwargs), first.dim()))
+        return func(*args, **kwargs)
+
+
+def trace_model(root: nn.Module, blocks_path: str, example: Any) -> ModelTrace:
+    """Run ``root(example)`` once (eval, no grad) and record what :class:`ModelTrace` describes.
+
+    Raises:
+        ValueError: when the blocks are not each called once, in order, on the previous block's output.
+    """
+    trace = ModelTrace(blocks_path=blocks_path)
+    container = registered_submodule(root, blocks_path)
+    if container is None:
+        raise ValueError(f"{type(root).__name__} has no module at {blocks_path!r}")
+    blocks = child_modules(container)
+    block_ids = {id(m): k for k, m in blocks.items()}
+    names: dict[int, str] = {}
+    for name, mod in root.named_modules(remove_duplicate=False):
+        names.setdefault(id(mod), name)
+    first_block = next(iter(blocks.values()))
+    in_first = {id(m): n for n, m in first_block.named_modules() if n}
+    block_calls: list[tuple[str, tuple, dict, Any]] = []
+    entered: list[str] = []
+    events: list[tuple[str, str]] = []  # ("block", key) or ("module", path) in entry order
+    mode = _Consumers()
+    inputs: dict[str, int] = {}
+    parent_inputs: dict[str, int] = {}
+    last_linear: dict[str, str] = {}
+
+    def pre(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        path = names.get(id(mod))
+        if path is None:
+            return
+        if path not in trace.order:
+            trace.order.append(path)
+        events.append(("module", path))
+        if id(mod) in in_first and not block_calls:
+            rel = in_first[id(mod)]
+            main = args[0] if args else (kwargs.get(first_param_name(mod) or "") if kwargs else None)
+            if isinstance(main, torch.Tensor):
+                parent_inputs.setdefault(rel, id(main))
+                if _is_linear(mod):
+                    inputs.setdefault(rel, id(main))
+
+    def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        if id(mod) in block_ids:
+            block_calls.append((block_ids[id(mod)], args, kwargs, out))
+        if id(mod) in in_first and len(block_calls) == 0 and _is_linear(mod) and isinstance(out, torch.Tensor):
+            rel = in_first[id(mod)]
+            mode.watch[id(out)] = (rel, out)
+            parent = rel.rpartition(".")[0]
+            last_linear[parent] = rel
+
+    handles = []
+    for mod in {id(m): m for m in root.modules()}.values():
+        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(mod.register_forward_hook(post, with_kwargs=True))
+    was_training = root.training
+    root.eval()
+    args = example if isinstance(example, tuple) else (example,)
+    opaque = _opaque_moe_on_meta(root)
+    try:
+        with torch.no_grad(), mode:
+            trace.output = root(*args)
+    finally:
+        for h in handles:
+            h.remove()
+        for mod in opaque:
+            del mod.forward
+        root.train(was_training)
+    trace.consumers = dict(mode.seen)
+    trace.last_linear = last_linear
+    for rel, tid in inputs.items():
+        parent = rel.rpartition(".")[0]
+        if parent and parent_inputs.get(parent) == tid:
+            trace.takes_block_input.add(rel)
+    _analyse_blocks(trace, root, blocks, block_calls)
+    _classify_outside(trace, root, blocks_path, events)
+    return trace
+
+
+def _opaque_moe_on_meta(root: nn.Module) -> list[nn.Module]:
+    """On the meta device (a planner dry run) routing has no data: MoE layers pass their input through
+    during the trace (their structure is not needed; shapes are kept)."""
+    from lightning_4d.tensor_parallel.plan import is_moe
+
+    if not any(p.is_meta for p in root.parameters()):
+        return []
+    layers = [m for m in root.modules() if is_moe(m) and any(True for _ in m.parameters())]
+    for mod in layers:
+        mod.forward = lambda x, *args, **kwargs: x  # (B, T, H) -> (B, T, H)
+    return layers
+
+
+def _analyse_blocks(trace: ModelTrace, root: nn.Module, blocks: dict[str, nn.Module], calls: list) -> None:
+    cls = type(root).__name__
+    keys = tuple(k for k, *_ in calls)
+    if keys != tuple(blocks):
+        raise ValueError(
+            f"{cls}: the blocks of {trace.blocks_path} ran in the order {list(keys)} during one forward; pipeline "
+            f"and sequence parallelism need each block called once, in order ({list(blocks)}). Implement "
+            f"`configure_pipeline_split(self)` / `pipeline_pre_blocks(self, inputs)` / `pipeline_post_blocks(self, h)`."
+        )
+    trace.block_order = keys
+    _, args0, kwargs0, out0 = calls[0]
+    tuple_out = len(out0) if isinstance(out0, (tuple, list)) else None
+    carrier = out0[0] if tuple_out is not None else out0
+    position, keyword = None, None
+    if len(calls) > 1:
+        _, args1, kwargs1, _ = calls[1]
+        position = next((i for i, a in enumerate(args1) if a is carrier), None)
+        if position is None:
+            keyword = next((k for k, v in kwargs1.items() if v is carrier), None)
+    else:
+        position = next((i for i, a in enumerate(args0) if isinstance(a, torch.Tensor)), None)
+        if position is None:
+            keyword = next((k for k, v in kwargs0.items() if isinstance(v, torch.Tensor)), None)
+    if position is None and keyword is None:
+        raise ValueError(
+            f"{cls}: block {trace.blocks_path}.{keys[min(1, len(keys) - 1)]} does not receive the previous block's "
+            f"output as an argument, so the hidden state cannot be followed from block to block. Implement "
+            f"`configure_pipeline_split(self)` with `pipeline_pre_blocks(self, inputs)` / `pipeline_post_blocks(self, h)`."
+        )
+    trace.hidden = HiddenArg(position=position, keyword=keyword, tuple_out=tuple_out)
+
+
+def _classify_outside(trace: ModelTrace, root: nn.Module, blocks_path: str, events: list[tuple[str, str]]) -> None:
+    """Outermost modules outside the blocks (not their ancestors): before, after, or elsewhere."""
+    ancestors = {".".join(blocks_path.split(".")[:i]) for i in range(len(blocks_path.split(".")))}
+    prefix = blocks_path + "."
+    positions = [i for i, (_, p) in enumerate(events) if p.startswith(prefix) and p.count(".") == blocks_path.count(".") + 1]
+    first, last = positions[0], positions[-1]
+    seen: dict[str, list[int]] = {}
+    for i, (_, path) in enumerate(events):
+        if path in ancestors or path == blocks_path or path.startswith(prefix):
+            continue
+        parent = path.rpartition(".")[0]
+        if parent not in ancestors:  # not outermost: its ancestor outside the blocks is recorded
+            continue
+        seen.setdefault(path, []).append(i)
+    pre, post, elsewhere = [], [], []
+    for path, idx in seen.items():
+        if all(i < first for i in idx):
+            pre.append(path)
+        elif all(i > last for i in idx):
+            post.append(path)
+        else:
+            elsewhere.append(path)
+    trace.pre, trace.post, trace.elsewhere = tuple(pre), tuple(post), tuple(elsewhere)

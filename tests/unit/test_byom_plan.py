@@ -1,0 +1,166 @@
+"""Pure tests of what the set-up trace finds in third-party models and the TP plan derived from it
+(no process group): Hugging Face Llama / Qwen3 / GPT-2 (transformers, built from configs), the row
+permutation of concatenated fused projections, and the clear errors for what cannot be sharded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_4d.discovery import find_blocks
+from lightning_4d.tensor_parallel import block_plan, model_plan
+from lightning_4d.tensor_parallel.layouts import (
+    canonical_state,
+    concat_permutation,
+    inverse_permutation,
+    sharded_state,
+)
+from lightning_4d.trace import example_tokens, trace_model
+
+transformers = pytest.importorskip("transformers")
+
+
+class Logits(nn.Module):
+    """The only user code: a wrapper returning ``.logits``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=tokens).logits
+
+
+def _llama() -> Logits:
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                   use_cache=False)
+    return Logits(transformers.LlamaForCausalLM(cfg))
+
+
+def _qwen3() -> Logits:
+    cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   max_position_embeddings=32, use_cache=False)
+    return Logits(transformers.Qwen3ForCausalLM(cfg))
+
+
+def _gpt2() -> Logits:
+    cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32, use_cache=False,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return Logits(transformers.GPT2LMHeadModel(cfg))
+
+
+def _trace(model: nn.Module):
+    path, _ = find_blocks(model)
+    return path, trace_model(model, path, example_tokens(model))
+
+
+def test_hf_llama_head_embedding_and_block_calls_from_execution_order() -> None:
+    model = _llama()
+    path, trace = _trace(model)
+    assert path == "model.model.layers" and trace.block_order == ("0", "1")
+    # lm_head sits beside `model`, not after `model.layers`: found by when it runs.
+    assert trace.pre == ("model.model.embed_tokens", "model.model.rotary_emb")
+    assert trace.post == ("model.model.norm", "model.lm_head")
+    assert trace.hidden.position == 0 and trace.hidden.tuple_out is None
+    plan = model_plan(model, trace, tp=2)
+    assert (plan.embedding, plan.head) == ("model.model.embed_tokens", "model.lm_head")
+    block = block_plan(model.model.model.layers[0], "layers.0", 2, trace, sequence_parallel=True)
+    assert block.regions == ["mlp", "self_attn"] and block.norms == ["input_layernorm", "post_attention_layernorm"]
+    assert not block.permutations and not block.partial_params
+
+
+def test_qwen3_per_head_norms_get_their_gradients_summed() -> None:
+    model = _qwen3()
+    _, trace = _trace(model)
+    block = block_plan(model.model.model.layers[0], "layers.0", 2, trace)
+    assert block.partial_params == ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+
+
+def test_gpt2_conv1d_concatenated_qkv_is_permuted_and_its_split_size_divided() -> None:
+    model = _gpt2()
+    path, trace = _trace(model)
+    assert path == "model.transformer.h"
+    assert trace.consumers["attn.c_attn"].pieces(96) == [32, 32, 32]
+    block = block_plan(model.model.transformer.h[0], "h.0", 2, trace)
+    assert block.linears == {"attn.c_attn": "colwise", "attn.c_proj": "rowwise", "mlp.c_fc": "colwise",
+                             "mlp.c_proj": "rowwise"}
+    assert block.permutations["attn.c_attn"] == concat_permutation([32, 32, 32], 2)
+    assert block.head_attrs["attn"]["split_size"] == 32 and block.head_attrs["attn"]["num_heads"] == 4
+    plan = model_plan(model, trace, tp=2)
+    assert (plan.embedding, plan.head) == ("model.transformer.wte", "model.lm_head")
+
+
+def test_concat_permutation_gives_each_rank_its_piece_of_every_part() -> None:
+    perm = concat_permutation([4, 2, 2], tp=2)  # q (4 rows) | k (2) | v (2)
+    rows = torch.arange(8)[perm]
+    assert rows[:4].tolist() == [0, 1, 4, 6] and rows[4:].tolist() == [2, 3, 5, 7]  # rank 0 | rank 1
+    assert torch.equal(rows[inverse_permutation(perm)], torch.arange(8))
+    state = {"attn.w": torch.randn(8, 3), "state.attn.w.exp_avg": torch.randn(8, 3), "other": torch.randn(8)}
+    perms = {"attn.w": (perm, 0)}
+    back = canonical_state(sharded_state(state, perms), perms)
+    assert all(torch.equal(back[k], state[k]) for k in state)
+    with pytest.raises(ValueError, match="do not all divide by tp=4"):
+        concat_permutation([4, 2, 2], tp=4)
+
+
+def test_full_width_norm_inside_a_region_is_refused_naming_it() -> None:
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q_proj, self.o_proj = nn.Linear(8, 8), nn.Linear(8, 8)
+            self.q_norm = nn.RMSNorm(8)  # over all heads (OLMo2 style): would need a cross-rank variance
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.o_proj(self.q_norm(self.q_proj(x)))
+
+    block = nn.Module()
+    block.attn = Attention()
+    with pytest.raises(ValueError, match=r"blocks\.0\.attn\.q_norm holds parameters .* normalises over 8 features"):
+        block_plan(block, "blocks.0", tp=2)
+
+
+def test_unknown_parameter_inside_a_region_is_refused() -> None:
+    block = nn.Module()
+    block.attn = nn.Module()
+    block.attn.q_proj, block.attn.o_proj = nn.Linear(8, 8), nn.Linear(8, 8)
+    block.attn.sinks = nn.Parameter(torch.zeros(4))  # per-head values: sharded or summed? unknown
+    with pytest.raises(ValueError, match=r"blocks\.0\.attn holds parameters \(sinks\).*fourd_tp_plan\(self, tp_mesh"):
+        block_plan(block, "blocks.0", tp=2)
+
+
+def test_roles_by_dataflow_when_names_are_unknown() -> None:
+    class MLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.expand, self.contract = nn.Linear(8, 16), nn.Linear(16, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.contract(torch.relu(self.expand(x)))
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = MLP()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.mlp(x)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(16, 8)
+            self.blocks = nn.ModuleList(Block() for _ in range(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.emb(x)
+            for b in self.blocks:
+                h = b(h)
+            return h
+
+    net = Net()
+    trace = trace_model(net, "blocks", example_tokens(net))
+    assert block_plan(net.blocks[0], "blocks.0", 2, trace).linears == {"mlp.expand": "colwise",
+                                                                       "mlp.contract": "rowwise"}
