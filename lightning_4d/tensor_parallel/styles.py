@@ -18,14 +18,12 @@ Example:
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-from torch.distributed.tensor.parallel.style import ParallelStyle
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from lightning_4d.trace import HiddenArg, first_param_name
 
@@ -56,64 +54,78 @@ def _param(module: nn.Module, name: str, tensor: Any) -> None:
     module.register_parameter(name, nn.Parameter(tensor, requires_grad=old.requires_grad))
 
 
-class Colwise(ColwiseParallel):
-    """Column parallel for ``nn.Linear`` and ``Conv1D``; ``permutation`` reorders output features first.
+class _Sharded(ParallelStyle):
+    """Column or row parallel for a linear or ``Conv1D``: torch's own style for a plain ``nn.Linear``, the
+    same math with public DTensor calls for ``Conv1D`` or permuted output rows."""
+
+    column = True
+
+    def __init__(self, *, permutation: Optional[Sequence[int]] = None, output_layouts: Any = None) -> None:
+        super().__init__()
+        self.permutation = list(permutation) if permutation is not None else None
+        self.output_layouts = output_layouts if output_layouts is not None else Replicate()
+
+    def _partition(self, _name: str, module: nn.Module, mesh: Any) -> None:
+        out_dim, in_dim = (1, 0) if is_conv1d(module) else (0, 1)
+        for pname in ("weight", "bias"):
+            p = getattr(module, pname, None)
+            if p is None:
+                continue
+            data = p.detach()
+            along = out_dim if pname == "weight" else 0
+            if self.column and self.permutation is not None:
+                data = data.index_select(along, torch.tensor(self.permutation, device=data.device))
+            if self.column:
+                placement: Any = Shard(along)
+            else:
+                placement = Shard(in_dim) if pname == "weight" else Replicate()
+            _param(module, pname, distribute_tensor(data, mesh, [placement]))
+
+    def _inputs(self, _mod: nn.Module, inputs: tuple, mesh: Any) -> tuple:
+        x = inputs[0]
+        if self.column:  # the full input on every rank
+            x = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+            x = x.redistribute(placements=[Replicate()]) if x.placements != (Replicate(),) else x
+        else:  # this rank's slice of the input features
+            x = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Shard(-1)], run_check=False)
+        return (x,) + tuple(inputs[1:])
+
+    def _outputs(self, _mod: nn.Module, out: Any, _mesh: Any) -> Any:
+        if not self.column:  # partial sums: all-reduce, or reduce-scatter along the sequence (SP)
+            out = out.redistribute(placements=[self.output_layouts])
+        return out.to_local()
+
+    def _torch_style(self) -> ParallelStyle:
+        return ColwiseParallel() if self.column else RowwiseParallel(output_layouts=self.output_layouts)
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        if isinstance(module, nn.Linear) and self.permutation is None:
+            return parallelize_module(module, device_mesh, self._torch_style())
+        return distribute_module(module, device_mesh, self._partition, self._inputs, self._outputs)
+
+
+class Colwise(_Sharded):
+    """Column parallel (output features split) for ``nn.Linear`` and ``Conv1D``; ``permutation`` reorders the
+    output rows first (concatenated fused outputs, see :mod:`lightning_4d.tensor_parallel.layouts`).
 
     Example:
         >>> Colwise(permutation=[0, 2, 1, 3]).permutation
         [0, 2, 1, 3]
     """
 
-    def __init__(self, *, permutation: Optional[Sequence[int]] = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.permutation = list(permutation) if permutation is not None else None
-
-    def _partition(self, name: str, module: nn.Module, device_mesh: Any) -> None:
-        out_dim = 1 if is_conv1d(module) else 0
-        for pname, dim in (("weight", out_dim), ("bias", 0)):
-            p = getattr(module, pname, None)
-            if p is None:
-                continue
-            data = p.detach()
-            if self.permutation is not None:
-                data = data.index_select(dim, torch.tensor(self.permutation, device=data.device))
-            _param(module, pname, distribute_tensor(data, device_mesh, [Shard(dim)], src_data_rank=self.src_data_rank))
-
-    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        if not is_linear(module):
-            return super()._apply(module, device_mesh)
-        return distribute_module(
-            module, device_mesh, self._partition,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
+    column = True
 
 
-class Rowwise(RowwiseParallel):
-    """Row parallel for ``nn.Linear`` and ``Conv1D`` (bias replicated).
+class Rowwise(_Sharded):
+    """Row parallel (input features split, bias replicated) for ``nn.Linear`` and ``Conv1D``; the partial
+    outputs are reduced to ``output_layouts`` (``Replicate()``, or ``Shard(1)`` under SP).
 
     Example:
-        >>> Rowwise().use_local_output
+        >>> Rowwise().output_layouts == Replicate()
         True
     """
 
-    def _partition(self, name: str, module: nn.Module, device_mesh: Any) -> None:
-        in_dim = 0 if is_conv1d(module) else 1
-        _param(module, "weight", distribute_tensor(module.weight.detach(), device_mesh, [Shard(in_dim)],
-                                                   src_data_rank=self.src_data_rank))
-        if getattr(module, "bias", None) is not None:
-            _param(module, "bias", distribute_tensor(module.bias.detach(), device_mesh, [Replicate()],
-                                                     src_data_rank=self.src_data_rank))
-
-    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        if not is_conv1d(module):
-            return super()._apply(module, device_mesh)
-        self.desired_input_layouts = (Shard(-1),)
-        return distribute_module(
-            module, device_mesh, self._partition,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
+    column = False
 
 
 class RegionInput(ParallelStyle):

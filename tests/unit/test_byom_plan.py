@@ -164,3 +164,75 @@ def test_roles_by_dataflow_when_names_are_unknown() -> None:
     trace = trace_model(net, "blocks", example_tokens(net))
     assert block_plan(net.blocks[0], "blocks.0", 2, trace).linears == {"mlp.expand": "colwise",
                                                                        "mlp.contract": "rowwise"}
+
+
+class _Scaled(nn.Embedding):
+    """An embedding subclass with its own forward (Gemma-style scaling by a buffer)."""
+
+    def __init__(self, n: int, d: int) -> None:
+        super().__init__(n, d)
+        self.register_buffer("scale", torch.tensor(2.0))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * self.scale.to(self.weight.dtype)
+
+
+def _net(embedding: nn.Module, tied: bool) -> nn.Module:
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = nn.Module()
+            self.mlp.up_proj, self.mlp.down_proj = nn.Linear(8, 16), nn.Linear(16, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.mlp.down_proj(torch.relu(self.mlp.up_proj(x)))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = embedding
+            self.layers = nn.ModuleList(Block() for _ in range(2))
+            self.head = nn.Linear(8, 16, bias=False)
+            if tied:
+                self.head.weight = self.emb.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.emb(x)
+            for layer in self.layers:
+                h = layer(h)
+            return self.head(h)
+
+    return Net()
+
+
+def test_embedding_subclass_with_its_own_forward_stays_replicated() -> None:
+    # Sharding its weight would feed a DTensor into the subclass's own math; replicated it is exact.
+    net = _net(_Scaled(16, 8), tied=False)
+    plan = model_plan(net, trace_model(net, "layers", example_tokens(net)), tp=2)
+    assert plan.embedding is None and plan.head == "head"
+    tied = _net(_Scaled(16, 8), tied=True)  # a head tied to it stays whole too
+    plan = model_plan(tied, trace_model(tied, "layers", example_tokens(tied)), tp=2)
+    assert plan.embedding is None and plan.head is None
+    plain = _net(nn.Embedding(16, 8), tied=True)
+    plan = model_plan(plain, trace_model(plain, "layers", example_tokens(plain)), tp=2)
+    assert (plan.embedding, plan.head) == ("emb", "head")
+
+
+def test_blocks_without_linears_are_refused_under_tp() -> None:
+    from lightning_4d.tensor_parallel import tp_styles
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(16, 8)
+            self.layers = nn.ModuleList(nn.LayerNorm(8) for _ in range(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.emb(x)
+            for layer in self.layers:
+                h = layer(h)
+            return h
+
+    net = Net()
+    with pytest.raises(ValueError, match="no block of layers has a linear layer to shard"):
+        tp_styles(net, trace_model(net, "layers", example_tokens(net)), tp=2, sp=False)
