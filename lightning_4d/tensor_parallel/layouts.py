@@ -94,6 +94,19 @@ def _matches(key: str, fqn: str) -> bool:
     return key == fqn or key.endswith("." + fqn) or f".{fqn}." in f".{key}."
 
 
+def _convert(state: dict[str, Any], perms: dict[str, tuple[list[int], int]], to_user: bool) -> dict[str, Any]:
+    if not perms:
+        return state
+    out = dict(state)
+    for key, value in state.items():
+        for fqn, (perm, dim) in perms.items():
+            if not _matches(key, fqn) or not isinstance(value, torch.Tensor) or value.dim() <= dim \
+                    or value.shape[dim] != len(perm):
+                continue
+            out[key] = _permute(value, inverse_permutation(perm) if to_user else perm, dim)
+    return out
+
+
 def canonical_state(state: dict[str, Any], perms: dict[str, tuple[list[int], int]]) -> dict[str, Any]:
     """``state`` (model or flattened optimizer state dict) with permuted entries in the user's layout.
 
@@ -101,14 +114,7 @@ def canonical_state(state: dict[str, Any], perms: dict[str, tuple[list[int], int
         >>> canonical_state({"w": torch.arange(4.0)}, {"w": ([0, 2, 1, 3], 0)})["w"].tolist()
         [0.0, 2.0, 1.0, 3.0]
     """
-    if not perms:
-        return state
-    out = dict(state)
-    for key, value in state.items():
-        for fqn, (perm, dim) in perms.items():
-            if _matches(key, fqn):
-                out[key] = canonical_tensor(value, perm, dim)
-    return out
+    return _convert(state, perms, to_user=True)
 
 
 def sharded_state(state: dict[str, Any], perms: dict[str, tuple[list[int], int]]) -> dict[str, Any]:
@@ -118,15 +124,7 @@ def sharded_state(state: dict[str, Any], perms: dict[str, tuple[list[int], int]]
         >>> sharded_state({"w": torch.arange(4.0)}, {"w": ([0, 2, 1, 3], 0)})["w"].tolist()
         [0.0, 2.0, 1.0, 3.0]
     """
-    if not perms:
-        return state
-    out = dict(state)
-    for key, value in state.items():
-        for fqn, (perm, dim) in perms.items():
-            if _matches(key, fqn) and isinstance(value, torch.Tensor) and value.dim() > dim \
-                    and value.shape[dim] == len(perm):
-                out[key] = _permute(value, perm, dim)
-    return out
+    return _convert(state, perms, to_user=False)
 
 
 def full_tensors(module: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:

@@ -253,8 +253,9 @@ def _block_params(block_name: str, block: nn.Module, plan: BlockPlan, sequence_p
 
 def model_plan(root: nn.Module, trace: ModelTrace, tp: int) -> ModelPlan:
     """The token embedding (first ``nn.Embedding`` to run before the blocks) and the output head (last
-    linear to run after them), found from the execution order, wherever they are registered. An
-    embedding subclass with its own ``forward`` (scaling, casts) stays replicated: exact, not sharded.
+    linear to run after them, when its outputs are a vocabulary that an embedding before the blocks
+    reads), found from the execution order, wherever they are registered. An embedding subclass with
+    its own ``forward`` (scaling, casts) stays replicated: exact, not sharded.
 
     Example:
         >>> import torch
@@ -266,12 +267,15 @@ def model_plan(root: nn.Module, trace: ModelTrace, tp: int) -> ModelPlan:
         ('tok_embeddings', 'output')
     """
     plan = ModelPlan()
+    embeddings = [p for p in (trace.first_of(root, (pre,), (nn.Embedding,)) for pre in trace.pre) if p]
+    vocab = {root.get_submodule(p).num_embeddings for p in embeddings}
     head = trace.first_of(root, trace.post, (nn.Linear,), last=True)
-    if head is not None:
+    # Only an output over the vocabulary is sharded (for the parallel cross-entropy); another output (a
+    # regression head) stays whole, and exact.
+    if head is not None and linear_features(root.get_submodule(head))[1] in vocab:
         plan.head = head
         plan.vocab_size = linear_features(root.get_submodule(head))[1]
         _divisible(head, "out_features", plan.vocab_size, tp)
-    embeddings = [p for p in (trace.first_of(root, (pre,), (nn.Embedding,)) for pre in trace.pre) if p]
     matching = [p for p in embeddings if plan.vocab_size is None
                 or root.get_submodule(p).num_embeddings == plan.vocab_size]
     if matching:

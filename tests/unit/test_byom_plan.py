@@ -17,39 +17,19 @@ from lightning_4d.tensor_parallel.layouts import (
     sharded_state,
 )
 from lightning_4d.trace import example_tokens, trace_model
-
-transformers = pytest.importorskip("transformers")
-
-
-class Logits(nn.Module):
-    """The only user code: a wrapper returning ``.logits``."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=tokens).logits
+from tests.distributed.byom_models import build_hf
 
 
-def _llama() -> Logits:
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                   use_cache=False)
-    return Logits(transformers.LlamaForCausalLM(cfg))
+def _llama() -> nn.Module:
+    return build_hf("llama")
 
 
-def _qwen3() -> Logits:
-    cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                   max_position_embeddings=32, use_cache=False)
-    return Logits(transformers.Qwen3ForCausalLM(cfg))
+def _qwen3() -> nn.Module:
+    return build_hf("qwen3")
 
 
-def _gpt2() -> Logits:
-    cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32, use_cache=False,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return Logits(transformers.GPT2LMHeadModel(cfg))
+def _gpt2() -> nn.Module:
+    return build_hf("gpt2")
 
 
 def _trace(model: nn.Module):
@@ -236,3 +216,11 @@ def test_blocks_without_linears_are_refused_under_tp() -> None:
     net = Net()
     with pytest.raises(ValueError, match="no block of layers has a linear layer to shard"):
         tp_styles(net, trace_model(net, "layers", example_tokens(net)), tp=2, sp=False)
+
+
+def test_a_head_that_is_not_over_the_vocabulary_stays_whole() -> None:
+    # A regression head (mse_loss on one output) is not vocabulary logits: no parallel cross-entropy.
+    net = _net(nn.Embedding(16, 8), tied=False)
+    net.head = nn.Linear(8, 1)
+    plan = model_plan(net, trace_model(net, "layers", example_tokens(net)), tp=2)
+    assert (plan.embedding, plan.head) == ("emb", None)
