@@ -12,9 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import torch
 from torch import nn
-from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from lightning_4d._compat import registered_submodule
 from lightning_4d.activation_checkpoint import apply_activation_checkpointing
@@ -23,6 +21,7 @@ from lightning_4d.data_parallel import apply_data_parallel
 from lightning_4d.discovery import find_blocks, top_level_modules
 from lightning_4d.mesh import FourDMesh
 from lightning_4d.trace import example_tokens, trace_model
+from lightning_4d.verify import check_tensor_parallel
 
 __all__ = ["ParallelPlan", "parallelize_module"]
 
@@ -88,7 +87,7 @@ def parallelize_module(
 
         apply_tensor_parallel(module, mesh, plan, plan_tensor_parallel(module, mesh, trace))
         if not plan.expert_modules:
-            _check_tensor_parallel(module, split, example, trace.output)
+            check_tensor_parallel(module, split, example, trace.output)
 
     parts = None
     if dims.pp > 1:
@@ -131,78 +130,6 @@ def parallelize_module(
         plan.pipeline = build_runner(module, mesh, config, parts)
         plan.pipeline_tied = list(parts.tied)
     return plan
-
-
-def _check_tensor_parallel(module: nn.Module, split: Any, example: Any, expected: Any) -> None:
-    """Run the sharded model on the traced input and compare with the unsharded output (every rank, same
-    input). A rewrite that changes the forward fails here, loudly, instead of training on."""
-    from lightning_4d.distributed import to_full
-    from lightning_4d.pipeline.staged import StagedForward, check_staged
-
-    if any(p.is_meta for p in module.parameters()):
-        return  # a dry run on the meta device: no values to compare
-    if isinstance(split, StagedForward):
-        try:
-            check_staged(split, example, expected, rtol=_rtol(expected))
-        except ValueError as err:
-            raise ValueError(f"With tensor parallelism: {err}") from err
-        return
-    if split is not None:
-        return  # user pipeline hooks: checked by their own sequential check before sharding
-    was_training = module.training
-    module.eval()
-    names = {id(m): n for n, m in module.named_modules()}
-    stack: list[str] = []
-    def enter(mod: nn.Module, _args: Any) -> None:
-        stack.append(names.get(id(mod), type(mod).__name__))
-
-    def leave(_mod: nn.Module, _args: Any, _out: Any) -> None:
-        if stack:
-            stack.pop()
-
-    hooks = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
-    try:
-        with torch.no_grad():
-            got = to_full(module(*(example if isinstance(example, tuple) else (example,))))
-    except Exception as err:  # noqa: BLE001 - reported with the hint
-        failed = [n for n in stack if n]
-        where = failed[-1] if failed else type(module).__name__
-        raise ValueError(
-            f"{type(module).__name__}: the forward of {where} fails after the tensor-parallel rewrite "
-            f"({type(err).__name__}: {err}). Attention/MLP code must take head counts and widths from attributes "
-            f"(divided by tp, e.g. `self.n_head`, `self.split_size`) or from `-1` in view/reshape, not from its "
-            f"input's width (`C // self.n_head` with `B, T, C = x.size()`); otherwise implement "
-            f"`fourd_tp_plan(self, tp_mesh, sequence_parallel)`, or use tp=1."
-        ) from err
-    finally:
-        for h in hooks:
-            h.remove()
-        module.train(was_training)
-    diff, scale = _max_diff(got, expected)
-    if diff > 1e-5 + _rtol(expected) * scale:
-        raise ValueError(
-            f"{type(module).__name__}: the tensor-parallel rewrite changes its output (max abs difference "
-            f"{diff:.3g} on a test input). Implement `fourd_tp_plan(self, tp_mesh, sequence_parallel)` for this model."
-        )
-
-
-def _rtol(expected: Any) -> float:
-    from lightning_4d._compat import pytree
-
-    dtypes = [t.dtype for t in pytree.tree_leaves(expected) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    return max([1e-4] + [16 * torch.finfo(d).eps for d in dtypes])
-
-
-def _max_diff(got: Any, expected: Any) -> tuple[float, float]:
-    from lightning_4d._compat import pytree
-
-    a = [t for t in pytree.tree_leaves(got) if isinstance(t, torch.Tensor)]
-    b = [t for t in pytree.tree_leaves(expected) if isinstance(t, torch.Tensor)]
-    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
-        return float("inf"), 0.0
-    diff = max((float((x.float() - y.float()).abs().max()) for x, y in zip(a, b) if x.numel()), default=0.0)
-    scale = max((float(y.float().abs().max()) for y in b if y.numel()), default=0.0)
-    return diff, scale
 
 
 def _blocks_of(container: nn.Module) -> list[nn.Module]:

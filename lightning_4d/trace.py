@@ -114,10 +114,6 @@ class ModelTrace:
     last_linear: dict[str, str] = field(default_factory=dict)
     output: Any = None
 
-    def called(self, path: str) -> bool:
-        """Whether the module at ``path`` ran."""
-        return path in self._index
-
     @property
     def _index(self) -> dict[str, int]:
         return {p: i for i, p in enumerate(self.order)}

@@ -237,7 +237,9 @@ def check_staged(staged: StagedForward, example: Any, expected: Any, atol: float
     Example:
         >>> check_staged(staged, tokens, lm(tokens))  # doctest: +SKIP
     """
+    from lightning_4d.distributed import to_full
     from lightning_4d.pipeline.stages import HOOK_HINT
+    from lightning_4d.verify import max_difference
 
     cls = type(staged.root).__name__
     if any(p.is_meta for p in staged.root.parameters()):
@@ -250,8 +252,6 @@ def check_staged(staged: StagedForward, example: Any, expected: Any, atol: float
             h: Any = args
             for index in range(staged.num_stages):
                 h = staged.run(index, h if index == 0 else (h,), example)
-    except StageDone:
-        raise
     except Exception as err:  # noqa: BLE001 - reported with the hint
         raise ValueError(
             f"{cls}: running its forward stage by stage failed with {type(err).__name__}: {err}. Pipeline stages "
@@ -261,17 +261,10 @@ def check_staged(staged: StagedForward, example: Any, expected: Any, atol: float
         ) from err
     finally:
         staged.root.train(was_training)
-    from lightning_4d.distributed import to_full
-
-    got, want = pytree.tree_leaves(to_full(h)), pytree.tree_leaves(expected)
-    tensors = [(a, b) for a, b in zip(got, want) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)]
-    if len(got) != len(want) or any(a.shape != b.shape for a, b in tensors):
-        diff = float("inf")
-    elif any(a.is_meta or b.is_meta for a, b in tensors):
+    compared = max_difference(to_full(h), expected)
+    if compared is None:
         return  # a dry run on the meta device: shapes only
-    else:
-        diff = max((float((a.float() - b.float()).abs().max()) for a, b in tensors if a.numel()), default=0.0)
-    scale = max((float(b.float().abs().max()) for _, b in tensors if b.numel() and not b.is_meta), default=0.0)
+    diff, scale = compared
     if diff > atol + rtol * scale:
         raise ValueError(
             f"{cls}: its forward run stage by stage differs from the plain forward (max abs difference {diff:.3g}). "
