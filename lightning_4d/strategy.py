@@ -52,6 +52,13 @@ class FourDStrategy(ParallelStrategy):
         process_group_backend: ``"gloo"``/``"nccl"``; default by device.
         sync_module_states: broadcast the full initial weights from rank 0 before sharding, so every
             rank starts from the same model even without a seed (a no-op cost for small models).
+        nonfinite: what a step whose loss or global gradient norm is NaN/inf does, decided on every rank
+            together before clipping and the optimizer step: ``"raise"`` (default) stops training with
+            :class:`~lightning_4d.nonfinite.NonFiniteError` naming the step, the ranks and the first
+            non-finite gradient / parameter; ``"skip"`` drops the step (gradients zeroed, no optimizer
+            update), counts it in ``strategy.skipped_steps`` and logs it as ``skipped_steps``; ``"off"``.
+        checkpoint_checksums: record a SHA-256 per file in each checkpoint's ``manifest.json`` and verify
+            them when loading (default). ``False`` for huge runs: sizes only, at save and at load.
 
     Example:
         >>> strategy = FourDStrategy(tp=2, pp=2, ep=2)
@@ -76,6 +83,8 @@ class FourDStrategy(ParallelStrategy):
         timeout: timedelta = timedelta(minutes=30),
         process_group_backend: Optional[str] = None,
         sync_module_states: bool = True,
+        nonfinite: str = "raise",
+        checkpoint_checksums: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -89,6 +98,13 @@ class FourDStrategy(ParallelStrategy):
         self._timeout = timeout
         self._process_group_backend = process_group_backend
         self._sync_module_states = sync_module_states
+        from lightning_4d.nonfinite import NONFINITE_MODES
+
+        if nonfinite not in NONFINITE_MODES:
+            raise ValueError(f"nonfinite={nonfinite!r} must be one of {', '.join(map(repr, NONFINITE_MODES))}.")
+        self._nonfinite = nonfinite
+        self.skipped_steps = 0  # steps dropped by nonfinite="skip"
+        self._checkpoint_checksums = bool(checkpoint_checksums)
         self._num_nodes = 1
         self._mesh: Optional[FourDMesh] = None
         self._plan: Any = None
@@ -293,9 +309,53 @@ class FourDStrategy(ParallelStrategy):
                 grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                 dist.all_reduce(grad, group=group)
 
+    def _guarded(self, closure: Any) -> Any:
+        """Run the step's forward and backward, then stop or skip it on every rank if it is not finite
+        (before Lightning clips the gradients and the optimizer steps)."""
+        from lightning_4d.nonfinite import NonFiniteError, SkipStep, check_step
+
+        loss = closure()
+        trainer = self.lightning_module.trainer
+        step = trainer.global_step
+        message = check_step(self.model, loss, step, self.root_device)
+        if message is None:
+            return loss
+        if self._nonfinite == "skip":
+            raise SkipStep(message)
+        raise NonFiniteError(
+            f"{message} Training stopped before the optimizer step: the weights (and any checkpoint) are still "
+            f"those after step {step - 1 if step else 'initialisation'}. Check the data of this step or lower "
+            f"the learning rate; FourDStrategy(nonfinite='skip') skips such steps instead."
+        )
+
+    def _log_skipped(self) -> None:
+        module = self.lightning_module
+        if getattr(module, "_current_fx_name", None) is not None:
+            module.log("skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False, prog_bar=False)
+
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._nonfinite == "off" or self.lightning_module.automatic_optimization is False:
+            out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        else:
+            from functools import partial
+
+            from lightning_4d.nonfinite import SkipStep
+
+            try:
+                out = super().optimizer_step(optimizer, partial(self._guarded, closure), model, **kwargs)
+            except SkipStep as skipped:
+                self.skipped_steps += 1
+                optimizer.zero_grad(set_to_none=True)
+                self._grads_stale = True
+                if self.is_global_zero:
+                    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+                    rank_zero_warn(f"Skipped step ({self.skipped_steps} so far): {skipped}")
+                self._log_skipped()
+                return None
+            if self._nonfinite == "skip":
+                self._log_skipped()
         self._grads_stale = True
         if not self._replicas_checked and self.dims.tp > 1:
             self._replicas_checked = True
@@ -458,14 +518,17 @@ class FourDStrategy(ParallelStrategy):
 
         if storage_options is not None:
             raise TypeError("FourDStrategy.save_checkpoint(storage_options=...) is not supported.")
-        save_sharded(checkpoint, self.broadcast(str(filepath)), is_global_zero=self.is_global_zero)
+        save_sharded(checkpoint, self.broadcast(str(filepath)), is_global_zero=self.is_global_zero,
+                     checksums=self._checkpoint_checksums)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         from lightning_4d.checkpoint.state import load_sharded
 
         assert self.model is not None
-        meta = load_sharded(self.broadcast(str(checkpoint_path)), self.model, self.optimizers)
+        strict = bool(getattr(self.lightning_module, "strict_loading", True))
+        meta = load_sharded(self.broadcast(str(checkpoint_path)), self.model, self.optimizers,
+                            verify=self._checkpoint_checksums, strict=strict)
         # Re-positioned once the training dataloader (and so the epoch length) is known.
         self._resume_loops = copy.deepcopy(meta.get("loops"))
         return meta

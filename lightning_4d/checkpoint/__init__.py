@@ -5,7 +5,8 @@ Example:
 """
 
 from lightning_4d.checkpoint.consolidate import export_consolidated, import_consolidated, read_model_state
-from lightning_4d.checkpoint.state import check_checkpoint, is_checkpoint, load_sharded, save_sharded
+from lightning_4d.checkpoint.state import (CheckpointIntegrityError, check_checkpoint, is_checkpoint, load_sharded,
+                                           recover_checkpoint, save_sharded, verify_checkpoint)
 
-__all__ = ["check_checkpoint", "export_consolidated", "import_consolidated", "is_checkpoint", "load_sharded",
-           "read_model_state", "save_sharded"]
+__all__ = ["CheckpointIntegrityError", "check_checkpoint", "export_consolidated", "import_consolidated", "is_checkpoint",
+           "load_sharded", "read_model_state", "recover_checkpoint", "save_sharded", "verify_checkpoint"]

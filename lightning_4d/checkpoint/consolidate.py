@@ -68,8 +68,11 @@ def stack_experts(state: dict[str, torch.Tensor], wanted: set[str]) -> dict[str,
     return out
 
 
-def read_model_state(checkpoint: str | os.PathLike) -> dict[str, torch.Tensor]:
+def read_model_state(checkpoint: str | os.PathLike, verify: bool = True) -> dict[str, torch.Tensor]:
     """The full model state of a sharded checkpoint, merged in one process (no process group).
+
+    Every file is first checked against the checkpoint's manifest (``verify=False``: sizes only); a
+    damaged one raises :class:`~lightning_4d.checkpoint.state.CheckpointIntegrityError` naming it.
 
     Example:
         >>> sorted(read_model_state("ckpts/last.ckpt"))[:1]  # doctest: +SKIP
@@ -77,9 +80,13 @@ def read_model_state(checkpoint: str | os.PathLike) -> dict[str, torch.Tensor]:
     """
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from lightning_4d.checkpoint.state import check_checkpoint
+    from lightning_4d.checkpoint.state import CheckpointIntegrityError, check_checkpoint, verify_checkpoint
 
     check_checkpoint(checkpoint)
+    try:
+        verify_checkpoint(checkpoint, checksums=verify)
+    except CheckpointIntegrityError as err:
+        raise CheckpointIntegrityError(f"Could not read checkpoint {checkpoint}: {err}") from err
     with tempfile.TemporaryDirectory() as tmp:
         target = Path(tmp) / "full.pt"
         try:
@@ -96,16 +103,22 @@ def read_model_state(checkpoint: str | os.PathLike) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.items() if isinstance(v, torch.Tensor)}
 
 
-def export_consolidated(checkpoint: str | os.PathLike, out: str | os.PathLike) -> Path:
+def export_consolidated(checkpoint: str | os.PathLike, out: str | os.PathLike, verify: bool = True) -> Path:
     """Write the checkpoint's model as one safetensors file, experts split per expert.
+
+    The checkpoint's files are verified against its manifest first (``verify=False``: sizes only); the
+    directory of ``out`` is created when missing.
 
     Example:
         >>> export_consolidated("ckpts/last.ckpt", "model.safetensors")  # doctest: +SKIP
     """
     from safetensors.torch import save_file
 
-    state = split_experts(read_model_state(checkpoint))
+    state = split_experts(read_model_state(checkpoint, verify=verify))
     target = Path(out)
+    if target.is_dir():
+        raise ValueError(f"{out} is a directory: pass the .safetensors file to write, e.g. {target / 'model.safetensors'}.")
+    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + ".partial")
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
     os.replace(tmp, target)  # never a half-written file under the final name
