@@ -184,3 +184,67 @@ def test_gpt2_conv1d_is_sharded_under_tp(references: _References) -> None:
         assert got["sharded"][name] is True, f"{name} is not a DTensor sharded on tp after fit"
     assert_parity(got, references["hf-gpt2"], label="hf-gpt2 tp2")
 
+
+
+# ----------------------------------------------------------------------------------------------- non-LM outputs
+def _regression_fit(rank: int, strategy: Any) -> list[float]:
+    """A model whose output is one number per token (mse_loss), not vocabulary logits: its head must stay
+    whole under TP (no parallel cross-entropy), and training must match one process."""
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_4d import FourDModule, FourDStrategy
+    from tests.distributed.byom_models import build_byom
+
+    class Regression(FourDModule, L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = build_byom("titan-sep")
+            self.model.output = torch.nn.Linear(self.model.output.in_features, 1)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.model(tokens).squeeze(-1)  # (B, T)
+
+        def loss_fn(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return F.mse_loss(out, targets)
+
+        def count_targets(self, targets: torch.Tensor) -> torch.Tensor:
+            return torch.tensor(targets.numel())
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    module = Regression()
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randint(0, 64, (24, 16), generator=gen)
+    y = torch.randn(24, 16, generator=gen)
+    losses: list[float] = []
+
+    class Keep(L.Callback):
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            losses.append(float(trainer.callback_metrics["train_loss"]))
+
+    kwargs = dict(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False, callbacks=[Keep()])
+    if strategy is None:
+        trainer = L.Trainer(devices=1, **kwargs)
+        # The strategy's sampler (dp=1) shuffles with seed 0: replay that order.
+        order = torch.randperm(24, generator=torch.Generator().manual_seed(0)).tolist()
+        loader = DataLoader(TensorDataset(x, y), batch_size=8, sampler=order)
+    else:
+        trainer = L.Trainer(devices=2, strategy=FourDStrategy(**strategy), **kwargs)
+        loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=False)
+    trainer.fit(module, loader)
+    return losses
+
+
+def test_regression_head_under_tp_matches_one_process() -> None:
+    ref = _regression_fit(0, None)
+    for strategy in (dict(tp=2), dict(tp=2, sequence_parallel=False)):
+        got = run_world(_regression_fit, 2, strategy, timeout_s=300, pg_timeout_s=PG_TIMEOUT_S)[0]
+        assert len(got) == len(ref) == 3
+        for a, b in zip(got, ref):
+            assert abs(a - b) <= 1e-5 * abs(b), (strategy, got, ref)
