@@ -20,7 +20,25 @@ from torch import Tensor
 
 from lightning_4d.distributed import all_reduce_sum
 
-__all__ = ["count_targets", "weighted_global_loss", "with_value"]
+__all__ = ["check_targets", "count_targets", "weighted_global_loss", "with_value"]
+
+
+def check_targets(targets: Any, loss_parallel: bool) -> None:
+    """Refuse, before the step's first collective, targets the vocabulary-parallel cross-entropy cannot take.
+
+    Example:
+        >>> check_targets(torch.zeros(2, 3, dtype=torch.long), loss_parallel=True)
+        >>> check_targets(torch.zeros(2, 3), loss_parallel=True)
+        Traceback (most recent call last):
+        ...
+        ValueError: targets of dtype torch.float32: ...
+    """
+    if loss_parallel and isinstance(targets, Tensor) and targets.is_floating_point():
+        raise ValueError(
+            f"targets of dtype {targets.dtype}: with tp > 1 the output head over the vocabulary is sharded and "
+            f"the loss is a vocabulary-parallel cross-entropy, which takes integer class indices. Pass class "
+            f"indices (torch.long), or set tp=1 for soft (probability) targets."
+        )
 
 
 def count_targets(targets: Any, ignore_index: Optional[int] = -100) -> Tensor:

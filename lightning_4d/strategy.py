@@ -372,8 +372,9 @@ class FourDStrategy(ParallelStrategy):
         Example:
             >>> loss = trainer.strategy.compute_loss(module, inputs, targets)  # doctest: +SKIP
         """
-        from lightning_4d.loss import weighted_global_loss
+        from lightning_4d.loss import check_targets, weighted_global_loss
 
+        check_targets(targets, self._plan is not None and self._plan.loss_parallel)
         if self._plan is not None and self._plan.pipeline is not None:
             from lightning_4d.pipeline_glue import pipeline_eval, pipeline_train_loss
 

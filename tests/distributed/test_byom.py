@@ -248,3 +248,30 @@ def test_regression_head_under_tp_matches_one_process() -> None:
         assert len(got) == len(ref) == 3
         for a, b in zip(got, ref):
             assert abs(a - b) <= 1e-5 * abs(b), (strategy, got, ref)
+
+
+def _soft_targets(rank: int) -> str:
+    """Float (probability) targets under tp=2: a clear error on every TP rank before the step's collectives
+    (the vocabulary-parallel cross-entropy takes class indices)."""
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_4d import FourDStrategy
+    from lightning_4d.models import CausalLM
+    from tests.distributed.common import build_model
+
+    torch.manual_seed(0)
+    inputs, targets = torch.randint(0, 64, (8, 16)), torch.rand(8, 16)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=FourDStrategy(tp=2), max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    try:
+        trainer.fit(CausalLM(build_model("llama")), DataLoader(TensorDataset(inputs, targets), batch_size=4))
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+def test_soft_targets_under_tp_fail_clearly() -> None:
+    for msg in run_world(_soft_targets, 2, timeout_s=300, pg_timeout_s=PG_TIMEOUT_S):
+        assert "integer class indices" in msg and "torch.float32" in msg, msg
