@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_4d._compat import child_modules, pytree, registered_submodule
+from lightning_4d._compat import child_modules, registered_submodule
 
 __all__ = ["Consumer", "HiddenArg", "ModelTrace", "trace_model", "example_tokens", "first_param_name", "SPLIT_OPS"]
 
@@ -248,7 +248,6 @@ def trace_model(root: nn.Module, blocks_path: str, example: Any) -> ModelTrace:
     first_block = next(iter(blocks.values()))
     in_first = {id(m): n for n, m in first_block.named_modules() if n}
     block_calls: list[tuple[str, tuple, dict, Any]] = []
-    entered: list[str] = []
     events: list[tuple[str, str]] = []  # ("block", key) or ("module", path) in entry order
     mode = _Consumers()
     inputs: dict[str, int] = {}

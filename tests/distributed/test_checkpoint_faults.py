@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import math
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from lightning_4d.models import CausalLM
 from lightning_4d.testing import run_world
