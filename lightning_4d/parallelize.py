@@ -137,20 +137,33 @@ def _blocks_of(container: nn.Module) -> list[nn.Module]:
 
 
 def _apply_experts(module: nn.Module, mesh: FourDMesh, plan: ParallelPlan, accumulate: int) -> None:
-    """Rewrite MoE blocks into the package's layer and shard experts over ``ep`` (before TP planning)."""
+    """Make every MoE layer expert-parallel (before TP planning): the model's own experts modules with 3-D
+    weights in place (:mod:`~lightning_4d.expert_parallel.inplace`), Mixtral-style expert lists rewritten into
+    the package's layer, the package's layer as is."""
     from lightning_4d.expert_parallel import MoE, apply_expert_parallel
+    from lightning_4d.expert_parallel.parallel import apply_inplace_expert_parallel
     from lightning_4d.expert_parallel.rewrite import find_moe_modules
 
     dims = mesh.dims
-    if not find_moe_modules(module):
-        if dims.ep > 1:
-            raise ValueError(
-                f"ep={dims.ep} but {type(module).__name__} has no mixture-of-experts layer (a module with a `gate` "
-                f"router and an `experts` list, or lightning_4d's MoE). Use ep=1 for a dense model."
-            )
-        return
     # Expert gradients are averaged over edp; under SP each TP rank holds different tokens (factor tp).
     grad_scale = (dims.tp if dims.sp else 1) / dims.ep
+    inplace = apply_inplace_expert_parallel(module, mesh["ep"], grad_scale=grad_scale)
+    for spec in inplace:
+        plan.expert_modules.append(spec.name)
+        layer = module.get_submodule(spec.name.rpartition(".")[0])
+        if dims.sp and dims.tp > 1:
+            # Router, shared experts and gates see only this rank's sequence shard: sum their grads over tp.
+            experts = {id(p) for p in module.get_submodule(spec.name).parameters()}
+            prefix = spec.name.rpartition(".")[0]
+            plan.tp_partial_params += [f"{prefix}.{n}" for n, p in layer.named_parameters() if id(p) not in experts]
+    if not find_moe_modules(module):
+        if dims.ep > 1 and not inplace:
+            raise ValueError(
+                f"ep={dims.ep} but {type(module).__name__} has no mixture-of-experts layer (an experts module with "
+                f"3-D [E, ...] weights next to a router, a `gate` router with an `experts` list, or lightning_4d's "
+                f"MoE). Use ep=1 for a dense model."
+            )
+        return
     stats = None if (dims.sp or dims.tp == 1) else ([("dp", mesh["dp"].get_group())] if dims.dp > 1 else [])
     apply_expert_parallel(module, mesh, grad_scale=grad_scale, stats_groups=stats,
                           aux_grad_scale=dims.dp / max(accumulate, 1))

@@ -65,6 +65,7 @@ from lightning_4d._compat.modules import (  # noqa: E402
     materialize_meta_module,
     registered_submodule,
     replace_batch_sampler,
+    swapped_parameters,
 )
 from lightning_4d._compat.pipelining import (  # noqa: E402
     forward_only_actions,

@@ -9,13 +9,14 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
 
 __all__ = ["child_modules", "is_loss_module", "materialize_meta_module", "registered_submodule",
-           "replace_batch_sampler"]
+           "replace_batch_sampler", "swapped_parameters"]
 
 
 # ---------------------------------------------------------------------------------------------- nn.Module
@@ -34,6 +35,22 @@ def registered_submodule(root: nn.Module, path: str) -> Optional[nn.Module]:
     for part in path.split(".") if path else []:
         mod = getattr(mod, "_modules", {}).get(part) if mod is not None else None
     return mod
+
+
+@contextlib.contextmanager
+def swapped_parameters(module: nn.Module, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Inside the block, ``module.<name>`` is the given (plain, differentiable) tensor instead of its registered
+    parameter, for every ``name`` of ``tensors``; the parameters are put back afterwards, even on error. Writes
+    the private ``nn.Module._parameters`` (what ``torch.func.functional_call`` does internally) so the module's
+    own forward can run on, say, the local shard of a DTensor parameter without calling ``module(...)`` again
+    (which would re-run its hooks)."""
+    saved = {name: module._parameters[name] for name in tensors}
+    try:
+        for name, tensor in tensors.items():
+            module._parameters[name] = tensor  # type: ignore[assignment]
+        yield
+    finally:
+        module._parameters.update(saved)
 
 
 def is_loss_module(module: nn.Module) -> bool:

@@ -35,9 +35,10 @@ from lightning_4d.expert_parallel.router import check_routing
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from lightning_4d.expert_parallel.inplace import ExpertsSpec
     from lightning_4d.mesh import FourDMesh, ParallelDims
 
-__all__ = ["expert_grad_scale", "check_expert_parallel", "apply_expert_parallel"]
+__all__ = ["expert_grad_scale", "check_expert_parallel", "apply_expert_parallel", "apply_inplace_expert_parallel"]
 
 
 def expert_grad_scale(dims: "ParallelDims") -> float:
@@ -143,3 +144,39 @@ def apply_expert_parallel(
             mod.router.stats_groups = list(stats_groups)
             mod.router.aux_grad_scale = aux_grad_scale
     return model
+
+
+def apply_inplace_expert_parallel(model: nn.Module, ep_mesh: Optional["DeviceMesh"], grad_scale: float = 1.0,
+                                  ) -> list["ExpertsSpec"]:
+    """Install in-place expert parallelism (:mod:`.inplace`) on every experts module of ``model`` with 3-D
+    parameters (transformers 5, TorchTitan style) and return their specs. Everything is validated first, on
+    every rank and before any change: an MoE-looking module that is not recognised raises when ``ep > 1``
+    (listing each with the reason), as does an expert count ``ep`` does not divide or a forward that the
+    one-process replay (:func:`~.inplace.verify_experts`) does not reproduce. Issues no collective.
+
+    Example:
+        >>> apply_inplace_expert_parallel(nn.Linear(2, 2), None)
+        []
+    """
+    from lightning_4d.expert_parallel.inplace import (
+        find_expert_modules, install_expert_parallel, is_inplace_experts, verify_experts,
+    )
+
+    ep = ep_mesh.size() if ep_mesh is not None else 1
+    specs, rejected = find_expert_modules(model)
+    if rejected and ep > 1:
+        listed = "; ".join(f"'{name}': {why}" for name, why in rejected)
+        raise ValueError(
+            f"ep={ep}: {len(rejected)} module(s) of {type(model).__name__} look like mixture-of-experts weights "
+            f"(parameters with 3+ dimensions) but were not recognised, so their experts cannot be sharded: "
+            f"{listed}. Recognised: an experts module whose parameters are all [E, ...] (at least one 3-D), next to "
+            f"a router holding an (E, hidden) weight, with forward(hidden_states, top_k_index, top_k_weights) or "
+            f"forward(x, num_tokens_per_expert). Fix: adapt the module, or use lightning_4d.expert_parallel.MoE.")
+    specs = [s for s in specs if not is_inplace_experts(model.get_submodule(s.name))]
+    for spec in specs:
+        check_expert_parallel(spec.num_experts, 1, ep, spec.name)
+    for spec in specs:
+        verify_experts(model.get_submodule(spec.name), spec, parts=max(ep, 2))
+    for spec in specs:
+        install_expert_parallel(model.get_submodule(spec.name), spec, ep_mesh if ep > 1 else None, grad_scale)
+    return specs
