@@ -86,6 +86,15 @@ def parallelize_module(
         from lightning_4d.tensor_parallel import apply_tensor_parallel, plan_tensor_parallel
 
         apply_tensor_parallel(module, mesh, plan, plan_tensor_parallel(module, mesh, trace))
+        if dims.ep > 1 and callable(_hook(module, "fourd_tp_plan")):
+            from lightning_4d.expert_parallel.inplace import is_inplace_experts
+            from lightning_4d.expert_parallel.parallel import install_token_shard_check
+
+            # A user's plan must give the expert layers sequence shards; the automatic plan does by construction.
+            # In-place experts get the routed tokens themselves; the package's MoE layer gets them (its experts not).
+            names = [n if is_inplace_experts(module.get_submodule(n)) else n.rpartition(".")[0]
+                     for n in plan.expert_modules]
+            install_token_shard_check({n: module.get_submodule(n) for n in names}, mesh["tp"].get_group())
         if not plan.expert_modules:
             check_tensor_parallel(module, split, example, trace.output)
 

@@ -184,11 +184,9 @@ class ExpertLoadMonitor(Callback):
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        from lightning_4d.expert_parallel import MoE
-
         self._remove_hooks()
-        local = {name: m for name, m in pl_module.named_modules() if isinstance(m, MoE)}
-        names: list[tuple[str, int]] = [(n, int(m.num_experts)) for n, m in local.items()]
+        local = {name: m for name, m in pl_module.named_modules() if _load_of(m) is not None}
+        names: list[tuple[str, int]] = [(n, _load_of(m)[0]) for n, m in local.items()]  # type: ignore[index]
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -214,11 +212,13 @@ class ExpertLoadMonitor(Callback):
                 return
             acc = self._acc.get(name)
             aux = getattr(getattr(module, "router", None), "aux_loss", None)
+            _, tokens, dropped = _load_of(module)  # type: ignore[misc]
+            if tokens is None:
+                return
             if acc is None:
-                acc = self._acc[name] = [torch.zeros_like(module.tokens_per_expert), torch.zeros_like(
-                    module.dropped_tokens), 0.0, 0]
-            acc[0] += module.tokens_per_expert
-            acc[1] += module.dropped_tokens
+                acc = self._acc[name] = [torch.zeros_like(tokens), torch.zeros_like(dropped), 0.0, 0]
+            acc[0] += tokens
+            acc[1] += dropped
             if aux is not None:
                 acc[2] += aux.detach()
                 acc[3] += 1
@@ -313,6 +313,21 @@ class ExpertLoadMonitor(Callback):
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         self._remove_hooks()
         self._recording = False
+
+
+def _load_of(module: Any) -> Optional[tuple[int, Optional[torch.Tensor], torch.Tensor]]:
+    """``(num_experts, tokens per expert of the last forward, dropped tokens)`` of an MoE layer: the package's
+    :class:`~lightning_4d.expert_parallel.MoE` or a model's own experts module under in-place expert
+    parallelism (dropless: no dropped tokens); ``None`` for any other module."""
+    from lightning_4d.expert_parallel import MoE
+    from lightning_4d.expert_parallel.inplace import is_inplace_experts
+
+    if isinstance(module, MoE):
+        return int(module.num_experts), module.tokens_per_expert, module.dropped_tokens
+    if is_inplace_experts(module):
+        tokens = module.fourd_tokens_per_expert
+        return module.fourd_experts.spec.num_experts, tokens, torch.zeros((), dtype=torch.long)
+    return None
 
 
 def _natural_key(name: str) -> list[Any]:

@@ -24,7 +24,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import torch.distributed as dist
 from torch import nn
@@ -38,7 +38,8 @@ if TYPE_CHECKING:
     from lightning_4d.expert_parallel.inplace import ExpertsSpec
     from lightning_4d.mesh import FourDMesh, ParallelDims
 
-__all__ = ["expert_grad_scale", "check_expert_parallel", "apply_expert_parallel", "apply_inplace_expert_parallel"]
+__all__ = ["expert_grad_scale", "check_expert_parallel", "apply_expert_parallel", "apply_inplace_expert_parallel",
+           "install_token_shard_check"]
 
 
 def expert_grad_scale(dims: "ParallelDims") -> float:
@@ -180,3 +181,49 @@ def apply_inplace_expert_parallel(model: nn.Module, ep_mesh: Optional["DeviceMes
     for spec in specs:
         install_expert_parallel(model.get_submodule(spec.name), spec, ep_mesh if ep > 1 else None, grad_scale)
     return specs
+
+
+def install_token_shard_check(layers: dict[str, nn.Module], tp_group: dist.ProcessGroup) -> None:
+    """Check, on the first forward of each MoE layer, that the TP ranks of a data shard give it *different*
+    tokens (sequence shards) — what expert parallelism with ``tp > 1`` assumes (each expert sums the
+    contributions of every TP rank's tokens). A user TP plan that leaves the sequence whole into an MoE layer
+    would otherwise route every token ``tp`` times and silently scale the expert gradients by ``tp``.
+    Raises ``ValueError`` on every TP rank (the fingerprints are all-gathered, so all ranks decide alike);
+    a DTensor input is rejected too. One small all-gather per layer, once.
+
+    Example:
+        >>> install_token_shard_check({"layers.1.feed_forward": moe}, mesh["tp"].get_group())  # doctest: +SKIP
+    """
+    import torch
+
+    from lightning_4d.callbacks._common import internal_comm
+
+    for name, layer in layers.items():
+        handles: list[Any] = []
+
+        def check(mod: nn.Module, args: tuple, kwargs: dict, name: str = name, handles: list = handles) -> None:
+            for h in handles:
+                h.remove()
+            x = args[0] if args else next(iter(kwargs.values()))
+            if hasattr(x, "to_local"):
+                raise ValueError(
+                    f"MoE layer '{name}' receives a DTensor ({x.placements}); expert parallelism needs this rank's "
+                    f"tokens as a plain tensor. Fix: in `fourd_tp_plan`, give it PrepareModuleInput(input_layouts="
+                    f"(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True).")
+            x64 = x.detach().double()
+            mine = torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64), x64.sum().cpu(),
+                                x64.square().sum().cpu(), x64.reshape(-1)[: x.shape[-1]].abs().sum().cpu()])
+            size = dist.get_world_size(tp_group)
+            every = [torch.empty_like(mine) for _ in range(size)]
+            with internal_comm():
+                dist.all_gather(every, mine, group=tp_group)
+            if all(torch.equal(e, every[0]) for e in every):
+                raise ValueError(
+                    f"MoE layer '{name}' sees the same tokens ({tuple(x.shape)}) on all {size} TP ranks: the tensor-"
+                    f"parallel plan (`fourd_tp_plan`) does not split the sequence before it, so under ep>1 every "
+                    f"token would be routed {size} times and the expert gradients scaled by {size}. Fix: shard the "
+                    f"sequence into the MoE layer (SequenceParallel() on the norm before it and PrepareModuleInput("
+                    f"input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True) on the "
+                    f"layer), drop `fourd_tp_plan` to use the automatic plan, or use ep=1.")
+
+        handles.append(layer.register_forward_pre_hook(check, with_kwargs=True))

@@ -6,6 +6,8 @@
   ``mlp.c_fc/c_proj``, ``ln_f``, ``lm_head``) with a per-head-interleaved fused QKV.
 - :class:`HFStyleLM` — Hugging Face names (``embed_tokens``, ``self_attn.q_proj`` ..., ``mlp.gate_proj``
   ..., ``norm``, ``lm_head``).
+- :class:`HFLogits` — a real ``transformers`` causal LM (``from_pretrained`` of a local directory, or a
+  config) as ``tokens -> logits`` (:mod:`lightning_4d.models.hf`).
 
 All contain no distributed code, read head counts from instance attributes at forward time, and can
 be built on the meta device then materialised with ``model.to_empty(device=...)`` and
@@ -28,6 +30,7 @@ from lightning_4d.models.gpt2 import (
     GPT2Embeddings,
     interleave_qkv,
 )
+from lightning_4d.models.hf import HFLogits
 from lightning_4d.models.hf_style import (
     HFStyleAttention,
     HFStyleConfig,
@@ -56,6 +59,7 @@ __all__ = [
     "FeedForward",
     "GPT2Config",
     "GPT2Embeddings",
+    "HFLogits",
     "HFStyleAttention",
     "HFStyleConfig",
     "HFStyleDecoderLayer",

@@ -58,6 +58,15 @@ class CausalLM(FourDModule, L.LightningModule):
         ignore = self.ignore_index if self.ignore_index is not None else -100
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=ignore)
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Record a wrapped Hugging Face model's config (:class:`~lightning_4d.models.HFLogits`), so
+        ``python -m lightning_4d.checkpoint export-hf`` rebuilds it without ``--base``."""
+        from lightning_4d.models.hf import CHECKPOINT_KEY, checkpoint_record
+
+        record = checkpoint_record(self)
+        if record is not None:
+            checkpoint[CHECKPOINT_KEY] = record
+
     def configure_optimizers(self) -> Any:
         """AdamW (per-tensor, so parameters on different meshes mix freely), optional linear warm-up."""
         hp = self.hparams

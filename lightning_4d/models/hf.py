@@ -1,0 +1,282 @@
+"""Hugging Face ``transformers`` causal LMs as ``tokens -> logits`` networks that every layout rewrites.
+
+:class:`HFLogits` is the whole bridge: it holds a ``…ForCausalLM`` built with
+``AutoModelForCausalLM.from_pretrained(path)`` (or from a config alone, randomly initialised) and returns
+``.logits`` from ``forward(tokens)``. ``FourDStrategy`` finds the embedding, the decoder layers, the
+projections and the head by itself, so no other code is needed. Parameter names stay the model's own
+(``model.layers.0.self_attn.q_proj.weight`` below the wrapper's ``model.``), so a checkpoint exports
+back to a directory ``from_pretrained`` loads (:func:`lightning_4d.checkpoint.export_hf`).
+
+Nothing is downloaded: sources are local directories (``save_pretrained`` output, or a downloaded
+snapshot) or config JSON files.
+
+Example:
+    >>> import torch, transformers
+    >>> cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+    ...                                num_hidden_layers=2, num_attention_heads=4)
+    >>> net = HFLogits.from_config(cfg)
+    >>> net(torch.zeros(1, 5, dtype=torch.long)).shape
+    torch.Size([1, 5, 64])
+    >>> from lightning_4d.models import CausalLM
+    >>> lm = CausalLM(net, lr=1e-5)          # train it with FourDStrategy(tp=2, pp=2, ...)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+__all__ = [
+    "ATTN_IMPLEMENTATIONS",
+    "CHECKPOINT_KEY",
+    "DTYPES",
+    "HFLogits",
+    "checkpoint_record",
+    "config_from_record",
+    "load_hf_config",
+    "resolve_dtype",
+]
+
+DTYPES: dict[str, Union[torch.dtype, str]] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "auto": "auto",
+}
+"""Weight dtypes by name; ``"auto"`` keeps the dtype of the saved weights (``config.json``'s ``dtype``)."""
+
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+"""Attention kernels that run on every device and under every layout (``flash_attention_2`` needs CUDA
+and the ``flash-attn`` package; pass it through :meth:`HFLogits.from_pretrained` yourself if you have both)."""
+
+CHECKPOINT_KEY = "hf_model"
+"""Key of the record (:func:`checkpoint_record`) a :class:`~lightning_4d.models.CausalLM` writes into
+its checkpoints, so an export needs no ``--base``."""
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def resolve_dtype(dtype: Union[str, torch.dtype, None]) -> Union[torch.dtype, str, None]:
+    """A dtype name (``float32``, ``bfloat16``, ``float16``, ``auto``) or ``torch.dtype`` → what
+    ``from_pretrained(dtype=...)`` accepts; ``None`` stays ``None``.
+
+    Example:
+        >>> resolve_dtype("bfloat16"), resolve_dtype(None)
+        (torch.bfloat16, None)
+        >>> resolve_dtype("fp8")
+        Traceback (most recent call last):
+        ...
+        ValueError: dtype='fp8' is not one of float32, bfloat16, float16, auto; e.g. dtype=float32 for fp32 training.
+    """
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}; e.g. dtype=float32 for fp32 training.")
+    return DTYPES[dtype]
+
+
+def _check_attn(attn_implementation: str) -> None:
+    if attn_implementation not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(
+            f"attn_implementation={attn_implementation!r} is not one of {', '.join(ATTN_IMPLEMENTATIONS)}: "
+            f"use 'sdpa' (PyTorch's fused attention) or 'eager' (the model's reference code).")
+
+
+def load_hf_config(source: PathLike, trust_remote_code: bool = False) -> Any:
+    """The ``transformers`` config of a local model directory (holding ``config.json``) or of a config
+    ``.json`` file, read offline.
+
+    Raises:
+        FileNotFoundError: ``source`` does not exist, or is a directory without ``config.json``.
+        ValueError: the file is not a valid config (not JSON, no ``model_type``, unknown model type).
+
+    Example:
+        >>> load_hf_config("no/such/dir")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        FileNotFoundError: no/such/dir does not exist: pass a local model directory (written by save_pretrained ...
+    """
+    from transformers import AutoConfig
+
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{source} does not exist: pass a local model directory (written by save_pretrained or downloaded "
+            f"beforehand, holding config.json) or a config .json file.")
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"{source} holds no config.json, so it is not a Hugging Face model directory; pass the directory that "
+            f"save_pretrained wrote (config.json beside the *.safetensors files).")
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{file} is not valid JSON ({err}); pass a config.json written by save_pretrained.") from err
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise ValueError(f"{file} has no 'model_type', so transformers cannot tell which model it describes; "
+                         f"pass a config.json written by save_pretrained.")
+    try:
+        return AutoConfig.from_pretrained(str(file.parent if path.is_dir() else file),
+                                          trust_remote_code=trust_remote_code, local_files_only=True)
+    except ValueError as err:
+        hint = "" if trust_remote_code else " If the model ships its own code, set trust_remote_code=true."
+        raise ValueError(f"{file}: transformers cannot build model_type={data['model_type']!r}: "
+                         f"{str(err).splitlines()[0]}.{hint}") from err
+
+
+def _has_weights(directory: Path) -> bool:
+    patterns = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json")
+    return any(any(directory.glob(p)) for p in patterns)
+
+
+class HFLogits(nn.Module):
+    """A ``transformers`` causal LM as ``tokens (B, T) -> logits (B, T, V)``.
+
+    Args:
+        model: a ``…ForCausalLM`` (anything whose output has ``.logits``).
+        source: the directory it was loaded from (recorded in checkpoints for the export), if any.
+
+    The forward passes ``use_cache=False`` (no key-value cache while training). Build one with
+    :meth:`from_pretrained` or :meth:`from_config`.
+
+    Example:
+        >>> import transformers
+        >>> cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+        ...                                num_hidden_layers=2, num_attention_heads=4, head_dim=8)
+        >>> net = HFLogits.from_config(cfg, attn_implementation="eager")
+        >>> sorted(net.state_dict())[0]
+        'model.lm_head.weight'
+    """
+
+    def __init__(self, model: nn.Module, source: Optional[PathLike] = None) -> None:
+        super().__init__()
+        self.model = model
+        self.source = str(Path(source).absolute()) if source is not None else None
+        # Taken now: the parallel layouts change module attributes (head counts per rank), never the config,
+        # but a snapshot keeps the export independent of anything done to the model later.
+        self._config_json: str = model.config.to_json_string(use_diff=False)
+        self._architecture = type(model).__name__  # before FSDP2 renames the class
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits ``(B, T, V)`` for token ids ``(B, T)``."""
+        return self.model(input_ids=tokens, use_cache=False).logits
+
+    @classmethod
+    def from_pretrained(cls, path: PathLike, dtype: Union[str, torch.dtype] = "float32",
+                        attn_implementation: str = "sdpa", trust_remote_code: bool = False) -> "HFLogits":
+        """``AutoModelForCausalLM.from_pretrained(path)`` from a local directory, offline.
+
+        Args:
+            path: a directory with ``config.json`` and weights (``*.safetensors`` or ``pytorch_model*.bin``).
+            dtype: ``float32`` (default: fp32 weights; Lightning's ``precision`` handles mixed precision),
+                ``bfloat16``, ``float16`` or ``auto`` (the saved dtype). transformers' ``dtype``
+                (formerly ``torch_dtype``).
+            attn_implementation: ``sdpa`` (default) or ``eager``.
+            trust_remote_code: run Python code shipped in the directory (off by default).
+
+        Raises:
+            FileNotFoundError: no such directory, no ``config.json``, or no weight files.
+
+        Example:
+            >>> net = HFLogits.from_pretrained("my-llama", dtype="bfloat16")  # doctest: +SKIP
+        """
+        from transformers import AutoModelForCausalLM
+
+        directory = Path(path)
+        config = load_hf_config(directory, trust_remote_code)
+        if not directory.is_dir():
+            raise FileNotFoundError(f"{path} is a file: from_pretrained needs the model directory (config.json and "
+                                    f"weights); to build a random model from a config file use from_config.")
+        if not _has_weights(directory):
+            raise FileNotFoundError(
+                f"{path} holds config.json but no weights (*.safetensors or pytorch_model*.bin); save the model with "
+                f"save_pretrained, or build a randomly initialised one from the config with from_config.")
+        _check_attn(attn_implementation)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(directory), config=config, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code, local_files_only=True)
+        return cls(model, source=directory)
+
+    @classmethod
+    def from_config(cls, config: Union[PathLike, Any], dtype: Union[str, torch.dtype] = "float32",
+                    attn_implementation: str = "sdpa", trust_remote_code: bool = False) -> "HFLogits":
+        """A randomly initialised model (seeded by the caller) from a config object, a model directory or a
+        config ``.json`` file; for tests and training from scratch.
+
+        Example:
+            >>> net = HFLogits.from_config("my-llama/config.json")  # doctest: +SKIP
+        """
+        from transformers import AutoModelForCausalLM
+
+        source = None
+        if isinstance(config, (str, os.PathLike)):
+            source = Path(config) if Path(config).is_dir() else None
+            config = load_hf_config(config, trust_remote_code)
+        _check_attn(attn_implementation)
+        resolved = resolve_dtype(dtype)
+        kwargs: dict[str, Any] = {"attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}
+        if resolved not in (None, "auto"):
+            kwargs["dtype"] = resolved
+        try:
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
+        except ValueError as err:
+            raise ValueError(f"{type(config).__name__} (model_type={getattr(config, 'model_type', '?')!r}) has no "
+                             f"causal-LM class in transformers: {str(err).splitlines()[0]}") from err
+        return cls(model, source=source)
+
+    def record(self) -> dict[str, Any]:
+        """What an export needs to rebuild the model: the config (JSON text) and the source directory.
+
+        Example:
+            >>> import transformers
+            >>> cfg = transformers.LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8,
+            ...                                num_hidden_layers=1, num_attention_heads=2)
+            >>> sorted(HFLogits.from_config(cfg).record())
+            ['architecture', 'base', 'config']
+        """
+        return {"config": self._config_json, "base": self.source, "architecture": self._architecture}
+
+
+def checkpoint_record(module: nn.Module) -> Optional[dict[str, Any]]:
+    """The :meth:`HFLogits.record` of the first :class:`HFLogits` inside ``module`` (``None``: there is none).
+
+    A LightningModule of your own records it in its checkpoints with::
+
+        def on_save_checkpoint(self, checkpoint):
+            record = checkpoint_record(self)
+            if record is not None:
+                checkpoint[CHECKPOINT_KEY] = record
+
+    Example:
+        >>> checkpoint_record(nn.Linear(2, 2)) is None
+        True
+    """
+    for sub in module.modules():
+        if isinstance(sub, HFLogits):
+            return sub.record()
+    return None
+
+
+def config_from_record(record: dict[str, Any]) -> Any:
+    """The ``transformers`` config saved by :func:`checkpoint_record` (no remote code is run).
+
+    Example:
+        >>> import transformers
+        >>> cfg = transformers.LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8,
+        ...                                num_hidden_layers=1, num_attention_heads=2)
+        >>> config_from_record(HFLogits.from_config(cfg).record()).vocab_size
+        8
+    """
+    from transformers import CONFIG_MAPPING
+
+    data = json.loads(record["config"])
+    model_type = data.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"the recorded config has model_type={model_type!r}, which this transformers version does "
+                         f"not know (remote code is never run from a checkpoint); pass the model directory as base.")
+    return CONFIG_MAPPING[model_type].from_dict(data)
