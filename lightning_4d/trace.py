@@ -99,6 +99,8 @@ class ModelTrace:
             op applied to its output (:class:`Consumer`).
         takes_block_input: linears (relative to their block) whose input is their parent module's input.
         last_linear: per parent module inside the first block, the last linear it called.
+        sources: for each linear inside the first block, the linears of that block whose outputs reach its
+            input (through any ops, not through another linear).
         output: the model's output.
     """
 
@@ -112,6 +114,7 @@ class ModelTrace:
     consumers: dict[str, "Consumer"] = field(default_factory=dict)
     takes_block_input: set[str] = field(default_factory=set)
     last_linear: dict[str, str] = field(default_factory=dict)
+    sources: dict[str, frozenset[str]] = field(default_factory=dict)
     output: Any = None
 
     @property
@@ -211,12 +214,28 @@ class Consumer:
 
 
 class _Consumers(TorchFunctionMode):
-    """Records the first torch function applied to each watched tensor."""
+    """Records the first torch function applied to each watched tensor, and which linears of the first block
+    each tensor derives from (``origin``: every op's outputs inherit the union of its inputs' origins; a
+    linear's output starts afresh with that linear)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.watch: dict[int, tuple[str, torch.Tensor]] = {}
         self.seen: dict[str, Consumer] = {}
+        self.origin: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}  # id -> (tensor kept alive, linears)
+
+    def origin_of(self, value: Any) -> frozenset[str]:
+        """The linears ``value`` (a tensor, or a nest of them) derives from."""
+        found: set[str] = set()
+        for t in _tensors(value):
+            entry = self.origin.get(id(t))
+            if entry is not None and entry[0] is t:
+                found |= entry[1]
+        return frozenset(found)
+
+    def tag(self, value: Any, origin: frozenset[str]) -> None:
+        for t in _tensors(value):
+            self.origin[id(t)] = (t, origin)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
@@ -227,7 +246,22 @@ class _Consumers(TorchFunctionMode):
                 rel, _ = self.watch.pop(id(first))
                 rest = tuple(a for a in args[1:] if not isinstance(a, torch.Tensor))
                 self.seen.setdefault(rel, Consumer(name, rest, dict(kwargs), first.dim()))
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if self.origin and name not in _INSPECTIONS:
+            origin = self.origin_of((args, kwargs))
+            if origin:
+                self.tag(out, origin | self.origin_of(out))  # in-place ops keep what the target had
+        return out
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
 
 
 def trace_model(root: nn.Module, blocks_path: str, example: Any) -> ModelTrace:
@@ -268,6 +302,7 @@ def trace_model(root: nn.Module, blocks_path: str, example: Any) -> ModelTrace:
                 parent_inputs.setdefault(rel, id(main))
                 if _is_linear(mod):
                     inputs.setdefault(rel, id(main))
+                    trace.sources.setdefault(rel, mode.origin_of(main))
 
     def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         if id(mod) in block_ids:
@@ -275,6 +310,7 @@ def trace_model(root: nn.Module, blocks_path: str, example: Any) -> ModelTrace:
         if id(mod) in in_first and len(block_calls) == 0 and _is_linear(mod) and isinstance(out, torch.Tensor):
             rel = in_first[id(mod)]
             mode.watch[id(out)] = (rel, out)
+            mode.tag(out, frozenset({rel}))
             parent = rel.rpartition(".")[0]
             last_linear[parent] = rel
 

@@ -1,7 +1,9 @@
-"""``python -m lightning_4d.checkpoint export CKPT OUT.safetensors``: consolidate a sharded checkpoint.
+"""Consolidate a sharded checkpoint: ``export`` (one safetensors file) or ``export-hf`` (a Hugging Face
+model directory that ``AutoModelForCausalLM.from_pretrained`` loads).
 
 Example:
     python -m lightning_4d.checkpoint export outputs/run/checkpoints/step=200.ckpt model.safetensors
+    python -m lightning_4d.checkpoint export-hf outputs/run/checkpoints/step=200.ckpt my-model [--base DIR]
 """
 
 from __future__ import annotations
@@ -20,11 +22,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     export.add_argument("out", help="the .safetensors file to write (its directory is created when missing)")
     export.add_argument("--no-verify", action="store_true",
                         help="compare file sizes only, not the SHA-256 checksums of the checkpoint's manifest")
+    hf = sub.add_parser("export-hf", help="write a Hugging Face model directory (config.json + safetensors)")
+    hf.add_argument("checkpoint", help="a checkpoint directory written by FourDStrategy")
+    hf.add_argument("out", help="the directory to create (must not exist or be empty)")
+    hf.add_argument("--base", default=None,
+                    help="the model directory trained from (config, tokenizer files); default: the one the "
+                         "checkpoint records")
+    hf.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="cast the weights (default: as trained)")
+    hf.add_argument("--no-verify", action="store_true",
+                    help="compare file sizes only, not the SHA-256 checksums of the checkpoint's manifest")
     args = parser.parse_args(argv)
-    from lightning_4d.checkpoint.consolidate import export_consolidated
 
     try:
-        target = export_consolidated(args.checkpoint, args.out, verify=not args.no_verify)
+        if args.command == "export-hf":
+            from lightning_4d.checkpoint.hf_export import export_hf
+
+            target = export_hf(args.checkpoint, args.out, base=args.base, verify=not args.no_verify, dtype=args.dtype)
+        else:
+            from lightning_4d.checkpoint.consolidate import export_consolidated
+
+            target = export_consolidated(args.checkpoint, args.out, verify=not args.no_verify)
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -89,11 +89,9 @@ def _contract(module: nn.Module) -> Optional[Contract]:
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     params = [p for p in list(sig.parameters.values())[1:] if p.kind in kinds]
     required = [p for p in params if p.default is inspect.Parameter.empty]
-    if len(required) == 3:
-        return "assignments"
-    if len(required) == 2:
-        return "grouped"
-    return None
+    # GPT-OSS declares ``forward(hidden_states, router_indices=None, routing_weights=None)``.
+    count = len(params) if len(params) in (2, 3) else len(required)
+    return {3: "assignments", 2: "grouped"}.get(count)  # type: ignore[return-value]
 
 
 def inspect_experts(module: nn.Module, name: str, parent: Optional[nn.Module]) -> ExpertsSpec | str:
@@ -153,6 +151,10 @@ def inspect_experts(module: nn.Module, name: str, parent: Optional[nn.Module]) -
 
 
 def _looks_moe(module: nn.Module) -> bool:
+    """Direct parameters with 3+ dimensions, outside convolutions (whose kernels are 3-D and more)."""
+    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+                           nn.ConvTranspose3d)):
+        return False
     return any(p.dim() >= 3 for p in module.parameters(recurse=False))
 
 

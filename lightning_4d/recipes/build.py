@@ -24,13 +24,14 @@ import sys
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_4d.recipes.resources import ResourceReport, check_resources, count_params
 from lightning_4d.recipes.schema import (
     GPT2ModelConfig,
+    HFModelConfig,
     LlamaModelConfig,
     MoEModelConfig,
     RecipeConfigError,
@@ -103,6 +104,9 @@ def validate(cfg: Config) -> TrainConfig:
         lightning_4d.recipes.schema.RecipeConfigError: data vocabulary (256 ids) exceeds model.vocab_size=64: ...
     """
     c = _cfg(cfg)
+    if isinstance(c.model, HFModelConfig):
+        _validate_hf(c)
+        return c
     vocab = _data_vocab(c.data)
     if vocab > c.model.vocab_size:
         raise RecipeConfigError(
@@ -112,6 +116,28 @@ def validate(cfg: Config) -> TrainConfig:
         key = "model.block_size" if isinstance(c.model, GPT2ModelConfig) else "model.max_seq_len"
         raise RecipeConfigError(f"data.seq_len={c.data.seq_len} exceeds {key}={c.model.max_seq_len}.")
     return c
+
+
+def _validate_hf(c: TrainConfig) -> None:
+    """``model=hf``: the directory or config file is usable, the data fits the model, no meta init."""
+    from lightning_4d.recipes.hf_model import hf_shape
+
+    m = c.model
+    shape = hf_shape(m)  # raises for a missing path, no config.json, no weights
+    vocab = _data_vocab(c.data)
+    if vocab > shape.vocab_size:
+        raise RecipeConfigError(
+            f"data vocabulary ({vocab} ids) exceeds the vocab_size={shape.vocab_size} of {m.source_key}={m.source!r}: "
+            f"token ids >= {shape.vocab_size} have no embedding. Use data whose ids fit (e.g. "
+            f"data.vocab_size={shape.vocab_size} for data=synthetic, or text tokenized with the model's tokenizer).")
+    if shape.max_positions is not None and c.data.seq_len > shape.max_positions:
+        raise RecipeConfigError(
+            f"data.seq_len={c.data.seq_len} exceeds max_position_embeddings={shape.max_positions} of "
+            f"{m.source_key}={m.source!r}; use data.seq_len<={shape.max_positions}.")
+    if c.meta_init:
+        raise RecipeConfigError(
+            "meta_init=true does not apply to model=hf: from_pretrained loads real weights on every rank (and "
+            "transformers' norms have no reset_parameters to materialise them); set meta_init=null.")
 
 
 # ---------------------------------------------------------------------------------------------- paths
@@ -191,9 +217,23 @@ def _kwargs_for(schema: Any, target: type) -> dict[str, Any]:
     return out
 
 
+def _build_hf(m: HFModelConfig) -> "nn.Module":
+    """:class:`~lightning_4d.models.HFLogits` of ``model.path`` (pretrained) or ``model.config`` (random init)."""
+    from lightning_4d.models.hf import HFLogits
+    from lightning_4d.recipes.hf_model import hf_config
+
+    hf_config(m)  # clear errors for a missing path / config.json / weights
+    source = Path(m.source).absolute()
+    options = dict(dtype=m.dtype, attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code)
+    if m.path is not None:
+        return HFLogits.from_pretrained(source, **options)
+    return HFLogits.from_config(source, **options)
+
+
 def build_network(cfg: Config) -> "nn.Module":
-    """The plain torch network of ``cfg.model`` (``Llama``, ``GPT2`` or ``MoETransformer``), on the
-    current default device (wrap in ``torch.device("meta")`` for an empty build).
+    """The plain torch network of ``cfg.model`` (``Llama``, ``GPT2``, ``MoETransformer``, or a Hugging Face
+    causal LM in :class:`~lightning_4d.models.HFLogits` for ``model=hf``), on the current default device
+    (wrap in ``torch.device("meta")`` for an empty build; not for ``model=hf``).
 
     Raises:
         RecipeConfigError: ``base_moe`` models when ``lightning_4d.models.moe`` is not available.
@@ -204,6 +244,8 @@ def build_network(cfg: Config) -> "nn.Module":
         ('Llama', 37024)
     """
     m = _cfg(cfg).model
+    if isinstance(m, HFModelConfig):
+        return _build_hf(m)
     if isinstance(m, MoEModelConfig):
         try:
             from lightning_4d.models.moe import MoEConfig, MoETransformer
@@ -239,7 +281,10 @@ def build_model(cfg: Config, trainer: Optional["L.Trainer"] = None) -> "L.Lightn
     from lightning_4d.models import CausalLM
 
     c = _cfg(cfg)
-    meta = c.meta_init if c.meta_init is not None else count_params(c.model).total > META_INIT_THRESHOLD
+    if isinstance(c.model, HFModelConfig):
+        meta = False  # from_pretrained loads real weights; validate() refuses meta_init=true
+    else:
+        meta = c.meta_init if c.meta_init is not None else count_params(c.model).total > META_INIT_THRESHOLD
     if trainer is not None and meta:
         with trainer.init_module(empty_init=True):
             net = build_network(c)
@@ -390,8 +435,14 @@ def build_loggers(cfg: Config, root: Optional[Path] = None) -> list[Any]:
     return loggers
 
 
-def build_trainer(cfg: Config, root: Optional[Path] = None) -> "L.Trainer":
-    """The ``lightning.Trainer`` of ``cfg.trainer`` with the strategy, callbacks and loggers above.
+def _with_extra(callbacks: list[Any], extra: Sequence[Any]) -> list[Any]:
+    """``extra`` inserted before the loss history, which stays last."""
+    return [*callbacks[:-1], *extra, callbacks[-1]] if extra else callbacks
+
+
+def build_trainer(cfg: Config, root: Optional[Path] = None, extra_callbacks: Sequence[Any] = ()) -> "L.Trainer":
+    """The ``lightning.Trainer`` of ``cfg.trainer`` with the strategy, callbacks and loggers above, plus
+    ``extra_callbacks`` (before the loss history).
 
     Example:
         >>> trainer = build_trainer(TrainConfig(model=LlamaModelConfig()), Path("/tmp/x"))  # doctest: +SKIP
@@ -411,7 +462,8 @@ def build_trainer(cfg: Config, root: Optional[Path] = None) -> "L.Trainer":
         limit_val_batches=t.limit_val_batches, num_sanity_val_steps=t.num_sanity_val_steps,
         log_every_n_steps=t.log_every_n_steps, gradient_clip_val=t.gradient_clip_val,
         accumulate_grad_batches=t.accumulate_grad_batches, default_root_dir=str(root),
-        callbacks=build_callbacks(c, root), logger=loggers or False, enable_checkpointing=c.callbacks.checkpoint,
+        callbacks=_with_extra(build_callbacks(c, root), extra_callbacks), logger=loggers or False,
+        enable_checkpointing=c.callbacks.checkpoint,
         enable_progress_bar=c.callbacks.progress_bar, deterministic=t.deterministic,
     )
 
@@ -489,10 +541,11 @@ def _finish_launch(saved: Optional[dict[str, Optional[str]]]) -> None:
             os.environ[key] = value
 
 
-def run(cfg: Config) -> RunResult:
+def run(cfg: Config, callbacks: Sequence[Any] = ()) -> RunResult:
     """Validate, check resources (fail fast), then build data, Trainer and model, and train.
 
     Order matters: nothing is built, downloaded or allocated before the resource check passes.
+    ``callbacks``: extra Lightning callbacks for this run (when calling ``run`` from Python).
 
     Example:
         >>> result = run(cfg)  # doctest: +SKIP
@@ -510,7 +563,7 @@ def run(cfg: Config) -> RunResult:
             _print(report.describe())
         L.seed_everything(c.seed, workers=True, verbose=False)
         data = build_data(c)
-        trainer = build_trainer(c, root)
+        trainer = build_trainer(c, root, callbacks)
         model = build_model(c, trainer)
         if trainer.logger is not None:
             hp = OmegaConf.to_container(OmegaConf.structured(c), resolve=True)

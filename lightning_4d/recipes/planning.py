@@ -34,6 +34,7 @@ from omegaconf import DictConfig
 
 from lightning_4d.recipes.schema import (
     GPT2ModelConfig,
+    HFModelConfig,
     LlamaModelConfig,
     MoEModelConfig,
     PlanConfig,
@@ -183,6 +184,11 @@ def plan_setup(cfg: Union[DictConfig, TrainConfig]) -> PlanSetup:
     from lightning_4d.recipes.build import validate
 
     c = validate(cfg)
+    if isinstance(c.model, HFModelConfig):
+        raise PlanError(
+            "recipes/plan.py cannot plan model=hf yet (the planner models the package's Llama, GPT-2 and MoE "
+            "transformers); plan the nearest built-in shape (e.g. model=llama3_8b), or run recipes/train.py, whose "
+            "fail-fast check counts the Hugging Face model's parameters exactly.")
     plan, par, t = _plan_section(c), c.parallel, c.trainer
     notes: list[str] = []
     gpn = plan.gpus_per_node or (t.devices if isinstance(t.devices, int) else 8)

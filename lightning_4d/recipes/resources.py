@@ -29,6 +29,7 @@ from typing import Any, Optional
 
 from lightning_4d.recipes.schema import (
     GPT2ModelConfig,
+    HFModelConfig,
     LlamaModelConfig,
     MoEModelConfig,
     ParallelConfig,
@@ -128,13 +129,18 @@ def count_params(model: Any) -> ParamCount:
     Llama-style block: attention ``D·H·hd + 2·D·KV·hd + H·hd·D``, two RMSNorms ``2D``, and either a
     SwiGLU ``3·D·F`` or an MoE (router ``D·E``, experts ``3·E·D·F_e``, shared experts ``3·D·S·F_e``);
     plus embedding ``V·D``, output ``V·D`` (unless tied) and the final norm ``D``. GPT-2 likewise with
-    biases, LayerNorms and learned positions. Tests check these against the real modules.
+    biases, LayerNorms and learned positions. Tests check these against the real modules. A Hugging Face
+    model (``model=hf``) is counted on a meta-device build of its config (:mod:`lightning_4d.recipes.hf_model`).
 
     Example:
         >>> count_params(MoEModelConfig(vocab_size=8, dim=4, n_layers=1, n_heads=1, num_experts=4,
         ...                             top_k=1, expert_hidden=4)).expert
         192
     """
+    if isinstance(model, HFModelConfig):
+        from lightning_4d.recipes.hf_model import hf_param_count
+
+        return hf_param_count(model)
     if isinstance(model, GPT2ModelConfig):
         d, b = model.n_embd, int(model.bias)
         per_layer = 2 * (d + b * d) + (3 * d * d + b * 3 * d) + (d * d + b * d) + (4 * d * d + b * 4 * d) + (
@@ -330,7 +336,13 @@ def detect_devices(accelerator: str) -> DeviceInventory:
 def _shape_problems(model: Any, par: ParallelConfig) -> list[str]:
     """Model dimensions the layout cannot split (heads over tp, blocks over pp stages)."""
     problems: list[str] = []
-    if isinstance(model, GPT2ModelConfig):
+    if isinstance(model, HFModelConfig):
+        from lightning_4d.recipes.hf_model import hf_shape
+
+        shape = hf_shape(model)
+        heads = {f"config.json's {k}": v for k, v in shape.heads.items()}
+        layers = shape.num_hidden_layers
+    elif isinstance(model, GPT2ModelConfig):
         heads = {"n_head": model.n_head}
         layers = model.n_layer
     else:
@@ -338,12 +350,24 @@ def _shape_problems(model: Any, par: ParallelConfig) -> list[str]:
         layers = model.n_layers
     for key, value in heads.items():
         if value % par.tp:
-            problems.append(f"model: model.{key}={value} is not divisible by parallel.tp={par.tp}; tensor "
+            key = key if key.startswith("config") else f"model.{key}"
+            problems.append(f"model: {key}={value} is not divisible by parallel.tp={par.tp}; tensor "
                             f"parallelism gives every tp rank the same number of heads.")
     stages = par.pp * (par.virtual_stages or 1)
     if stages > layers:
         problems.append(f"model: {layers} blocks cannot fill pp·virtual_stages = {stages} pipeline stages.")
     return problems
+
+
+def _experts(model: Any) -> tuple[Optional[int], str]:
+    """Routed experts per MoE layer and the key naming them (``None``: a dense model)."""
+    if isinstance(model, MoEModelConfig):
+        return model.num_experts, "model.num_experts"
+    if isinstance(model, HFModelConfig):
+        from lightning_4d.recipes.hf_model import hf_shape
+
+        return hf_shape(model).num_experts, "config.json's number of experts"
+    return None, ""
 
 
 # ---------------------------------------------------------------------------------------------- the check
@@ -408,11 +432,12 @@ def check_resources(cfg: TrainConfig, inventory: Optional[DeviceInventory] = Non
             f"use {hint} (or parallel.dp=auto).")
     problems += _shape_problems(model, par)
     if par.ep > 1:
-        if not isinstance(model, MoEModelConfig):
+        experts, key = _experts(model)
+        if experts is None:
             problems.append(f"experts: parallel.ep={par.ep} needs a mixture-of-experts model "
                             f"(e.g. model=tiny_moe); model={model.name} has no experts. Set parallel.ep=1.")
-        elif model.num_experts % par.ep:
-            problems.append(f"experts: model.num_experts={model.num_experts} is not divisible by "
+        elif experts % par.ep:
+            problems.append(f"experts: {key}={experts} is not divisible by "
                             f"parallel.ep={par.ep}; every ep rank must hold the same number of experts.")
         if layout.edp == 0:
             problems.append(f"experts: parallel.ep={par.ep} does not divide dp·tp = {layout.dp}·{layout.tp}.")

@@ -16,8 +16,8 @@ Schemas registered (group / name):
 
 - ``train_schema`` — :class:`TrainConfig`, the primary config (``conf/train.yaml``).
 - ``plan_schema`` — :class:`PlanRecipeConfig`, the planner's primary config (``conf/plan.yaml``).
-- ``model/base_llama``, ``model/base_gpt2``, ``model/base_moe`` — :class:`LlamaModelConfig`,
-  :class:`GPT2ModelConfig`, :class:`MoEModelConfig`.
+- ``model/base_llama``, ``model/base_gpt2``, ``model/base_moe``, ``model/base_hf`` — :class:`LlamaModelConfig`,
+  :class:`GPT2ModelConfig`, :class:`MoEModelConfig`, :class:`HFModelConfig`.
 - ``parallel/base_parallel`` — :class:`ParallelConfig`.
 - ``trainer/base_trainer`` — :class:`TrainerConfig`.
 - ``data/base_text``, ``data/base_synthetic`` — :class:`TextDataConfig`, :class:`SyntheticDataConfig`.
@@ -47,6 +47,7 @@ from lightning_4d.config import ACTIVATION_CHECKPOINTING, DATA_PARALLEL, SCHEDUL
 __all__ = [
     "CallbacksConfig",
     "GPT2ModelConfig",
+    "HFModelConfig",
     "LlamaModelConfig",
     "LoggerConfig",
     "MoEModelConfig",
@@ -212,7 +213,60 @@ class GPT2ModelConfig:
         return self.block_size
 
 
-ModelConfig = Union[LlamaModelConfig, MoEModelConfig, GPT2ModelConfig]
+@dataclass
+class HFModelConfig:
+    """A Hugging Face ``transformers`` causal LM (:class:`~lightning_4d.models.HFLogits`): loaded with
+    ``AutoModelForCausalLM.from_pretrained(path)`` from a local directory, or built from ``config`` alone
+    (a model directory or a config ``.json`` file; random init, seeded by ``seed``). Exactly one of the two.
+
+    ``dtype``: weights' dtype (``float32``, ``bfloat16``, ``float16`` or ``auto`` = as saved; transformers'
+    ``dtype``, formerly ``torch_dtype``); ``attn_implementation``: ``sdpa`` or ``eager``;
+    ``trust_remote_code``: run Python files shipped in the directory. Files are checked in
+    :func:`~lightning_4d.recipes.build.validate` (the vocabulary and sequence length against the data,
+    head counts and blocks against the layout).
+
+    Example:
+        >>> HFModelConfig(path="my-llama").attn_implementation
+        'sdpa'
+        >>> HFModelConfig(path="a", config="b")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lightning_4d.recipes.schema.RecipeConfigError: model.path='a' and model.config='b' are both set: ...
+    """
+
+    name: str = "hf"
+    path: Optional[str] = None
+    config: Optional[str] = None
+    dtype: str = "float32"
+    attn_implementation: str = "sdpa"
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        from lightning_4d.models.hf import ATTN_IMPLEMENTATIONS, DTYPES
+
+        if self.path is None and self.config is None:
+            raise RecipeConfigError(
+                "model=hf needs model.path=DIR (a local directory written by save_pretrained: config.json and "
+                "weights) or model.config=DIR_OR_JSON (random init from a config, for tests).")
+        if self.path is not None and self.config is not None:
+            raise RecipeConfigError(
+                f"model.path={self.path!r} and model.config={self.config!r} are both set: path loads pretrained "
+                f"weights, config builds a random model; set one (e.g. model.config=null).")
+        _one_of("model.dtype", self.dtype, tuple(DTYPES))
+        _one_of("model.attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
+
+    @property
+    def source(self) -> str:
+        """``path`` or ``config``, whichever is set."""
+        return self.path if self.path is not None else str(self.config)
+
+    @property
+    def source_key(self) -> str:
+        """``model.path`` or ``model.config`` (for messages)."""
+        return "model.path" if self.path is not None else "model.config"
+
+
+ModelConfig = Union[LlamaModelConfig, MoEModelConfig, GPT2ModelConfig, HFModelConfig]
 
 
 # ---------------------------------------------------------------------------------------------- parallel
@@ -554,6 +608,7 @@ def register_configs() -> None:
     cs.store(group="model", name="base_llama", node=LlamaModelConfig)
     cs.store(group="model", name="base_moe", node=MoEModelConfig)
     cs.store(group="model", name="base_gpt2", node=GPT2ModelConfig)
+    cs.store(group="model", name="base_hf", node=HFModelConfig)
     cs.store(group="parallel", name="base_parallel", node=ParallelConfig)
     cs.store(group="trainer", name="base_trainer", node=TrainerConfig)
     cs.store(group="data", name="base_text", node=TextDataConfig)
@@ -581,7 +636,8 @@ def to_train_config(cfg: Union[DictConfig, TrainConfig]) -> TrainConfig:
     if isinstance(cfg, TrainConfig):
         return cfg
     checks = (
-        ("model", (LlamaModelConfig, GPT2ModelConfig), "base_llama, base_moe or base_gpt2", "tiny_dense"),
+        ("model", (LlamaModelConfig, GPT2ModelConfig, HFModelConfig), "base_llama, base_moe, base_gpt2 or base_hf",
+         "tiny_dense"),
         ("data", (TextDataConfig, SyntheticDataConfig), "base_text or base_synthetic", "stdlib"),
     )
     for key, kinds, bases, example in checks:

@@ -21,7 +21,9 @@ from lightning_4d._compat import registered_submodule
 from lightning_4d.tensor_parallel.layouts import register_permutation
 from lightning_4d.tensor_parallel.plan import block_plan, model_plan
 from lightning_4d.tensor_parallel.rng import ShardedRNG, install_sharded_rng, sharded_dropout_modules
-from lightning_4d.tensor_parallel.styles import Colwise, RegionInput, Rowwise, install_sequence_boundary, is_conv1d
+from lightning_4d.tensor_parallel.styles import (
+    Colwise, LowRankDown, RegionInput, Rowwise, install_sequence_boundary, is_conv1d,
+)
 from lightning_4d.trace import HiddenArg, ModelTrace
 
 __all__ = ["TPLayout", "apply_tensor_parallel", "plan_tensor_parallel", "tp_styles"]
@@ -91,9 +93,11 @@ def tp_styles(root: nn.Module, trace: ModelTrace, tp: int, sp: bool) -> TPLayout
         layout.regions[block_name] = list(plan.regions)
         for name, kind in plan.linears.items():
             fqn = f"{block_name}.{name}"
-            if kind == "colwise":
+            if kind == "replicate":
+                styles[fqn] = LowRankDown()
+            elif kind == "colwise":
                 perm = plan.permutations.get(name)
-                styles[fqn] = Colwise(permutation=perm)
+                styles[fqn] = Colwise(permutation=perm, partial_input=name in plan.low_rank)
                 if perm is not None:
                     module = block.get_submodule(name)
                     layout.permutations[f"{fqn}.weight"] = (perm, 1 if is_conv1d(module) else 0)

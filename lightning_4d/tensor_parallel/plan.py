@@ -82,7 +82,8 @@ class BlockPlan:
         {}
     """
 
-    linears: dict[str, str] = field(default_factory=dict)  # name -> "colwise" | "rowwise"
+    linears: dict[str, str] = field(default_factory=dict)  # name -> "colwise" | "rowwise" | "replicate"
+    low_rank: dict[str, str] = field(default_factory=dict)  # up-projection (colwise) -> its down-projection
     regions: list[str] = field(default_factory=list)  # modules entered with replicated (gathered) input
     norms: list[str] = field(default_factory=list)
     moe: list[str] = field(default_factory=list)
@@ -132,6 +133,33 @@ def _role(block_name: str, name: str, trace: Optional[ModelTrace]) -> str:
     )
 
 
+def low_rank_pairs(trace: Optional[ModelTrace]) -> dict[str, str]:
+    """``{up: down}`` low-rank projection pairs of the first block, by dataflow (pure): ``down`` reads its
+    region's input and ``up`` reads only what ``down`` produced (through norms, splits, views), inside the same
+    region, and ``up`` is not the region's output projection. DeepSeek's multi-head latent attention is the
+    case: ``kv_a_proj_with_mqa -> kv_a_layernorm -> kv_b_proj`` and ``q_a_proj -> q_a_layernorm -> q_b_proj``.
+    Tensor parallelism keeps ``down`` (and what lies between) replicated and shards ``up`` by columns.
+
+    Example:
+        >>> low_rank_pairs(None)
+        {}
+    """
+    if trace is None:
+        return {}
+    pairs: dict[str, str] = {}
+    for up, sources in trace.sources.items():
+        if len(sources) != 1:
+            continue
+        (down,) = sources
+        region = up.rpartition(".")[0]
+        if (down.rpartition(".")[0] != region or down not in trace.takes_block_input
+                or trace.last_linear.get(region) == up or up.rsplit(".", 1)[-1] in ROWWISE_NAMES
+                or up in trace.takes_block_input):
+            continue
+        pairs[up] = down
+    return pairs
+
+
 def _fused_pieces(block_name: str, name: str, width: int, trace: Optional[ModelTrace], tp: int) -> Optional[list[int]]:
     consumer = trace.consumers.get(name) if trace is not None else None
     pieces = consumer.pieces(width) if consumer is not None else None
@@ -156,6 +184,8 @@ def block_plan(block: nn.Module, block_name: str, tp: int, trace: Optional[Model
         ['attn', 'mlp']
     """
     plan = BlockPlan()
+    plan.low_rank = low_rank_pairs(trace)
+    downs = set(plan.low_rank.values())
     moe_prefixes: list[str] = []
     cut_sizes: dict[str, set[int]] = {}
     for name, module in block.named_modules():
@@ -169,7 +199,8 @@ def block_plan(block: nn.Module, block_name: str, tp: int, trace: Optional[Model
             continue
         if is_linear(module):
             fan_in, fan_out = linear_features(module)
-            role = _role(block_name, name, trace)
+            role = ("replicate" if name in downs else "colwise" if name in plan.low_rank
+                    else _role(block_name, name, trace))
             plan.linears[name] = role
             if role == "colwise":
                 _divisible(f"{block_name}.{name}", "out_features", fan_out, tp)
@@ -177,9 +208,11 @@ def block_plan(block: nn.Module, block_name: str, tp: int, trace: Optional[Model
                 if pieces is not None:
                     plan.permutations[name] = concat_permutation(pieces, tp)
                     cut_sizes.setdefault(name.rpartition(".")[0], set()).update(pieces)
-            else:
+            elif role == "rowwise":
                 _divisible(f"{block_name}.{name}", "in_features", fan_in, tp)
                 cut_sizes.setdefault(name.rpartition(".")[0], set()).add(fan_in)
+            else:  # a low-rank down-projection: replicated, its gradient a partial sum over the ranks' heads
+                plan.partial_params += [f"{name}.{n}" for n, _ in module.named_parameters()]
         elif is_norm(module) and "." not in name:
             plan.norms.append(name)
     parents = sorted({n.rsplit(".", 1)[0] if "." in n else "" for n, k in plan.linears.items() if k == "colwise"})
@@ -210,6 +243,8 @@ def _region_params(block_name: str, region: str, module: nn.Module, plan: BlockP
     out: list[str] = []
     widths = {linear_features(module.get_submodule(n[len(region) + 1:]))[1]
               for n, k in plan.linears.items() if k == "colwise" and n.startswith(region + ".")}
+    latent = {linear_features(module.get_submodule(d[len(region) + 1:]))[1] for d in plan.low_rank.values()
+              if d.startswith(region + ".")}
     for sub_name, sub in module.named_modules():
         path = f"{region}.{sub_name}" if sub_name else region
         if path in plan.linears:
@@ -219,7 +254,8 @@ def _region_params(block_name: str, region: str, module: nn.Module, plan: BlockP
             continue
         size = getattr(sub, "weight", None)
         size = int(size.shape[-1]) if size is not None and size.dim() >= 1 else None
-        if sub_name and is_norm(sub) and size not in widths:
+        # A per-head norm, or one on a replicated low-rank latent (its width at most the down-projection's).
+        if sub_name and is_norm(sub) and (size not in widths or any(size is not None and size <= w for w in latent)):
             out += [f"{path}.{n}" for n in own]
             continue
         why = (f"normalises over {size} features, a full width that tensor parallelism splits across ranks"

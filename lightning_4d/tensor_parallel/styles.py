@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from lightning_4d.trace import HiddenArg, first_param_name
@@ -60,10 +60,12 @@ class _Sharded(ParallelStyle):
 
     column = True
 
-    def __init__(self, *, permutation: Optional[Sequence[int]] = None, output_layouts: Any = None) -> None:
+    def __init__(self, *, permutation: Optional[Sequence[int]] = None, output_layouts: Any = None,
+                 partial_input: bool = False) -> None:
         super().__init__()
         self.permutation = list(permutation) if permutation is not None else None
         self.output_layouts = output_layouts if output_layouts is not None else Replicate()
+        self.partial_input = partial_input
 
     def _partition(self, _name: str, module: nn.Module, mesh: Any) -> None:
         out_dim, in_dim = (1, 0) if is_conv1d(module) else (0, 1)
@@ -83,7 +85,9 @@ class _Sharded(ParallelStyle):
 
     def _inputs(self, _mod: nn.Module, inputs: tuple, mesh: Any) -> tuple:
         x = inputs[0]
-        if self.column:  # the full input on every rank
+        if self.column and self.partial_input and not isinstance(x, DTensor):
+            x = _ReplicatedKeepPartialGrad.apply(x, mesh)  # (B, T, r) latent; its gradient stays a partial sum
+        elif self.column:  # the full input on every rank
             x = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
             x = x.redistribute(placements=[Replicate()]) if x.placements != (Replicate(),) else x
         else:  # this rank's slice of the input features
@@ -99,14 +103,56 @@ class _Sharded(ParallelStyle):
         return ColwiseParallel() if self.column else RowwiseParallel(output_layouts=self.output_layouts)
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        if isinstance(module, nn.Linear) and self.permutation is None:
+        if isinstance(module, nn.Linear) and self.permutation is None and not self.partial_input:
             return parallelize_module(module, device_mesh, self._torch_style())
         return distribute_module(module, device_mesh, self._partition, self._inputs, self._outputs)
 
 
+class _ReplicatedKeepPartialGrad(torch.autograd.Function):
+    """A replicated local tensor as a DTensor; in the backward its (Partial) gradient is returned *unreduced*."""
+
+    @staticmethod
+    def forward(ctx, x, mesh):  # type: ignore[override]
+        return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        if isinstance(grad, DTensor):
+            if any(isinstance(p, Partial) for p in grad.placements):
+                return grad.to_local(), None
+            return grad.to_local() / grad.device_mesh.size(), None  # a replicated total, as an equal share
+        return grad, None
+
+
+class LowRankDown(ParallelStyle):
+    """A low-rank down-projection inside a tensor-parallel region (DeepSeek's ``kv_a_proj_with_mqa``,
+    ``q_a_proj``): kept whole and replicated. It runs on the region's gathered input as a local tensor; what it
+    feeds (a norm, the column-parallel up-projection, a rotary key shared by this rank's heads) sends back only
+    this rank's heads' share of the gradient, so its input gradient is returned as a ``Partial`` and its weight
+    gradients are summed over ``tp`` by the strategy (like per-head norms').
+
+    Example:
+        >>> LowRankDown()  # doctest: +ELLIPSIS
+        <...LowRankDown object at ...>
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        def to_local(_mod: nn.Module, args: tuple) -> tuple:
+            x = args[0]
+            if isinstance(x, DTensor):
+                x = x.redistribute(placements=[Replicate()]) if x.placements != (Replicate(),) else x
+                x = x.to_local(grad_placements=[Partial()])  # (B, T, H)
+            return (x,) + tuple(args[1:])
+
+        module.register_forward_pre_hook(to_local)
+        return module
+
+
 class Colwise(_Sharded):
     """Column parallel (output features split) for ``nn.Linear`` and ``Conv1D``; ``permutation`` reorders the
-    output rows first (concatenated fused outputs, see :mod:`lightning_4d.tensor_parallel.layouts`).
+    output rows first (concatenated fused outputs, see :mod:`lightning_4d.tensor_parallel.layouts`);
+    ``partial_input``: the input is a replicated low-rank latent whose gradient must stay a per-rank partial sum
+    (see :class:`LowRankDown`).
 
     Example:
         >>> Colwise(permutation=[0, 2, 1, 3]).permutation
