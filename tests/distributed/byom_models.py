@@ -438,7 +438,8 @@ def build_hf_moe(family: str, layers: int = 2) -> nn.Module:
     - ``qwen2moe``: softmax top-2 without renormalisation, a dense ``shared_expert`` scaled by
       ``sigmoid(shared_expert_gate(x))``, q/k/v biases.
     - ``qwen3moe``: ``norm_topk_prob=True``, per-head ``q_norm``/``k_norm``.
-    - ``dsv3``: DeepSeek-V3 — MLA attention, sigmoid scores, grouped routing (``n_group=2``, ``topk_group=1``:
+    - ``dsv3``: DeepSeek-V3 — MLA attention (low-rank q and kv: ``q_a_proj → q_a_layernorm → q_b_proj``,
+      ``kv_a_proj_with_mqa → kv_a_layernorm → kv_b_proj``), sigmoid scores, grouped routing (``n_group=2``, ``topk_group=1``:
       each token picks one group of 2 experts), a nonzero random ``e_score_correction_bias`` that changes the
       group choice, ``routed_scaling_factor``, one shared expert, and layer 0 dense (``first_k_dense_replace=1``).
     """
@@ -464,7 +465,7 @@ def build_hf_moe(family: str, layers: int = 2) -> nn.Module:
             **base, num_attention_heads=HEADS, num_key_value_heads=HEADS, intermediate_size=FFN,
             moe_intermediate_size=MOE_FFN, n_routed_experts=MOE_EXPERTS, num_experts_per_tok=MOE_TOP_K, n_group=2,
             topk_group=1, first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
-            norm_topk_prob=True, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=4,
+            norm_topk_prob=True, kv_lora_rank=16, q_lora_rank=12, qk_rope_head_dim=4, qk_nope_head_dim=4,
             v_head_dim=8))
         with torch.no_grad():
             for mod in model.modules():

@@ -69,7 +69,7 @@ def _kind(family: str, layers: int) -> str:
 SHARDED: dict[str, list[str]] = {
     **{f: [f"model.model.model.layers.0.self_attn.{n}.weight" for n in ("q_proj", "o_proj")]
        for f in FAMILIES if f.startswith("hf-")},
-    "hf-dsv3": [f"model.model.model.layers.0.self_attn.{n}.weight" for n in ("q_proj", "kv_b_proj", "o_proj")],
+    "hf-dsv3": [f"model.model.model.layers.0.self_attn.{n}.weight" for n in ("q_b_proj", "kv_b_proj", "o_proj")],
     **{f: [f"model.layers.0.attention.{n}.weight" for n in ("wq", "wo")] for f in FAMILIES if f.startswith("titan")},
 }
 

@@ -59,6 +59,31 @@ def test_qwen3_per_head_norms_get_their_gradients_summed() -> None:
     assert block.partial_params == ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
 
 
+def test_deepseek_latent_attention_keeps_down_projections_whole_and_shards_up_projections() -> None:
+    # MLA: q_a_proj -> q_a_layernorm -> q_b_proj and kv_a_proj_with_mqa -> split -> kv_a_layernorm -> kv_b_proj, the
+    # rotary key k_rot (from kv_a_proj_with_mqa) shared by every head. Found from the traced dataflow, not names.
+    from tests.distributed.byom_models import build_hf_moe
+
+    torch.manual_seed(0)
+    model = build_hf_moe("dsv3")
+    _, trace = _trace(model)
+    assert trace.sources["self_attn.kv_b_proj"] == {"self_attn.kv_a_proj_with_mqa"}
+    assert trace.sources["self_attn.q_b_proj"] == {"self_attn.q_a_proj"}
+    block = block_plan(model.model.model.layers[0], "layers.0", 2, trace, sequence_parallel=True)
+    assert block.low_rank == {"self_attn.q_b_proj": "self_attn.q_a_proj",
+                              "self_attn.kv_b_proj": "self_attn.kv_a_proj_with_mqa"}
+    roles = {n: block.linears[f"self_attn.{n}"] for n in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+                                                         "o_proj")}
+    assert roles == {"q_a_proj": "replicate", "q_b_proj": "colwise", "kv_a_proj_with_mqa": "replicate",
+                     "kv_b_proj": "colwise", "o_proj": "rowwise"}
+    # The replicated chain receives only this rank's heads' share of the gradient: summed over tp.
+    assert sorted(block.partial_params) == ["self_attn.kv_a_layernorm.weight", "self_attn.kv_a_proj_with_mqa.weight",
+                                            "self_attn.q_a_layernorm.weight", "self_attn.q_a_proj.weight"]
+    # A plain Llama has no such pair (o_proj reads q, k and v; down_proj reads gate and up).
+    _, llama_trace = _trace(_llama())
+    assert block_plan(_llama().model.model.layers[0], "layers.0", 2, llama_trace).low_rank == {}
+
+
 def test_gpt2_conv1d_concatenated_qkv_is_permuted_and_its_split_size_divided() -> None:
     model = _gpt2()
     path, trace = _trace(model)
