@@ -11,14 +11,14 @@ from __future__ import annotations
 import copy
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Generator, Iterable, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Generator, Iterable, Literal, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
@@ -26,6 +26,7 @@ from lightning_4d import _compat
 from lightning_4d.config import FourDConfig
 from lightning_4d.distributed import all_reduce_sum, broadcast_module_state, global_grad_norm
 from lightning_4d.mesh import FourDMesh, ParallelDims, build_mesh
+from lightning_4d.preemption import DEFAULT_SIGNALS, PreemptionSaver, resolve_signals
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -59,6 +60,12 @@ class FourDStrategy(ParallelStrategy):
             update), counts it in ``strategy.skipped_steps`` and logs it as ``skipped_steps``; ``"off"``.
         checkpoint_checksums: record a SHA-256 per file in each checkpoint's ``manifest.json`` and verify
             them when loading (default). ``False`` for huge runs: sizes only, at save and at load.
+        preemption_signals: signals (names or numbers) that end the run at the next optimizer step with a
+            checkpoint ``preempted-step=N.ckpt`` (in the ``ModelCheckpoint`` directory, else
+            ``<default_root_dir>/checkpoints``) and exit code ``128 + signal`` on every rank (see
+            :mod:`lightning_4d.preemption`); default ``("SIGTERM", "SIGUSR1")``, ``()`` to leave signals to
+            Lightning.
+        preemption_requeue: after such a save under SLURM, run ``scontrol requeue`` (rank 0).
 
     Example:
         >>> strategy = FourDStrategy(tp=2, pp=2, ep=2)
@@ -85,6 +92,8 @@ class FourDStrategy(ParallelStrategy):
         sync_module_states: bool = True,
         nonfinite: str = "raise",
         checkpoint_checksums: bool = True,
+        preemption_signals: Optional[Sequence[Union[str, int]]] = DEFAULT_SIGNALS,
+        preemption_requeue: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -105,6 +114,8 @@ class FourDStrategy(ParallelStrategy):
         self._nonfinite = nonfinite
         self.skipped_steps = 0  # steps dropped by nonfinite="skip"
         self._checkpoint_checksums = bool(checkpoint_checksums)
+        signals = resolve_signals(preemption_signals)
+        self.preemption = PreemptionSaver(signals, requeue=bool(preemption_requeue)) if signals else None
         self._num_nodes = 1
         self._mesh: Optional[FourDMesh] = None
         self._plan: Any = None
@@ -230,7 +241,19 @@ class FourDStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.optimizers, self.lr_scheduler_configs = [], []  # a re-fit builds them anew
             self.setup_optimizers(trainer)
+            if self.preemption is not None and self.preemption not in trainer.callbacks:
+                trainer.callbacks.append(self.preemption)  # before a checkpoint is restored
         self.setup_precision_plugin()
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.preemption is not None:
+            # After Lightning registered its own handlers (its SIGTERM path exits 0 and saves nothing).
+            try:
+                self.preemption.install()
+            except ValueError:  # not the main thread: signals cannot be caught here
+                rank_zero_warn("FourDStrategy: not in the main thread, so preemption signals are not caught.")
 
     @property
     def plan(self) -> Any:
@@ -486,6 +509,8 @@ class FourDStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self.preemption is not None:
+            self.preemption.restore()
         # The default process group is left alone so several Trainers can run in one process.
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
