@@ -36,7 +36,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         if args.command == "export-hf":
+            from transformers.utils import logging as hf_logging
+
             from lightning_4d.checkpoint.hf_export import export_hf
+
+            hf_logging.disable_progress_bar()  # one line of output, not transformers' progress bars
 
             target = export_hf(args.checkpoint, args.out, base=args.base, verify=not args.no_verify, dtype=args.dtype)
         else:

@@ -38,6 +38,7 @@ __all__ = [
     "HFLogits",
     "checkpoint_record",
     "config_from_record",
+    "has_weights",
     "load_hf_config",
     "resolve_dtype",
 ]
@@ -129,7 +130,14 @@ def load_hf_config(source: PathLike, trust_remote_code: bool = False) -> Any:
                          f"{str(err).splitlines()[0]}.{hint}") from err
 
 
-def _has_weights(directory: Path) -> bool:
+def has_weights(directory: PathLike) -> bool:
+    """Whether ``directory`` holds model weights (``*.safetensors``, ``pytorch_model*.bin`` or a shard index).
+
+    Example:
+        >>> has_weights("no/such/dir")
+        False
+    """
+    directory = Path(directory)
     patterns = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json")
     return any(any(directory.glob(p)) for p in patterns)
 
@@ -192,7 +200,7 @@ class HFLogits(nn.Module):
         if not directory.is_dir():
             raise FileNotFoundError(f"{path} is a file: from_pretrained needs the model directory (config.json and "
                                     f"weights); to build a random model from a config file use from_config.")
-        if not _has_weights(directory):
+        if not has_weights(directory):
             raise FileNotFoundError(
                 f"{path} holds config.json but no weights (*.safetensors or pytorch_model*.bin); save the model with "
                 f"save_pretrained, or build a randomly initialised one from the config with from_config.")

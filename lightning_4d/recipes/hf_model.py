@@ -29,14 +29,14 @@ _EXPERT_PARAM = re.compile(r"(^|\.)experts(\.|$)")
 
 @lru_cache(maxsize=16)
 def _load(source: str, trust_remote_code: bool, need_weights: bool) -> Any:
-    from lightning_4d.models.hf import _has_weights, load_hf_config
+    from lightning_4d.models.hf import has_weights, load_hf_config
 
     config = load_hf_config(source, trust_remote_code)
     if need_weights:
         if not Path(source).is_dir():
             raise FileNotFoundError(f"{source} is a file: model.path needs the model directory (config.json and "
                                     f"weights); for a random model from a config file use model.config={source}.")
-        if not _has_weights(Path(source)):
+        if not has_weights(source):
             raise FileNotFoundError(
                 f"{source} holds config.json but no weights (*.safetensors or pytorch_model*.bin); write them with "
                 f"save_pretrained, or use model.config={source} for a randomly initialised model.")

@@ -40,6 +40,7 @@ GROUPS = ("model", "parallel", "trainer", "data", "optim")
 REQUIRED = {
     ("data", "text_file"): ["data.text=[README.md]"],
     ("data", "token_dir"): ["data.data_dir=data/books"],
+    ("model", "hf"): [f"model.config={Path(__file__).parent / 'data' / 'tiny_llama_config.json'}"],
 }
 # Tiny, fast settings shared by the training tests.
 TINY = [
@@ -72,7 +73,7 @@ def test_every_config_composes_and_validates(group: str, option: str) -> None:
 
 def test_groups_have_the_required_options() -> None:
     want = {
-        "model": {"tiny_dense", "tiny_moe", "gpt2_125m", "llama3_8b", "mixtral_8x7b", "deepseek_v3", "moe_1t"},
+        "model": {"tiny_dense", "tiny_moe", "gpt2_125m", "llama3_8b", "mixtral_8x7b", "deepseek_v3", "moe_1t", "hf"},
         "parallel": {"none", "dp", "tp", "cpu_4d", "moe_1t"},
         "trainer": {"cpu", "gpu"},
         "data": {"stdlib", "text_file", "synthetic", "token_dir"},
@@ -165,7 +166,8 @@ def test_moe_model_without_the_moe_module_fails_clearly(monkeypatch: pytest.Monk
 
 
 def test_big_models_have_their_documented_sizes() -> None:
-    sizes = {name: count_params(to_train_config(_compose([f"model={name}"])).model) for name in _options("model")}
+    sizes = {name: count_params(to_train_config(_compose([f"model={name}", *REQUIRED.get(("model", name), [])])).model)
+             for name in _options("model")}
     assert 1.0e12 < sizes["moe_1t"].total < 1.1e12 and sizes["moe_1t"].total == 1_038_954_930_176
     assert abs(sizes["llama3_8b"].total / 8.03e9 - 1) < 0.01
     assert abs(sizes["mixtral_8x7b"].total / 46.7e9 - 1) < 0.01

@@ -1,0 +1,228 @@
+"""Fine-tune a Hugging Face model end to end, offline: ``save_pretrained`` a tiny random model, train it with
+``recipes/train.py``'s ``run`` (``model=hf model.path=DIR``) under a parallel layout, export the sharded
+checkpoint with ``export-hf``, ``from_pretrained`` the export, and check that
+
+(a) the exported model's ``state_dict`` keys (and shapes) equal the original model's, and the safetensors hold the
+    same names as the original's (tied weights stored once, experts in transformers' on-disk format);
+(b) its logits on a fixed batch equal the logits the trained, sharded model computed inside the training world
+    (``trainer.strategy.predict`` at ``on_train_end``: full logits on every rank, through the pipeline schedule
+    under pp, gathered from the vocab-sharded head under tp), within ``TOL`` relative (fp32);
+(c) training changed the model: the exported logits differ from the original model's by far more than ``TOL``
+    (so (b) cannot pass by exporting the untrained weights).
+
+Layouts: dense Llama (untied head) under tp=2, dense Qwen3 (tied embeddings: first and last stage share a weight)
+under pp=2; Qwen3-MoE under tp=2 × ep=2 and Mixtral under pp=2 × tp=2 × ep=2 (transformers' fused experts,
+expert-parallel in place). Tiny shapes, 3 steps, gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_4d.recipes import conf_dir, register_configs
+from lightning_4d.testing import run_world
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+transformers = pytest.importorskip("transformers")
+
+REPO = Path(__file__).resolve().parents[2]
+CONF = str(conf_dir())
+MODEL_VOCAB = 96      # larger than the data's vocabulary: fine-tuning data need not use every id
+DATA_VOCAB = 64
+SEQ = 16
+BATCH = 4             # per dp rank; 2 micro-batches under pp=2
+STEPS = 3
+# Logits of one fp32 model computed by two layouts differ by the rounding of reductions split or reordered across
+# ranks: a few ulps (fp32 eps = 1.2e-7) of the O(1) logits, times the depth of the model. 1e-5 relative is ~100 eps:
+# far above that noise, far below a wrong weight (a single swapped or stale tensor moves logits by O(1e-2..1)).
+TOL = 1e-5
+# Training must move the logits well beyond TOL, or check (b) proves nothing.
+MIN_CHANGE = 100 * TOL
+PG_TIMEOUT_S = 60
+
+COMMON = [
+    "model=hf", "trainer.max_steps=3", "trainer.log_every_n_steps=1", "trainer.val_check_interval=null",
+    "trainer.limit_val_batches=0", "callbacks.progress_bar=false", "callbacks.checkpoint=true",
+    "logger.tensorboard=false", "optim.lr=1e-3", "optim.warmup_steps=0", "parallel=none",
+    "data=synthetic", f"data.vocab_size={DATA_VOCAB}", f"data.seq_len={SEQ}", f"data.batch_size={BATCH}",
+    "data.num_train_samples=64", "data.kind=random",
+]
+# name -> (model kind, world, parallel overrides)
+LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
+    "llama-tp2": ("llama", 2, ["parallel.tp=2"]),
+    "qwen3-tied-pp2": ("qwen3-tied", 2, ["parallel.pp=2"]),
+    "qwen3moe-tp2-ep2": ("qwen3moe", 2, ["parallel.tp=2", "parallel.ep=2"]),
+    "mixtral-pp2-tp2-ep2": ("mixtral", 4, ["parallel.pp=2", "parallel.tp=2", "parallel.ep=2"]),
+}
+
+
+# ----------------------------------------------------------------------------------------------- the "pretrained" model
+def _config(kind: str) -> Any:
+    tf = transformers
+    dense = {"vocab_size": MODEL_VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+    if kind == "llama":
+        return tf.LlamaConfig(**dense, tie_word_embeddings=False)
+    if kind == "qwen3-tied":
+        return tf.Qwen3Config(**dense, head_dim=8, tie_word_embeddings=True)
+    if kind == "qwen3moe":
+        return tf.Qwen3MoeConfig(**dense, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                 norm_topk_prob=True)
+    if kind == "mixtral":
+        return tf.MixtralConfig(**dense, num_local_experts=4, num_experts_per_tok=2)
+    raise ValueError(kind)
+
+
+def _tokenizer(directory: Path) -> None:
+    """A word-level tokenizer written by save_pretrained (built in code, nothing downloaded)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(MODEL_VOCAB - 1)} | {"<unk>": MODEL_VOCAB - 1}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(directory)
+
+
+def make_pretrained(kind: str, directory: Path) -> Path:
+    """``save_pretrained`` of a seeded tiny random model (and a tokenizer) into ``directory``."""
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForCausalLM.from_config(_config(kind), dtype=torch.float32)
+    model.save_pretrained(directory)
+    _tokenizer(directory)
+    return directory
+
+
+def fixed_tokens() -> torch.Tensor:
+    return torch.randint(0, DATA_VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(7))
+
+
+# ----------------------------------------------------------------------------------------------- inside the world
+class FinalLogits(L.Callback):
+    """At the end of training, the full logits of the trained (sharded) model on ``tokens``, saved by rank 0."""
+
+    def __init__(self, tokens: torch.Tensor, path: str) -> None:
+        self.tokens, self.path = tokens, path
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pl_module.eval()
+        with torch.no_grad():
+            logits = trainer.strategy.predict(pl_module, self.tokens.to(pl_module.device))
+        full = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+        if trainer.is_global_zero:
+            torch.save(full.detach().cpu().float(), self.path)
+
+
+def _finetune(rank: int, overrides: list[str], tokens: torch.Tensor, logits_path: str) -> dict[str, Any]:
+    from hydra import compose, initialize_config_dir
+
+    from lightning_4d.recipes import run
+
+    register_configs()
+    with initialize_config_dir(CONF, version_base=None):
+        cfg = compose("train", overrides)
+    result = run(cfg, callbacks=[FinalLogits(tokens, logits_path)])
+    return {"checkpoint": result.checkpoint, "losses": result.losses}
+
+
+def finetune(layout: str, base: Path, out: Path, world: int, parallel: list[str]) -> dict[str, Any]:
+    overrides = [*COMMON, f"model.path={base}", f"trainer.devices={world}", *parallel, f"output_dir={out}"]
+    logits = out / "final_logits.pt"
+    results = run_world(_finetune, world, overrides, fixed_tokens(), str(logits), timeout_s=420,
+                        pg_timeout_s=PG_TIMEOUT_S)
+    got = results[0]
+    assert all(r == got for r in results), f"{layout}: ranks disagree on checkpoint/losses: {results}"
+    assert got["checkpoint"] and Path(got["checkpoint"]).is_dir(), f"{layout}: no checkpoint written: {got}"
+    return {**got, "logits": torch.load(logits)}
+
+
+# ----------------------------------------------------------------------------------------------- checks
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def _load(directory: Path) -> Any:
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="sdpa")
+
+
+def _file_keys(directory: Path) -> set[str]:
+    from safetensors import safe_open
+
+    keys: set[str] = set()
+    for file in directory.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as fh:
+            keys |= set(fh.keys())
+    return keys
+
+
+def check_export(layout: str, base: Path, exported: Path, trained_logits: torch.Tensor) -> dict[str, float]:
+    original, model = _load(base), _load(exported)
+    own, got = original.state_dict(), model.state_dict()
+    assert list(got) == list(own), f"{layout}: exported keys differ: {sorted(set(got) ^ set(own))[:8]}"
+    assert {k: tuple(v.shape) for k, v in got.items()} == {k: tuple(v.shape) for k, v in own.items()}, layout
+    assert _file_keys(exported) == _file_keys(base), f"{layout}: {sorted(_file_keys(exported) ^ _file_keys(base))}"
+    assert type(model) is type(original)
+    tokens = fixed_tokens()
+    with torch.no_grad():
+        logits = model(tokens).logits.float()
+        before = original(tokens).logits.float()
+    assert logits.shape == trained_logits.shape == (BATCH, SEQ, MODEL_VOCAB), (logits.shape, trained_logits.shape)
+    err, change = _rel(logits, trained_logits), _rel(before, trained_logits)
+    assert change > MIN_CHANGE, f"{layout}: training barely changed the logits ({change:.2e}); the check proves nothing"
+    assert err <= TOL, f"{layout}: exported logits differ from the trained model's by {err:.2e} relative (> {TOL})"
+    return {"rel_err": err, "change": change}
+
+
+def _export_cli(checkpoint: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "lightning_4d.checkpoint", "export-hf", checkpoint, str(out), *extra],
+                          check=False, capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
+
+
+# ----------------------------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("layout", ["llama-tp2", "qwen3-tied-pp2"])
+def test_dense_finetune_export_roundtrip(layout: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    kind, world, parallel = LAYOUTS[layout]
+    base = make_pretrained(kind, tmp_path / "pretrained")
+    start = time.perf_counter()
+    got = finetune(layout, base, tmp_path / "run", world, parallel)
+    assert len(got["losses"]) == STEPS and all(math.isfinite(x) for x in got["losses"]), got["losses"]
+    exported = tmp_path / "exported"
+    if layout == "llama-tp2":  # the command line, config and base directory taken from the checkpoint's record
+        proc = _export_cli(got["checkpoint"], exported)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    else:  # the Python API with an explicit base
+        from lightning_4d.checkpoint import export_hf
+
+        assert export_hf(got["checkpoint"], exported, base=base) == exported
+    numbers = check_export(layout, base, exported, got["logits"])
+    # Tokenizer files travel with the weights.
+    assert (exported / "tokenizer.json").is_file() and (exported / "tokenizer_config.json").is_file()
+    assert transformers.AutoTokenizer.from_pretrained(exported)("w3 w5")["input_ids"] == [3, 5]
+    with capsys.disabled():
+        print(f"\n{layout}: max rel logits error {numbers['rel_err']:.2e}, change by training {numbers['change']:.2e}, "
+              f"{time.perf_counter() - start:.1f}s")
+
+
+@pytest.mark.parametrize("layout", ["qwen3moe-tp2-ep2", "mixtral-pp2-tp2-ep2"])
+def test_moe_finetune_export_roundtrip(layout: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    kind, world, parallel = LAYOUTS[layout]
+    base = make_pretrained(kind, tmp_path / "pretrained")
+    start = time.perf_counter()
+    got = finetune(layout, base, tmp_path / "run", world, parallel)
+    from lightning_4d.checkpoint import export_hf
+
+    exported = export_hf(got["checkpoint"], tmp_path / "exported")
+    numbers = check_export(layout, base, exported, got["logits"])
+    with capsys.disabled():
+        print(f"\n{layout}: max rel logits error {numbers['rel_err']:.2e}, change by training {numbers['change']:.2e}, "
+              f"{time.perf_counter() - start:.1f}s")
