@@ -112,6 +112,14 @@ def check_checkpoint(path: str | os.PathLike) -> Path:
         FileNotFoundError: nowhere is not a lightning_4d checkpoint: no such directory.
     """
     p = Path(path)
+    if p.is_file():
+        hint = (" It looks like a consolidated export: load it with "
+                "lightning_4d.checkpoint.import_consolidated(module, path) before fit." if p.suffix == ".safetensors"
+                else " A single-file checkpoint of another strategy cannot be resumed by FourDStrategy; pass the "
+                     "directory FourDStrategy wrote (e.g. checkpoints/step=100.ckpt/).")
+        raise FileNotFoundError(
+            f"{path} is a file, not a lightning_4d checkpoint: FourDStrategy writes each checkpoint as a directory "
+            f"(sharded files, a manifest and a '{_COMPLETE}' marker).{hint}")
     if not p.is_dir():
         sibling = _complete_sibling(p)
         if sibling is not None:
@@ -376,14 +384,40 @@ def _names(keys: Iterable[str], limit: int = 6) -> str:
     return ", ".join(keys[:limit]) + (f", … ({len(keys)} in all)" if len(keys) > limit else "")
 
 
-def _checkpoint_model_keys(path: str) -> set[str]:
+def _checkpoint_model_shapes(path: str) -> dict[str, Optional[tuple[int, ...]]]:
+    """The checkpoint's model keys and the global shape of each saved tensor (``None`` for non-tensors)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
         metadata = FileSystemReader(path).read_metadata()
     except Exception as err:
         raise ValueError(f"{Path(path) / '.metadata'} is damaged: {type(err).__name__}: {_first_line(err)}.") from err
-    return {k[len("model."):] for k in metadata.state_dict_metadata if k.startswith("model.")}
+    out: dict[str, Optional[tuple[int, ...]]] = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        if key.startswith("model."):
+            size = getattr(meta, "size", None)
+            out[key[len("model."):]] = tuple(size) if size is not None else None
+    return out
+
+
+def _checkpoint_model_keys(path: str) -> set[str]:
+    return set(_checkpoint_model_shapes(path))
+
+
+def _shape_mismatches(saved: dict[str, Optional[tuple[int, ...]]], live: dict[str, Any]) -> list[str]:
+    """``"name: saved (a, b), model (c, d)"`` for every key whose global shapes differ, over all ranks (pipeline
+    stages hold different keys), sorted; every rank gets the same list."""
+    mine = []
+    for key, value in live.items():
+        want = saved.get(key)
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else None
+        if want is not None and shape is not None and want != shape:
+            mine.append(f"{key}: saved {want}, model {shape}")
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        mine = [item for part in parts for item in part]
+    return sorted(set(mine))
 
 
 def _union_over_ranks(keys: set[str]) -> set[str]:
@@ -421,7 +455,8 @@ def load_sharded(path: str, model: nn.Module, optimizers: Iterable[Any], verify:
     _verify_on_all_ranks(path, checksums=verify)
     optimizers = [_unwrap_optimizer(o) for o in optimizers]
     state: dict[str, Any] = {"model": model_state_dict(model)}
-    saved = _checkpoint_model_keys(path)
+    shapes = _checkpoint_model_shapes(path)
+    saved = set(shapes)
     live = _union_over_ranks(set(state["model"]))
     unexpected, missing = saved - live, live - saved
     if unexpected or missing:
@@ -438,6 +473,13 @@ def load_sharded(path: str, model: nn.Module, optimizers: Iterable[Any], verify:
                       f"optimizer state is not loaded.", stacklevel=2)
         state["model"] = {k: v for k, v in state["model"].items() if k in saved}
         optimizers = []
+    wrong = _shape_mismatches(shapes, state["model"])
+    if wrong:
+        listed = "; ".join(wrong[:5]) + (f"; and {len(wrong) - 5} more" if len(wrong) > 5 else "")
+        raise ValueError(
+            f"Could not load {path}: it does not match {type(model).__name__}: {len(wrong)} parameter(s) have other "
+            f"shapes ({listed}). Is it a checkpoint of the same architecture with other sizes (hidden size, "
+            f"vocabulary, heads)? Build the model with the sizes it was saved with.")
     for i, opt in enumerate(optimizers):
         state[f"optimizer_{i}"] = optimizer_state_dict(model, opt)
     try:

@@ -29,6 +29,9 @@ def build_model(kind: str) -> torch.nn.Module:
 
     if byom_models.is_byom_kind(kind):
         return byom_models.build_byom(kind)
+    if kind == "llama-wide":  # llama-2's parameter names with a wider hidden size (checkpoint shape checks)
+        return Llama(LlamaConfig(vocab_size=VOCAB, dim=48, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=64,
+                                 max_seq_len=SEQ))
     kind, _, layers_str = kind.partition("-") if kind.split("-")[0] in ("llama", "gpt2") else (kind, "", "")
     layers = int(layers_str) if layers_str else 2
     if kind == "llama":

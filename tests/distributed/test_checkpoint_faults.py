@@ -64,6 +64,9 @@ def _keys_and_integrity(rank: int, tmp: str) -> dict[str, str]:
         _flip(sorted(Path(f"{tmp}/damaged.ckpt").glob("__1_*.distcp"))[0])  # a shard rank 1 wrote
     dist.barrier()
     out["damaged"] = _error_of(lambda: train(dict(), 2, 3, ckpt_in=f"{tmp}/damaged.ckpt", model="llama-2"))
+    # Same names, other sizes: the shapes are named (not DCP's traceback line); a file is not a checkpoint.
+    out["shape"] = _error_of(lambda: train(dict(), 2, 3, ckpt_in=f"{tmp}/two.ckpt", model="llama-wide"))
+    out["file"] = _error_of(lambda: train(dict(), 2, 3, ckpt_in=f"{tmp}/two.ckpt/meta.pt", model="llama-2"))
     return out
 
 
@@ -75,6 +78,10 @@ def test_strict_keys_and_damaged_shard_in_a_world(tmp_path: Path) -> None:
         assert "18 unexpected keys the model lacks (model.layers.2." in extra and "missing" not in extra, extra
         assert "18 missing keys the model has (model.layers.2." in missing and "unexpected" not in missing, missing
         assert "CheckpointIntegrityError" in r["damaged"] and "__1_0.distcp is damaged" in r["damaged"], r["damaged"]
+        shape = r["shape"].splitlines()[0]
+        assert "two.ckpt: it does not match CausalLM" in shape and "have other shapes" in shape, shape
+        assert "21 parameter(s)" in shape and "model.layers.0.attention.wq.weight: saved (32, 32), model (48, 48)" in shape, shape
+        assert "meta.pt is a file, not a lightning_4d checkpoint" in r["file"], r["file"]
 
 
 def _save_dense(rank: int, path: str) -> None:
