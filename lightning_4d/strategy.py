@@ -9,6 +9,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import sys
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Generator, Iterable, Literal, Optional, Sequence, Union
@@ -122,6 +123,7 @@ class FourDStrategy(ParallelStrategy):
         self._grads_stale = True
         self._replicas_checked = False  # replicated TP parameters are compared after the first step
         self._resume_loops: Optional[dict[str, Any]] = None
+        self._peers: list[Any] = []
 
     # ------------------------------------------------------------------ properties
     @property
@@ -218,6 +220,9 @@ class FourDStrategy(ParallelStrategy):
                 f"{self.world_size} (devices × num_nodes). Make them equal."
             )
         self._mesh = build_mesh(dims, self.root_device.type, backend=backend, timeout=self._timeout)
+        from lightning_4d.peers import gather_peers
+
+        self._peers = gather_peers()  # (rank, host, pid): a dead peer can be named if a collective fails
         assert self.lightning_module is not None
         _compat.set_device_mesh(self.lightning_module, self._mesh.dense)
 
@@ -244,6 +249,19 @@ class FourDStrategy(ParallelStrategy):
             if self.preemption is not None and self.preemption not in trainer.callbacks:
                 trainer.callbacks.append(self.preemption)  # before a checkpoint is restored
         self.setup_precision_plugin()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """A collective that failed because a peer died gets a first line naming the peer and the collective."""
+        super().on_exception(exception)
+        from lightning_4d.peers import describe_peer_failure
+
+        line = describe_peer_failure(exception, self._peers, self.global_rank)
+        if line is None:
+            return
+        print(f"lightning_4d: {line}", file=sys.stderr, flush=True)
+        if exception.args and isinstance(exception.args[0], str) and line not in exception.args[0]:
+            exception.args = (f"{line}\n{exception.args[0]}",) + tuple(exception.args[1:])
 
     @override
     def on_train_start(self) -> None:
