@@ -109,8 +109,8 @@ def partition_blocks(
         if num_stages > num_blocks:
             raise ValueError(
                 f"num_stages={num_stages} is more than the {num_blocks} blocks of the model: every pipeline stage "
-                f"needs at least one block. Use pp · virtual_stages <= {num_blocks} (e.g. fewer virtual stages or "
-                f"a smaller pp), or pass layers_per_stage explicitly."
+                f"needs at least one block. Use pp · virtual_stages <= {num_blocks} (fewer virtual stages or a "
+                f"smaller pp) or a model with more blocks."
             )
         extra = [0.0] * num_stages
         extra[0] += embed_weight

@@ -202,7 +202,8 @@ class Layout:
         sp = " (+SP)" if self.sequence_parallel and self.tp > 1 else ""
         text = f"tp={self.tp}{sp} × pp={self.pp} × dp={self.dp} = {self.world} ranks"
         if self.ep > 1:
-            text += f"; ep={self.ep} folded into dp·tp={self.dp * self.tp} (edp={self.edp})"
+            edp = f"edp={self.edp}" if self.edp else f"invalid: ep={self.ep} does not divide dp·tp"
+            text += f"; ep={self.ep} folded into dp·tp={self.dp * self.tp} ({edp})"
         return f"{text}; data_parallel={self.data_parallel}"
 
 
@@ -370,6 +371,53 @@ def _experts(model: Any) -> tuple[Optional[int], str]:
     return None, ""
 
 
+def strategy_rule_problems(cfg: TrainConfig, world: int) -> list[str]:
+    """What ``FourDStrategy`` would refuse at setup, found before any rank starts by running the same checks:
+    the degrees (:meth:`~lightning_4d.config.FourDConfig.resolve`), the pipeline micro-batches against
+    ``data.batch_size`` (per dp rank) and the schedule (:func:`~lightning_4d.pipeline.schedules.validate_microbatches`),
+    and the vocabulary that the vocab-parallel embedding and head split over ``tp``. Pure.
+
+    Example:
+        >>> from lightning_4d.recipes.schema import SyntheticDataConfig
+        >>> cfg = TrainConfig(model=LlamaModelConfig(vocab_size=255), data=SyntheticDataConfig(vocab_size=255),
+        ...                   parallel=ParallelConfig(tp=2))
+        >>> strategy_rule_problems(cfg, 2)  # doctest: +ELLIPSIS
+        ['model: the vocabulary (255) is not divisible by parallel.tp=2: ...']
+    """
+    from lightning_4d.config import FourDConfig
+    from lightning_4d.pipeline.schedules import validate_microbatches
+    from lightning_4d.tensor_parallel.plan import check_divisible
+
+    par = cfg.parallel
+    try:
+        dims = FourDConfig(tp=par.tp, pp=par.pp, ep=par.ep, dp=par.dp, sequence_parallel=par.sequence_parallel,
+                           microbatches=par.microbatches, schedule=par.schedule, virtual_stages=par.virtual_stages,
+                           data_parallel=par.data_parallel).resolve(world)
+    except ValueError as err:
+        return [f"parallel: {err}"]
+    problems: list[str] = []
+    if dims.pp > 1:
+        try:
+            validate_microbatches(par.schedule, dims.pp, dims.virtual_stages, par.microbatches, cfg.data.batch_size)
+        except ValueError as err:
+            problems.append(f"parallel.microbatches / data.batch_size (per dp rank): {err}")
+    vocab = getattr(cfg.model, "vocab_size", None)
+    if isinstance(cfg.model, HFModelConfig):
+        from lightning_4d.recipes.hf_model import hf_shape
+
+        vocab = hf_shape(cfg.model).vocab_size
+    if dims.tp > 1 and isinstance(vocab, int):
+        try:
+            check_divisible("model", "vocab_size", vocab, dims.tp)
+        except ValueError:
+            padded = -(-vocab // dims.tp) * dims.tp
+            problems.append(
+                f"model: the vocabulary ({vocab}) is not divisible by parallel.tp={dims.tp}: the vocab-parallel embedding "
+                f"and output head split it evenly over the tp ranks. Pad the vocabulary to {padded} (model.vocab_size, "
+                f"or vocab_size in config.json) or choose parallel.tp among the divisors of {vocab}.")
+    return problems
+
+
 # ---------------------------------------------------------------------------------------------- the check
 @dataclass(frozen=True)
 class ResourceReport:
@@ -431,6 +479,8 @@ def check_resources(cfg: TrainConfig, inventory: Optional[DeviceInventory] = Non
             f"trainer starts trainer.devices × trainer.num_nodes = {devices} × {t.num_nodes} = {world}; "
             f"use {hint} (or parallel.dp=auto).")
     problems += _shape_problems(model, par)
+    if not problems:  # the strategy's own rules, by the strategy's own code (no layout error costs a launch)
+        problems += strategy_rule_problems(cfg, world)
     if par.ep > 1:
         experts, key = _experts(model)
         if experts is None:

@@ -47,6 +47,8 @@ __all__ = [
     "model_plan",
     "is_norm",
     "is_moe",
+    "check_divisible",
+    "low_rank_pairs",
 ]
 
 COLWISE_NAMES = frozenset({"wq", "wk", "wv", "q_proj", "k_proj", "v_proj", "c_attn", "w1", "w3", "gate_proj",
@@ -104,6 +106,16 @@ class ModelPlan:
     embedding: Optional[str] = None
     head: Optional[str] = None
     vocab_size: Optional[int] = None
+
+
+def check_divisible(owner: str, attr: str, value: int, tp: int) -> None:
+    """Raise ``ValueError`` naming ``owner.attr`` unless ``value`` splits evenly over ``tp`` ranks (pure). The one
+    rule for every width the plan shards (heads, features, vocabulary); the recipes' fail-fast check calls it too.
+
+    Example:
+        >>> check_divisible("model", "vocab_size", 64, 2)
+    """
+    _divisible(owner, attr, value, tp)
 
 
 def _divisible(owner: str, attr: str, value: int, tp: int) -> None:

@@ -202,7 +202,11 @@ def test_moe_1t_fails_fast_without_its_devices() -> None:
     # Eight 16 GiB GPUs: enough devices, not enough memory.
     with pytest.raises(ResourceError, match="GiB per rank is needed but a GPU here has 16"):
         check_resources(gpu, DeviceInventory("cuda", 8, 16 * GiB, 8))
-    # Eight 80 GiB GPUs per node, 64 nodes: passes.
+    # Eight 80 GiB GPUs per node, 64 nodes: only the 32 pipeline micro-batches do not divide a dp rank's 8 sequences.
+    with pytest.raises(ResourceError, match=r"microbatches=32 does not divide the local batch size 8"):
+        check_resources(gpu, DeviceInventory("cuda", 8, 80 * GiB, 8))
+    gpu = to_train_config(_compose(["model=moe_1t", "parallel=moe_1t", "trainer=gpu", "trainer.num_nodes=64",
+                                    "data.batch_size=32"]))
     assert check_resources(gpu, DeviceInventory("cuda", 8, 80 * GiB, 8)).layout.world == 512
 
 
@@ -216,6 +220,26 @@ def test_layout_must_fit_the_model() -> None:
         check_resources(c, cpu)
     c = to_train_config(_compose(["parallel.tp=4", "trainer.max_steps=20"]))  # the brief's override example
     assert check_resources(c, cpu).layout.dp == 1
+
+
+def test_the_strategys_rules_fail_before_any_rank_starts() -> None:
+    # Rules FourDStrategy enforces at setup, checked by the same code before the ranks are launched.
+    cpu = DeviceInventory("cpu", 2, 16 * GiB)
+    c = to_train_config(_compose(["model=tiny_dense", "parallel=none", "parallel.pp=2", "parallel.microbatches=3",
+                                  "data.batch_size=8", "trainer.devices=2"]))
+    with pytest.raises(ResourceError, match=r"parallel.microbatches / data.batch_size \(per dp rank\): "
+                                             r"microbatches=3 does not divide the local batch size 8"):
+        check_resources(c, cpu)
+    c = to_train_config(_compose(["model=tiny_dense", "parallel=none", "parallel.tp=2", "model.vocab_size=257",
+                                  "trainer.devices=2"]))
+    with pytest.raises(ResourceError, match=r"the vocabulary \(257\) is not divisible by parallel.tp=2.*Pad the "
+                                             r"vocabulary to 258"):
+        check_resources(c, cpu)
+    # ep=3 with dp·tp=8: the report never shows an edp of 0.
+    c = to_train_config(_compose(["model=tiny_moe", "parallel=none", "parallel.ep=3", "trainer.devices=8"]))
+    with pytest.raises(ResourceError) as err:
+        check_resources(c, cpu)
+    assert "edp=0" not in str(err.value) and "ep=3 does not divide dp·tp" in str(err.value)
 
 
 def _run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
