@@ -20,7 +20,7 @@ from torch import Tensor
 
 from lightning_4d.distributed import all_reduce_sum
 
-__all__ = ["check_targets", "count_targets", "weighted_global_loss", "with_value"]
+__all__ = ["check_inputs", "check_targets", "count_targets", "weighted_global_loss", "with_value"]
 
 
 def check_targets(targets: Any, loss_parallel: bool) -> None:
@@ -39,6 +39,28 @@ def check_targets(targets: Any, loss_parallel: bool) -> None:
             f"the loss is a vocabulary-parallel cross-entropy, which takes integer class indices. Pass class "
             f"indices (torch.long), or set tp=1 for soft (probability) targets."
         )
+
+
+def check_inputs(inputs: Any, example_shape: Optional[tuple[int, ...]]) -> None:
+    """Refuse, before the step's first collective, inputs whose rank differs from the input the model was set up
+    (traced) with: tensor and pipeline parallelism cut inputs along the batch (micro-batches) and the sequence
+    (sequence parallelism), so an unbatched ``(T,)`` sample would be cut along the wrong dimension.
+
+    Example:
+        >>> check_inputs(torch.zeros(2, 8, dtype=torch.long), (2, 8))
+        >>> check_inputs(torch.zeros(8, dtype=torch.long), (2, 8))
+        Traceback (most recent call last):
+        ...
+        ValueError: inputs of shape (8,) have 1 dimension(s), but the model was set up with inputs of 2 (2, 8): ...
+    """
+    if example_shape is None or not isinstance(inputs, Tensor) or inputs.dim() == len(example_shape):
+        return
+    raise ValueError(
+        f"inputs of shape {tuple(inputs.shape)} have {inputs.dim()} dimension(s), but the model was set up with inputs "
+        f"of {len(example_shape)} {tuple(example_shape)}: (batch, sequence) token ids. Batch the samples (a "
+        f"DataLoader with batch_size, not batch_size=None) or add the batch dimension (inputs.unsqueeze(0)); "
+        f"pipeline micro-batches split dimension 0 and sequence parallelism dimension 1."
+    )
 
 
 def count_targets(targets: Any, ignore_index: Optional[int] = -100) -> Tensor:

@@ -44,6 +44,7 @@ class ParallelPlan:
     tp_partial_params: list[str] = field(default_factory=list)
     bias_update: bool = False
     pipeline_tied: list[tuple[str, str]] = field(default_factory=list)
+    input_shape: Optional[tuple[int, ...]] = None  # the traced example's shape: inputs must have its rank
 
 
 def _hook(module: nn.Module, name: str) -> Any:
@@ -73,6 +74,8 @@ def parallelize_module(
     if dims.tp > 1 or dims.pp > 1:
         example = example_tokens(module, dims.tp)
         trace = trace_model(module, blocks_path, example)
+        first = example[0] if isinstance(example, tuple) else example
+        plan.input_shape = tuple(first.shape) if hasattr(first, "shape") else None
 
     split = None
     if dims.pp > 1:

@@ -413,8 +413,9 @@ class FourDStrategy(ParallelStrategy):
         Example:
             >>> loss = trainer.strategy.compute_loss(module, inputs, targets)  # doctest: +SKIP
         """
-        from lightning_4d.loss import check_targets, weighted_global_loss
+        from lightning_4d.loss import check_inputs, check_targets, weighted_global_loss
 
+        check_inputs(inputs, self._plan.input_shape if self._plan is not None else None)
         check_targets(targets, self._plan is not None and self._plan.loss_parallel)
         if self._plan is not None and self._plan.pipeline is not None:
             from lightning_4d.pipeline_glue import pipeline_eval, pipeline_train_loss
@@ -437,7 +438,9 @@ class FourDStrategy(ParallelStrategy):
     def predict(self, module: Any, inputs: Any) -> Any:
         """Full (unsharded) model outputs on every rank."""
         from lightning_4d.distributed import to_full
+        from lightning_4d.loss import check_inputs
 
+        check_inputs(inputs, self._plan.input_shape if self._plan is not None else None)
         if self._plan is not None and self._plan.pipeline is not None:
             from lightning_4d.pipeline_glue import pipeline_eval
 
