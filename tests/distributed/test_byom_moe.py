@@ -56,6 +56,16 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any], int]] = {
     "pp2-tp2-ep2": (4, dict(pp=2, tp=2, ep=2, sequence_parallel=True), 4),
 }
 
+# ep=1: experts whole on every rank (replicated over edp = dp·tp), the rest of the model under tp / pp / dp.
+DENSE_EXPERT_LAYOUTS: dict[str, tuple[int, dict[str, Any], int]] = {
+    "tp2": (2, dict(tp=2), 2),
+    "tp2-nosp": (2, dict(tp=2, sequence_parallel=False), 2),
+    "dp2": (2, dict(), 2),
+    "pp2": (2, dict(pp=2), 4),
+}
+DENSE_EXPERT_CASES = [("hf-mixtral", "tp2"), ("hf-qwen2moe", "tp2-nosp"), ("titan-moe", "tp2"),
+                      ("hf-dsv3", "tp2"), ("titan-moe-sig", "dp2"), ("hf-qwen3moe", "pp2")]
+
 ERRORS: dict[str, float] = {}  # "family layout" -> worst relative error (printed at the end of the module)
 
 
@@ -75,7 +85,7 @@ SHARDED: dict[str, list[str]] = {
 
 
 def _spec(family: str, layout: str) -> dict[str, Any]:
-    world, strategy, layers = LAYOUTS[layout]
+    world, strategy, layers = LAYOUTS[layout] if layout in LAYOUTS else DENSE_EXPERT_LAYOUTS[layout]
     spec = dict(BASE, model=_kind(family, layers), world=world, strategy=dict(strategy, timeout_s=PG_TIMEOUT_S))
     if strategy.get("tp", 1) > 1:
         spec["check_sharded"] = SHARDED[family]
@@ -256,3 +266,17 @@ def test_moe_parity(family: str, layout: str, references: _References) -> None:
     if layout == "ep2-dp2-replicate":
         assert got["replicas_checked"] > 0, f"{label}: no replicated DTensor was compared"
 
+
+
+@pytest.mark.parametrize("family, layout", DENSE_EXPERT_CASES, ids=[f"{f}-{lay}" for f, lay in DENSE_EXPERT_CASES])
+def test_moe_parity_without_expert_parallelism(family: str, layout: str, references: _References) -> None:
+    # The experts stay whole; under SP each TP rank routes its own sequence shard, so the expert (and router)
+    # gradients must be summed over tp — a missing or doubled sum shows here.
+    spec = _spec(family, layout)
+    ref = references[spec["model"]]
+    got = _run(spec)
+    label = f"{spec['model']} {layout}"
+    ERRORS[f"{family} {layout}"] = worst_error(got, ref)
+    assert_parity(got, ref, label=label)
+    flat = [name for name, sharded in got.get("sharded", {}).items() if not sharded]
+    assert not flat, f"{label}: not sharded on tp (a DTensor with a Shard placement expected): {flat}"
