@@ -153,12 +153,11 @@ def _apply_experts(module: nn.Module, mesh: FourDMesh, plan: ParallelPlan, accum
     weights in place (:mod:`~lightning_4d.expert_parallel.inplace`), Mixtral-style expert lists rewritten into
     the package's layer, the package's layer as is."""
     from lightning_4d.expert_parallel import MoE, apply_expert_parallel
-    from lightning_4d.expert_parallel.parallel import apply_inplace_expert_parallel
+    from lightning_4d.expert_parallel.parallel import apply_inplace_expert_parallel, expert_grad_scale
     from lightning_4d.expert_parallel.rewrite import find_moe_modules
 
     dims = mesh.dims
-    # Expert gradients are averaged over edp; under SP each TP rank holds different tokens (factor tp).
-    grad_scale = (dims.tp if dims.sp else 1) / dims.ep
+    grad_scale = expert_grad_scale(dims)  # expert gradients are averaged over edp
     inplace = apply_inplace_expert_parallel(module, mesh["ep"], grad_scale=grad_scale)
     for spec in inplace:
         plan.expert_modules.append(spec.name)

@@ -9,7 +9,10 @@ over the ``edp`` replicas of that expert, the ``ep`` groups cover all ``dp·tp``
 the ``tp`` sequence shards of one data shard together give ``∂L_d/∂W``; so the sum is
 ``Σ_d ∂L_d/∂W = dp · ∂L/∂W``. Averaging over ``edp = dp·tp/ep`` replicas (FSDP / replicate) yields
 ``(ep/tp) · ∂L/∂W``. Multiplying the expert gradients by ``tp/ep`` therefore makes them equal to the
-single-process full-batch gradient. The MoE layer applies this factor *by construction* (an
+single-process full-batch gradient. Without sequence parallelism (``tp > 1``, ``ep = 1``) the ``tp`` ranks of a
+data shard route the *same* tokens: each already holds ``∂L_d/∂W``, the sum over the edp replicas is
+``tp · dp · ∂L/∂W`` and the factor is ``1/ep`` (= 1). So the one rule is ``(tp if sp else 1) / ep``.
+The MoE layer applies this factor *by construction* (an
 identity-forward / scaled-backward op on the expert weights), so the data-parallel wrapper can keep
 averaging over ``edp`` as for any other parameter.
 
@@ -43,7 +46,8 @@ __all__ = ["expert_grad_scale", "check_expert_parallel", "apply_expert_parallel"
 
 
 def expert_grad_scale(dims: "ParallelDims") -> float:
-    """Factor ``tp / ep`` that turns edp-averaged expert gradients into full-batch gradients.
+    """Factor ``(tp if sp else 1) / ep`` that turns edp-averaged expert gradients into full-batch gradients
+    (the one owner of this rule: the strategy applies it to every kind of MoE layer).
 
     Assumes the conventions of the module docstring: per-rank loss = mean over its data shard (same on
     all TP ranks), tokens split over TP ranks by sequence parallelism, expert gradients averaged over
@@ -53,8 +57,10 @@ def expert_grad_scale(dims: "ParallelDims") -> float:
         >>> from lightning_4d.mesh import ParallelDims
         >>> expert_grad_scale(ParallelDims.from_world(4, ep=4)), expert_grad_scale(ParallelDims.from_world(4, tp=2))
         (0.25, 2.0)
+        >>> expert_grad_scale(ParallelDims.from_world(4, tp=2, sequence_parallel=False))
+        1.0
     """
-    return dims.tp / dims.ep
+    return (dims.tp if dims.sp else 1) / dims.ep
 
 
 def check_expert_parallel(num_experts: int, top_k: int, ep: int, name: str = "MoE") -> None:

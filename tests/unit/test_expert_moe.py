@@ -109,6 +109,8 @@ def test_expert_grad_scale_rule() -> None:
     assert expert_grad_scale(ParallelDims.from_world(4, tp=2, ep=2)) == 1.0
     assert expert_grad_scale(ParallelDims.from_world(8, tp=2, ep=4)) == 0.5
     assert expert_grad_scale(ParallelDims.from_world(4, tp=2)) == 2.0
+    # Without SP the tp ranks route the same tokens: no factor tp (the one rule the strategy applies).
+    assert expert_grad_scale(ParallelDims.from_world(4, tp=2, sequence_parallel=False)) == 1.0
     with pytest.raises(ValueError, match="num_experts=6 is not divisible by ep=4"):
         check_expert_parallel(6, 2, 4)
     with pytest.raises(ValueError, match="top_k=5 exceeds num_experts=4"):

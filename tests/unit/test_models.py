@@ -287,19 +287,22 @@ def test_hf_attention_manual_tp_split() -> None:
 
 
 def test_interleave_qkv_matches_blocked_reference() -> None:
+    # In float64: the check is about which rows go where (a wrong mapping is an O(1) difference), and with
+    # unit-variance weights fp32 round-off alone reaches ~1e-5 on some CPUs (AVX-512 summation order), which
+    # no fixed fp32 tolerance separates from a bug. float64 leaves ~1e-13: rtol 1e-9 is far from both.
     nh, hd = 4, D // 4
-    attn = CausalSelfAttention(n_embd=D, n_head=nh, bias=True)
-    w, b = torch.randn(3 * D, D), torch.randn(3 * D)
+    attn = CausalSelfAttention(n_embd=D, n_head=nh, bias=True).double()
+    w, b = torch.randn(3 * D, D, dtype=torch.float64), torch.randn(3 * D, dtype=torch.float64)
     with torch.no_grad():
         attn.c_attn.weight.copy_(interleave_qkv(w, nh))
         attn.c_attn.bias.copy_(interleave_qkv(b, nh))
-    x = torch.randn(B, T, D)
+    x = torch.randn(B, T, D, dtype=torch.float64)
     q, k, v = (x @ w.T + b).split(D, dim=-1)  # blocked [q | k | v] reference
     q, k, v = (t.view(B, T, nh, hd).transpose(1, 2) for t in (q, k, v))
     scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
     scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
     y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D)
-    torch.testing.assert_close(attn(x), attn.c_proj(y))
+    torch.testing.assert_close(attn(x), attn.c_proj(y), rtol=1e-9, atol=1e-9)
 
 
 def test_dropout_only_in_training() -> None:
