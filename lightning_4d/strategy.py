@@ -67,6 +67,9 @@ class FourDStrategy(ParallelStrategy):
             :mod:`lightning_4d.preemption`); default ``("SIGTERM", "SIGUSR1")``, ``()`` to leave signals to
             Lightning.
         preemption_requeue: after such a save under SLURM, run ``scontrol requeue`` (rank 0).
+        heartbeat_timeout: a rank whose heartbeat (a thread, see :mod:`lightning_4d.heartbeat`) is silent this
+            long — stopped, frozen, deadlocked — ends the others with a message naming it, instead of the
+            process-group ``timeout``; default 60 s, ``None`` disables.
 
     Example:
         >>> strategy = FourDStrategy(tp=2, pp=2, ep=2)
@@ -95,6 +98,7 @@ class FourDStrategy(ParallelStrategy):
         checkpoint_checksums: bool = True,
         preemption_signals: Optional[Sequence[Union[str, int]]] = DEFAULT_SIGNALS,
         preemption_requeue: bool = False,
+        heartbeat_timeout: Optional[timedelta] = timedelta(seconds=60),
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -124,6 +128,13 @@ class FourDStrategy(ParallelStrategy):
         self._replicas_checked = False  # replicated TP parameters are compared after the first step
         self._resume_loops: Optional[dict[str, Any]] = None
         self._peers: list[Any] = []
+        if heartbeat_timeout is not None and (not isinstance(heartbeat_timeout, timedelta)
+                                              or heartbeat_timeout.total_seconds() <= 0):
+            raise ValueError(f"heartbeat_timeout={heartbeat_timeout!r} must be a positive datetime.timedelta "
+                             f"(e.g. timedelta(seconds=60)) or None to disable the heartbeat.")
+        self._heartbeat_timeout = heartbeat_timeout
+        self._heartbeat: Any = None
+        self._failed = False
 
     # ------------------------------------------------------------------ properties
     @property
@@ -243,6 +254,7 @@ class FourDStrategy(ParallelStrategy):
             )
         self.model_to_device()
         self.barrier()
+        self._start_heartbeat()
         if trainer.state.fn == TrainerFn.FITTING:
             self.optimizers, self.lr_scheduler_configs = [], []  # a re-fit builds them anew
             self.setup_optimizers(trainer)
@@ -250,10 +262,22 @@ class FourDStrategy(ParallelStrategy):
                 trainer.callbacks.append(self.preemption)  # before a checkpoint is restored
         self.setup_precision_plugin()
 
+    def _start_heartbeat(self) -> None:
+        from lightning_4d.heartbeat import Heartbeat
+
+        if self._heartbeat is not None:
+            self._heartbeat.stop(finished=True)
+        self._heartbeat, self._failed = None, False
+        if self._heartbeat_timeout is not None and self.world_size > 1:
+            self._heartbeat = Heartbeat(self.global_rank, self.world_size,
+                                        self._heartbeat_timeout.total_seconds(), self._peers)
+            self._heartbeat.start()
+
     @override
     def on_exception(self, exception: BaseException) -> None:
         """A collective that failed because a peer died gets a first line naming the peer and the collective."""
         super().on_exception(exception)
+        self._failed = True
         from lightning_4d.peers import describe_peer_failure
 
         line = describe_peer_failure(exception, self._peers, self.global_rank)
@@ -532,6 +556,9 @@ class FourDStrategy(ParallelStrategy):
     def teardown(self) -> None:
         if self.preemption is not None:
             self.preemption.restore()
+        if self._heartbeat is not None:  # after a failure the peers may notice this rank's silence: intended
+            self._heartbeat.stop(finished=not self._failed)
+            self._heartbeat = None
         # The default process group is left alone so several Trainers can run in one process.
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()

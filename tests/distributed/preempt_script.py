@@ -1,4 +1,5 @@
-"""A fit that a test preempts with a real signal (run as ``python -m tests.distributed.preempt_script``).
+"""A fit that a test preempts with a real signal, or whose last rank freezes (run as
+``python -m tests.distributed.preempt_script``).
 
 Rank 0 records every training loss in ``--out`` (one JSON number per line). With ``--wait-at S`` it writes
 ``<root>/ready`` after optimizer step ``S`` and waits (up to two minutes) until the preemption signal the test
@@ -47,6 +48,19 @@ class _WaitForSignal(L.Callback):
             time.sleep(0.05)
 
 
+class _FreezeAt(L.Callback):
+    """The last rank stops itself (SIGSTOP, as a debugger or a frozen node would) at training batch ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
+        if idx == self.step and trainer.global_rank == trainer.world_size - 1:
+            import signal
+
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layout", default="{}")
@@ -56,6 +70,8 @@ def main() -> None:
     parser.add_argument("--ckpt-in", default=None)
     parser.add_argument("--root", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--freeze-at", type=int, default=-1)
+    parser.add_argument("--heartbeat-s", type=float, default=60.0)
     args = parser.parse_args()
     strategy = json.loads(args.layout)
     torch.manual_seed(0)
@@ -65,10 +81,12 @@ def main() -> None:
     callbacks: list[Any] = [_Losses(args.out)]
     if args.wait_at >= 0:
         callbacks.append(_WaitForSignal(args.wait_at, args.root))
+    if args.freeze_at >= 0:
+        callbacks.append(_FreezeAt(args.freeze_at))
     from datetime import timedelta
 
     trainer = L.Trainer(accelerator="cpu", devices=args.world, strategy=FourDStrategy(**strategy,
-                        timeout=timedelta(seconds=60)), max_steps=args.max_steps, logger=False,
+                        timeout=timedelta(seconds=600), heartbeat_timeout=timedelta(seconds=args.heartbeat_s)), max_steps=args.max_steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=callbacks, num_sanity_val_steps=0, default_root_dir=args.root)
     trainer.fit(lm, loader, ckpt_path=args.ckpt_in)

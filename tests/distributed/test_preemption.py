@@ -1,4 +1,5 @@
-"""Preemption with real signals and real launchers: a complete checkpoint, a non-zero exit, an exact resume.
+"""Preemption with real signals and real launchers: a complete checkpoint, a non-zero exit, an exact resume;
+and a frozen rank (SIGSTOP) that the heartbeat reports in seconds.
 
 A scheduler preempts by signalling the job (SIGTERM from SLURM and Kubernetes; SLURM's ``--signal`` often
 SIGUSR1), then kills it after a grace period. The run must stop every rank after the same optimizer step, write
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -103,3 +105,30 @@ def test_signal_saves_exits_nonzero_and_resumes_exactly(name: str, layout: dict[
     for i, (got, want) in enumerate(zip(before + after, reference)):
         tol = 1e-6 if i == STOP else 1e-5  # the first resumed loss: the loaded model on the next batch
         assert abs(got - want) / abs(want) <= tol, (name, i, got, want)
+
+
+def test_a_frozen_rank_stops_the_others_in_seconds(tmp_path: Path) -> None:
+    # The last rank SIGSTOPs itself at its second batch; the process-group timeout is 10 minutes, the heartbeat
+    # timeout 6 s: the others must end within seconds, naming the frozen rank.
+    root, out = tmp_path / "f", tmp_path / "f.jsonl"
+    root.mkdir()
+    cmd = _command(dict(), 2, False, root, out, ["--freeze-at", "1", "--heartbeat-s", "6"])
+    start = time.monotonic()
+    log = tmp_path / "log.txt"
+    with open(log, "w") as sink:  # a file, not a pipe: the stopped rank keeps its end of a pipe open forever
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=sink, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=240)
+        finally:
+            elapsed = time.monotonic() - start
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the stopped rank, orphaned
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    output = log.read_text()
+    assert proc.returncode == 1, output[-3000:]
+    match = re.search(r"rank 0: rank 1 \(pid (\d+) on \S+\) has sent no heartbeat for 6 s: stopped \(SIGSTOP\)", output)
+    assert match, output[-3000:]
+    assert elapsed < 120, elapsed  # set-up (~10-20 s) + 6-8 s of silence, not the 600 s process-group timeout
