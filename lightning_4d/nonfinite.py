@@ -74,17 +74,26 @@ def _describe(model: nn.Module, loss: Optional[Tensor]) -> dict[str, Any]:
             "grad": _first_bad((n, p.grad) for n, p in named), "param": _first_bad(named)}
 
 
-def check_step(model: nn.Module, loss: Optional[Tensor], step: int, device: Any = None) -> Optional[str]:
+def check_step(model: nn.Module, loss: Optional[Tensor], step: int, device: Any = None,
+               also_max: Optional[list[float]] = None) -> Optional[str]:
     """``None`` when the step is finite on every rank, else the message (the same on every rank).
 
-    Collective over the world: call it on every rank at the same point of the step.
+    Collective over the world: call it on every rank at the same point of the step. ``also_max``: other
+    per-rank numbers to agree on in the same all-reduce (their maximum over the ranks replaces them in place;
+    the preemption check rides along so that a step costs one small collective, not two).
     """
     from lightning_4d.callbacks._common import internal_comm
 
     flags = local_flags(loss, model.parameters(), device)
+    extra = len(also_max or [])
+    if extra:
+        flags = torch.cat([flags, torch.tensor(also_max, dtype=flags.dtype, device=flags.device)])
     if dist.is_initialized() and dist.get_world_size() > 1:
         with internal_comm():  # the guard's own flag exchange, not the step's traffic
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    if extra:
+        also_max[:] = flags[2:].tolist()  # type: ignore[index]
+        flags = flags[:2]
     if not bool(flags.any()):
         return None
     info = _describe(model, loss)

@@ -107,6 +107,7 @@ class PreemptionSaver(Callback):
         self.received: Optional[int] = None
         self.saved: Optional[str] = None
         self._previous: dict[int, Any] = {}
+        self._agreed: Optional[tuple[int, int]] = None  # (step, signal) agreed by the strategy's step guard
 
     # ------------------------------------------------------------------ handlers
     def install(self) -> None:
@@ -128,9 +129,17 @@ class PreemptionSaver(Callback):
             self.received = signum
 
     # ------------------------------------------------------------------ the agreed stop
-    def _agreed_signal(self, device: torch.device) -> int:
+    def agree(self, step: int, signum: int) -> None:
+        """The signal all ranks agreed on before optimizer step ``step`` (the strategy's non-finite guard
+        all-reduces it with its own flags); the batch-end check of that step then needs no collective."""
+        self._agreed = (step, signum)
+
+    def _agreed_signal(self, device: torch.device, step: int) -> int:
         from lightning_4d.callbacks._common import internal_comm
 
+        agreed, self._agreed = self._agreed, None
+        if agreed is not None and agreed[0] == step:
+            return agreed[1]
         flag = torch.tensor([self.received or 0], dtype=torch.int64, device=device)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             with internal_comm():
@@ -149,7 +158,7 @@ class PreemptionSaver(Callback):
                            batch_idx: int) -> None:
         if _compat.should_accumulate(trainer):
             return  # mid-accumulation: stop after the optimizer step
-        signum = self._agreed_signal(pl_module.device)
+        signum = self._agreed_signal(pl_module.device, trainer.global_step - 1)
         if not signum:
             return
         path = self._target(trainer)

@@ -382,7 +382,11 @@ class FourDStrategy(ParallelStrategy):
         loss = closure()
         trainer = self.lightning_module.trainer
         step = trainer.global_step
-        message = check_step(self.model, loss, step, self.root_device)
+        saver = self.preemption
+        agreed = [float(saver.received or 0)] if saver is not None else None
+        message = check_step(self.model, loss, step, self.root_device, also_max=agreed)
+        if saver is not None and agreed is not None:
+            saver.agree(step, int(agreed[0]))  # the batch-end check then needs no collective of its own
         if message is None:
             return loss
         if self._nonfinite == "skip":

@@ -2,8 +2,9 @@
 ``python -m tests.distributed.preempt_script``).
 
 Rank 0 records every training loss in ``--out`` (one JSON number per line). With ``--wait-at S`` it writes
-``<root>/ready`` after optimizer step ``S`` and waits (up to two minutes) until the preemption signal the test
-sends has reached this process, so the signal lands at a known step on every launcher.
+``<root>/ready`` at the start of training batch ``S`` and waits (up to two minutes) until the preemption signal
+the test sends has reached this process, so the signal lands during a known step on every launcher: the run
+must stop after that step (``preempted-step=S+1``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class _WaitForSignal(L.Callback):
     def __init__(self, step: int, root: str) -> None:
         self.step, self.root = step, root
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
         saver = trainer.strategy.preemption
         if trainer.global_step != self.step or saver is None or not trainer.is_global_zero:
             return
