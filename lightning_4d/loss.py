@@ -8,7 +8,7 @@ gradient of the global mean, even when ranks hold different numbers of valid tok
 Example:
     >>> import torch
     >>> count_targets(torch.tensor([[1, -100, 3]]), ignore_index=-100).item()
-    2
+    2.0
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def count_targets(targets: Any, ignore_index: Optional[int] = -100) -> Tensor:
 
     Example:
         >>> count_targets(torch.zeros(2, 3)).item()
-        6
+        6.0
     """
     if not isinstance(targets, Tensor):
         raise TypeError(

@@ -163,7 +163,7 @@ def rank_coordinates(dims: ParallelDims, rank: int) -> dict[str, int]:
 
     Example:
         >>> rank_coordinates(ParallelDims.from_world(8, tp=2, pp=2), 5)
-        {'pp': 1, 'dp': 0, 'tp': 1, 'edp': 0, 'ep': 0}
+        {'pp': 1, 'dp': 0, 'tp': 1, 'edp': 1, 'ep': 0}
     """
     if not 0 <= rank < dims.world_size:
         raise ValueError(f"rank={rank} is outside the world of {dims.world_size} ranks.")

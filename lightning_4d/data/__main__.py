@@ -62,7 +62,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     Example:
         >>> import tempfile
-        >>> main(["prepare", "--out", tempfile.mkdtemp(), "--max-bytes", "2000"])  # doctest: +ELLIPSIS
+        >>> with tempfile.TemporaryDirectory() as out:
+        ...     main(["prepare", "--out", out, "--max-bytes", "2000"])  # doctest: +ELLIPSIS
         corpus: ...
         0
     """

@@ -205,11 +205,13 @@ class TextDataModule(L.LightningDataModule):
 
     Example:
         >>> import tempfile
-        >>> dm = TextDataModule(tempfile.mkdtemp(), seq_len=16, batch_size=2, max_bytes=20_000)
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> dm = TextDataModule(tmp.name, seq_len=16, batch_size=2, max_bytes=20_000)
         >>> dm.prepare_data(); dm.setup("fit")
         >>> x, y = next(iter(dm.train_dataloader()))
         >>> x.shape, dm.vocab_size
         (torch.Size([2, 16]), 256)
+        >>> tmp.cleanup()
     """
 
     def __init__(

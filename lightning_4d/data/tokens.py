@@ -14,10 +14,11 @@ it uses a corpus present on every machine: the ``.py`` sources of Python's stand
 
 Example:
     >>> import tempfile, os
-    >>> d = tempfile.mkdtemp()
-    >>> tf = write_tokens(os.path.join(d, "x.bin"), [1, 2, 3], vocab_size=256, tokenizer="byte")
+    >>> tmp = tempfile.TemporaryDirectory()
+    >>> tf = write_tokens(os.path.join(tmp.name, "x.bin"), [1, 2, 3], vocab_size=256, tokenizer="byte")
     >>> len(tf), tf.dtype, tf[1:3].tolist()
     (3, dtype('uint16'), [2, 3])
+    >>> tmp.cleanup()
 """
 
 from __future__ import annotations
@@ -122,9 +123,11 @@ def write_tokens(
 
     Example:
         >>> import tempfile, os
-        >>> p = os.path.join(tempfile.mkdtemp(), "big.bin")
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> p = os.path.join(tmp.name, "big.bin")
         >>> write_tokens(p, [0, 70000], vocab_size=100277, tokenizer="cl100k_base").dtype
         dtype('uint32')
+        >>> tmp.cleanup()
     """
     path = Path(path)
     arr = np.asarray(tokens)
@@ -173,11 +176,13 @@ class TokenFile:
 
     Example:
         >>> import tempfile, os
-        >>> p = os.path.join(tempfile.mkdtemp(), "t.bin")
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> p = os.path.join(tmp.name, "t.bin")
         >>> _ = write_tokens(p, [5, 6, 7, 8], vocab_size=256)
         >>> tf = TokenFile(p)
         >>> tf.num_tokens, tf.vocab_size, tf.tokenizer, tf[-2:].tolist()
         (4, 256, 'byte', [7, 8])
+        >>> tmp.cleanup()
     """
 
     def __init__(self, path: PathLike) -> None:
@@ -231,8 +236,10 @@ class TokenFile:
 
         Example:
             >>> import tempfile, os
-            >>> tf = write_tokens(os.path.join(tempfile.mkdtemp(), "t.bin"), [1], vocab_size=256)
+            >>> tmp = tempfile.TemporaryDirectory()
+            >>> tf = write_tokens(os.path.join(tmp.name, "t.bin"), [1], vocab_size=256)
             >>> tf.check(vocab_size=256, tokenizer="byte")
+            >>> tmp.cleanup()
         """
         if tokenizer is not None and tokenizer != self.tokenizer:
             raise ValueError(
@@ -376,9 +383,11 @@ class PrepareResult:
 
     Example:
         >>> import tempfile
-        >>> r = prepare(None, tempfile.mkdtemp(), max_bytes=5_000)
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> r = prepare(None, tmp.name, max_bytes=5_000)
         >>> r.num_files >= 1 and r.train.num_tokens > r.val.num_tokens
         True
+        >>> tmp.cleanup()
     """
 
     train: TokenFile
@@ -415,9 +424,11 @@ def prepare(
 
     Example:
         >>> import tempfile
-        >>> r = prepare(None, tempfile.mkdtemp(), max_bytes=20_000, val_fraction=0.1)
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> r = prepare(None, tmp.name, max_bytes=20_000, val_fraction=0.1)
         >>> len(r.train) + len(r.val) == r.num_bytes, r.train.tokenizer
         (True, 'byte')
+        >>> tmp.cleanup()
     """
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
