@@ -69,7 +69,7 @@ class FourDStrategy(ParallelStrategy):
         preemption_requeue: after such a save under SLURM, run ``scontrol requeue`` (rank 0).
         heartbeat_timeout: a rank whose heartbeat (a thread, see :mod:`lightning_4d.heartbeat`) is silent this
             long — stopped, frozen, deadlocked — ends the others with a message naming it, instead of the
-            process-group ``timeout``; default 60 s, ``None`` disables.
+            process-group ``timeout``; ``None`` (default) disables; e.g. ``timedelta(seconds=60)``.
 
     Example:
         >>> strategy = FourDStrategy(tp=2, pp=2, ep=2)
@@ -98,7 +98,7 @@ class FourDStrategy(ParallelStrategy):
         checkpoint_checksums: bool = True,
         preemption_signals: Optional[Sequence[Union[str, int]]] = DEFAULT_SIGNALS,
         preemption_requeue: bool = False,
-        heartbeat_timeout: Optional[timedelta] = timedelta(seconds=60),
+        heartbeat_timeout: Optional[timedelta] = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
