@@ -13,16 +13,41 @@ from typing import Literal, Optional, Union
 
 from lightning_4d.mesh import ParallelDims, _check_degree
 
-__all__ = ["FourDConfig", "SCHEDULES", "MULTI_STAGE_SCHEDULES", "ACTIVATION_CHECKPOINTING"]
+__all__ = ["FourDConfig", "SCHEDULES", "MULTI_STAGE_SCHEDULES", "ACTIVATION_CHECKPOINTING", "DATA_PARALLEL",
+           "check_data_parallel"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev")
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zbv", "dualpipev")
 ACTIVATION_CHECKPOINTING = (None, "selective", "full")
-DATA_PARALLEL = ("fsdp", "replicate")
+DATA_PARALLEL = ("fsdp", "replicate", "hsdp")
 
-# Parallelisms whose implementation has landed; the others fail loudly instead of silently
-# falling back to a different layout.
-_NOT_YET: dict[str, str] = {}
+
+def check_data_parallel(mode: str, dp_shard: Optional[int] = None) -> str:
+    """The one rule for ``data_parallel`` (and HSDP's ``dp_shard``); returns ``mode``.
+
+    Example:
+        >>> check_data_parallel("hsdp", dp_shard=8)
+        'hsdp'
+    """
+    if mode not in DATA_PARALLEL:
+        raise ValueError(
+            f"data_parallel={mode!r} is not supported. Use 'fsdp' (FSDP2 fully_shard, shards parameters), "
+            f"'replicate' (full copies, all-reduce of gradients) or 'hsdp' (FSDP2 inside groups of dp_shard "
+            f"ranks, replicated across groups)."
+        )
+    if mode == "hsdp" and dp_shard is None:
+        raise ValueError(
+            "data_parallel='hsdp' needs dp_shard: the data-parallel ranks that shard each parameter (e.g. the "
+            "GPUs of one node divided by tp). Pass dp_shard=N with N dividing dp."
+        )
+    if mode != "hsdp" and dp_shard is not None:
+        raise ValueError(
+            f"dp_shard={dp_shard} only applies to data_parallel='hsdp' (got {mode!r}). Set data_parallel='hsdp' "
+            f"or leave dp_shard unset."
+        )
+    if dp_shard is not None:
+        _check_degree("dp_shard", dp_shard)
+    return mode
 
 
 @dataclass(frozen=True)
@@ -44,6 +69,7 @@ class FourDConfig:
     virtual_stages: Optional[int] = None
     data_parallel: str = "fsdp"
     activation_checkpointing: Optional[str] = None
+    dp_shard: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "ep"):
@@ -56,11 +82,7 @@ class FourDConfig:
             _check_degree("virtual_stages", self.virtual_stages)
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} is not known. Choose one of {', '.join(SCHEDULES)}.")
-        if self.data_parallel not in DATA_PARALLEL:
-            raise ValueError(
-                f"data_parallel={self.data_parallel!r} is not supported. Use 'fsdp' (FSDP2 fully_shard, shards "
-                f"parameters) or 'replicate' (full copies, all-reduce of gradients)."
-            )
+        check_data_parallel(self.data_parallel, self.dp_shard)
         if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             raise ValueError(
                 f"activation_checkpointing={self.activation_checkpointing!r} is not supported. Use None, "
@@ -83,12 +105,6 @@ class FourDConfig:
                 f"schedule={self.schedule!r} runs one stage per rank, but virtual_stages={self.virtual_stages}. "
                 f"Use schedule='interleaved_1f1b' for several stages per rank."
             )
-        for name, why in _NOT_YET.items():
-            if getattr(self, name) != 1:
-                raise NotImplementedError(
-                    f"{name}={getattr(self, name)} is not supported yet: {why} Use {name}=1 for now."
-                )
-
     @property
     def stages_per_rank(self) -> int:
         """Pipeline stages held by each rank (``virtual_stages``, defaulted by schedule)."""
@@ -107,5 +123,5 @@ class FourDConfig:
         """
         return ParallelDims.from_world(
             world_size, tp=self.tp, pp=self.pp, ep=self.ep, dp=self.dp,
-            sequence_parallel=self.sequence_parallel, virtual_stages=self.stages_per_rank,
+            sequence_parallel=self.sequence_parallel, virtual_stages=self.stages_per_rank, dp_shard=self.dp_shard,
         )

@@ -21,23 +21,7 @@ from lightning_4d import _compat
 
 __all__ = ["DataParallelMode", "apply_data_parallel", "set_gradient_sync", "mixed_precision_policy"]
 
-DataParallelMode = Literal["fsdp", "replicate"]
-_MODES = ("fsdp", "replicate")
-
-
-def validate_mode(mode: str) -> str:
-    """Check a data-parallel mode name (pure).
-
-    Example:
-        >>> validate_mode("fsdp")
-        'fsdp'
-    """
-    if mode not in _MODES:
-        raise ValueError(
-            f"data_parallel={mode!r} is not supported. Use 'fsdp' (FSDP2 fully_shard, shards parameters) "
-            f"or 'replicate' (full copies, all-reduce of gradients)."
-        )
-    return mode
+DataParallelMode = Literal["fsdp", "replicate"]  # how one mesh wraps; HSDP is "fsdp" over a 2-D mesh
 
 
 def mixed_precision_policy(precision: str) -> Optional[Any]:
@@ -81,7 +65,8 @@ def apply_data_parallel(
     reshard_after_forward: bool = True,
     reshard_root: bool = False,
 ) -> nn.Module:
-    """Wrap each block, then the root, for data parallelism over ``mesh`` (the dp axis).
+    """Wrap each block, then the root, for data parallelism over ``mesh`` (the dp axis; a 2-D
+    ``(dp_replicate, dp_shard)`` mesh with ``mode="fsdp"`` is HSDP).
 
     Expert modules (whose parameters are sharded over ``ep``) are wrapped first over
     ``expert_mesh`` (the ``edp`` axis), so their gradients are averaged only over the ranks
@@ -94,7 +79,8 @@ def apply_data_parallel(
     Example:
         >>> apply_data_parallel(model, mesh["dp"], blocks=model.layers, mode="replicate")  # doctest: +SKIP
     """
-    validate_mode(mode)
+    if mode not in ("fsdp", "replicate"):
+        raise ValueError(f"apply_data_parallel: mode={mode!r}; use 'fsdp' (a 2-D mesh gives HSDP) or 'replicate'.")
     mp_policy = mixed_precision_policy(precision)
     for module in expert_modules:
         _wrap(module, expert_mesh, mode, mp_policy, reshard=True)

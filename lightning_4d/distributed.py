@@ -8,6 +8,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any, Iterable, Optional
 
@@ -64,13 +65,17 @@ def _local_norm_pow(grads: list[Tensor], norm_type: float) -> Tensor:
     return torch.stack([n.float() for n in norms]).pow(norm_type).sum()
 
 
-def global_grad_norm(params: Iterable[nn.Parameter], norm_type: float = 2.0, pp_group: Optional[Any] = None) -> Tensor:
-    """The norm of all gradients of the model across every shard, equal on every rank.
+def global_grad_norm(params: Iterable[nn.Parameter], norm_type: float = 2.0, pp: int = 1,
+                     group: Optional[Any] = None) -> Tensor:
+    """The norm of all gradients of the model across every shard, equal on every rank: one all-reduce.
 
-    DTensor gradients are grouped by (mesh, placements); each group's norm is reduced over its
-    own mesh by DTensor (so a ``Replicate`` dimension is counted once and a ``Shard`` dimension
-    summed). Pipeline stages hold disjoint parameters, so their ``p``-th powers are summed over
-    the ``pp`` group.
+    Each rank sums the ``p``-th powers of its *local* gradient shards, weighted so that the sum over
+    ``group`` (default: the world) counts every distinct shard once: a parameter of one pipeline rank is
+    held by ``world / pp`` ranks; a DTensor gradient has ``Π size(d)`` distinct shards over its
+    ``Shard`` mesh dimensions (replicas on ``Replicate`` dimensions or outside its mesh share the
+    weight), a plain gradient one (identical on every rank of its stage). One scalar all-reduce
+    replaces one redistribution per parameter and mesh dimension. ``Partial`` gradients are resolved
+    first. Tied copies must be left out by the caller.
 
     Example:
         >>> lin = nn.Linear(2, 1); lin(torch.ones(1, 2)).sum().backward()
@@ -79,32 +84,32 @@ def global_grad_norm(params: Iterable[nn.Parameter], norm_type: float = 2.0, pp_
     """
     if norm_type == float("inf"):
         raise ValueError("norm_type=inf is not supported for global clipping; use 2.0.")
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate
 
-    plain: list[Tensor] = []
-    groups: dict[tuple, list[Tensor]] = defaultdict(list)
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    holders = world // pp  # ranks holding a shard or a copy of each parameter
+    weighted: dict[float, list[Tensor]] = defaultdict(list)  # weight -> local gradient tensors
+    device: Any = "cpu"
     for p in params:
         g = p.grad
         if g is None:
             continue
         if isinstance(g, DTensor):
-            groups[(id(g.device_mesh), tuple(g.placements))].append(g)
+            if any(pl.is_partial() for pl in g.placements):
+                g = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
+            # Every placement that is neither Replicate nor Partial splits the tensor (Shard, _StridedShard).
+            shards = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements)
+                               if not (pl.is_replicate() or pl.is_partial()))
+            weighted[shards / holders].append(g.to_local())
         else:
-            plain.append(g)
-    total = torch.zeros((), dtype=torch.float32)
-    if plain:
-        total = total + _local_norm_pow(plain, norm_type).cpu()
-    for grads in groups.values():
-        norms = [torch.linalg.vector_norm(g, norm_type) for g in grads]
-        for n in norms:
-            full = n.full_tensor() if hasattr(n, "full_tensor") else n
-            total = total + full.float().cpu().pow(norm_type)
-    if pp_group is not None:
-        device = next(iter(groups.values()))[0].device if groups else (plain[0].device if plain else "cpu")
-        total = total.to(device)
-        all_reduce_sum(total, pp_group)
-        total = total.cpu()
-    return total.pow(1.0 / norm_type)
+            weighted[1.0 / holders].append(g)
+        device = g.device
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for weight, grads in weighted.items():
+        total = total + weight * _local_norm_pow(grads, norm_type).to(device)
+    if world > 1:
+        all_reduce_sum(total, group)
+    return total.cpu().pow(1.0 / norm_type)
 
 
 def to_full(value: Any) -> Any:

@@ -63,6 +63,8 @@ class ParallelDims:
         dp: data-parallel degree; ``world_size / (tp · pp)``.
         sequence_parallel: shard norms/dropout along the sequence inside TP regions.
         virtual_stages: pipeline stages per rank (``> 1`` for interleaved / ZBV schedules).
+        dp_shard: HSDP only: the data-parallel ranks that shard each parameter (FSDP2 inside a group of
+            ``dp_shard`` ranks, e.g. one node, replicated over ``dp / dp_shard`` groups); ``None``: no HSDP.
 
     Every broken rule raises ``ValueError`` naming the value, the rule and a fix.
 
@@ -78,6 +80,7 @@ class ParallelDims:
     dp: int = 1
     sequence_parallel: bool = True
     virtual_stages: int = 1
+    dp_shard: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("world_size", "tp", "pp", "ep", "dp", "virtual_stages"):
@@ -101,6 +104,14 @@ class ParallelDims:
                 f"ep={self.ep} with tp={self.tp} needs sequence_parallel=True: without it every TP rank holds the "
                 f"same tokens and expert dispatch would route them tp times. Set sequence_parallel=True."
             )
+        if self.dp_shard is not None:
+            _check_degree("dp_shard", self.dp_shard)
+            if self.dp % self.dp_shard != 0:
+                raise ValueError(
+                    f"dp_shard={self.dp_shard} does not divide dp={self.dp}. HSDP shards each parameter over "
+                    f"dp_shard ranks and replicates over dp/dp_shard groups; choose dp_shard among "
+                    f"{_divisors(self.dp)}."
+                )
         if self.virtual_stages > 1 and self.pp == 1:
             raise ValueError(
                 f"virtual_stages={self.virtual_stages} needs pp > 1 (it is the number of pipeline stages per rank). "
@@ -117,6 +128,7 @@ class ParallelDims:
         dp: Union[int, Literal["auto"]] = "auto",
         sequence_parallel: bool = True,
         virtual_stages: int = 1,
+        dp_shard: Optional[int] = None,
     ) -> "ParallelDims":
         """Infer ``dp = world / (tp · pp)`` when ``dp="auto"`` and validate everything.
 
@@ -136,12 +148,17 @@ class ParallelDims:
             dp = world_size // (tp * pp)
         elif isinstance(dp, str):
             raise ValueError(f"dp={dp!r} is not understood: pass an integer or 'auto'.")
-        return cls(world_size, tp, pp, ep, dp, sequence_parallel, virtual_stages)
+        return cls(world_size, tp, pp, ep, dp, sequence_parallel, virtual_stages, dp_shard)
 
     @property
     def edp(self) -> int:
         """Data-parallel degree of expert parameters: ``dp · tp / ep``."""
         return self.dp * self.tp // self.ep
+
+    @property
+    def dp_replicate(self) -> int:
+        """HSDP replica groups ``dp / dp_shard`` (1 without HSDP)."""
+        return self.dp // self.dp_shard if self.dp_shard is not None else 1
 
     @property
     def sp(self) -> bool:
@@ -186,12 +203,23 @@ class FourDMesh:
     dims: ParallelDims
     dense: "DeviceMesh"
     expert: "DeviceMesh"
+    flat_dp: Optional["DeviceMesh"] = None  # HSDP: dp_replicate × dp_shard as one dimension
 
     def __getitem__(self, name: Union[str, Axis]) -> "DeviceMesh":
         name = name.value if isinstance(name, Axis) else name
         if name in ("edp", "ep"):
             return self.expert[name]
+        if name == "dp" and self.flat_dp is not None:
+            return self.flat_dp
         return self.dense[name]
+
+    @property
+    def data_parallel(self) -> "DeviceMesh":
+        """The mesh dense parameters are data-parallel over: ``dp``, or the 2-D ``(dp_replicate, dp_shard)``
+        under HSDP (FSDP2 then shards over the second dimension and replicates over the first)."""
+        if self.dims.dp_shard is None:
+            return self.dense["dp"]
+        return self.dense["dp_replicate", "dp_shard"]
 
     def rank(self, name: Union[str, Axis]) -> int:
         """This process's coordinate on an axis."""
@@ -216,16 +244,23 @@ def build_mesh(
         raise ValueError(
             f"The process group has {dist.get_world_size()} ranks but the degrees describe {dims.world_size}."
         )
-    from lightning_4d._compat import mesh_backend_override
+    from lightning_4d._compat import flatten_mesh, mesh_backend_override
 
     backend = backend or dist.get_backend()
     override = mesh_backend_override(backend, timeout, 3)
     kwargs = {"backend_override": override} if override is not None else {}
     ranks = torch.arange(dims.world_size)
-    dense = DeviceMesh(
-        device_type, ranks.view(dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"), **kwargs
-    )
+    flat_dp = None
+    if dims.dp_shard is None:
+        dense = DeviceMesh(
+            device_type, ranks.view(dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"), **kwargs
+        )
+    else:  # HSDP: dp split in (replicate, shard); "dp" is their flattened union (loss, metrics, checks)
+        kwargs4 = {"backend_override": mesh_backend_override(backend, timeout, 4)} if override is not None else {}
+        dense = DeviceMesh(device_type, ranks.view(dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp),
+                           mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"), **kwargs4)
+        flat_dp = flatten_mesh(dense, ("dp_replicate", "dp_shard"), "dp", override[0] if override is not None else None)
     expert = DeviceMesh(
         device_type, ranks.view(dims.pp, dims.edp, dims.ep), mesh_dim_names=("pp", "edp", "ep"), **kwargs
     )
-    return FourDMesh(dims, dense, expert)
+    return FourDMesh(dims, dense, expert, flat_dp)

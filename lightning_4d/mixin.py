@@ -99,8 +99,10 @@ class FourDModule:
     def _log_loss(self, name: str, loss: Tensor, batch: Any, on_step: bool) -> None:
         inputs, _ = self.split_batch(batch)
         size = inputs.shape[0] if isinstance(inputs, Tensor) else None
-        # The value is already global on every rank: no further sync needed.
-        self.log(name, loss.detach(), prog_bar=True, on_step=on_step, on_epoch=not on_step, batch_size=size)
+        # The value is already global and equal on every rank. An epoch-level value is still marked
+        # sync_dist (one all-reduce of a scalar per epoch, the mean of equal values): Lightning warns otherwise.
+        self.log(name, loss.detach(), prog_bar=True, on_step=on_step, on_epoch=not on_step, batch_size=size,
+                 sync_dist=not on_step)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         """``loss_fn(forward(inputs), targets)``, logged as ``train_loss``."""

@@ -12,18 +12,31 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial
 
 from lightning_4d._compat import registered_submodule
 from lightning_4d.activation_checkpoint import apply_activation_checkpointing
 from lightning_4d.config import FourDConfig
 from lightning_4d.data_parallel import apply_data_parallel
 from lightning_4d.discovery import find_blocks, top_level_modules
+from lightning_4d.expert_parallel import MoE, apply_expert_parallel
+from lightning_4d.expert_parallel.inplace import is_inplace_experts
+from lightning_4d.expert_parallel.parallel import (
+    apply_inplace_expert_parallel,
+    expert_grad_scale,
+    install_token_shard_check,
+)
+from lightning_4d.expert_parallel.rewrite import find_moe_modules
 from lightning_4d.mesh import FourDMesh
+from lightning_4d.pipeline.glue import build_runner, prepare_pipeline, split_pipeline
+from lightning_4d.pipeline.runner import PipelineRunner
+from lightning_4d.tensor_parallel import apply_tensor_parallel, plan_tensor_parallel
 from lightning_4d.trace import example_tokens, trace_model
 from lightning_4d.verify import check_tensor_parallel
 
-__all__ = ["ParallelPlan", "parallelize_module"]
+__all__ = ["ParallelPlan", "parallelize_module", "reduce_tp_partial_grads"]
 
 
 @dataclass
@@ -39,7 +52,7 @@ class ParallelPlan:
     blocks: list[nn.Module] = field(default_factory=list)
     loss_parallel: bool = False
     tp_modules: list[str] = field(default_factory=list)
-    pipeline: Optional[Any] = None
+    pipeline: Optional[PipelineRunner] = None  # this rank's schedule over its stage modules (pp > 1)
     expert_modules: list[str] = field(default_factory=list)
     tp_partial_params: list[str] = field(default_factory=list)
     bias_update: bool = False
@@ -79,20 +92,13 @@ def parallelize_module(
 
     split = None
     if dims.pp > 1:
-        from lightning_4d.pipeline_glue import prepare_pipeline
-
         split = prepare_pipeline(module, mesh, config, trace, example)
 
     _apply_experts(module, mesh, plan, accumulate)
 
     if dims.tp > 1:
-        from lightning_4d.tensor_parallel import apply_tensor_parallel, plan_tensor_parallel
-
         apply_tensor_parallel(module, mesh, plan, plan_tensor_parallel(module, mesh, trace))
         if dims.ep > 1 and callable(_hook(module, "fourd_tp_plan")):
-            from lightning_4d.expert_parallel.inplace import is_inplace_experts
-            from lightning_4d.expert_parallel.parallel import install_token_shard_check
-
             # A user's plan must give the expert layers sequence shards; the automatic plan does by construction.
             # In-place experts get the routed tokens themselves; the package's MoE layer gets them (its experts not).
             names = [n if is_inplace_experts(module.get_submodule(n)) else n.rpartition(".")[0]
@@ -103,8 +109,6 @@ def parallelize_module(
 
     parts = None
     if dims.pp > 1:
-        from lightning_4d.pipeline_glue import split_pipeline
-
         parts = split_pipeline(module, mesh, config, split)
         plan.blocks = _blocks_of(module.get_submodule(blocks_path))
         kept = [n for n in plan.expert_modules if registered_submodule(module, n) is not None]
@@ -115,12 +119,13 @@ def parallelize_module(
     apply_activation_checkpointing(plan.blocks, config.activation_checkpointing)
 
     experts = [module.get_submodule(name) for name in plan.expert_modules]
+    wrap_mode = "fsdp" if config.data_parallel == "hsdp" else config.data_parallel  # HSDP: FSDP2 on a 2-D mesh
     # With edp == 1 no rank shares an expert: experts stay out of every data-parallel wrapper.
     unwrapped_experts = {p for e in experts for p in e.parameters()} if dims.edp == 1 else None
     if experts and dims.edp > 1:
         # Experts first, over edp: their gradients are averaged only over replicas of the same experts.
         for expert in experts:
-            apply_data_parallel(expert, mesh["edp"], mode=config.data_parallel, precision=precision,
+            apply_data_parallel(expert, mesh["edp"], mode=wrap_mode, precision=precision,
                                 reshard_root=parts is None)
     if dims.dp > 1:
         direct = [name for name, p in module.named_parameters(recurse=False)]
@@ -133,15 +138,36 @@ def parallelize_module(
         roots = parts.modules if parts is not None else [child for _, child in top_level_modules(module)]
         for root in roots:
             inner = [b for b in plan.blocks if _is_within(b, root)]
-            apply_data_parallel(root, mesh["dp"], blocks=inner, mode=config.data_parallel, precision=precision,
+            apply_data_parallel(root, mesh.data_parallel, blocks=inner, mode=wrap_mode, precision=precision,
                                 ignored_params=unwrapped_experts, reshard_after_forward=parts is None)
 
     if parts is not None:
-        from lightning_4d.pipeline_glue import build_runner
-
         plan.pipeline = build_runner(module, mesh, config, parts)
         plan.pipeline_tied = list(parts.tied)
     return plan
+
+
+def reduce_tp_partial_grads(plan: Optional[ParallelPlan], mesh: FourDMesh, model: nn.Module) -> None:
+    """Once per optimizer step, after backward (``FourDStrategy`` and the planner's dry run call it): sum over
+    ``tp`` the gradients of plain parameters that saw only this rank's sequence shard
+    (``plan.tp_partial_params``: routers, shared experts) and resolve DTensor gradients left ``Partial``
+    (sequence-parallel norm weights) once, instead of in every optimizer op.
+
+    Example:
+        >>> reduce_tp_partial_grads(None, None, nn.Linear(2, 2))  # no DTensor gradient, nothing to sum
+    """
+
+    for p in model.parameters():
+        g = p.grad
+        if isinstance(g, DTensor) and isinstance(p, DTensor) and any(isinstance(x, Partial) for x in g.placements):
+            p.grad = g.redistribute(p.device_mesh, p.placements)
+    names = set(plan.tp_partial_params) if plan is not None else set()
+    if not names:
+        return
+    group = mesh["tp"].get_group()
+    for name, p in model.named_parameters():
+        if name in names and p.grad is not None:
+            dist.all_reduce(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad, group=group)
 
 
 def _blocks_of(container: nn.Module) -> list[nn.Module]:
@@ -152,9 +178,6 @@ def _apply_experts(module: nn.Module, mesh: FourDMesh, plan: ParallelPlan, accum
     """Make every MoE layer expert-parallel (before TP planning): the model's own experts modules with 3-D
     weights in place (:mod:`~lightning_4d.expert_parallel.inplace`), Mixtral-style expert lists rewritten into
     the package's layer, the package's layer as is."""
-    from lightning_4d.expert_parallel import MoE, apply_expert_parallel
-    from lightning_4d.expert_parallel.parallel import apply_inplace_expert_parallel, expert_grad_scale
-    from lightning_4d.expert_parallel.rewrite import find_moe_modules
 
     dims = mesh.dims
     grad_scale = expert_grad_scale(dims)  # expert gradients are averaged over edp

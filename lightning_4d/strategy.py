@@ -27,6 +27,7 @@ from lightning_4d import _compat
 from lightning_4d.config import FourDConfig
 from lightning_4d.distributed import all_reduce_sum, broadcast_module_state, global_grad_norm
 from lightning_4d.mesh import FourDMesh, ParallelDims, build_mesh
+from lightning_4d.pipeline.glue import pipeline_eval, pipeline_train_loss, sync_tied
 from lightning_4d.preemption import DEFAULT_SIGNALS, PreemptionSaver, resolve_signals
 
 if TYPE_CHECKING:
@@ -48,8 +49,11 @@ class FourDStrategy(ParallelStrategy):
         microbatches: pipeline micro-batches per step (default: the schedule's minimum).
         schedule: pipeline schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zbv``, ``dualpipev``.
         virtual_stages: pipeline stages per rank (default 2 for the multi-stage schedules, else 1).
-        data_parallel: ``"fsdp"`` (FSDP2 ``fully_shard``) or ``"replicate"``.
+        data_parallel: ``"fsdp"`` (FSDP2 ``fully_shard``), ``"replicate"``, or ``"hsdp"`` (FSDP2 over a 2-D
+            ``(dp_replicate, dp_shard)`` mesh: parameters sharded inside each group of ``dp_shard`` ranks,
+            e.g. a node, replicated across the groups; expert parameters stay FSDP2 over ``edp``).
         activation_checkpointing: ``None``, ``"selective"`` or ``"full"`` (per block).
+        dp_shard: ``data_parallel="hsdp"`` only: the data-parallel ranks sharding each parameter (divides ``dp``).
         timeout: process-group timeout; a rank blocked on a failed peer raises after it.
         process_group_backend: ``"gloo"``/``"nccl"``; default by device.
         sync_module_states: broadcast the full initial weights from rank 0 before sharding, so every
@@ -99,13 +103,14 @@ class FourDStrategy(ParallelStrategy):
         preemption_signals: Optional[Sequence[Union[str, int]]] = DEFAULT_SIGNALS,
         preemption_requeue: bool = False,
         heartbeat_timeout: Optional[timedelta] = None,
+        dp_shard: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.config = FourDConfig(
             tp=tp, pp=pp, ep=ep, dp=dp, sequence_parallel=sequence_parallel, microbatches=microbatches,
             schedule=schedule, virtual_stages=virtual_stages, data_parallel=data_parallel,
-            activation_checkpointing=activation_checkpointing,
+            activation_checkpointing=activation_checkpointing, dp_shard=dp_shard,
         )
         if not isinstance(timeout, timedelta):
             raise ValueError(f"timeout={timeout!r} must be a datetime.timedelta, e.g. timedelta(minutes=5).")
@@ -118,6 +123,8 @@ class FourDStrategy(ParallelStrategy):
             raise ValueError(f"nonfinite={nonfinite!r} must be one of {', '.join(map(repr, NONFINITE_MODES))}.")
         self._nonfinite = nonfinite
         self.skipped_steps = 0  # steps dropped by nonfinite="skip"
+        self.parameter_counts: Optional[tuple[int, int]] = None  # whole model (total, trainable), set in setup
+        self.module_parameter_counts: dict[str, int] = {}  # whole-model parameters per submodule name
         self._checkpoint_checksums = bool(checkpoint_checksums)
         signals = resolve_signals(preemption_signals)
         self.preemption = PreemptionSaver(signals, requeue=bool(preemption_requeue)) if signals else None
@@ -239,6 +246,7 @@ class FourDStrategy(ParallelStrategy):
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
+        from lightning_4d.callbacks.summary import use_whole_model_summary
         from lightning_4d.parallelize import parallelize_module
 
         assert self.model is not None and self.accelerator is not None
@@ -248,6 +256,11 @@ class FourDStrategy(ParallelStrategy):
             if self._sync_module_states and self.world_size > 1:
                 broadcast_module_state(self.model, src=0)
             self.model = self.precision_plugin.convert_module(self.model)
+            params = list(self.model.parameters())  # the whole model, each tied weight once
+            self.parameter_counts = (sum(p.numel() for p in params),
+                                     sum(p.numel() for p in params if p.requires_grad))
+            self.module_parameter_counts = {name: sum(p.numel() for p in sub.parameters())
+                                            for name, sub in self.model.named_modules() if name}
             self._plan = parallelize_module(
                 self.model, self.mesh, self.config, self.precision_plugin.precision,
                 accumulate=trainer.accumulate_grad_batches,
@@ -260,6 +273,7 @@ class FourDStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
             if self.preemption is not None and self.preemption not in trainer.callbacks:
                 trainer.callbacks.append(self.preemption)  # before a checkpoint is restored
+            use_whole_model_summary(trainer)  # Lightning's summary would count this rank's stage only
         self.setup_precision_plugin()
 
     def _start_heartbeat(self) -> None:
@@ -335,9 +349,7 @@ class FourDStrategy(ParallelStrategy):
         if not _compat.should_accumulate(self.lightning_module.trainer):
             self._reduce_tp_partial_grads()
             if self._plan is not None and self._plan.pipeline is not None:
-                from lightning_4d.pipeline_glue import sync_tied
-
-                sync_tied(self)
+                sync_tied(self.model, self._plan.pipeline, self._plan.pipeline_tied)
         return out
 
     def _check_replicas(self) -> None:
@@ -357,22 +369,10 @@ class FourDStrategy(ParallelStrategy):
             )
 
     def _reduce_tp_partial_grads(self) -> None:
-        """Sum over ``tp`` the gradients of plain parameters that saw only this rank's sequence shard, and
-        resolve DTensor gradients left ``Partial`` (SP norm weights) once, instead of in every optimizer op."""
-        from torch.distributed.tensor import DTensor, Partial
+        """Once per step: :func:`lightning_4d.parallelize.reduce_tp_partial_grads`."""
+        from lightning_4d.parallelize import reduce_tp_partial_grads
 
-        for p in self.model.parameters():
-            g = p.grad
-            if isinstance(g, DTensor) and isinstance(p, DTensor) and any(isinstance(x, Partial) for x in g.placements):
-                p.grad = g.redistribute(p.device_mesh, p.placements)
-        names = set(self._plan.tp_partial_params) if self._plan is not None else set()
-        if not names:
-            return
-        group = self.mesh["tp"].get_group()
-        for name, p in self.model.named_parameters():
-            if name in names and p.grad is not None:
-                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                dist.all_reduce(grad, group=group)
+        reduce_tp_partial_grads(self._plan, self.mesh, self.model)
 
     def _guarded(self, closure: Any) -> Any:
         """Run the step's forward and backward, then stop or skip it on every rank if it is not finite
@@ -445,12 +445,14 @@ class FourDStrategy(ParallelStrategy):
 
         check_inputs(inputs, self._plan.input_shape if self._plan is not None else None)
         check_targets(targets, self._plan is not None and self._plan.loss_parallel)
-        if self._plan is not None and self._plan.pipeline is not None:
-            from lightning_4d.pipeline_glue import pipeline_eval, pipeline_train_loss
-
+        runner = self._plan.pipeline if self._plan is not None else None
+        if runner is not None:
+            dp_group = self.mesh["dp"].get_group()
             if stage == "train" and module.training and torch.is_grad_enabled():
-                return pipeline_train_loss(self, module, inputs, targets)
-            return pipeline_eval(self, module, inputs, targets)
+                self.zero_grad_if_needed()
+                return pipeline_train_loss(runner, module, inputs, targets, dp_group, self.dims.dp,
+                                           module.trainer.accumulate_grad_batches, self.loss_context)
+            return pipeline_eval(runner, module, inputs, targets, dp_group, self.loss_context)
         with self.loss_context():
             outputs = module(inputs)
             local = module.loss_fn(outputs, targets)
@@ -470,9 +472,8 @@ class FourDStrategy(ParallelStrategy):
 
         check_inputs(inputs, self._plan.input_shape if self._plan is not None else None)
         if self._plan is not None and self._plan.pipeline is not None:
-            from lightning_4d.pipeline_glue import pipeline_eval
-
-            return pipeline_eval(self, module, inputs, None)
+            return pipeline_eval(self._plan.pipeline, module, inputs, None, self.mesh["dp"].get_group(),
+                                 self.loss_context)
         return to_full(module(inputs))
 
     def zero_grad_if_needed(self) -> None:
@@ -498,8 +499,7 @@ class FourDStrategy(ParallelStrategy):
             >>> trainer.strategy.clip_grad_norm_(model.parameters(), 1.0)  # doctest: +SKIP
         """
         params = [p for p in parameters if p.grad is not None]
-        pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
-        total = global_grad_norm([p for p in params if id(p) not in self._tied_copies()], norm_type, pp_group)
+        total = global_grad_norm([p for p in params if id(p) not in self._tied_copies()], norm_type, self.dims.pp)
         coef = float(max_norm) / (float(total) + 1e-6)
         if coef < 1.0:
             for p in params:  # per tensor: grads may be plain tensors and DTensors on several meshes

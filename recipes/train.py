@@ -12,6 +12,7 @@ The logic lives in :mod:`lightning_4d.recipes.build` (importable and tested); se
 from __future__ import annotations
 
 import sys
+import warnings
 
 import hydra
 from omegaconf import DictConfig
@@ -19,6 +20,8 @@ from omegaconf import DictConfig
 from lightning_4d.recipes import RecipeConfigError, ResourceError, register_configs, run
 
 register_configs()
+# Lightning 2.6 calls torch's deprecated LeafSpec on every step (torch >= 2.10): not actionable here.
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base=None)

@@ -37,6 +37,7 @@ from lightning_4d._compat.dispatch import (  # noqa: E402
     pytree,
 )
 from lightning_4d._compat.distributed import (  # noqa: E402
+    flatten_mesh,
     mesh_backend_override,
     patch_work_wait,
     process_group_of,
@@ -71,10 +72,15 @@ from lightning_4d._compat.pipelining import (  # noqa: E402
     forward_only_actions,
     patch_p2p_wait,
     schedule_action_table,
+    time_schedule_step,
     time_stage_compute,
 )
 from lightning_4d._compat.trainer import (  # noqa: E402
     attached_trainer,
+    fit_loop_batches_processed,
+    model_summary_options,
+    model_summary_parts,
+    set_fit_loop_position,
     default_pg_backend,
     init_dist_connection,
     install_subprocess_launcher,

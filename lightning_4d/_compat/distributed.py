@@ -22,6 +22,7 @@ __all__ = [
     "mesh_backend_override",
     "patch_work_wait",
     "process_group_of",
+    "flatten_mesh",
     "replicate",
     "shard_global_offset",
     "unbox_work",
@@ -50,6 +51,17 @@ def mesh_backend_override(backend: str, timeout: Optional[timedelta], ndim: int)
     except (AttributeError, RuntimeError):
         return None
     return tuple((backend, opts) for _ in range(ndim))
+
+
+def flatten_mesh(mesh: Any, dims: tuple[str, ...], name: str, backend_override: Optional[tuple] = None) -> Any:
+    """Make ``mesh[name]`` the union of ``dims`` (one process group over them), keeping ``mesh[dims]``:
+    the private ``DeviceMesh._flatten`` (torch has no public flatten yet).
+
+    Example:
+        >>> flatten_mesh(mesh, ("dp_replicate", "dp_shard"), "dp")  # doctest: +SKIP
+    """
+    kwargs = {"backend_override": backend_override} if backend_override is not None else {}
+    return mesh[dims]._flatten(name, **kwargs)
 
 
 def replicate(module: nn.Module, mesh: Any, mp_policy: Any = None, ignored_params: Any = None) -> nn.Module:

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from lightning_4d._compat.fake import is_fake
+
 __all__ = ["attention_ops", "foreach_norm", "grouped_mm", "grouped_mm_supported"]
 
 
@@ -27,8 +29,11 @@ def foreach_norm(tensors: list[torch.Tensor], ord: float) -> list[torch.Tensor]:
 def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether :func:`grouped_mm` runs ``x (M, K)`` against stacked ``w (G, N, K)`` here: this torch has
     the private ``torch._grouped_mm``, dtypes match, the last two dims of ``w`` are 16-byte multiples,
-    and the device / dtype is one its kernels take (CPU fp32/bf16/fp16, CUDA bf16 on sm90+)."""
+    and the device / dtype is one its kernels take (CPU fp32/bf16/fp16, CUDA bf16 on sm90+; fake or meta
+    tensors, e.g. a planner dry run, bf16 only: the operator's meta kernel)."""
     if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
+        return False
+    if (is_fake(x) or x.is_meta) and x.dtype != torch.bfloat16:
         return False
     align = 16 // x.element_size()
     if w.shape[-1] % align or w.shape[-2] % align:

@@ -14,7 +14,7 @@ import functools
 import time
 from typing import Any, Callable, Iterator
 
-__all__ = ["forward_only_actions", "patch_p2p_wait", "schedule_action_table", "time_stage_compute"]
+__all__ = ["forward_only_actions", "patch_p2p_wait", "schedule_action_table", "time_schedule_step", "time_stage_compute"]
 
 
 @contextlib.contextmanager
@@ -145,3 +145,25 @@ def time_stage_compute(stage: Any, on_compute: Callable[[str, int, float, float]
     timed("backward_one_chunk", backward_kind, backward=True)
     timed("backward_weight_one_chunk", lambda a, k: "W", backward=True)
     return ["forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"]
+
+
+def time_schedule_step(schedule: Any, on_wait: Callable[[float, float], None],
+                       on_step: Callable[[float, float], None]) -> list[str]:
+    """Report every p2p wait inside ``schedule.step`` (:func:`patch_p2p_wait`) and the whole step's
+    ``(t0, t1)`` (after the step, also when it raises).
+
+    Wraps ``step`` as an instance attribute of ``schedule`` (torch's schedules have no step hooks;
+    ``eval`` calls ``step`` too). Returns the wrapped names: ``delattr(schedule, name)`` restores it.
+    """
+    orig = schedule.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            with patch_p2p_wait(on_wait):
+                return orig(*args, **kwargs)
+        finally:
+            on_step(t0, time.perf_counter())
+
+    schedule.step = step
+    return ["step"]

@@ -15,6 +15,10 @@ import torch
 
 __all__ = [
     "attached_trainer",
+    "fit_loop_batches_processed",
+    "model_summary_options",
+    "model_summary_parts",
+    "set_fit_loop_position",
     "default_pg_backend",
     "init_dist_connection",
     "install_subprocess_launcher",
@@ -81,3 +85,56 @@ def should_accumulate(trainer: Any) -> bool:
         return bool(trainer.fit_loop._should_accumulate())
     except AttributeError:
         return False
+
+
+# ---------------------------------------------------------------------------------------------- checkpoint loop state
+# The layout of ``checkpoint["loops"]["fit_loop"]`` is Lightning's (not a public format); pinned by
+# tests/unit/test_compat.py against the installed Lightning.
+def fit_loop_batches_processed(checkpoint: dict[str, Any]) -> int:
+    """Training batches processed before ``checkpoint`` was written (``fit_loop`` batch progress)."""
+    loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    return int(loop.get("epoch_loop.batch_progress", {}).get("total", {}).get("processed", 0))
+
+
+def _progress(ready: int, started: int, processed: int, completed: int) -> dict[str, int]:
+    return {"ready": ready, "started": started, "processed": processed, "completed": completed}
+
+
+def set_fit_loop_position(checkpoint: dict[str, Any], epoch: int, in_epoch: int, total: int, last_batch: bool) -> None:
+    """Rewrite ``checkpoint``'s fit-loop state in place to "saved on train-batch end after batch ``in_epoch``
+    (1-based) of epoch ``epoch``, ``total`` batches in all" — the form Lightning restores consistently.
+
+    Also undoes the private ``_batches_that_stepped`` increment Lightning applies on this kind of restart
+    (it is never saved at ``on_train_batch_end``) and resets a half-done validation loop.
+    """
+    fit = checkpoint["loops"]["fit_loop"]
+    fit["epoch_progress"] = {
+        "total": _progress(epoch + 1, epoch + 1, epoch, epoch),
+        "current": _progress(epoch + 1, epoch + 1, epoch, epoch),
+    }
+    batch = fit.setdefault("epoch_loop.batch_progress", {})
+    batch["total"] = _progress(total, total, total, total - 1)
+    batch["current"] = _progress(in_epoch, in_epoch, in_epoch, in_epoch - 1)
+    batch["is_last_batch"] = last_batch
+    state = fit.setdefault("epoch_loop.state_dict", {})
+    if "_batches_that_stepped" in state:
+        state["_batches_that_stepped"] = max(0, int(state["_batches_that_stepped"]) - 1)
+    val = fit.get("epoch_loop.val_loop.batch_progress")
+    if isinstance(val, dict):
+        val["current"] = {k: 0 for k in val.get("current", {})}
+        val["is_last_batch"] = False
+
+
+# ---------------------------------------------------------------------------------------------- model summary
+def model_summary_options(callback: Any) -> tuple[int, dict[str, Any]]:
+    """``(max_depth, summarize_kwargs)`` of Lightning's ``ModelSummary`` callback (private attributes)."""
+    return int(callback._max_depth), dict(callback._summarize_kwargs)
+
+
+def model_summary_parts(callback: Any, trainer: Any, module: Any) -> tuple[list, float, dict, int, int]:
+    """What Lightning's ``ModelSummary.on_fit_start`` prints, from its private ``_summary`` and
+    ``_get_summary_data``: ``(table rows, model size in MB, training modes, FLOPs, this rank's parameters)``."""
+    summary = callback._summary(trainer, module)
+    flops = summary.total_flops if hasattr(summary, "total_flops") else 0
+    return (summary._get_summary_data(), summary.model_size, summary.total_training_modes, flops,
+            summary.total_parameters)

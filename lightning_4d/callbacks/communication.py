@@ -1,17 +1,14 @@
 """Communication per training step: count, bytes and time of every collective, per kind and mesh axis.
 
-:class:`CommRecorder` is a ``TorchDispatchMode`` that sees every collective dispatched while it is
-active — DTensor's functional collectives (TP/SP), FSDP2 / replicate's ``c10d`` calls (DP),
-``torch.distributed`` calls such as the MoE dispatch's ``all_to_all_single`` (EP) and the
-pipeline's point-to-point ``send`` / ``recv`` issued by ``isend`` / ``irecv`` /
-``batch_isend_irecv`` (PP; torch 2.13 routes them through the ``c10d::send`` / ``c10d::recv_`` ops,
-which a dispatch mode sees — the tests check it) — in forward, backward and the optimizer step.
-
-Bytes are what *this rank sends* (recv: what it receives), exactly per call: all-reduce
-``2(n−1)/n·S``, all-gather and reduce-scatter ``(n−1)/n·S`` (``S`` the full, gathered tensor),
-all-to-all the send buffer minus the chunk the rank keeps (exact for uneven MoE splits), send the
-tensor. Seconds are host wall time blocked in the collective: the call itself plus the wait on its
-handle — ``Work.wait()`` for ``c10d`` calls (synchronous ones wait inside ``torch.distributed``;
+:class:`CommRecorder` is the package's one collective recorder (:class:`lightning_4d.comm.CommCounter`, a
+``TorchDispatchMode``) naming groups by mesh axis and timing each call. It sees DTensor's functional
+collectives (TP/SP), FSDP2 / replicate's ``c10d`` calls (DP), ``torch.distributed`` calls such as the MoE
+dispatch's ``all_to_all_single`` (EP) and the pipeline's point-to-point ``send`` / ``recv`` issued by
+``isend`` / ``irecv`` / ``batch_isend_irecv`` (PP; torch 2.13 routes them through the ``c10d::send`` /
+``c10d::recv_`` ops, which a dispatch mode sees — the tests check it) — in forward, backward and the
+optimizer step. Bytes are what *this rank sends* (recv: what it receives), exactly per call
+(:func:`lightning_4d.comm.op_bytes`). Seconds are host wall time blocked in the collective: the call itself
+plus the wait on its handle — ``Work.wait()`` for ``c10d`` calls (synchronous ones wait inside ``torch.distributed``;
 asynchronous FSDP all-gathers and pipeline sends/receives wait later) and ``wait_tensor`` for
 functional collectives. To see the ``Work.wait()`` calls, the recorder wraps the
 ``torch.distributed.Work.wait`` method while it is active and restores it on exit (the one patch;
@@ -38,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
@@ -46,6 +42,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_4d import _compat
+from lightning_4d.comm import CommCounter, CommRecord
 from lightning_4d.callbacks._common import (
     RunContext,
     every_n,
@@ -63,107 +60,7 @@ __all__ = ["AXES", "KINDS", "CommEvent", "CommRecorder", "CommunicationMonitor",
 AXES = ("tp", "dp", "pp", "ep", "edp", "world", "other")
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "recv", "broadcast")
 
-# op name -> kind, for the namespaces "c10d" (in-place, Work-returning) and "_c10d_functional".
-_OPS: dict[str, str] = {
-    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "all_reduce": "all_reduce",
-    "all_reduce_": "all_reduce", "all_reduce_coalesced": "all_reduce", "all_reduce_coalesced_": "all_reduce",
-    "allgather_": "all_gather", "_allgather_base_": "all_gather", "allgather_coalesced_": "all_gather",
-    "allgather_into_tensor_coalesced_": "all_gather", "all_gather_into_tensor": "all_gather",
-    "all_gather_into_tensor_out": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
-    "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "alltoall_base_": "all_to_all", "alltoall_": "all_to_all", "all_to_all_single": "all_to_all",
-    "send": "send", "recv_": "recv", "recv_any_source_": "recv",
-    "broadcast_": "broadcast", "broadcast": "broadcast",
-}
-_NAMESPACES = ("c10d", "_c10d_functional")
-
-
-@dataclass
-class CommEvent:
-    """One collective seen by :class:`CommRecorder`.
-
-    Attributes:
-        kind: one of :data:`KINDS`; axis: one of :data:`AXES`; group_size: ranks in the group.
-        bytes: bytes this rank sends (``recv``: receives) in the call.
-        seconds: host time in the call and in the wait on its handle.
-        backward: issued by the autograd engine (backward pass).
-    """
-
-    kind: str
-    axis: str
-    group_size: int
-    bytes: float
-    seconds: float
-    backward: bool
-
-
-def _nbytes(t: Any) -> int:
-    if isinstance(t, torch.Tensor):
-        return t.numel() * t.element_size()
-    if isinstance(t, (list, tuple)):
-        return sum(_nbytes(x) for x in t)
-    return 0
-
-
-def _first_tensor(t: Any) -> Optional[torch.Tensor]:
-    if isinstance(t, torch.Tensor):
-        return t
-    if isinstance(t, (list, tuple)):
-        for x in t:
-            found = _first_tensor(x)
-            if found is not None:
-                return found
-    return None
-
-
-def _a2a_sent(inp: torch.Tensor, input_splits: Any, n: int, rank: int) -> float:
-    """Bytes of ``inp`` (split along dim 0) that leave this rank: all but its own chunk."""
-    rows = inp.shape[0] if inp.dim() else 1
-    row_bytes = (_nbytes(inp) / rows) if rows else 0.0
-    splits = list(input_splits) if input_splits else []
-    own = int(splits[rank]) if len(splits) == n and 0 <= rank < n else rows / max(n, 1)
-    return (rows - own) * row_bytes
-
-
-def op_bytes(name: str, kind: str, args: tuple, n: int, rank: int) -> float:
-    """Bytes this rank sends (``recv``: receives) for one call of op ``name`` (see the module docstring).
-
-    Example:
-        >>> op_bytes("all_reduce", "all_reduce", (torch.zeros(4),), 2, 0)
-        16.0
-    """
-    if kind in ("send", "recv"):
-        return float(_nbytes(args[0]))
-    if n <= 1:
-        return 0.0
-    if kind == "all_to_all":
-        if name == "alltoall_base_":  # (output, input, group, output_splits, input_splits, ...)
-            return float(_a2a_sent(args[1], args[4] if len(args) > 4 else None, n, rank))
-        if name == "all_to_all_single":  # (input, output_splits, input_splits, group_name)
-            return float(_a2a_sent(args[0], args[2] if len(args) > 2 else None, n, rank))
-        return (n - 1) / n * _nbytes(args[1] if name == "alltoall_" else args[0])  # (outputs, inputs, ...)
-    if kind == "all_gather":
-        if name in ("_allgather_base_", "allgather_into_tensor_coalesced_"):  # (output(s), input(s), ...)
-            full = _nbytes(args[0])
-        elif name in ("allgather_", "allgather_coalesced_"):  # (outputs [[n]], inputs, ...)
-            full = _nbytes(args[1]) * n
-        else:  # functional: (input(s), group_size, group_name)
-            full = _nbytes(args[0]) * n
-        return (n - 1) / n * full
-    if kind == "reduce_scatter":
-        if name in ("_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_"):  # (output(s), input(s), ...)
-            full = _nbytes(args[1])
-        elif name == "reduce_scatter_":  # (outputs, inputs [[n]], ...)
-            full = _nbytes(args[1])
-        else:  # functional: (input(s), op, group_size, group_name)
-            full = _nbytes(args[0])
-        return (n - 1) / n * full
-    full = _nbytes(args[0])
-    if kind == "all_reduce":
-        return 2.0 * (n - 1) / n * full
-    return (n - 1) / n * full  # broadcast (ring / pipelined estimate)
+CommEvent = CommRecord  # one collective seen by :class:`CommRecorder` (the package's one record type)
 
 
 def axis_groups(mesh: Any) -> dict[Any, tuple[str, ...]]:
@@ -195,12 +92,12 @@ def axis_groups(mesh: Any) -> dict[Any, tuple[str, ...]]:
     return {k: tuple(v) for k, v in out.items()}
 
 
-class CommRecorder(_compat.dispatch_mode_base()):  # type: ignore[misc]
-    """Records every collective dispatched while active: :class:`CommEvent` per call (see module docstring).
+class CommRecorder(CommCounter):
+    """:class:`lightning_4d.comm.CommCounter` naming axes by mesh group and timing each call and its wait.
 
     Args:
         groups: process-group name or ranks → mesh axes (:func:`axis_groups`); other groups are
-            ``"world"`` (the default group) or ``"other"``.
+            ``"world"`` (the default group) or ``"other"``; all-to-alls prefer ``ep`` / ``edp`` when groups coincide.
         sync_cuda: synchronise the device at the end of each timed call / wait (device-inclusive times).
 
     Collectives issued inside :func:`~lightning_4d.callbacks._common.internal_comm` (the monitors' own
@@ -209,7 +106,7 @@ class CommRecorder(_compat.dispatch_mode_base()):  # type: ignore[misc]
     Example:
         >>> with CommRecorder({}) as rec:
         ...     _ = torch.ones(2) + 1
-        >>> rec.events, rec.totals()
+        >>> rec.records, rec.totals()
         ([], {})
     """
 
@@ -217,10 +114,9 @@ class CommRecorder(_compat.dispatch_mode_base()):  # type: ignore[misc]
         super().__init__()
         self.groups = dict(groups or {})
         self.sync_cuda = sync_cuda
-        self.events: list[CommEvent] = []
-        self._pending_works: dict[int, tuple[CommEvent, Any]] = {}
-        self._pending_tensors: dict[int, tuple[CommEvent, torch.Tensor]] = {}
-        self._group_cache: dict[Any, tuple[str, int, int, str]] = {}
+        self._pending_works: dict[int, tuple[CommRecord, Any]] = {}
+        self._pending_tensors: dict[int, tuple[CommRecord, torch.Tensor]] = {}
+        self._axes: dict[tuple[str, str], str] = {}
         self._patch: Optional[contextlib.AbstractContextManager] = None
 
     # -- context ---------------------------------------------------------------------------------
@@ -254,11 +150,21 @@ class CommRecorder(_compat.dispatch_mode_base()):  # type: ignore[misc]
             self._sync()
             entry[0].seconds += (time.perf_counter() if self.sync_cuda else t1) - t0
 
-    def _axis(self, pg: Any, kind: str) -> str:
+    def skip(self) -> bool:
+        return is_internal_comm()
+
+    def axis(self, pg: Any, kind: str) -> tuple[str, int]:
+        if pg is None:
+            return "other", 1
+        key = (pg.group_name, kind)
+        if key not in self._axes:
+            self._axes[key] = self._name(pg, kind)
+        return self._axes[key], int(pg.size())
+
+    def _name(self, pg: Any, kind: str) -> str:
         import torch.distributed as dist
 
-        name = pg.group_name
-        axes = self.groups.get(name)
+        axes = self.groups.get(pg.group_name)
         if not axes:
             try:
                 axes = self.groups.get(tuple(dist.get_process_group_ranks(pg)))
@@ -271,91 +177,49 @@ class CommRecorder(_compat.dispatch_mode_base()):  # type: ignore[misc]
                         return preferred
             return axes[0]
         try:
-            if dist.is_initialized() and name == dist.group.WORLD.group_name:
+            if dist.is_initialized() and pg.group_name == dist.group.WORLD.group_name:
                 return "world"
         except Exception:  # noqa: BLE001
             pass
         return "other"
 
-    def _group(self, args: tuple, kwargs: dict, kind: str) -> tuple[str, int, int]:
-        for arg in list(args) + list(kwargs.values()):
-            if not isinstance(arg, (str, torch.ScriptObject)) and type(arg).__name__ != "ProcessGroup":
-                continue
-            key = (arg if isinstance(arg, str) else id(arg), kind)
-            hit = self._group_cache.get(key)
-            if hit is not None:
-                return hit[0], hit[1], hit[2]
-            pg = _compat.process_group_of(arg)
-            if pg is None:
-                continue
-            info = (self._axis(pg, kind), int(pg.size()), int(pg.rank()), pg.group_name)
-            if isinstance(arg, str):
-                self._group_cache[key] = info
-            return info[0], info[1], info[2]
-        return "other", 1, 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        kwargs = kwargs or {}
-        if _compat.is_higher_order_op(func):
-            return func(*args, **kwargs)
-        from torch.distributed.tensor import DTensor
-
-        if any(isinstance(t, type) and issubclass(t, DTensor) for t in types):
-            return NotImplemented  # DTensor first desugars into plain collectives, seen next
-        namespace = getattr(func, "namespace", "")
-        if namespace not in _NAMESPACES:
-            return func(*args, **kwargs)
-        name = _compat.op_name(func)
-        if name == "wait_tensor":
-            t0 = time.perf_counter()
-            out = func(*args, **kwargs)
-            entry = self._pending_tensors.pop(id(args[0]), None) if args else None
-            if entry is not None:
-                self._sync()
-                entry[0].seconds += time.perf_counter() - t0
-            return out
-        kind = _OPS.get(name)
-        if kind is None or is_internal_comm():
-            return func(*args, **kwargs)
-        t0 = time.perf_counter()
-        out = func(*args, **kwargs)
-        seconds = time.perf_counter() - t0
-        axis, n, rank = self._group(args, kwargs, kind)
-        event = CommEvent(kind, axis, n, op_bytes(name, kind, args, n, rank), seconds, _compat.in_backward())
-        self.events.append(event)
+    def issued(self, record: CommRecord, namespace: str, out: Any) -> None:
         if namespace == "c10d":
             for obj in (out if isinstance(out, (tuple, list)) else (out,)):
                 if isinstance(obj, torch.ScriptObject):
                     work = _compat.unbox_work(obj)
                     if work is not None:
-                        self._pending_works[id(work)] = (event, work)  # keeps the id unique until waited
+                        self._pending_works[id(work)] = (record, work)  # keeps the id unique until waited
         else:
             for t in (out if isinstance(out, (tuple, list)) else (out,)):
                 if isinstance(t, torch.Tensor):
-                    self._pending_tensors[id(t)] = (event, t)
+                    self._pending_tensors[id(t)] = (record, t)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        if getattr(func, "namespace", "") != "_c10d_functional" or _compat.op_name(func) != "wait_tensor":
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        t0 = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        entry = self._pending_tensors.pop(id(args[0]), None) if args else None
+        if entry is not None:
+            self._sync()
+            entry[0].seconds += time.perf_counter() - t0
         return out
 
     # -- results ---------------------------------------------------------------------------------
     def totals(self, backward: Optional[bool] = None) -> dict[tuple[str, str], dict[str, float]]:
-        """``{(axis, kind): {"count", "bytes", "seconds"}}``, optionally forward- or backward-only.
+        """``{(axis, kind): {"count", "bytes", "seconds"}}`` (bytes sent), optionally forward- or backward-only.
 
         Example:
             >>> CommRecorder().totals()
             {}
         """
-        out: dict[tuple[str, str], dict[str, float]] = {}
-        for e in self.events:
-            if backward is not None and e.backward != backward:
-                continue
-            entry = out.setdefault((e.axis, e.kind), {"count": 0.0, "bytes": 0.0, "seconds": 0.0})
-            entry["count"] += 1
-            entry["bytes"] += e.bytes
-            entry["seconds"] += e.seconds
-        return out
+        return {k: {"count": float(v["count"]), "bytes": v["sent_bytes"], "seconds": v["seconds"]}
+                for k, v in super().totals(backward).items()}
 
     def clear(self) -> None:
         """Forget the recorded events."""
-        self.events.clear()
+        self.records.clear()
 
 
 # ---------------------------------------------------------------------------------------------- analytic

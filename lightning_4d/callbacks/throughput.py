@@ -1,12 +1,15 @@
 """Training throughput across the mesh: tokens per second, model FLOP utilisation (MFU), peak memory per rank.
 
-Tokens per step are the inputs' elements on one rank times the number of ranks that see different
-samples (``dims.dp`` under ``FourDStrategy``: TP and PP peers share a batch; the world otherwise).
-Time is wall time between logging points (data loading included: what the run achieves); on CUDA the
-device is synchronised at each logging point only. MFU = ``flops_per_token(seq_len) · tokens/s ÷
-(peak FLOP/s per device · world size)``, with ``flops_per_token`` taken from the model (the package's
-models define it: ``6·N_active + 12·L·H·s``). Peak memory is ``torch.cuda.max_memory_allocated`` on
-CUDA, else the process's resident-set high-water mark (``resource.getrusage``).
+Rates and MFU come from Lightning's :class:`~lightning.fabric.utilities.throughput.Throughput` (the default
+peak FLOP/s from :func:`~lightning.fabric.utilities.throughput.get_available_flops`); what is 4D-specific is
+the accounting fed to it: one "device" of ``Throughput`` is one data-parallel replica (``dims.dp`` of them
+under ``FourDStrategy``, the world otherwise), whose tokens are the world's summed inputs over
+``world / dp`` (TP and PP peers share a batch) and whose peak is ``world / dp`` devices' peak;
+``flops_per_token`` is the *whole* model's (read before the strategy splits it into pipeline stages).
+So MFU = ``flops_per_token(seq_len) · tokens/s ÷ (peak FLOP/s per device · world size)``. Time is wall
+time between logging points (data loading included), the slowest rank's; on CUDA the device is
+synchronised at each logging point only. Peak memory is ``torch.cuda.max_memory_allocated`` on CUDA,
+else the process's resident-set high-water mark (``resource.getrusage``).
 
 Example:
     >>> round(mfu(flops_per_token=1e9, tokens_per_second=1e5, peak_flops=1e15, devices=8), 4)
@@ -15,11 +18,13 @@ Example:
 
 from __future__ import annotations
 
+import resource
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
+from lightning.fabric.utilities.throughput import Throughput, get_available_flops
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
@@ -30,9 +35,11 @@ if TYPE_CHECKING:
 
 __all__ = ["FourDThroughputMonitor", "mfu", "peak_memory_bytes", "find_flops_per_token"]
 
+_COMPUTE_DTYPE = {"bf16": torch.bfloat16, "16": torch.float16, "64": torch.float64}  # else float32
+
 
 def mfu(flops_per_token: float, tokens_per_second: float, peak_flops: float, devices: int) -> float:
-    """Model FLOP utilisation: achieved model FLOP/s over the devices' peak.
+    """Model FLOP utilisation: achieved model FLOP/s over the devices' peak (0 without a peak).
 
     Example:
         >>> mfu(6.0, 10.0, 100.0, 2)
@@ -53,8 +60,6 @@ def peak_memory_bytes(device: Optional[torch.device] = None) -> int:
     """
     if device is not None and device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    import resource
-
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
@@ -92,15 +97,18 @@ class FourDThroughputMonitor(Callback):
 
     - ``perf/tokens_per_second`` (global: all data-parallel replicas), ``perf/step_seconds`` (mean wall
       time per batch; the slowest rank),
-    - ``perf/mfu`` when the model has ``flops_per_token(seq_len)`` (or ``flops_per_token=`` is given),
+    - ``perf/mfu`` when the model has ``flops_per_token(seq_len)`` (or ``flops_per_token=`` is given) and
+      the peak FLOP/s of a device is known,
     - ``perf/peak_memory_bytes_max`` / ``_mean`` and ``perf/peak_memory_bytes_rank{r}`` (``per_rank``;
       default: worlds of at most 16 ranks).
 
-    Works with any strategy (the world is the data-parallel group outside ``FourDStrategy``); named to
-    avoid a clash with Lightning's ``ThroughputMonitor``.
+    Works with any strategy (the world is the data-parallel group outside ``FourDStrategy``). Unlike
+    Lightning's ``ThroughputMonitor`` (per-device rates of one model copy per device), it counts a model
+    replica spread over TP × PP devices once and logs the same values on every rank.
 
     Args:
-        peak_flops_per_device: peak FLOP/s of one device for MFU (e.g. ``989e12`` for an H100 in bf16).
+        peak_flops_per_device: peak FLOP/s of one device for MFU (e.g. ``989e12`` for an H100 in bf16);
+            ``None``: Lightning's ``get_available_flops`` for the device and precision; ``0``: no MFU.
         every_n_steps: log every N training batches (default: ``trainer.log_every_n_steps``).
         flops_per_token: ``fn(seq_len) -> FLOPs`` overriding the model's.
         per_rank: log one peak-memory key per rank.
@@ -114,15 +122,15 @@ class FourDThroughputMonitor(Callback):
         0.41
     """
 
-    def __init__(self, peak_flops_per_device: float = 0.0, every_n_steps: Optional[int] = None,
+    def __init__(self, peak_flops_per_device: Optional[float] = None, every_n_steps: Optional[int] = None,
                  flops_per_token: Optional[Callable[[int], float]] = None, per_rank: Optional[bool] = None,
                  tokens_fn: Optional[Callable[[Any], int]] = None) -> None:
         super().__init__()
-        if peak_flops_per_device < 0:
+        if peak_flops_per_device is not None and peak_flops_per_device < 0:
             raise ValueError(f"peak_flops_per_device={peak_flops_per_device} must be >= 0 (0: no MFU).")
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"every_n_steps={every_n_steps} must be >= 1 (or None for trainer.log_every_n_steps).")
-        self.peak_flops_per_device = float(peak_flops_per_device)
+        self.peak_flops_per_device = peak_flops_per_device
         self.every_n_steps = every_n_steps
         self.flops_per_token = flops_per_token
         self.per_rank = per_rank
@@ -130,11 +138,10 @@ class FourDThroughputMonitor(Callback):
         self._ctx: Optional[RunContext] = None
         self._every = 1
         self._fpt: Optional[Callable[[int], float]] = None
+        self._throughput: Optional[Throughput] = None
         self._t_last: Optional[float] = None
-        self._tokens = 0
-        self._batches = 0
-        self._seq = 0
-        self._seen = 0
+        self._tokens = self._batches = self._seq = self._seen = 0
+        self._total = [0.0, 0, 0.0]  # replica totals fed to Throughput: seconds, batches, tokens
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -143,12 +150,22 @@ class FourDThroughputMonitor(Callback):
         # Before the strategy splits the model into pipeline stages (a stage alone would count only its
         # own parameters): keep FLOPs(s) = a + b·s (linear in the sequence length, as the formula is).
         self._fpt = self.flops_per_token or _frozen_linear(find_flops_per_token(pl_module))
+        peak = self.peak_flops_per_device
+        if peak is None:
+            dtype = _COMPUTE_DTYPE.get(str(trainer.precision).split("-")[0], torch.float32)
+            peak = get_available_flops(trainer.strategy.root_device, dtype) or 0.0
+        devices_per_replica = self._ctx.world_size / self._ctx.dp
+        self._throughput = Throughput(available_flops=peak * devices_per_replica, world_size=self._ctx.dp,
+                                      window_size=2)
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self._fpt is None:  # a model created in configure_model
             self._fpt = find_flops_per_token(pl_module)
         self._t_last = None
+        self._total = [0.0, 0, 0.0]
+        assert self._throughput is not None
+        self._throughput.update(time=0.0, batches=0, samples=0, lengths=0, flops=0 if self._fpt else None)
 
     def _local_tokens(self, pl_module: Any, batch: Any) -> tuple[int, int]:
         if self.tokens_fn is not None:
@@ -183,29 +200,30 @@ class FourDThroughputMonitor(Callback):
         step, self._seen = self._seen, self._seen + 1
         if not every_n(self._every, step) or self._t_last is None:
             return
-        ctx = self._ctx
-        assert ctx is not None
+        ctx, throughput = self._ctx, self._throughput
+        assert ctx is not None and throughput is not None
         now = self._now(pl_module)
-        elapsed = now - self._t_last
         device = getattr(pl_module, "device", None)
-        row = torch.tensor([elapsed, float(self._tokens), float(self._batches), float(peak_memory_bytes(device))],
-                           dtype=torch.float64)
+        row = torch.tensor([now - self._t_last, float(self._tokens), float(self._batches),
+                            float(peak_memory_bytes(device))], dtype=torch.float64)
         rows = gather_rows(row, device)  # (world, 4)
         self._t_last, self._tokens, self._batches = now, 0, 0
-        seconds = float(rows[:, 0].max())
-        # TP / PP peers hold copies of the same samples: count dp replicas once.
-        tokens_global = float(rows[:, 1].sum()) * ctx.dp / max(ctx.world_size, 1)
-        batches = float(rows[:, 2].max())
+        seconds, batches = float(rows[:, 0].max()), int(rows[:, 2].max())
+        replica_tokens = float(rows[:, 1].sum()) * ctx.dp / ctx.world_size  # TP / PP peers count once
         metrics = {
-            "perf/tokens_per_second": tokens_global / seconds if seconds > 0 else 0.0,
-            "perf/step_seconds": seconds / batches if batches else 0.0,
+            "perf/step_seconds": seconds / batches,
             "perf/peak_memory_bytes_max": float(rows[:, 3].max()),
             "perf/peak_memory_bytes_mean": float(rows[:, 3].mean()),
         }
-        if self._fpt is not None and self.peak_flops_per_device > 0 and self._seq:
-            metrics["perf/mfu"] = mfu(float(self._fpt(self._seq)), metrics["perf/tokens_per_second"],
-                                      self.peak_flops_per_device, ctx.world_size)
-        per_rank = self.per_rank if self.per_rank is not None else ctx.world_size <= 16
-        if per_rank:
+        if seconds > 0 and replica_tokens >= batches:  # Throughput's totals must increase
+            self._total = [self._total[0] + seconds, self._total[1] + batches, self._total[2] + replica_tokens]
+            t, b, n = self._total
+            flops = self._fpt(self._seq) * replica_tokens if self._fpt else None
+            throughput.update(time=t, batches=b, samples=b, lengths=n, flops=flops)
+            out = throughput.compute()
+            metrics["perf/tokens_per_second"] = out.get("items_per_sec", out["device/items_per_sec"])
+            if "device/mfu" in out and self._seq:
+                metrics["perf/mfu"] = out["device/mfu"]
+        if self.per_rank if self.per_rank is not None else ctx.world_size <= 16:
             metrics.update({f"perf/peak_memory_bytes_rank{r}": float(v) for r, v in enumerate(rows[:, 3])})
         log_metrics(pl_module, metrics)

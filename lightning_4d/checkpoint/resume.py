@@ -25,12 +25,7 @@ __all__ = ["consumed_batches", "normalize_loop_state", "SkipFirstBatches", "skip
 
 def consumed_batches(checkpoint: dict[str, Any]) -> int:
     """Training batches processed before the checkpoint was written (pure)."""
-    loop = checkpoint.get("loops", {}).get("fit_loop", {})
-    return int(loop.get("epoch_loop.batch_progress", {}).get("total", {}).get("processed", 0))
-
-
-def _progress(ready: int, started: int, processed: int, completed: int) -> dict[str, int]:
-    return {"ready": ready, "started": started, "processed": processed, "completed": completed}
+    return _compat.fit_loop_batches_processed(checkpoint)
 
 
 def normalize_loop_state(checkpoint: dict[str, Any], batches_per_epoch: int) -> int:
@@ -44,8 +39,7 @@ def normalize_loop_state(checkpoint: dict[str, Any], batches_per_epoch: int) -> 
         >>> ckpt["loops"]["fit_loop"]["epoch_progress"]["total"]["ready"]
         2
     """
-    fit = checkpoint.get("loops", {}).get("fit_loop")
-    if fit is None or batches_per_epoch <= 0:
+    if checkpoint.get("loops", {}).get("fit_loop") is None or batches_per_epoch <= 0:
         return 0
     total = consumed_batches(checkpoint)
     if total == 0:
@@ -53,23 +47,7 @@ def normalize_loop_state(checkpoint: dict[str, Any], batches_per_epoch: int) -> 
     epoch, in_epoch = divmod(total, batches_per_epoch)
     if in_epoch == 0:  # an epoch boundary: "after the last batch of the previous epoch"
         epoch, in_epoch = epoch - 1, batches_per_epoch
-    fit["epoch_progress"] = {
-        "total": _progress(epoch + 1, epoch + 1, epoch, epoch),
-        "current": _progress(epoch + 1, epoch + 1, epoch, epoch),
-    }
-    batch = fit.setdefault("epoch_loop.batch_progress", {})
-    batch["total"] = _progress(total, total, total, total - 1)
-    batch["current"] = _progress(in_epoch, in_epoch, in_epoch, in_epoch - 1)
-    batch["is_last_batch"] = in_epoch == batches_per_epoch
-    state = fit.setdefault("epoch_loop.state_dict", {})
-    # Lightning adds one on this kind of restart (it is never saved at on_train_batch_end).
-    if "_batches_that_stepped" in state:
-        state["_batches_that_stepped"] = max(0, int(state["_batches_that_stepped"]) - 1)
-    # Validation is not mid-way: a fresh validation loop state.
-    val = fit.get("epoch_loop.val_loop.batch_progress")
-    if isinstance(val, dict):
-        val["current"] = {k: 0 for k in val.get("current", {})}
-        val["is_last_batch"] = False
+    _compat.set_fit_loop_position(checkpoint, epoch, in_epoch, total, last_batch=in_epoch == batches_per_epoch)
     return 0 if in_epoch == batches_per_epoch else in_epoch
 
 

@@ -75,7 +75,6 @@ class _State:
     spec: ExpertsSpec
     forward: Callable[..., Any]  # the user's forward (unbound)
     group: Optional[dist.ProcessGroup] = None
-    label: str = "ep"
     ep: int = 1
     grad_scale: float = 1.0
     tokens: Optional[torch.Tensor] = None  # (E,) assignments per expert in the last forward (this rank)
@@ -229,7 +228,7 @@ def _assignments_forward(module: nn.Module, st: _State, hidden: torch.Tensor, id
         return _call_local(module, st, tensors, hidden, idx, weights)  # (N, H)
     plan = make_permutation(idx, e)
     xs = permute(hidden, plan)  # (M, H) sorted by expert
-    recv, info = dispatch(xs, plan.tokens_per_expert, st.group, label=st.label)  # (R, H) by local expert
+    recv, info = dispatch(xs, plan.tokens_per_expert, st.group)  # (R, H) by local expert
     counts = info.tokens_per_local_expert  # (E/ep,)
     local_ids = torch.repeat_interleave(torch.arange(counts.numel(), device=recv.device), counts)  # (R,)
     ones = torch.ones(recv.shape[0], 1, dtype=weights.dtype, device=recv.device)  # (R, 1)
@@ -244,7 +243,7 @@ def _grouped_forward(module: nn.Module, st: _State, x: torch.Tensor, counts: tor
         st.tokens = counts.detach().to(torch.long).clone()  # (E,)
     if st.group is None:
         return _call_local(module, st, tensors, x, counts)  # (M, H)
-    recv, info = dispatch(x, counts.to(torch.long), st.group, label=st.label)  # (R, H) by local expert
+    recv, info = dispatch(x, counts.to(torch.long), st.group)  # (R, H) by local expert
     local_counts = info.tokens_per_local_expert.to(device=counts.device, dtype=counts.dtype)  # (E/ep,)
     ys = _call_local(module, st, tensors, recv, local_counts)  # (R, H)
     return combine(ys + _touch(tensors).to(ys.dtype), info)  # (M, H)
@@ -392,6 +391,5 @@ def install_expert_parallel(module: nn.Module, spec: ExpertsSpec, ep_mesh: Any =
             dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
             setattr(module, name, nn.Parameter(dt, requires_grad=p.requires_grad))
         st.group, st.ep = ep_mesh.get_group(), ep
-        st.label = (ep_mesh.mesh_dim_names or ("ep",))[0]
     module.__class__ = _subclass(type(module))
     module.fourd_experts = st  # type: ignore[assignment]

@@ -34,7 +34,7 @@ from torch import nn
 
 from lightning_4d.expert_parallel.dispatch import combine, dispatch
 from lightning_4d.expert_parallel.experts import GroupedExperts, GroupedMM, SwiGLU
-from lightning_4d.expert_parallel.permute import compute_capacity, make_permutation, permute, unpermute
+from lightning_4d.expert_parallel.permute import FIXED_ROUTING, compute_capacity, make_permutation, permute, unpermute
 from lightning_4d.expert_parallel.router import ScoreFunc, TopKRouter
 
 __all__ = ["MoE", "attach_aux_loss", "moe_aux_loss", "update_expert_bias", "expert_load"]
@@ -112,9 +112,8 @@ class MoE(nn.Module):
             SwiGLU(dim, shared_hidden_dim, init_std, out_init_std) if shared_hidden_dim else None)
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.long), persistent=False)
         self.register_buffer("dropped_tokens", torch.zeros((), dtype=torch.long), persistent=False)
-        # Expert parallelism (set by shard_experts): the ep group and its label.
+        # Expert parallelism (set by shard_experts): the ep group.
         self.ep_group: Optional[dist.ProcessGroup] = None
-        self.ep_label = "ep"
         self.source_key_map: dict[str, tuple[str, Optional[int]]] = {}  # filled by the Mixtral rewrite
         self.reset_parameters()
 
@@ -147,7 +146,6 @@ class MoE(nn.Module):
         self.experts.shard(ep_mesh)
         self.experts.grad_scale = grad_scale
         self.ep_group = ep_mesh.get_group() if ep_mesh.size() > 1 else None
-        self.ep_label = (ep_mesh.mesh_dim_names or ("ep",))[0]
 
     def forward(self, x: torch.Tensor) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         shape = x.shape
@@ -156,11 +154,15 @@ class MoE(nn.Module):
         capacity = None
         if self.capacity_factor is not None:
             capacity = compute_capacity(h.shape[0] * self.top_k, self.num_experts, self.capacity_factor)
-        plan = make_permutation(
-            r.indices, self.num_experts, scores=r.scores.gather(-1, r.indices).detach(), capacity=capacity)
+        fixed = FIXED_ROUTING.get()  # routing decided outside the router (the planner's dry run)
+        if fixed is not None:
+            plan = fixed.permutation(r.indices, self.num_experts, capacity)
+        else:
+            scores = r.scores.gather(-1, r.indices).detach()  # (N, k)
+            plan = make_permutation(r.indices, self.num_experts, scores=scores, capacity=capacity)
         xs = permute(h, plan)  # (M, H) sorted by expert
         if self.ep_group is not None:
-            recv, info = dispatch(xs, plan.tokens_per_expert, self.ep_group, label=self.ep_label)  # (R, H)
+            recv, info = dispatch(xs, plan.tokens_per_expert, self.ep_group)  # (R, H)
             ys = combine(self.experts(recv, info.tokens_per_local_expert), info)  # (R, H) -> (M, H)
         else:
             ys = self.experts(xs, plan.tokens_per_expert)  # (M, H)

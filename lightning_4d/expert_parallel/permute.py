@@ -16,13 +16,17 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 
 __all__ = [
+    "FIXED_ROUTING",
+    "FixedRouting",
     "PermutePlan",
     "compute_capacity",
     "make_permutation",
@@ -128,6 +132,38 @@ def make_permutation(
         num_tokens=n,
         capacity=capacity,
     )
+
+
+@dataclass(frozen=True)
+class FixedRouting:
+    """Routing decided outside the router and alike on every rank, for the package's MoE layers while it is
+    set in :data:`FIXED_ROUTING` (the planner's dry run routes uniformly on fake tensors this way).
+
+    Attributes:
+        assign: ``(N·k, E) -> (N·k,)`` expert of every assignment, replacing the router's choice.
+        host: context for the host-side index math (expert ids, counts, split sizes), e.g. real tensors
+            inside a fake-tensor mode.
+
+    Example:
+        >>> fixed = FixedRouting(lambda m, e: torch.arange(m) % e)
+        >>> fixed.permutation(torch.zeros(3, 2, dtype=torch.long), 4, capacity=None).tokens_per_expert.tolist()
+        [2, 2, 1, 1]
+    """
+
+    assign: Callable[[int, int], torch.Tensor]
+    host: Callable[[], ContextManager[Any]] = contextlib.nullcontext
+
+    def permutation(self, indices: torch.Tensor, num_experts: int, capacity: Optional[int]) -> PermutePlan:
+        """:func:`make_permutation` of the fixed assignments for the router's ``indices (N, k)`` (in ``host``)."""
+        n, k = indices.shape
+        with self.host():
+            idx = self.assign(n * k, num_experts).view(n, k).to(indices.device)  # (N, k)
+            scores = torch.ones(n, k, device=indices.device) if capacity is not None else None  # (N, k)
+            return make_permutation(idx, num_experts, scores=scores, capacity=capacity)
+
+
+#: The :class:`FixedRouting` in effect (``None``: routers decide); set and reset it around a forward.
+FIXED_ROUTING: ContextVar[Optional[FixedRouting]] = ContextVar("lightning_4d_fixed_routing", default=None)
 
 
 def permute(x: torch.Tensor, plan: PermutePlan) -> torch.Tensor:

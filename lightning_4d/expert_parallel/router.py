@@ -147,9 +147,9 @@ class TopKRouter(nn.Module):
                 self.expert_bias.zero_()
             self.load_accum.zero_()
 
-    def _all_reduce(self, t: torch.Tensor, tag: str) -> torch.Tensor:
-        for label, group in self.stats_groups:
-            all_reduce_(t, group, label=label, tag=tag)
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        for _label, group in self.stats_groups:
+            all_reduce_(t, group)
         return t
 
     def forward(self, x: torch.Tensor) -> RouterOutput:
@@ -181,7 +181,7 @@ class TopKRouter(nn.Module):
         e = self.num_experts
         stats = torch.cat([counts.to(torch.float64), prob_sum.detach().to(torch.float64),
                            torch.tensor([float(n)], dtype=torch.float64, device=counts.device)])  # (2E+1,)
-        stats = self._all_reduce(stats, "router_stats")
+        stats = self._all_reduce(stats)
         g_counts, g_prob, g_n = stats[:e], stats[e:2 * e], stats[2 * e]
         f64 = g_counts / (g_n * self.top_k)  # (E,) global assignment fractions
         self.aux_loss = (e * (f64 * g_prob).sum() / g_n).float()
@@ -202,7 +202,7 @@ class TopKRouter(nn.Module):
             >>> torch.allclose(r.expert_bias.abs(), torch.full((2,), 0.1))
             True
         """
-        load = self._all_reduce(self.load_accum.clone(), "bias_load")  # (E,)
+        load = self._all_reduce(self.load_accum.clone())  # (E,)
         self.load_accum.zero_()
         if self.expert_bias is not None:
             self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load).to(self.expert_bias.dtype)

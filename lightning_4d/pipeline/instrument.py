@@ -22,11 +22,10 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Literal, Optional
 
 from lightning_4d import _compat
 
@@ -89,11 +88,6 @@ class PipelineInstrument:
     def _record(self, stage: Optional[int], kind: str, mb: Optional[int], t0: float, t1: float) -> None:
         self.events.append(PipelineEvent(self.step_index, self.rank, stage, kind, mb, t0, t1))
 
-    def _wrap(self, obj: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-        original = getattr(obj, name)
-        setattr(obj, name, make(original))
-        self._patched.append((obj, name))
-
     def _attach(self) -> None:
         for stage in self.stages:
             index = int(stage.stage_index)
@@ -103,18 +97,12 @@ class PipelineInstrument:
 
             self._patched.extend((stage, name) for name in _compat.time_stage_compute(stage, on_compute))
 
-        def step(orig: Callable[..., Any]) -> Callable[..., Any]:
-            def run(*args: Any, **kwargs: Any) -> Any:
-                t0 = time.perf_counter()
-                try:
-                    with _compat.patch_p2p_wait(lambda a, b: self._record(None, "wait", None, a, b)):
-                        return orig(*args, **kwargs)
-                finally:
-                    self._record(None, "step", None, t0, time.perf_counter())
-                    self.step_index += 1
-            return run
+        def on_step(t0: float, t1: float) -> None:
+            self._record(None, "step", None, t0, t1)
+            self.step_index += 1
 
-        self._wrap(self.schedule, "step", step)
+        wait = lambda a, b: self._record(None, "wait", None, a, b)  # noqa: E731
+        self._patched.extend((self.schedule, n) for n in _compat.time_schedule_step(self.schedule, wait, on_step))
 
     def detach(self) -> None:
         """Remove the wrappers (instance attributes), restoring torch's methods."""

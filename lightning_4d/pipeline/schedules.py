@@ -238,22 +238,32 @@ def validate_microbatches(
 
 
 def bubble_theory(schedule: Union[str, type, ScheduleInfo], p: int, m: int, v: int = 1) -> float:
-    """Closed-form bubble share of wall time for uniform stages.
+    """Closed-form bubble share of wall time for uniform stages, equal to the replay of torch's own
+    action table (:func:`lightning_4d.pipeline.bubble.bubble_from_actions`, costs ``F = I = W = 1``,
+    ``B = 2`` per stage chunk). This is the one closed form of the package; the planner imports it.
 
-    - GPipe, 1F1B: ``(p − 1)/(m + p − 1)``.
-    - Interleaved 1F1B / looped BFS with ``v`` chunks per rank: ``(p − 1)/(v·m + p − 1)``.
-    - Zero-bubble schedules with unit costs ``F = I = W`` (interleaved ZB, ZBV — Qi et al. 2024 —
-      and DualPipeV): the weight-gradient passes fill the warm-up/cool-down gaps, leaving only the
-      start-up delay of ``p − 1`` chunk forwards before the last rank gets work:
-      ``(p − 1)/(3·v·m + p − 1)`` — a third of the interleaved bubble time and below 1F1B.
-      torch's tables reach it for ``m >= p`` (interleaved ZB) and ``m >= 2p`` (ZBV, DualPipeV);
-      with fewer micro-batches the replay (:func:`bubble_from_actions`) is the reference.
+    With ``T`` the forward + backward cost of one micro-batch through one stage chunk, a rank works
+    ``v·m·T`` and the makespan ``M`` (in units of ``T``) is:
+
+    - GPipe, 1F1B: ``M = m + p − 1``, so the share is ``(p − 1)/(m + p − 1)``.
+    - Interleaved 1F1B / looped BFS, ``v`` chunks per rank: ``M = v·max(m, p) + min(m, p) − 1``; for
+      ``m >= p`` the share is ``(p − 1)/(v·m + p − 1)``; with fewer micro-batches than ranks each
+      micro-batch still crosses all ``v·p`` chunks, so the pipeline never fills.
+    - ZBV (``v = 2``, V placement, split backward ``I`` / ``W``): in units of one chunk pass
+      (``F = I = W``), ``M = max(3·v·m + p − 1, 4·(p + m) − 2)``: in steady state only the start-up
+      delay of ``p − 1`` chunk forwards is idle (Qi et al. 2024), ``(p − 1)/(3·v·m + p − 1)``;
+      below about ``m = p + (p − 3)/2`` micro-batches torch's table cannot fill the warm-up (e.g.
+      83% idle for ``p = 8, m = 1``).
+    - DualPipeV (``m >= 2p``, torch's rule) and interleaved zero bubble: ``(p − 1)/(3·v·m + p − 1)``;
+      torch's interleaved ZB table reaches it for ``m >= p`` only (below, use the replay).
 
     Example:
         >>> bubble_theory("1f1b", 4, 8)
         0.2727272727272727
         >>> bubble_theory("interleaved_1f1b", 4, 8, 2)
         0.15789473684210525
+        >>> round(bubble_theory("zbv", 8, 1, 2), 3), round(bubble_theory("zbv", 4, 8, 2), 4)
+        (0.824, 0.0588)
     """
     info = get_schedule_info(schedule)
     if p < 1 or m < 1 or v < 1:
@@ -261,5 +271,9 @@ def bubble_theory(schedule: Union[str, type, ScheduleInfo], p: int, m: int, v: i
     if info.name in ("gpipe", "1f1b"):
         return (p - 1) / (m + p - 1)
     if info.name in ("interleaved_1f1b", "looped_bfs"):
-        return (p - 1) / (v * m + p - 1)
+        makespan = v * max(m, p) + min(m, p) - 1
+        return (makespan - v * m) / makespan
+    if info.name == "zbv":
+        makespan = max(3 * v * m + p - 1, 4 * (p + m) - 2)
+        return (makespan - 3 * v * m) / makespan
     return (p - 1) / (3 * v * m + p - 1)

@@ -44,11 +44,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-import torch
 from torch import nn
 
 from lightning_4d._compat import child_modules, is_loss_module, registered_submodule
 from lightning_4d.pipeline.partition import StageStyle, partition_blocks, stage_ids_for_rank
+from lightning_4d.pipeline.tied import find_tied_parameters
 
 __all__ = ["PipelineSplit", "StageModule", "PipelineParts", "find_pipeline_split", "build_pipeline_stages", "HOOK_HINT"]
 
@@ -337,8 +337,6 @@ def build_pipeline_stages(
     parts = partition_blocks(split.num_blocks, num_stages, layers_per_stage=layers_per_stage,
                              embed_weight=embed_weight, head_weight=head_weight)
     stage_ids = stage_ids_for_rank(pp_rank, pp, virtual_stages, style)
-    from lightning_4d.pipeline.tied import find_tied_parameters
-
     tied = find_tied_parameters(model, split)
     keep = {split.block_keys[i] for s in stage_ids for i in parts[s]}
     container = registered_submodule(model, split.blocks_path)

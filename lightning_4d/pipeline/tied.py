@@ -27,9 +27,9 @@ import torch
 from torch import nn
 
 from lightning_4d._compat import registered_submodule
-from lightning_4d.pipeline.stages import PipelineSplit
 
 if TYPE_CHECKING:
+    from lightning_4d.pipeline.stages import PipelineSplit
     import torch.distributed as dist
 
 __all__ = ["find_tied_parameters", "sync_tied_grads"]

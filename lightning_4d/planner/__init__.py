@@ -7,8 +7,13 @@ The layers of the planner:
 - :mod:`.hardware` — devices, clusters, which mesh axes cross nodes;
 - :mod:`.memory` — model states, FSDP buffers and activations (Korthikanti et al. 2022) per pp rank;
 - :mod:`.comm` — bytes per collective kind and axis per step;
-- :mod:`.bubble` — closed-form bubble and in-flight micro-batches per schedule;
+- :mod:`.bubble` — the bubble of the exact schedule (closed form = replay of torch's table) and in-flight
+  micro-batches;
+- :mod:`.compute` — GEMM-shape-dependent compute time, memory-bound kernels, optimizer step;
+- :mod:`.dp_modes` — states and traffic of fsdp, replicate, hsdp, zero1, zero2;
 - :mod:`.roofline` — step time and MFU;
+- :mod:`.calibrate` — the planner against published runs (``docs/planner_calibration.md``);
+- :mod:`.moe_1t` — the seed's 1T MoE on 512 / 1024 GPUs (``docs/moe_1t_plan.md``);
 - :mod:`.search` — enumerate, filter by memory, rank by time;
 - :mod:`.report` — ``make_plan`` / ``format_table`` / ``write_plan``;
 - :mod:`.fake_world` — one-process dry runs on torch's ``fake`` process group (traced collectives);
@@ -22,9 +27,18 @@ Example:
     True
 """
 
-from lightning_4d.planner.bubble import bubble_fraction, in_flight_microbatches
+from lightning_4d.planner.bubble import bubble_fraction, in_flight_microbatches, replayed_bubble
 from lightning_4d.planner.comm import Collective, collective_bytes, comm_per_rank, summarize
-from lightning_4d.planner.hardware import CPU_TOY, H100, H200, ClusterSpec, DeviceSpec, axes_crossing_nodes
+from lightning_4d.planner.hardware import (
+    A100,
+    CPU_TOY,
+    H100,
+    H100_HBM2E_500W,
+    H200,
+    ClusterSpec,
+    DeviceSpec,
+    axes_crossing_nodes,
+)
 from lightning_4d.planner.memory import RankMemory, memory_per_rank
 from lightning_4d.planner.report import format_table, make_plan, write_plan
 from lightning_4d.planner.roofline import StepEstimate, estimate_step
@@ -32,8 +46,8 @@ from lightning_4d.planner.search import Candidate, NoLayoutFits, search
 from lightning_4d.planner.spec import TrainSpec, TransformerSpec, seed_moe_1t
 
 __all__ = [
-    "CPU_TOY", "H100", "H200", "Candidate", "ClusterSpec", "Collective", "DeviceSpec", "NoLayoutFits",
+    "A100", "CPU_TOY", "H100", "H100_HBM2E_500W", "H200", "Candidate", "ClusterSpec", "Collective", "DeviceSpec", "NoLayoutFits",
     "RankMemory", "StepEstimate", "TrainSpec", "TransformerSpec", "axes_crossing_nodes", "bubble_fraction",
     "collective_bytes", "comm_per_rank", "estimate_step", "format_table", "in_flight_microbatches", "make_plan",
-    "memory_per_rank", "search", "seed_moe_1t", "summarize", "write_plan",
+    "memory_per_rank", "replayed_bubble", "search", "seed_moe_1t", "summarize", "write_plan",
 ]

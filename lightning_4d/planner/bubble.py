@@ -1,25 +1,31 @@
-"""Closed-form pipeline theory: bubble share of wall time and in-flight micro-batches per schedule.
+"""Pipeline bubble and in-flight micro-batches per schedule — one owner for the bubble.
 
-Costs per micro-batch and stage: forward ``F``, input-gradient backward ``B`` and weight-gradient
-backward ``W`` (a full backward is ``B + W``); the defaults ``F = B = W = 1`` are the usual
-"backward = 2 × forward". With ``p`` pipeline ranks, ``m`` micro-batches and ``v`` stages per rank,
-each rank works ``m·(F + B + W)`` per step and idles ``I``; the bubble share is ``I / (m·T + I)``
-with ``T = F + B + W``:
+The bubble of a schedule the runtime runs (``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zbv``,
+``dualpipev``) is the replay of torch's own action table under unit costs
+(:func:`lightning_4d.pipeline.bubble.bubble_from_actions`, ``F = I = W = 1``, ``B = 2`` per stage
+chunk). Its closed form lives in :func:`lightning_4d.pipeline.schedules.bubble_theory` and equals
+the replay for every ``(p, v, m)`` torch accepts (``tests/unit/test_planner.py`` checks a grid);
+:func:`bubble_fraction` gives the same numbers, :func:`replayed_bubble` runs the replay (cached).
 
-===================  =============================  =======================================
-schedule             idle time ``I``                share with unit costs
-===================  =============================  =======================================
-GPipe, 1F1B          ``(p − 1)·T``                  ``(p − 1)/(m + p − 1)``
-interleaved 1F1B     ``(p − 1)·T / v``              ``(p − 1)/(v·m + p − 1)``
-ZB-H1                ``(p − 1)·(F + B − W)``        ``(p − 1)/(3m + p − 1)``: ⅓ of 1F1B's idle time
-ZBV, DualPipeV       ``(p − 1)·max(0, F + B − 2W)``  ``0``
-===================  =============================  =======================================
+Costs per micro-batch through all of a rank's layers: forward ``F``, input-gradient backward ``B``
+and weight-gradient backward ``W``; with ``p`` ranks, ``m`` micro-batches and ``v`` stages per rank
+each rank works ``m·(F + B + W)`` and idles ``I``; the share is ``I / (m·T + I)``, ``T = F + B + W``:
 
-(Narayanan et al. 2021 for GPipe / 1F1B / interleaving; Qi et al. 2024, "Zero Bubble Pipeline
-Parallelism", for ZB-H1 and ZB-V: deferring the ``W`` passes fills the warm-up and cool-down gaps.)
-These are idealisations; the replay of torch's own action tables,
-``lightning_4d.pipeline.bubble.bubble_from_actions``, is the reference for what torch actually runs
-(for torch's ZBV it leaves the ``p − 1`` start-up forwards, ``(p − 1)/(3·v·m + p − 1)``).
+===================  ==============================================  ==========================
+schedule             idle time ``I``                                 share, unit costs, m ≥ 2p
+===================  ==============================================  ==========================
+GPipe, 1F1B          ``(p − 1)·T``                                   ``(p − 1)/(m + p − 1)``
+interleaved 1F1B     ``(v·max(m,p) + min(m,p) − 1 − v·m)·T / v``     ``(p − 1)/(v·m + p − 1)``
+ZB-H1 (theory only)  ``(p − 1)·(F + B − W)``                         ``(p − 1)/(3m + p − 1)``
+ZBV                  ``max(p − 1, 4p − 2m − 2)·T / (3v)``            ``(p − 1)/(6m + p − 1)``
+DualPipeV            ``(p − 1)·T / (3v)``                            ``(p − 1)/(6m + p − 1)``
+===================  ==============================================  ==========================
+
+(Narayanan et al. 2021 for GPipe / 1F1B / interleaving; Qi et al. 2024 for the zero-bubble ones:
+deferring ``W`` fills the warm-up and cool-down, leaving the ``p − 1`` start-up chunk forwards;
+torch's ZBV table with few micro-batches cannot fill its warm-up: 82% idle at ``p = 8, m = 1``.)
+The V-schedule rows are exact for ``F = B = W`` (the replay's costs); ZB-H1 is not one of torch's
+schedules and keeps its textbook form.
 
 In-flight micro-batches (activations a rank holds at its peak, in units of *one micro-batch through
 all of that rank's layers*), rank ``i`` of ``p``:
@@ -36,15 +42,19 @@ Example:
     0.2727272727272727
     >>> idle_time("zb_h1", 4, 8) / idle_time("1f1b", 4, 8)
     0.3333333333333333
+    >>> round(bubble_fraction("zbv", 8, 1, v=2), 3)  # torch's ZBV table with one micro-batch
+    0.824
     >>> in_flight_microbatches("1f1b", p=4, m=8, rank=0), in_flight_microbatches("gpipe", 4, 8, 0)
     (4, 8)
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Union
 
-__all__ = ["THEORY_SCHEDULES", "bubble_fraction", "idle_time", "in_flight_microbatches", "stages_per_rank"]
+__all__ = ["THEORY_SCHEDULES", "bubble_fraction", "idle_time", "in_flight_microbatches", "replayed_bubble",
+           "stages_per_rank"]
 
 THEORY_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev")
 _V_SCHEDULES = ("zbv", "dualpipev")
@@ -78,11 +88,11 @@ def stages_per_rank(schedule: str, pp: int) -> int:
 
 
 def idle_time(schedule: str, p: int, m: int, v: int = 1, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> float:
-    """Idle time ``I`` of each rank per step in units of the per-stage costs (table in the module docstring).
+    """Idle time ``I`` of each rank per step in units of the per-rank costs (table in the module docstring).
 
     Example:
         >>> idle_time("1f1b", 4, 8), idle_time("zb_h1", 4, 8), idle_time("zbv", 4, 8, v=2)
-        (9.0, 3.0, 0.0)
+        (9.0, 3.0, 1.5)
     """
     key = _check(schedule, p, m, v)
     if p == 1:
@@ -91,24 +101,43 @@ def idle_time(schedule: str, p: int, m: int, v: int = 1, f: float = 1.0, b: floa
     if key in ("gpipe", "1f1b"):
         return (p - 1) * t
     if key == "interleaved_1f1b":
-        return (p - 1) * t / v
+        return (v * max(m, p) + min(m, p) - 1 - v * m) * t / v
     if key == "zb_h1":
         return (p - 1) * max(0.0, f + b - w)
-    return (p - 1) * max(0.0, f + b - 2 * w)
+    if key == "zbv":
+        return max(p - 1, 4 * p - 2 * m - 2) * t / (3 * v)
+    return (p - 1) * t / (3 * v)
 
 
 def bubble_fraction(schedule: str, p: int, m: int, v: int = 1, f: float = 1.0, b: float = 1.0,
                     w: float = 1.0) -> float:
-    """Share of wall time a rank idles: ``I / (m·(F + B + W) + I)``.
+    """Share of wall time a rank idles: ``I / (m·(F + B + W) + I)``; with unit costs it equals
+    :func:`lightning_4d.pipeline.schedules.bubble_theory` and the replay (:func:`replayed_bubble`).
 
     Example:
         >>> bubble_fraction("interleaved_1f1b", 4, 8, v=2)
         0.15789473684210525
-        >>> bubble_fraction("zbv", 4, 8, v=2), bubble_fraction("1f1b", 1, 8)
-        (0.0, 0.0)
+        >>> round(bubble_fraction("zbv", 4, 8, v=2), 4), bubble_fraction("1f1b", 1, 8)
+        (0.0588, 0.0)
     """
     idle = idle_time(schedule, p, m, v, f, b, w)
     return idle / (m * (f + b + w) + idle) if idle else 0.0
+
+
+@lru_cache(maxsize=4096)
+def replayed_bubble(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """Bubble share of torch's own action table for the schedule, replayed under unit costs
+    (:func:`lightning_4d.pipeline.bubble.bubble_from_actions`); 0 without pipelining. Cached.
+
+    Example:
+        >>> replayed_bubble("1f1b", 4, 8) == bubble_fraction("1f1b", 4, 8)
+        True
+    """
+    if p == 1:
+        return 0.0
+    from lightning_4d.pipeline.bubble import bubble_from_actions
+
+    return float(bubble_from_actions(schedule, p, v, m))
 
 
 def in_flight_microbatches(schedule: str, p: int, m: int, rank: int, v: int = 1) -> Union[int, float]:

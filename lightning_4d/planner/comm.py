@@ -56,6 +56,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from lightning_4d.comm import wire_bytes
 from lightning_4d.mesh import ParallelDims
 from lightning_4d.planner.memory import local_params, micro_batch_size, resolve_microbatches, stage_layout
 from lightning_4d.planner.spec import TrainSpec, TransformerSpec
@@ -68,7 +69,8 @@ ROUTING_ASSUMPTION = "uniform routing: every rank sends (ep-1)/ep of its k·N to
 
 
 def collective_bytes(kind: str, n: int, size: float) -> float:
-    """Bytes one rank sends in a collective over ``n`` ranks on a full tensor of ``size`` bytes.
+    """Bytes one rank sends in a collective over ``n`` ranks on a full tensor of ``size`` bytes (the one
+    formula, :func:`lightning_4d.comm.wire_bytes`, for the planner's kinds).
 
     Example:
         >>> collective_bytes("all_to_all", 8, 800.0), collective_bytes("send", 2, 10.0)
@@ -76,11 +78,7 @@ def collective_bytes(kind: str, n: int, size: float) -> float:
     """
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r} is not one of {KINDS}.")
-    if kind == "send":
-        return float(size)
-    if n <= 1:
-        return 0.0
-    return (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n * size
+    return wire_bytes(kind, size, n)
 
 
 @dataclass(frozen=True)

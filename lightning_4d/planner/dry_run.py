@@ -26,14 +26,15 @@ What is real and what is a stand-in:
   activation-checkpoint recomputation, loss-parallel all-reduces.
 - **Routing is uniform** (the planner's assumption): under fake tensors the router's choices are
   unknown and counting tokens per expert has a data-dependent shape (``aten.bincount``), so the
-  MoE layer's permutation is replaced by a deterministic uniform one (:func:`uniform_experts`: the
-  assignments go round-robin over the ep ranks, then over each rank's experts), built on real index
-  tensors, and the per-expert counts every rank receives are those of uniform routing. Dispatch,
-  combine and the experts then run unchanged (experts with the loop kernel: the meta kernel of
+  MoE layers route by a :class:`~lightning_4d.expert_parallel.permute.FixedRouting`
+  (:func:`uniform_routing`: the assignments go round-robin over the ep ranks, then over each rank's
+  experts, :func:`uniform_experts`), built on real index tensors, and the per-expert counts every rank
+  receives are those of uniform routing. Dispatch, combine and the experts then run unchanged (experts
+  with the loop kernel unless bf16: ``grouped_mm="auto"`` declines fake fp32 tensors, the meta kernel of
   ``torch._grouped_mm`` takes bf16 only).
   The router's own token counts are fake zeros (they only feed the aux-loss statistics).
 - Host-side random draws (``torch.randint``, e.g. the per-TP-rank dropout seeds) run on real tensors.
-- The pipeline check's sequential forward (``check_pipeline_model``) is skipped (no data on meta);
+- The pipeline check's sequential forward (``check_pipeline_model``) skips itself on meta (no data);
   the split itself is the same. Torch's pipeline schedule is not run (its warm-up reads received
   values): each stage module runs directly, and the pp traffic is *measured* from the stage boundary
   tensors (output forward, input gradient backward) instead of traced.
@@ -51,9 +52,11 @@ gradients are summed over tp once per step on the FSDP shard; the router's aux-l
 all-reduced over ep and edp; recomputation repeats the forward collectives except a dense block's
 last reduction (torch's checkpoint stops early); GPT-2's embedding output is all-reduced, then split.
 
-Patches are applied only inside :func:`dry_run` (module attributes of
-``lightning_4d.expert_parallel.moe`` / ``.dispatch`` and ``lightning_4d.pipeline_glue``) and undone
-after it; do not run it concurrently with training in the same process.
+Nothing of the package is patched: the dry run uses the library's own seams — the MoE layers'
+:data:`~lightning_4d.expert_parallel.permute.FIXED_ROUTING` (a ``ContextVar``, set only inside
+:func:`uniform_routing`), the pipeline check's and ``grouped_mm="auto"``'s own rules for meta / fake
+tensors, and :func:`lightning_4d.parallelize.reduce_tp_partial_grads`, the step's tp reduction the
+strategy calls too.
 
 Example:
     >>> import torch
@@ -70,10 +73,8 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import importlib
 import time
 from dataclasses import asdict, dataclass, field
-from types import SimpleNamespace
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -88,6 +89,8 @@ from lightning_4d._compat import (
     is_item_op,
     unset_fake,
 )
+from lightning_4d.comm import CommRecord
+from lightning_4d.expert_parallel.permute import FIXED_ROUTING, FixedRouting
 from lightning_4d.mesh import ParallelDims, rank_coordinates
 from lightning_4d.planner.comm import comm_per_rank, summarize
 from lightning_4d.planner.memory import micro_batch_size, stage_layout
@@ -254,11 +257,6 @@ def representative_ranks(dims: ParallelDims) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------- stand-ins
-def _module(name: str) -> Any:
-    # ``lightning_4d.expert_parallel`` re-exports a *function* named ``dispatch``: import the module by name.
-    return importlib.import_module(name)
-
-
 def uniform_experts(num_assignments: int, num_experts: int, ep: int = 1) -> torch.Tensor:
     """Expert of each of ``N·k`` assignments under uniform routing: round-robin over the ``ep`` ranks first,
     then over each rank's ``E/ep`` experts, so every rank receives ``N·k/ep`` of them and every expert
@@ -278,11 +276,12 @@ def uniform_experts(num_assignments: int, num_experts: int, ep: int = 1) -> torc
 def uniform_routing(ep: int = 1) -> Iterator[None]:
     """Route every token of the package's MoE layers uniformly and deterministically (for fake tensors).
 
-    Inside the context ``MoE.forward`` sorts assignments with a uniform plan (:func:`uniform_experts` for
-    ``ep`` expert-parallel ranks, real index tensors), ``dispatch`` computes its split sizes on real
-    tensors, and the per-expert count all-to-all (still issued, so it is traced) yields the counts of
-    uniform routing on every rank. Outside fake tensors the layer computes the same outputs for this
-    routing as without the context.
+    Sets :data:`lightning_4d.expert_parallel.permute.FIXED_ROUTING` to a
+    :class:`~lightning_4d.expert_parallel.permute.FixedRouting` of :func:`uniform_experts` for ``ep``
+    expert-parallel ranks, with host-side index math on real tensors (outside the fake mode): ``MoE.forward``
+    sorts assignments with it, ``dispatch`` computes its split sizes on real tensors, and the per-expert count
+    all-to-all (still issued, so it is traced) yields the counts of uniform routing on every rank. Outside
+    fake tensors the layer computes the same outputs for this routing as without the context.
 
     Example:
         >>> from lightning_4d.expert_parallel import MoE
@@ -291,58 +290,14 @@ def uniform_routing(ep: int = 1) -> Iterator[None]:
         >>> out.shape
         torch.Size([2, 3, 8])
     """
-    import torch.distributed as dist
+    def assign(num_assignments: int, num_experts: int) -> torch.Tensor:
+        return uniform_experts(num_assignments, num_experts, ep if num_experts % ep == 0 else 1)
 
-    moe_mod = _module("lightning_4d.expert_parallel.moe")
-    disp_mod = _module("lightning_4d.expert_parallel.dispatch")
-    real_plan, real_dispatch, real_a2a = moe_mod.make_permutation, moe_mod.dispatch, disp_mod._a2a_raw
-
-    def make_permutation(indices: torch.Tensor, num_experts: int, scores: Optional[torch.Tensor] = None,
-                         capacity: Optional[int] = None) -> Any:
-        n, k = indices.shape
-        with unset_fake():
-            idx = uniform_experts(n * k, num_experts, ep if num_experts % ep == 0 else 1).view(n, k)
-            idx = idx.to(indices.device)
-            sc = torch.ones(n, k, device=indices.device) if capacity is not None else None
-            return real_plan(idx, num_experts, scores=sc, capacity=capacity)
-
-    def dispatch(xs: torch.Tensor, tokens_per_expert: torch.Tensor, group: Any, *, label: str = "ep") -> Any:
-        with unset_fake():  # counts and split sizes real; the rows (xs) stay fake
-            return real_dispatch(xs, tokens_per_expert, group, label=label)
-
-    def a2a_raw(x: torch.Tensor, output_splits: Any, input_splits: Any, group: Any, label: str, tag: str) -> Any:
-        out = real_a2a(x, output_splits, input_splits, group, label, tag)
-        if tag == "counts" and not is_fake(x):
-            # Uniform routing is the same on every rank: rank s sends this rank what this rank sends itself.
-            n, r = dist.get_world_size(group), dist.get_rank(group)
-            out = x.view(n, -1)[r].repeat(n)
-        return out
-
-    moe_mod.make_permutation, moe_mod.dispatch, disp_mod._a2a_raw = make_permutation, dispatch, a2a_raw
+    token = FIXED_ROUTING.set(FixedRouting(assign, host=unset_fake))
     try:
         yield
     finally:
-        moe_mod.make_permutation, moe_mod.dispatch, disp_mod._a2a_raw = real_plan, real_dispatch, real_a2a
-
-
-@contextlib.contextmanager
-def _split_without_check() -> Iterator[None]:
-    """``check_pipeline_model`` without its sequential forward (no data on meta): the same split only."""
-    glue = _module("lightning_4d.pipeline_glue")
-    real = glue.check_pipeline_model
-
-    def check_pipeline_model(module: nn.Module, blocks_path: str) -> Any:
-        from lightning_4d.pipeline import find_pipeline_split
-
-        hook = glue._user_hook(module, "configure_pipeline_split")
-        split = hook() if hook else find_pipeline_split(module, blocks_path)
-        return find_pipeline_split(module, split) if isinstance(split, str) else split
-
-    glue.check_pipeline_model = check_pipeline_model
-    try:
-        yield
-    finally:
-        glue.check_pipeline_model = real
+        FIXED_ROUTING.reset(token)
 
 
 def _fake_friendly_mode() -> Any:
@@ -383,9 +338,11 @@ def _leaves(x: Any) -> list[torch.Tensor]:
     return []
 
 
-def _nbytes(t: torch.Tensor) -> float:
+def _measured_send(t: torch.Tensor) -> CommRecord:
+    """A pp send of the stage boundary tensor ``t`` (measured: torch's schedule is not run)."""
     local = t.to_local() if hasattr(t, "to_local") else t
-    return float(local.numel() * local.element_size())
+    nbytes = float(local.numel() * local.element_size())
+    return CommRecord("send", "pp", 2, nbytes, nbytes, op="boundary (measured)")
 
 
 def _group_names(mesh: Any) -> dict[str, str]:
@@ -411,10 +368,10 @@ def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Par
     from torch.distributed.tensor.parallel import loss_parallel
 
     from lightning_4d.mesh import build_mesh
-    from lightning_4d.parallelize import parallelize_module
+    from lightning_4d.parallelize import parallelize_module, reduce_tp_partial_grads
     from lightning_4d.pipeline.partition import stage_to_rank
     from lightning_4d.pipeline.staged import INPUTS_KW
-    from lightning_4d.planner.fake_world import CollectiveRecorder, TracedCollective, fake_world
+    from lightning_4d.planner.fake_world import CollectiveRecorder, fake_world
 
     def autocast() -> Any:  # what Lightning's bf16-mixed plugin wraps the training step in
         return torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext()
@@ -428,12 +385,9 @@ def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Par
         mesh = build_mesh(dims, "cpu")
         with torch.device("meta"):
             module = build()
-        with _split_without_check(), _fake_friendly_mode():  # the set-up trace routes on meta tensors too
+        with _fake_friendly_mode():  # the set-up trace routes on meta tensors too
             plan = parallelize_module(module, mesh, config, precision, accumulate=1)
         expert_modules = [module.get_submodule(n) for n in plan.expert_modules]
-        for sub in module.modules():
-            if hasattr(sub, "grouped_mm") and hasattr(sub, "w1"):
-                sub.grouped_mm = False  # the meta kernel of torch._grouped_mm takes bf16 only
         expert_raf = {_reshards_after_forward(e) for e in expert_modules} - {None}
         runner = plan.pipeline
         stages = [st.submod for st in runner.stages] if runner is not None else [module]
@@ -443,7 +397,7 @@ def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Par
         fake_mode = fake_tensor_mode()
         with fake_mode:
             module.to_empty(device="cpu")
-        sends: list[TracedCollective] = []
+        sends: list[CommRecord] = []
         style = runner.info.style if runner is not None else "loop"
         with uniform_routing(dims.ep), CollectiveRecorder(mesh) as rec, fake_mode, _fake_friendly_mode():
             tokens = torch.randint(0, spec.vocab_size, (b, s))
@@ -474,10 +428,10 @@ def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Par
                     outs = [t for t in _leaves(out) if t.requires_grad]
                     torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
                     if stage_to_rank(sid + 1, dims.pp, style) != coords["pp"]:
-                        sends += [TracedCollective("boundary (measured)", "send", "pp", 2, _nbytes(t)) for t in outs]
+                        sends += [_measured_send(t) for t in outs]  # the boundary output
                 if sid > 0 and stage_to_rank(sid - 1, dims.pp, style) != coords["pp"]:
-                    sends.append(TracedCollective("boundary grad (measured)", "send", "pp", 2, _nbytes(x)))
-            _reduce_tp_partial_grads(plan, mesh, module)
+                    sends.append(_measured_send(x))  # the boundary input's gradient
+            reduce_tp_partial_grads(plan, mesh, module)
             skipped = _optimizer_step(module) if optimizer_step else "optimizer step not traced"
         traced_records = rec.records + sends
     clear_dtensor_caches()
@@ -488,9 +442,9 @@ def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Par
     for t in traced_records:
         traced_calls.setdefault(t.axis, {})
         traced_calls[t.axis][t.kind] = traced_calls[t.axis].get(t.kind, 0) + 1
-        if t.bytes_sent:
+        if t.sent_bytes:
             traced.setdefault(t.axis, {})
-            traced[t.axis][t.kind] = traced[t.axis].get(t.kind, 0.0) + t.bytes_sent
+            traced[t.axis][t.kind] = traced[t.axis].get(t.kind, 0.0) + t.sent_bytes
 
     notes: list[str] = [skipped] if skipped else []
     ref = train.with_(global_batch_size=b * dims.dp, microbatches=1)
@@ -540,15 +494,6 @@ def _optimizer_step(module: nn.Module) -> Optional[str]:
         return "optimizer step not traced (configure_optimizers gave no optimizer)"
     configured.step()
     return None
-
-
-def _reduce_tp_partial_grads(plan: Any, mesh: Any, module: nn.Module) -> None:
-    """What ``FourDStrategy`` does once per step after backward: sum over tp the gradients of plain parameters
-    that saw only this rank's sequence shard (router, shared experts) and resolve DTensor gradients left
-    ``Partial``. Calls the strategy's own method (on a stand-in holding plan, mesh and model)."""
-    from lightning_4d.strategy import FourDStrategy
-
-    FourDStrategy._reduce_tp_partial_grads(SimpleNamespace(_plan=plan, mesh=mesh, model=module))
 
 
 # ---------------------------------------------------------------------------------------------- entry point

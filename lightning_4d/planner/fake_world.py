@@ -12,9 +12,10 @@ Findings (torch 2.13, CPU):
   runs every DTensor redistribution and FSDP all-gather / reduce-scatter against the fake group.
 - ``CommDebugMode`` counts those collectives per op (FSDP's appear as ``c10d._allgather_base_`` /
   ``c10d._reduce_scatter_base_``, DTensor's as ``c10d_functional.*``) but records no sizes or
-  groups; :class:`CollectiveRecorder` (a ``TorchDispatchMode``) adds bytes and the mesh axis of each
-  call, in the format of :func:`lightning_4d.planner.comm.summarize`, so analytic and traced bytes
-  can be compared (see ``tests/unit/test_planner_fake.py``: the TP bytes agree exactly).
+  groups; :class:`CollectiveRecorder` (the package's recorder, :class:`lightning_4d.comm.CommCounter`,
+  naming groups by mesh axis) adds bytes and the mesh axis of each call, in the format of
+  :func:`lightning_4d.planner.comm.summarize`, so analytic and traced bytes can be compared (see
+  ``tests/unit/test_planner_fake.py``: the TP bytes agree exactly).
 - Limits: MoE layers do not run under plain fake tensors, even without EP: counting tokens per expert
   (``aten.bincount``) has a data-dependent output shape (``DynamicOutputShapeException``), and EP's
   all-to-all split sizes come from ``.tolist()`` on those counts. :mod:`lightning_4d.planner.dry_run`
@@ -36,24 +37,15 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
-from lightning_4d._compat import (
-    dispatch_mode_base,
-    fake_store,
-    fake_tensor_mode,
-    is_higher_order_op,
-    op_name,
-    process_group_of,
-)
-from lightning_4d.planner.comm import collective_bytes
+from lightning_4d._compat import fake_store, fake_tensor_mode
+from lightning_4d.comm import CommCounter
 
-__all__ = ["fake_world", "CollectiveRecorder", "TracedCollective", "fake_forward_backward"]
+__all__ = ["fake_world", "CollectiveRecorder", "fake_forward_backward"]
 
 
 @contextlib.contextmanager
@@ -80,43 +72,8 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-_KINDS = {
-    "allreduce_": "all_reduce", "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce",
-    "allgather_": "all_gather", "_allgather_base_": "all_gather", "all_gather_into_tensor": "all_gather",
-    "all_gather_into_tensor_coalesced": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
-    "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
-    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "alltoall_base_": "all_to_all", "all_to_all_single": "all_to_all", "shard_dim_alltoall": "all_to_all",
-    "send": "send",
-}
-
-
-@dataclass(frozen=True)
-class TracedCollective:
-    """One traced call: ``size`` is the full tensor ``S`` in bytes (all-gather: the output)."""
-
-    op: str
-    kind: str
-    axis: str
-    group: int
-    size: float
-
-    @property
-    def bytes_sent(self) -> float:
-        """Bytes this rank sends (:func:`~lightning_4d.planner.comm.collective_bytes`)."""
-        return collective_bytes(self.kind, self.group, self.size)
-
-
-def _nbytes(x: Any) -> float:
-    if isinstance(x, torch.Tensor):
-        return float(x.numel() * x.element_size())
-    if isinstance(x, (list, tuple)):
-        return sum(_nbytes(t) for t in x)
-    return 0.0
-
-
-class CollectiveRecorder(dispatch_mode_base()):  # type: ignore[misc]
-    """Record every ``c10d`` / ``c10d_functional`` collective with its bytes and mesh axis.
+class CollectiveRecorder(CommCounter):
+    """:class:`lightning_4d.comm.CommCounter` naming groups after the axes of ``mesh``.
 
     ``mesh`` (a ``DeviceMesh`` with dim names, a dict of them, or a ``FourDMesh``) names the groups;
     others are labelled ``"group<N>"``. A group shared by several axes is named after the first.
@@ -131,7 +88,6 @@ class CollectiveRecorder(dispatch_mode_base()):  # type: ignore[misc]
 
     def __init__(self, mesh: Any = None) -> None:
         super().__init__()
-        self.records: list[TracedCollective] = []
         self._names: dict[str, tuple[str, int]] = {}
         if isinstance(mesh, dict):
             meshes = list(mesh.values())
@@ -149,54 +105,9 @@ class CollectiveRecorder(dispatch_mode_base()):  # type: ignore[misc]
             world = dist.group.WORLD
             self._names.setdefault(world.group_name, ("world", world.size()))
 
-    def _axis(self, name: str, size: int) -> tuple[str, int]:
+    def axis(self, pg: Any, kind: str) -> tuple[str, int]:
+        name, size = (pg.group_name, pg.size()) if pg is not None else ("", 1)
         return self._names.get(name, (f"group{name}", size))
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        kwargs = kwargs or {}
-        if is_higher_order_op(func):
-            return func(*args, **kwargs)
-        if any(t.__name__ == "DTensor" for t in types):
-            return NotImplemented  # let DTensor desugar into collectives first (as CommDebugMode does)
-        out = func(*args, **kwargs)
-        name = op_name(func)
-        if func.namespace in ("c10d", "_c10d_functional", "_dtensor") and name in _KINDS:
-            self.records.append(self._trace(name, args, out))
-        return out
-
-    def _trace(self, name: str, args: tuple, out: Any) -> TracedCollective:
-        kind = _KINDS[name]
-        group_name, size = "", 1
-        for a in args:
-            if isinstance(a, str):
-                group_name = a
-            elif isinstance(a, torch.ScriptObject):
-                pg = process_group_of(a)
-                if pg is not None:
-                    group_name, size = pg.group_name, pg.size()
-        axis, size = self._axis(group_name, size)
-        if name in ("_allgather_base_", "_reduce_scatter_base_"):  # (output, input, group, ...)
-            full = _nbytes(args[0]) if kind == "all_gather" else _nbytes(args[1])
-        elif kind == "all_gather":
-            full = _nbytes(args[0]) * size
-        else:
-            full = _nbytes(args[0])
-        return TracedCollective(name, kind, axis, size, full)
-
-    def summary(self) -> dict[str, dict[str, float]]:
-        """Bytes sent per axis and kind (same shape as :func:`lightning_4d.planner.comm.summarize`)."""
-        out: dict[str, dict[str, float]] = defaultdict(dict)
-        for r in self.records:
-            if r.bytes_sent:
-                out[r.axis][r.kind] = out[r.axis].get(r.kind, 0.0) + r.bytes_sent
-        return dict(out)
-
-    def counts(self) -> dict[str, dict[str, int]]:
-        """Number of calls per axis and kind."""
-        out: dict[str, dict[str, int]] = defaultdict(dict)
-        for r in self.records:
-            out[r.axis][r.kind] = out[r.axis].get(r.kind, 0) + 1
-        return dict(out)
 
 
 def fake_forward_backward(model: torch.nn.Module, inputs: torch.Tensor,

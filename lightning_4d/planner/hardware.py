@@ -25,13 +25,13 @@ from typing import Any
 
 from lightning_4d.mesh import ParallelDims
 
-__all__ = ["DeviceSpec", "ClusterSpec", "H100", "H200", "CPU_TOY", "axis_group", "axes_crossing_nodes",
-           "axis_bandwidth"]
+__all__ = ["DeviceSpec", "ClusterSpec", "A100", "H100", "H100_HBM2E_500W", "H200", "CPU_TOY", "HOPPER_GEMM_EFFICIENCY",
+           "axis_group", "axes_crossing_nodes", "axis_bandwidth"]
 
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """One accelerator.
+    """One accelerator and the constants of the planner's time and memory models.
 
     Args:
         name: label for tables.
@@ -39,14 +39,20 @@ class DeviceSpec:
         peak_flops: dense 16-bit tensor throughput (FLOP/s).
         intra_node_bw: bytes/s per direction to a GPU of the same node (NVLink).
         inter_node_bw: bytes/s per direction to another node (the GPU's NIC share).
-        usable_fraction: share of ``memory_bytes`` the planner lets a layout use (allocator
-            fragmentation, CUDA context, NCCL buffers take the rest).
-        compute_efficiency: achievable share of ``peak_flops`` for the model's matmuls.
+        usable_fraction: share of ``memory_bytes`` torch's caching allocator may reserve (the CUDA
+            context and NCCL buffers take the rest); also :attr:`memory_fraction`.
+        compute_efficiency: share of ``peak_flops`` a large GEMM reaches (the saturation value of
+            :func:`lightning_4d.planner.compute.gemm_efficiency`).
         latency_intra / latency_inter: seconds per collective call (alpha term).
+        hbm_bw: device memory bandwidth (bytes/s) for memory-bound kernels and the optimizer step.
+        gemm_half_intensity: GEMM arithmetic intensity (FLOP/byte) at which a GEMM reaches half of
+            ``compute_efficiency``.
+        allocator_overhead: reserved / allocated bytes of the caching allocator at the peak
+            (fragmentation between differently sized blocks), as a fraction on top of allocated.
 
     Example:
-        >>> H200.memory_bytes > H100.memory_bytes
-        True
+        >>> H200.memory_bytes > H100.memory_bytes, H100.memory_fraction
+        (True, 0.95)
     """
 
     name: str
@@ -54,25 +60,63 @@ class DeviceSpec:
     peak_flops: float
     intra_node_bw: float
     inter_node_bw: float
-    usable_fraction: float = 0.9
-    compute_efficiency: float = 0.6
+    usable_fraction: float = 0.95
+    compute_efficiency: float = 0.8
     latency_intra: float = 10e-6
     latency_inter: float = 20e-6
+    hbm_bw: float = 3.35e12
+    gemm_half_intensity: float = 60.0
+    allocator_overhead: float = 0.1
 
     @property
     def usable_bytes(self) -> float:
-        """Memory a layout may use: ``memory_bytes · usable_fraction``."""
+        """Memory a layout may reserve: ``memory_bytes · usable_fraction``."""
         return self.memory_bytes * self.usable_fraction
+
+    @property
+    def memory_fraction(self) -> float:
+        """Share of device memory the planner lets the allocator reserve (``usable_fraction``)."""
+        return self.usable_fraction
+
+    def constants(self) -> dict[str, float]:
+        """Every model constant of the device, for reports.
+
+        Example:
+            >>> sorted(H100.constants())[:3]
+            ['allocator_overhead', 'compute_efficiency', 'gemm_half_intensity']
+        """
+        return {"compute_efficiency": self.compute_efficiency, "gemm_half_intensity": self.gemm_half_intensity,
+                "memory_fraction": self.usable_fraction, "allocator_overhead": self.allocator_overhead,
+                "peak_flops": self.peak_flops, "hbm_bw": self.hbm_bw, "intra_node_bw": self.intra_node_bw,
+                "inter_node_bw": self.inter_node_bw, "latency_intra": self.latency_intra,
+                "latency_inter": self.latency_inter, "memory_bytes": self.memory_bytes}
 
     def with_(self, **changes: Any) -> "DeviceSpec":
         """A copy with some fields changed (e.g. another memory size)."""
         return replace(self, **changes)
 
 
-H100 = DeviceSpec("H100-SXM-80GB", 80e9, 989e12, 450e9, 50e9)
-H200 = DeviceSpec("H200-SXM-141GB", 141e9, 989e12, 450e9, 50e9)
+#: Large-GEMM efficiency of the Hopper parts, calibrated on TorchTitan's Llama 3.1 8B runs
+#: (``docs/planner_calibration.md``; one constant for all rows of the device family).
+HOPPER_GEMM_EFFICIENCY = 0.6
+#: NVIDIA H100 SXM 80 GB: 989 TFLOP/s dense bf16, HBM3 3.35 TB/s, NVLink 4 450 GB/s per direction, 400 Gb/s NIC.
+H100 = DeviceSpec("H100-SXM-80GB", 80e9, 989e12, 450e9, 50e9, hbm_bw=3.35e12,
+                  compute_efficiency=HOPPER_GEMM_EFFICIENCY)
+#: NVIDIA H200 SXM 141 GB: the H100's compute with HBM3e 4.8 TB/s.
+H200 = DeviceSpec("H200-SXM-141GB", 141e9, 989e12, 450e9, 50e9, hbm_bw=4.8e12,
+                  compute_efficiency=HOPPER_GEMM_EFFICIENCY)
+#: NVIDIA A100 SXM 80 GB (DGX A100, Selene): 312 TFLOP/s dense bf16/fp16, HBM2e 2.04 TB/s, NVLink 3
+#: 300 GB/s per direction, one 200 Gb/s HDR InfiniBand NIC per GPU (25 GB/s). ``compute_efficiency``
+#: calibrated on Megatron-LM's SC21 Table 1.
+A100 = DeviceSpec("A100-SXM-80GB", 80e9, 312e12, 300e9, 25e9, hbm_bw=2.039e12, compute_efficiency=0.74)
+#: The H100 of TorchTitan's published benchmarks (Grand Teton): 96 GB HBM2e at 2.4 TB/s run at a 500 W
+#: power limit instead of 700 W; its sustained peak is taken as 989 TFLOP/s scaled by the power limit
+#: (tensor-core clocks throttle roughly in proportion under a GEMM load): 706 TFLOP/s.
+H100_HBM2E_500W = DeviceSpec("H100-96GB-HBM2e-500W", 96 * 2**30, 989e12 * 500 / 700, 450e9, 50e9,
+                             hbm_bw=2.4e12, compute_efficiency=HOPPER_GEMM_EFFICIENCY)
 CPU_TOY = DeviceSpec("toy", 1e9, 1e12, 100e9, 10e9, usable_fraction=1.0, compute_efficiency=1.0,
-                     latency_intra=0.0, latency_inter=0.0)
+                     latency_intra=0.0, latency_inter=0.0, hbm_bw=1e30, gemm_half_intensity=0.0,
+                     allocator_overhead=0.0)
 
 
 @dataclass(frozen=True)

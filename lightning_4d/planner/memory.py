@@ -63,7 +63,7 @@ from lightning_4d.planner.spec import TrainSpec, TransformerSpec
 
 __all__ = ["RankMemory", "check_layout", "activation_coefficients", "layer_activation_bytes", "memory_per_rank",
            "micro_batch_size",
-           "resolve_microbatches", "stage_layout", "local_params"]
+           "resolve_microbatches", "stage_layout", "local_params", "saved_activation_bytes", "logits_bytes"]
 
 
 def check_layout(spec: TransformerSpec, dims: ParallelDims) -> None:
@@ -204,7 +204,8 @@ def layer_activation_bytes(spec: TransformerSpec, layer: int, dims: ParallelDims
 @dataclass(frozen=True)
 class RankMemory:
     """Peak memory of the ranks of pipeline rank ``pp_rank`` (bytes). ``total`` is the sum of
-    ``params + grads + optimizer + unsharded + activations + logits``."""
+    ``params + grads + optimizer + unsharded + activations + logits + allocator`` (``allocator``: the
+    caching allocator's reserved-but-unused bytes, ``DeviceSpec.allocator_overhead`` of the rest)."""
 
     pp_rank: int
     layers: list[int]
@@ -218,11 +219,17 @@ class RankMemory:
     logits: float
     in_flight: float
     micro_batch_size: int
+    allocator: float = 0.0
+
+    @property
+    def allocated(self) -> float:
+        """Bytes of live tensors at the peak (everything but the allocator's slack)."""
+        return self.params + self.grads + self.optimizer + self.unsharded + self.activations + self.logits
 
     @property
     def total(self) -> float:
-        """Sum of the memory parts."""
-        return self.params + self.grads + self.optimizer + self.unsharded + self.activations + self.logits
+        """Reserved bytes at the peak: ``allocated + allocator``."""
+        return self.allocated + self.allocator
 
     def as_dict(self) -> dict:
         """Plain dict (with ``total``) for JSON."""
@@ -230,7 +237,8 @@ class RankMemory:
 
 
 def memory_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
-                    layout: Optional[list[list[int]]] = None) -> list[RankMemory]:
+                    layout: Optional[list[list[int]]] = None, allocator_overhead: float = 0.0
+                    ) -> list[RankMemory]:
     """Memory of each pipeline rank (see the module docstring for every term).
 
     Example:
@@ -238,28 +246,35 @@ def memory_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
         >>> seed = ParallelDims.from_world(512, tp=8, pp=4, ep=8)  # conf/parallel/moe_1t.yaml
         >>> train = TrainSpec(global_batch_size=512, microbatches=32, activation_checkpointing="full")
         >>> [round(m.total / 1e9) for m in memory_per_rank(seed_moe_1t(), seed, train)]  # GB, unsharded copies
-        [229, 228, 228, 229]
+        [229, 228, 228, 230]
     """
+    from lightning_4d.planner.dp_modes import gathers_params, state_bytes
+
     check_layout(spec, dims)
     m = resolve_microbatches(dims, train)
     b = micro_batch_size(dims, train)
     layout = layout if layout is not None else stage_layout(spec, dims, train.schedule)
-    cbytes, fsdp = train.act_bytes, train.data_parallel == "fsdp"
-    s, t = train.seq(spec), dims.tp
+    cbytes, mode = train.act_bytes, train.data_parallel
+    gathers = gathers_params(mode)
+    shard, eshard = _shard_groups(dims, train)
     out = []
     for r, layers in enumerate(layout):
         first = r == 0
         last = r == (0 if train.schedule in ("zbv", "dualpipev") and dims.pp > 1 else dims.pp - 1)
         lp = local_params(spec, dims, layers, first, last)
         dense, experts = lp["dense"], lp["experts"]
-        held = (math.ceil(dense / dims.dp) + math.ceil(experts / dims.edp)) if fsdp else dense + experts
+        st = {k: a + e for (k, a), e in zip(
+            state_bytes(mode, dense, dims.dp, shard, cbytes, train.optimizer_state_bytes).items(),
+            state_bytes(mode, experts, dims.edp, eshard, cbytes, train.optimizer_state_bytes).values())}
         # Only wrapped parameters get gathered copies: dense ones when dp > 1, experts when edp > 1.
         wd, we, root = (dense, experts, lp["root"]) if dims.dp > 1 else (0, experts, 0)
         we = we if dims.edp > 1 else 0
         layer = max((d * (dims.dp > 1) + e * (dims.edp > 1)
                      for d, e in zip(lp["layer_dense"], lp["layer_experts"])), default=0)
-        if not fsdp:
+        if mode == "replicate":
             unsharded = 2 * cbytes * layer if cbytes == 2 else 0
+        elif not gathers:  # ZeRO-1/2 keep the parameters; ZeRO-2 reduce-scatters one layer's fp32 grads at a time
+            unsharded = 4 * layer if mode == "zero2" else 0
         else:
             keep_params = dims.pp > 1 or train.reshard_after_forward is False
             keep_grads = dims.pp > 1 or m > 1
@@ -270,14 +285,77 @@ def memory_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
         per_mb = sum(per_kind[k] for k in kinds)
         inflight = in_flight_microbatches(train.schedule if dims.pp > 1 else "1f1b", dims.pp, m, r,
                                           dims.virtual_stages)
-        if train.activation_checkpointing == "full":
-            stored = 2 * s * b * spec.hidden * (1 / t if dims.sp else 1) * cbytes / 2
-            work = max(per_kind.values(), default=0.0)
-            acts = inflight * stored * len(layers) + work
+        if train.activation_checkpointing in ("full", "selective"):
+            work = max(per_kind.values(), default=0.0)  # one block recomputed in backward
+            stored = sum(saved_activation_bytes(spec, i, dims, train, b) for i in layers)
+            acts = inflight * stored + work
         else:
             acts = inflight * per_mb
-        logits = s * b * spec.vocab_size / t * (cbytes + 4) if last else 0.0
-        out.append(RankMemory(r, list(layers), dense, experts, 4.0 * held, 4.0 * held,
-                              float(train.optimizer_state_bytes * held), float(unsharded), float(acts),
-                              float(logits), inflight, b))
+        logits = logits_bytes(spec, dims, train, b) if last else 0.0
+        allocated = sum(st.values()) + unsharded + acts + logits
+        out.append(RankMemory(r, list(layers), dense, experts, st["params"], st["grads"], st["optimizer"],
+                              float(unsharded), float(acts), float(logits), inflight, b,
+                              float(allocator_overhead * allocated)))
     return out
+
+
+def _shard_groups(dims: ParallelDims, train: TrainSpec) -> tuple[Optional[int], Optional[int]]:
+    """HSDP shard-group sizes of the dense (dp) and expert (edp) states: ``dp_shard`` (default: all of dp)
+    and the expert groups with the same number of replicas."""
+    if train.data_parallel != "hsdp":
+        return None, None
+    from lightning_4d.planner.dp_modes import hsdp_groups
+
+    replicas, k = hsdp_groups(dims.dp, train.dp_shard)
+    ek = dims.edp // replicas if dims.edp % replicas == 0 else dims.edp
+    return k, ek
+
+
+def saved_activation_bytes(spec: TransformerSpec, layer: int, dims: ParallelDims, train: TrainSpec, b: int
+                           ) -> float:
+    """Bytes one micro-batch leaves in a checkpointed layer until its backward (``s·b·h`` times):
+
+    - ``full``: the block input, 1 element (``1/t`` with SP);
+    - ``selective`` (``TrainSpec.selective_policy``), the package's ``"matmuls"``: block input, q, k, v,
+      attention output and every projection output, ``5 + 2g/a + σ·F/h`` elements (``σ`` = 2 gated);
+      TorchTitan's ``"every_other_matmul"`` (wq, wv, w1, w2 of wq, wk, wv, wo, w1, w3, w2, plus the
+      attention output and the input): ``4 + g/a + F/h``. MoE layers use ``k·ι·Fe`` for ``F``.
+      Everything but the input is divided by ``t`` (projection outputs are tp shards; an approximation
+      for the row-parallel outputs).
+
+    Example:
+        >>> spec = TransformerSpec(vocab_size=8, hidden=32, layers=1, heads=4, ffn_hidden=64, seq_len=16)
+        >>> saved_activation_bytes(spec, 0, ParallelDims(1), TrainSpec(1, activation_checkpointing="full"), 1)
+        1024.0
+    """
+    h, t, c = spec.hidden, dims.tp, train.act_bytes
+    sbh = train.seq(spec) * b * h
+    inp = 1.0 / t if dims.sp else 1.0
+    if train.activation_checkpointing == "full":
+        return sbh * inp * c
+    if spec.is_moe_layer(layer):
+        f = spec.top_k * train.expert_imbalance * spec.expert_hidden + spec.shared_experts * spec.expert_hidden
+    else:
+        f = spec.ffn_hidden
+    g = spec.kv_heads / spec.heads
+    up = 2 if spec.gated_mlp else 1
+    if train.selective_policy == "every_other_matmul":
+        rest = 3 + g + f / h
+    else:
+        rest = 4 + 2 * g + up * f / h
+    return sbh * (inp + rest / t) * c
+
+
+def logits_bytes(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec, b: int) -> float:
+    """Bytes the loss holds at its peak on the last stage: ``s·b·V/t`` logits times ``2c + 8`` (the
+    compute-dtype logits the caller holds, the fp32 log-softmax saved for backward, its fp32 gradient and
+    the compute-dtype cast of that gradient), plus the head's input (gathered over tp) and its gradient,
+    ``2·c·s·b·h``.
+
+    Example:
+        >>> spec = TransformerSpec(vocab_size=100, hidden=8, layers=1, heads=1, seq_len=10)
+        >>> logits_bytes(spec, ParallelDims(1), TrainSpec(1), 1)
+        12320.0
+    """
+    s, c = train.seq(spec), train.act_bytes
+    return s * b * spec.vocab_size / dims.tp * (2 * c + 8) + 2 * c * s * b * spec.hidden

@@ -62,7 +62,7 @@ def make_plan(spec: TransformerSpec, dims: ParallelDims, cluster: ClusterSpec, t
     m = resolve_microbatches(dims, train)
     b = micro_batch_size(dims, train)
     layout = stage_layout(spec, dims, train.schedule)
-    mem = memory_per_rank(spec, dims, train, layout)
+    mem = memory_per_rank(spec, dims, train, layout, cluster.device.allocator_overhead)
     records = comm_per_rank(spec, dims, train, layout)
     crossing = axes_crossing_nodes(dims, cluster)
     est = estimate_step(spec, dims, train, cluster, records, layout, crossing)
@@ -82,7 +82,9 @@ def make_plan(spec: TransformerSpec, dims: ParallelDims, cluster: ClusterSpec, t
         "dp: FSDP2 units as lightning_4d.parallelize wraps them (blocks reshard after forward only without "
         "pipelining); dim-0 padding of the local experts over edp included",
         f"ep: {ROUTING_ASSUMPTION} (imbalance {train.expert_imbalance:g})" if dims.ep > 1 else "ep: none",
-        "time: tp/ep/pp traffic on the critical path, dp traffic overlapped with compute; bubble from closed form",
+        "time: GEMMs at a shape-dependent efficiency, memory-bound kernels at the HBM bandwidth; tp/ep/pp traffic on "
+        "the critical path, dp traffic overlapped with compute; bubble of the exact schedule (closed form = replay of "
+        "torch's action table); constants calibrated in docs/planner_calibration.md",
     ]
     return {
         "model": spec.name or "model",
@@ -109,6 +111,9 @@ def make_plan(spec: TransformerSpec, dims: ParallelDims, cluster: ClusterSpec, t
         "step_time_s": est.step_s,
         "mfu": est.mfu,
         "tokens_per_s": est.tokens_per_s,
+        "compute_efficiency": cluster.device.compute_efficiency,
+        "memory_fraction": cluster.device.memory_fraction,
+        "hardware": cluster.device.constants(),
         "assumptions": assumptions,
     }
 

@@ -2,21 +2,24 @@
 
 Per pipeline rank (the slowest one sets the pace):
 
-- ``compute = F_rank / (peak · efficiency)`` where ``F_rank`` is the rank's share of the step's
-  FLOPs: its layers' ``6·N_active + 12·a·d·s`` per token (experts: ``6·k·N_expert·ι`` for the busiest
-  ep rank, ``ι`` the imbalance), the head ``6·h·V`` on the last stage, over the ``G·s/dp`` tokens of
-  its data shard split ``tp`` ways; recomputation adds a forward (full: ``+⅓`` of the matmul FLOPs;
-  selective: the attention scores' ``4·a·d·s``).
+- ``compute``: :func:`lightning_4d.planner.compute.rank_compute_time` — every GEMM at an efficiency
+  that rises with its arithmetic intensity, the attention core, memory-bound kernels at the HBM
+  bandwidth and the recomputed forward of activation checkpointing. ``rank_flops`` (the rank's
+  share of the step's FLOPs: its layers' ``6·N_active + 12·a·d·s`` per token, experts
+  ``6·k·N_expert·ι`` for the busiest ep rank, the head on the last stage) is reported alongside.
 - ``comm[axis] = Σ bytes_sent / bandwidth(axis) + calls · latency(axis)``, with NVLink bandwidth for
   axes inside a node and the NIC's across nodes (:func:`~lightning_4d.planner.hardware.axis_bandwidth`).
 - tp, ep and pp traffic sit on the critical path; FSDP / replicate traffic overlaps with compute
   and only its excess shows: ``dp_exposed = max(0, comm_dp + comm_edp − compute)``.
-- ``step = (compute + comm_tp + comm_ep + comm_pp) / (1 − bubble) + dp_exposed`` with the closed-form
-  bubble of :mod:`~lightning_4d.planner.bubble`.
+- ``step = (compute + comm_tp + comm_ep + comm_pp) / (1 − bubble) + dp_exposed + optimizer`` with the
+  bubble of the exact schedule (:mod:`~lightning_4d.planner.bubble`: the closed form equal to the replay
+  of torch's action table) and the AdamW step at the HBM bandwidth. HSDP / ZeRO traffic comes from
+  :mod:`~lightning_4d.planner.dp_modes`.
 - ``MFU = 6·N_active·tokens + attention (model FLOPs, no recomputation) / (world · peak · step)``.
 
-The optimizer step, kernel launch gaps and stragglers are not modelled; ``compute_efficiency`` of
-the device absorbs them.
+Kernel launch gaps and stragglers are not modelled; the constants of
+:class:`~lightning_4d.planner.hardware.DeviceSpec` are calibrated against published runs
+(``docs/planner_calibration.md``).
 
 Example:
     >>> from lightning_4d.planner.spec import TransformerSpec, TrainSpec
@@ -24,20 +27,21 @@ Example:
     >>> from lightning_4d.mesh import ParallelDims
     >>> spec = TransformerSpec(vocab_size=64, hidden=32, layers=2, heads=4, seq_len=16)
     >>> est = estimate_step(spec, ParallelDims(1), TrainSpec(global_batch_size=4), ClusterSpec(1, 1, CPU_TOY))
-    >>> est.mfu == 1.0, est.bubble
+    >>> est.mfu > 0.5, est.bubble
     (True, 0.0)
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from lightning_4d.mesh import ParallelDims
-from lightning_4d.planner.bubble import bubble_fraction
+from lightning_4d.planner.bubble import bubble_fraction, replayed_bubble
 from lightning_4d.planner.comm import Collective, comm_per_rank
 from lightning_4d.planner.hardware import ClusterSpec, axes_crossing_nodes
-from lightning_4d.planner.memory import resolve_microbatches, stage_layout
+from lightning_4d.planner.compute import optimizer_seconds, rank_compute_time
+from lightning_4d.planner.memory import micro_batch_size, resolve_microbatches, stage_layout
 from lightning_4d.planner.spec import TrainSpec, TransformerSpec
 
 __all__ = ["StepEstimate", "rank_flops", "estimate_step", "comm_seconds"]
@@ -64,6 +68,7 @@ class StepEstimate:
     crossing: dict
     parts: dict
     slowest_pp_rank: int
+    compute_parts: dict = field(default_factory=dict)
 
     @property
     def bottleneck(self) -> str:
@@ -126,10 +131,43 @@ def comm_seconds(records: list[Collective], dims: ParallelDims, cluster: Cluster
     return out
 
 
+def _dp_mode_seconds(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec, cluster: ClusterSpec,
+                     layers: list[int], first: bool, last: bool, m: int) -> dict[str, float]:
+    """Data-parallel seconds of one rank for hsdp / zero1 / zero2 (:mod:`.dp_modes`): the shard group's
+    traffic inside a node when it fits there, the replicas' across nodes."""
+    from lightning_4d.planner.dp_modes import dp_traffic, hsdp_groups
+    from lightning_4d.planner.memory import local_params
+
+    lp = local_params(spec, dims, layers, first, last)
+    d = cluster.device
+    out = {"dp": 0.0, "edp": 0.0}
+    for axis, params, n, units in (("dp", lp["dense"], dims.dp, len(layers) + 1),
+                                   ("edp", lp["experts"], dims.edp, sum(1 for e in lp["layer_experts"] if e))):
+        if n == 1 or not params:
+            continue
+        shard = None
+        if train.data_parallel == "hsdp":
+            per_node = max(1, cluster.gpus_per_node // (dims.tp if axis == "dp" else dims.ep))
+            shard = train.dp_shard or min(n, per_node)
+            shard = hsdp_groups(n, shard)[1]
+            inside = shard * (dims.tp if axis == "dp" else dims.ep) <= cluster.gpus_per_node
+        else:
+            inside = n * (dims.tp if axis == "dp" else dims.ep) <= cluster.gpus_per_node
+        passes = 1 if dims.pp > 1 else 2
+        tr = dp_traffic(train.data_parallel, params, n, m, passes, shard, train.act_bytes, units)
+        bw_shard = d.intra_node_bw if inside else d.inter_node_bw
+        out[axis] = (tr.shard_bytes / bw_shard + tr.replica_bytes / d.inter_node_bw
+                     + tr.calls * (d.latency_intra if inside else d.latency_inter))
+    return out
+
+
 def estimate_step(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec, cluster: ClusterSpec,
                   records: Optional[list[list[Collective]]] = None, layout: Optional[list[list[int]]] = None,
-                  crossing: Optional[dict] = None) -> StepEstimate:
+                  crossing: Optional[dict] = None, replay: bool = False) -> StepEstimate:
     """Step time, MFU and throughput of a layout (see the module docstring).
+
+    ``replay=True`` takes the bubble from the replay of torch's action table instead of its closed form
+    (they are equal; the replay is slower).
 
     Example:
         >>> from lightning_4d.planner.spec import seed_moe_1t
@@ -142,26 +180,49 @@ def estimate_step(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec, c
     if cluster.world_size != dims.world_size:
         raise ValueError(f"the layout has {dims.world_size} ranks but the cluster {cluster.world_size}.")
     layout = layout if layout is not None else stage_layout(spec, dims, train.schedule)
-    records = records if records is not None else comm_per_rank(spec, dims, train, layout)
+    native = train.data_parallel in ("fsdp", "replicate")
+    if records is None:
+        base = train if native else train.with_(data_parallel="fsdp" if train.data_parallel == "hsdp"
+                                                else "replicate")
+        records = comm_per_rank(spec, dims, base, layout)
     crossing = crossing if crossing is not None else axes_crossing_nodes(dims, cluster)
     m = resolve_microbatches(dims, train)
-    bubble = bubble_fraction(train.schedule if dims.pp > 1 else "1f1b", dims.pp, m, dims.virtual_stages)
+    b = micro_batch_size(dims, train)
+    schedule = train.schedule if dims.pp > 1 else "1f1b"
+    bubble = (replayed_bubble if replay else bubble_fraction)(schedule, dims.pp, m, dims.virtual_stages)
     peak = cluster.device.peak_flops
     v_last = 0 if train.schedule in ("zbv", "dualpipev") and dims.pp > 1 else dims.pp - 1
     best = None
     for r, layers in enumerate(layout):
         flops = rank_flops(spec, dims, train, layers, r == v_last)
-        compute = flops / (peak * cluster.device.compute_efficiency)
+        ct = rank_compute_time(spec, dims, train, cluster.device, layers, r == v_last, b, m)
+        compute = ct.total
         comm = comm_seconds(records[r], dims, cluster, crossing)
+        if not native:
+            comm.update(_dp_mode_seconds(spec, dims, train, cluster, layers, r == 0, r == v_last, m))
         busy = compute + sum(comm[a] for a in _CRITICAL)
         dp_exposed = max(0.0, comm["dp"] + comm["edp"] - compute)
-        step = busy / (1.0 - bubble) + dp_exposed
+        optim = optimizer_seconds(_held_params(spec, dims, train, layers, r == 0, r == v_last), cluster.device)
+        step = busy / (1.0 - bubble) + dp_exposed + optim
         if best is None or step > best[0]:
-            best = (step, r, flops, compute, comm, dp_exposed, busy)
-    step, r, flops, compute, comm, dp_exposed, busy = best
+            best = (step, r, flops, compute, comm, dp_exposed, busy, optim, ct)
+    step, r, flops, compute, comm, dp_exposed, busy, optim, ct = best
     tokens = train.global_batch_size * train.seq(spec)
     model_flops = float(spec.flops_per_token(train.seq(spec)) * tokens)
     parts = {"compute": compute, **{f"comm_{a}": comm[a] for a in _CRITICAL},
-             "bubble": busy * bubble / (1.0 - bubble), "dp_exposed": dp_exposed}
+             "bubble": busy * bubble / (1.0 - bubble), "dp_exposed": dp_exposed, "optimizer": optim}
     return StepEstimate(model_flops, flops, compute, comm, bubble, dp_exposed, step,
-                        model_flops / (dims.world_size * peak * step), tokens / step, crossing, parts, r)
+                        model_flops / (dims.world_size * peak * step), tokens / step, crossing, parts, r,
+                        {"gemm": ct.gemm, "attention": ct.attention, "memory_bound": ct.memory,
+                         "recompute": ct.recompute})
+
+
+def _held_params(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec, layers: list[int], first: bool,
+                 last: bool) -> float:
+    """Parameters whose optimizer state one rank updates (its shard)."""
+    from lightning_4d.planner.memory import local_params
+
+    lp = local_params(spec, dims, layers, first, last)
+    if train.data_parallel == "replicate":
+        return float(lp["dense"] + lp["experts"])
+    return lp["dense"] / dims.dp + lp["experts"] / dims.edp

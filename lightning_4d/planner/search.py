@@ -6,8 +6,12 @@ counts; ``pp`` a divisor of ``world / tp`` with ``pp · v`` stages no more than 
 world / (tp · pp)`` dividing the global batch; ``ep`` a divisor of ``dp · tp`` and of the expert count
 (1 for dense models); every schedule of ``lightning_4d.config.SCHEDULES`` (``1f1b`` only when
 ``pp = 1``); micro-batch counts that split the local batch evenly and satisfy the schedule's rule
-(``lightning_4d.pipeline.schedules.validate_microbatches``). Each is validated by
-:class:`~lightning_4d.mesh.ParallelDims`. Sequence parallelism is on whenever ``tp > 1``.
+(``lightning_4d.pipeline.schedules.validate_microbatches``); sequence parallelism on and off (``tp > 1``),
+every data-parallel mode (fsdp, replicate, hsdp, zero1, zero2) and activation checkpointing (none,
+selective, full). Each is validated as the strategy validates it (``lightning_4d.config.FourDConfig``),
+so only layouts the runtime accepts are proposed (``runtime_only=False`` also plans the modes the
+runtime does not offer yet). Step times use the bubble of the exact schedule (equal to the replay of
+torch's action table, :mod:`lightning_4d.planner.bubble`).
 
 A candidate fits when its peak rank memory is at most the device's usable memory. The fitting ones
 are ranked by :func:`~lightning_4d.planner.roofline.estimate_step`; each of the top ones gets a
@@ -92,11 +96,43 @@ def _microbatch_choices(schedule: str, pp: int, v: int, local_batch: int) -> lis
     return out
 
 
+def _runtime_accepts(world: int, tp: int, pp: int, ep: int, sp: bool, m: int, schedule: str, v: int,
+                     data_parallel: str, ac: Optional[str], dp_shard: Optional[int]) -> Optional[ParallelDims]:
+    """The layout as the strategy validates it (``lightning_4d.config.FourDConfig``), or ``None``."""
+    from lightning_4d.config import FourDConfig
+
+    kwargs = {"dp_shard": dp_shard} if dp_shard is not None else {}
+    try:
+        cfg = FourDConfig(tp=tp, pp=pp, ep=ep, sequence_parallel=sp, microbatches=m if pp > 1 else None,
+                          schedule=schedule, virtual_stages=v if pp > 1 else None, data_parallel=data_parallel,
+                          activation_checkpointing=ac, **kwargs)
+        return cfg.resolve(world)
+    except (ValueError, NotImplementedError, TypeError):
+        return None
+
+
+def _node_shard(dp: int, tp: int, gpus_per_node: int) -> Optional[int]:
+    """HSDP shard group: the largest divisor of ``dp`` whose ranks fit in one node; ``None`` when that is
+    all of dp or a single rank (HSDP would be FSDP or replicate)."""
+    k = max(d for d in _divisors(dp) if d * tp <= max(gpus_per_node, tp))
+    return k if 1 < k < dp else None
+
+
+#: Options the search varies besides the degrees, schedule and micro-batches.
+AC_CHOICES = (None, "selective", "full")
+DP_CHOICES = ("fsdp", "replicate", "hsdp", "zero1", "zero2")
+
+
 def enumerate_layouts(spec: TransformerSpec, cluster: ClusterSpec, train: TrainSpec,
-                      schedules: Optional[Sequence[str]] = None, max_tp: Optional[int] = None
+                      schedules: Optional[Sequence[str]] = None, max_tp: Optional[int] = None,
+                      activation_checkpointing: Sequence[Optional[str]] = AC_CHOICES,
+                      sequence_parallel: Sequence[bool] = (True, False),
+                      data_parallel: Sequence[str] = DP_CHOICES, runtime_only: bool = True
                       ) -> Iterator[tuple[ParallelDims, TrainSpec]]:
-    """Every valid ``(ParallelDims, TrainSpec)`` pair (module docstring); ``train.microbatches`` and
-    ``train.schedule`` are replaced by each candidate's.
+    """Every valid ``(ParallelDims, TrainSpec)`` pair (module docstring); ``train``'s micro-batches, schedule,
+    data-parallel mode, activation checkpointing are replaced by each candidate's. With ``runtime_only``
+    (default) a layout must pass the strategy's own validation (``FourDConfig``): data-parallel modes the
+    runtime does not offer yet (ZeRO-1/2, HSDP until it lands) are skipped; without it they are planned.
 
     Example:
         >>> from lightning_4d.planner.spec import TransformerSpec, TrainSpec
@@ -123,19 +159,37 @@ def enumerate_layouts(spec: TransformerSpec, cluster: ClusterSpec, train: TrainS
                 if pp * v > spec.layers:
                     continue
                 for ep in eps:
-                    try:
-                        dims = ParallelDims.from_world(world, tp=tp, pp=pp, ep=ep, sequence_parallel=True,
-                                                       virtual_stages=v)
-                        check_layout(spec, dims)
-                    except ValueError:
-                        continue
-                    for m in _microbatch_choices(schedule, pp, v, local):
-                        yield dims, train.with_(microbatches=m, schedule=schedule)
+                    for sp in (sequence_parallel if tp > 1 else (True,)):
+                        for mode in (data_parallel if dp > 1 or ep < tp else ("fsdp",)):
+                            shard = _node_shard(dp, tp, cluster.gpus_per_node) if mode == "hsdp" else None
+                            if mode == "hsdp" and shard is None:
+                                continue
+                            for ac in activation_checkpointing:
+                                for m in _microbatch_choices(schedule, pp, v, local):
+                                    if runtime_only:
+                                        dims = _runtime_accepts(world, tp, pp, ep, sp, m, schedule, v, mode, ac,
+                                                                shard)
+                                    else:
+                                        try:
+                                            dims = ParallelDims.from_world(world, tp=tp, pp=pp, ep=ep,
+                                                                           sequence_parallel=sp, virtual_stages=v)
+                                        except ValueError:
+                                            dims = None
+                                    if dims is None:
+                                        break
+                                    try:
+                                        check_layout(spec, dims)
+                                    except ValueError:
+                                        break
+                                    yield dims, train.with_(microbatches=m, schedule=schedule, data_parallel=mode,
+                                                            activation_checkpointing=ac, dp_shard=shard)
 
 
 def _reason(c: Candidate, best: Candidate, device_bytes: float) -> str:
     e, b = c.estimate, best.estimate
-    mem = f"peak {c.peak_memory / _GB:.1f} of {device_bytes / _GB:.1f} GB"
+    mem = (f"peak {c.peak_memory / _GB:.1f} of {device_bytes / _GB:.1f} GB; dp={c.train.data_parallel}, "
+           f"AC={c.train.activation_checkpointing or 'none'}, SP={'on' if c.dims.sp else 'off'}, "
+           f"bubble {e.bubble:.1%} (replayed schedule)")
     if c is best:
         parts = ", ".join(f"{k} {v / e.step_s:.0%}" for k, v in sorted(e.parts.items(), key=lambda kv: -kv[1])
                           if v / e.step_s >= 0.01)
@@ -150,7 +204,8 @@ def _reason(c: Candidate, best: Candidate, device_bytes: float) -> str:
            "comm_tp": "more TP traffic",
            "comm_ep": "more expert all-to-all traffic", "comm_pp": "more pipeline sends",
            "bubble": f"a larger pipeline bubble ({e.bubble:.1%} vs {b.bubble:.1%})",
-           "dp_exposed": "data-parallel traffic not hidden behind compute"}[worst]
+           "dp_exposed": "data-parallel traffic not hidden behind compute",
+           "optimizer": "a larger optimizer step (less sharded states)"}[worst]
     axes = {"comm_tp": ("tp",), "comm_ep": ("ep",), "comm_pp": ("pp",), "dp_exposed": ("dp", "edp")}.get(worst, ())
     cross = [a for a in axes if e.crossing.get(a) and getattr(c.dims, a) > 1]
     extra = f" ({', '.join(cross)} crosses nodes)" if cross else ""
@@ -159,8 +214,10 @@ def _reason(c: Candidate, best: Candidate, device_bytes: float) -> str:
 
 
 def search(spec: TransformerSpec, cluster: ClusterSpec, train: TrainSpec, top: int = 5,
-           schedules: Optional[Sequence[str]] = None, max_tp: Optional[int] = None, distinct: bool = True
-           ) -> list[Candidate]:
+           schedules: Optional[Sequence[str]] = None, max_tp: Optional[int] = None, distinct: bool = True,
+           activation_checkpointing: Sequence[Optional[str]] = AC_CHOICES,
+           sequence_parallel: Sequence[bool] = (True, False), data_parallel: Sequence[str] = DP_CHOICES,
+           runtime_only: bool = True) -> list[Candidate]:
     """The ``top`` fastest fitting layouts, each with a reason string.
 
     With ``distinct`` (default) only the fastest schedule / micro-batch count of each ``(tp, pp, ep)``
@@ -183,10 +240,15 @@ def search(spec: TransformerSpec, cluster: ClusterSpec, train: TrainSpec, top: i
     smallest: Optional[Candidate] = None
     crossing_cache: dict[tuple, dict] = {}
     count = 0
-    for dims, tr in enumerate_layouts(spec, cluster, train, schedules, max_tp):
+    overhead = cluster.device.allocator_overhead
+    for dims, tr in enumerate_layouts(spec, cluster, train, schedules, max_tp, activation_checkpointing,
+                                      sequence_parallel, data_parallel, runtime_only):
         count += 1
         layout = stage_layout(spec, dims, tr.schedule)
-        peak = max(r.total for r in memory_per_rank(spec, dims, tr, layout))
+        try:
+            peak = max(r.total for r in memory_per_rank(spec, dims, tr, layout, overhead))
+        except ValueError:  # e.g. an HSDP shard group that does not divide dp
+            continue
         cand = Candidate(dims, tr, peak, peak <= usable)
         if smallest is None or peak < smallest.peak_memory:
             smallest = cand
@@ -195,8 +257,9 @@ def search(spec: TransformerSpec, cluster: ClusterSpec, train: TrainSpec, top: i
         key = (dims.tp, dims.pp, dims.ep)
         if key not in crossing_cache:
             crossing_cache[key] = axes_crossing_nodes(dims, cluster)
-        est = estimate_step(spec, dims, tr, cluster, comm_per_rank(spec, dims, tr, layout), layout,
-                            crossing_cache[key])
+        native = tr.data_parallel in ("fsdp", "replicate")
+        est = estimate_step(spec, dims, tr, cluster, comm_per_rank(spec, dims, tr, layout) if native else None,
+                            layout, crossing_cache[key])
         fitting.append(Candidate(dims, tr, peak, True, est))
     where = f"{cluster.nodes} node(s) × {cluster.gpus_per_node} {cluster.device.name}"
     if smallest is None:
@@ -216,7 +279,8 @@ def search(spec: TransformerSpec, cluster: ClusterSpec, train: TrainSpec, top: i
     chosen: list[Candidate] = []
     seen: set[tuple] = set()
     for c in fitting:
-        key = (c.dims.tp, c.dims.pp, c.dims.ep) if distinct else (c.label,)
+        key = (c.dims.tp, c.dims.pp, c.dims.ep) if distinct else (c.label, c.dims.sp, c.train.data_parallel,
+                                                                   c.train.activation_checkpointing)
         if key not in seen:
             seen.add(key)
             chosen.append(c)

@@ -29,9 +29,16 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any, Optional
 
-__all__ = ["TransformerSpec", "TrainSpec", "seed_moe_1t", "PRECISIONS"]
+__all__ = ["TransformerSpec", "TrainSpec", "seed_moe_1t", "PRECISIONS", "DATA_PARALLEL_MODES", "SELECTIVE_POLICIES"]
 
 PRECISIONS = ("bf16-mixed", "32-true")
+#: Data-parallel modes the planner models (:mod:`lightning_4d.planner.dp_modes`); the runtime offers those
+#: of ``lightning_4d.config`` (``fsdp``, ``replicate``; ``hsdp`` once the strategy has it).
+DATA_PARALLEL_MODES = ("fsdp", "replicate", "hsdp", "zero1", "zero2")
+#: What ``activation_checkpointing="selective"`` saves: the package's policy (``"matmuls"``: every matmul and
+#: attention output) or TorchTitan's op-level policy (``"every_other_matmul"``: every second matmul output,
+#: attention outputs; the other matmuls are recomputed).
+SELECTIVE_POLICIES = ("matmuls", "every_other_matmul")
 
 
 def _positive(name: str, value: Any, allow_zero: bool = False) -> None:
@@ -298,7 +305,11 @@ class TrainSpec:
         seq_len: tokens per sequence (``None``: the model spec's).
         microbatches: pipeline micro-batches per step (``None``: the schedule's default ``pp·v``).
         schedule: pipeline schedule name (``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zbv``, ``dualpipev``).
-        data_parallel: ``"fsdp"`` (FSDP2 ``fully_shard``) or ``"replicate"``.
+        data_parallel: ``"fsdp"`` (FSDP2 ``fully_shard``), ``"replicate"``, ``"hsdp"`` (FSDP2 over a
+            ``(dp_replicate, dp_shard)`` mesh: shard inside groups of ``dp_shard`` ranks, replicate across
+            them), ``"zero1"`` / ``"zero2"`` (kept parameters, sharded optimizer states / and gradients:
+            Megatron's distributed optimizer). See :mod:`lightning_4d.planner.dp_modes`.
+        dp_shard: shard-group size of ``hsdp`` (``None``: the dp ranks of one node).
         precision: ``"bf16-mixed"`` (bf16 compute copies and activations, fp32 master weights,
             gradients and AdamW moments) or ``"32-true"``.
         activation_checkpointing: ``None``, ``"selective"`` or ``"full"``.
@@ -313,6 +324,8 @@ class TrainSpec:
         expert_reshard_after_forward: whether the experts' FSDP2 units free their gathered parameters
             after forward (``None``: as designed, resharding unless ``reshard_after_forward=False``).
             :func:`lightning_4d.planner.dry_run.dry_run` sets it to what the wrapped model really does.
+        compile: ``torch.compile`` fuses the memory-bound kernels (:mod:`lightning_4d.planner.compute`).
+        selective_policy: what selective checkpointing saves (:data:`SELECTIVE_POLICIES`).
 
     Example:
         >>> TrainSpec(global_batch_size=8).act_bytes
@@ -331,13 +344,20 @@ class TrainSpec:
     expert_imbalance: float = 1.0
     reshard_after_forward: Optional[bool] = None
     expert_reshard_after_forward: Optional[bool] = None
+    dp_shard: Optional[int] = None
+    compile: bool = False
+    selective_policy: str = "matmuls"
 
     def __post_init__(self) -> None:
         _positive("global_batch_size", self.global_batch_size)
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision={self.precision!r} is not modelled; use one of {PRECISIONS}.")
-        if self.data_parallel not in ("fsdp", "replicate"):
-            raise ValueError(f"data_parallel={self.data_parallel!r} must be 'fsdp' or 'replicate'.")
+        if self.data_parallel not in DATA_PARALLEL_MODES:
+            raise ValueError(f"data_parallel={self.data_parallel!r} must be one of {DATA_PARALLEL_MODES}.")
+        if self.dp_shard is not None:
+            _positive("dp_shard", self.dp_shard)
+        if self.selective_policy not in SELECTIVE_POLICIES:
+            raise ValueError(f"selective_policy={self.selective_policy!r} must be one of {SELECTIVE_POLICIES}.")
         if self.activation_checkpointing not in (None, "selective", "full"):
             raise ValueError(f"activation_checkpointing={self.activation_checkpointing!r}: use None, 'selective' "
                              f"or 'full'.")

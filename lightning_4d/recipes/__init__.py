@@ -1,4 +1,5 @@
-"""Hydra recipes for lightning_4d: typed config schemas, builders and the fail-fast resource check.
+"""Hydra recipes for lightning_4d: structured configs over the package's own dataclasses, builders
+(``hydra.utils.instantiate`` of each group's ``_target_``) and the fail-fast resource check.
 
 The YAML config groups live in ``conf/`` at the repository root and the entry point is
 ``recipes/train.py``; this package holds the importable, testable logic behind them.
@@ -28,7 +29,7 @@ from lightning_4d.recipes.build import (
     run,
     validate,
 )
-from lightning_4d.recipes.resources import ResourceError, check_resources, count_params, estimate_memory
+from lightning_4d.recipes.resources import ResourceError, check_resources, count_params
 from lightning_4d.recipes.schema import RecipeConfigError, TrainConfig, register_configs, to_train_config
 
 __all__ = [
@@ -46,7 +47,6 @@ __all__ = [
     "check_resources",
     "conf_dir",
     "count_params",
-    "estimate_memory",
     "output_dir",
     "register_configs",
     "run",

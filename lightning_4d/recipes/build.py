@@ -18,26 +18,27 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_4d.recipes.resources import ResourceReport, check_resources, count_params
+from lightning_4d.recipes.resources import ResourceReport, check_resources, count_params, model_spec
 from lightning_4d.recipes.schema import (
-    GPT2ModelConfig,
     HFModelConfig,
-    LlamaModelConfig,
-    MoEModelConfig,
+    LlamaModelConfig,  # noqa: F401 - used by the examples
     RecipeConfigError,
     SyntheticDataConfig,
     TextDataConfig,
     TrainConfig,
+    owned,
     to_train_config,
 )
 
@@ -54,7 +55,6 @@ __all__ = [
     "build_network",
     "build_strategy",
     "build_trainer",
-    "layout_gaps",
     "output_dir",
     "run",
     "validate",
@@ -107,14 +107,14 @@ def validate(cfg: Config) -> TrainConfig:
     if isinstance(c.model, HFModelConfig):
         _validate_hf(c)
         return c
-    vocab = _data_vocab(c.data)
-    if vocab > c.model.vocab_size:
+    vocab, spec = _data_vocab(c.data), model_spec(c.model)
+    if vocab > spec.vocab_size:
         raise RecipeConfigError(
-            f"data vocabulary ({vocab} ids) exceeds model.vocab_size={c.model.vocab_size}: raise model.vocab_size "
+            f"data vocabulary ({vocab} ids) exceeds model.vocab_size={spec.vocab_size}: raise model.vocab_size "
             f"to at least {vocab} or use a smaller tokenizer / data.vocab_size.")
-    if c.data.seq_len > c.model.max_seq_len:
-        key = "model.block_size" if isinstance(c.model, GPT2ModelConfig) else "model.max_seq_len"
-        raise RecipeConfigError(f"data.seq_len={c.data.seq_len} exceeds {key}={c.model.max_seq_len}.")
+    if c.data.seq_len > spec.seq_len:
+        raise RecipeConfigError(f"data.seq_len={c.data.seq_len} exceeds the model's longest sequence {spec.seq_len} "
+                                f"(model.max_seq_len, or model.block_size of GPT-2).")
     return c
 
 
@@ -200,70 +200,20 @@ def build_data(cfg: Config) -> "L.LightningDataModule":
 
 
 # ---------------------------------------------------------------------------------------------- model
-def _kwargs_for(schema: Any, target: type) -> dict[str, Any]:
-    """Schema fields accepted by ``target``; a non-default value for a field it lacks is an error."""
-    accepted = {f.name for f in fields(target)}
-    out: dict[str, Any] = {}
-    for f in fields(schema):
-        if f.name == "name":
-            continue
-        value = getattr(schema, f.name)
-        if f.name in accepted:
-            out[f.name] = value
-        elif value != f.default:
-            raise RecipeConfigError(
-                f"model.{f.name}={value!r} is not supported by {target.__module__}.{target.__name__} in this version "
-                f"of lightning_4d; remove it from the model config.")
-    return out
-
-
-def _build_hf(m: HFModelConfig) -> "nn.Module":
-    """:class:`~lightning_4d.models.HFLogits` of ``model.path`` (pretrained) or ``model.config`` (random init)."""
-    from lightning_4d.models.hf import HFLogits
-    from lightning_4d.recipes.hf_model import hf_config
-
-    hf_config(m)  # clear errors for a missing path / config.json / weights
-    source = Path(m.source).absolute()
-    options = dict(dtype=m.dtype, attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code)
-    if m.path is not None:
-        return HFLogits.from_pretrained(source, **options)
-    return HFLogits.from_config(source, **options)
-
-
 def build_network(cfg: Config) -> "nn.Module":
-    """The plain torch network of ``cfg.model`` (``Llama``, ``GPT2``, ``MoETransformer``, or a Hugging Face
-    causal LM in :class:`~lightning_4d.models.HFLogits` for ``model=hf``), on the current default device
-    (wrap in ``torch.device("meta")`` for an empty build; not for ``model=hf``).
-
-    Raises:
-        RecipeConfigError: ``base_moe`` models when ``lightning_4d.models.moe`` is not available.
+    """The plain torch network of ``cfg.model``: ``hydra.utils.instantiate`` of its ``_target_`` (``Llama``,
+    ``GPT2``, ``MoETransformer``, or :func:`~lightning_4d.recipes.hf_model.build_hf` for ``model=hf``) called
+    with the model's config object, on the current default device (wrap in ``torch.device("meta")`` for an
+    empty build; not for ``model=hf``).
 
     Example:
-        >>> net = build_network(TrainConfig(model=LlamaModelConfig(dim=32, n_heads=4, ffn_hidden=64)))
+        >>> tiny = LlamaModelConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, ffn_hidden=64)
+        >>> net = build_network(TrainConfig(model=tiny))
         >>> type(net).__name__, sum(p.numel() for p in net.parameters())
         ('Llama', 37024)
     """
     m = _cfg(cfg).model
-    if isinstance(m, HFModelConfig):
-        return _build_hf(m)
-    if isinstance(m, MoEModelConfig):
-        try:
-            from lightning_4d.models.moe import MoEConfig, MoETransformer
-        except ImportError as err:
-            raise RecipeConfigError(
-                f"model={m.name} is a mixture-of-experts model, but lightning_4d.models.moe (MoEConfig, "
-                f"MoETransformer) is not available in this installation ({err}). Choose a dense model, e.g. "
-                f"model=tiny_dense.") from err
-        return MoETransformer(MoEConfig(**_kwargs_for(m, MoEConfig)))
-    if isinstance(m, LlamaModelConfig):
-        from lightning_4d.models import Llama, LlamaConfig
-
-        return Llama(LlamaConfig(**_kwargs_for(m, LlamaConfig)))
-    if isinstance(m, GPT2ModelConfig):
-        from lightning_4d.models import GPT2, GPT2Config
-
-        return GPT2(GPT2Config(**_kwargs_for(m, GPT2Config)))
-    raise RecipeConfigError(f"model of type {type(m).__name__} has no builder.")
+    return instantiate({"_target_": m._target_}, owned("model", m))
 
 
 def build_model(cfg: Config, trainer: Optional["L.Trainer"] = None) -> "L.LightningModule":
@@ -274,7 +224,7 @@ def build_model(cfg: Config, trainer: Optional["L.Trainer"] = None) -> "L.Lightn
     and shards it.
 
     Example:
-        >>> lm = build_model(TrainConfig(model=LlamaModelConfig(dim=32, n_heads=4)))
+        >>> lm = build_model(TrainConfig(model=LlamaModelConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4)))
         >>> lm.hparams.lr
         0.0003
     """
@@ -297,20 +247,17 @@ def build_model(cfg: Config, trainer: Optional["L.Trainer"] = None) -> "L.Lightn
 
 # ---------------------------------------------------------------------------------------------- trainer
 def build_strategy(cfg: Config) -> Any:
-    """``FourDStrategy`` with the options of ``cfg.parallel``.
+    """``hydra.utils.instantiate`` of ``cfg.parallel``'s ``_target_`` (``FourDStrategy``) with the options of its
+    ``FourDConfig`` and the timeout.
 
     Example:
         >>> from lightning_4d.recipes.schema import ParallelConfig
         >>> build_strategy(TrainConfig(parallel=ParallelConfig(tp=2))).config.tp
         2
     """
-    from lightning_4d import FourDStrategy
-
     p = _cfg(cfg).parallel
-    return FourDStrategy(
-        tp=p.tp, pp=p.pp, ep=p.ep, dp=p.dp, sequence_parallel=p.sequence_parallel, microbatches=p.microbatches,
-        schedule=p.schedule, virtual_stages=p.virtual_stages, data_parallel=p.data_parallel,
-        activation_checkpointing=p.activation_checkpointing, timeout=timedelta(minutes=p.timeout_min))
+    options = dataclasses.asdict(owned("parallel", p))
+    return instantiate({"_target_": p._target_}, **options, timeout=timedelta(minutes=p.timeout_min))
 
 
 class LossHistory:
@@ -338,63 +285,14 @@ class LossHistory:
         return _LossHistory()
 
 
-def layout_gaps(plan: Any, tp: int, pp: int, ep: int) -> list[str]:
-    """Degrees > 1 that the strategy's plan shows no trace of (pure; empty when all were applied).
-
-    Reads ``plan.tp_modules``, ``plan.pipeline`` and ``plan.expert_modules`` of
-    :class:`~lightning_4d.parallelize.ParallelPlan`; a field the plan lacks is not checked.
-
-    Example:
-        >>> from types import SimpleNamespace
-        >>> layout_gaps(SimpleNamespace(tp_modules=["wq"], pipeline=None, expert_modules=[]), 2, 2, 1)
-        ['pp=2 (no pipeline stages were built)']
-    """
-    gaps: list[str] = []
-    if tp > 1 and hasattr(plan, "tp_modules") and not plan.tp_modules:
-        gaps.append(f"tp={tp} (no module was tensor-parallelised)")
-    if pp > 1 and hasattr(plan, "pipeline") and plan.pipeline is None:
-        gaps.append(f"pp={pp} (no pipeline stages were built)")
-    if ep > 1 and hasattr(plan, "expert_modules") and not plan.expert_modules:
-        gaps.append(f"ep={ep} (no expert layer was made expert-parallel)")
-    return gaps
-
-
-class LayoutGuard:
-    """Callback factory: after the strategy has set up, fail if a requested degree was not applied,
-    so a run never silently trains a different layout than the one asked for.
-
-    Example:
-        >>> type(LayoutGuard.create(2, 1, 1)).__name__
-        '_LayoutGuard'
-    """
-
-    @staticmethod
-    def create(tp: int, pp: int, ep: int) -> Any:
-        """A new ``lightning.Callback`` checking ``trainer.strategy.plan`` in ``on_fit_start``."""
-        import lightning as L
-
-        class _LayoutGuard(L.Callback):
-            def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-                plan = getattr(trainer.strategy, "plan", None)
-                gaps = layout_gaps(plan, tp, pp, ep) if plan is not None else []
-                if gaps:
-                    raise RuntimeError(
-                        f"FourDStrategy did not apply {', '.join(gaps)} to {type(pl_module.model).__name__}. This "
-                        f"layout is not supported by this version of lightning_4d yet; choose e.g. parallel=tp "
-                        f"(and model=tiny_dense) or set the degree to 1.")
-
-        return _LayoutGuard()
-
-
 def build_callbacks(cfg: Config, root: Optional[Path] = None) -> list[Any]:
-    """Progress bar, ``ModelCheckpoint`` (under ``<output_dir>/checkpoints``), the layout guard and the
-    loss history (always last).
+    """Progress bar, ``ModelCheckpoint`` (under ``<output_dir>/checkpoints``) and the loss history (always last).
 
     Example:
         >>> from lightning_4d.recipes.schema import CallbacksConfig
         >>> cbs = build_callbacks(TrainConfig(callbacks=CallbacksConfig(checkpoint=False)), Path("/tmp/x"))
         >>> [type(cb).__name__ for cb in cbs]
-        ['TQDMProgressBar', '_LayoutGuard', '_LossHistory']
+        ['TQDMProgressBar', '_LossHistory']
     """
     from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 
@@ -409,8 +307,6 @@ def build_callbacks(cfg: Config, root: Optional[Path] = None) -> list[Any]:
         cbs.append(ModelCheckpoint(
             dirpath=str(root / "checkpoints"), every_n_train_steps=every, save_last=c.callbacks.save_last,
             save_top_k=1))
-    p = c.parallel
-    cbs.append(LayoutGuard.create(p.tp, p.pp, p.ep))
     cbs.append(LossHistory.create())
     return cbs
 

@@ -1,4 +1,5 @@
-"""The recipes' view of a Hugging Face model (``model=hf``): its config, shape and parameter count.
+"""The recipes' view of a Hugging Face model (``model=hf``): its config, shape, planner spec, parameter count
+and the network (:func:`build_hf`, the ``_target_`` of ``conf/model/hf.yaml``).
 
 Read from ``config.json`` only (offline, nothing allocated: the parameter count comes from a build on the
 meta device), so the fail-fast checks of :mod:`lightning_4d.recipes.build` and
@@ -21,7 +22,7 @@ from typing import Any, Optional
 
 from lightning_4d.recipes.schema import HFModelConfig, RecipeConfigError
 
-__all__ = ["HFShape", "hf_config", "hf_param_count", "hf_shape"]
+__all__ = ["HFShape", "build_hf", "hf_config", "hf_param_count", "hf_shape", "hf_spec"]
 
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 _EXPERT_PARAM = re.compile(r"(^|\.)experts(\.|$)")
@@ -70,8 +71,8 @@ class HFShape:
 
     Example:
         >>> HFShape(vocab_size=64, max_positions=None, num_attention_heads=4, num_key_value_heads=2,
-        ...         num_hidden_layers=2, num_experts=None, top_k=1).heads
-        {'num_attention_heads': 4, 'num_key_value_heads': 2}
+        ...         num_hidden_layers=2, num_experts=None, top_k=1).num_hidden_layers
+        2
     """
 
     vocab_size: int
@@ -81,11 +82,6 @@ class HFShape:
     num_hidden_layers: int
     num_experts: Optional[int]
     top_k: int
-
-    @property
-    def heads(self) -> dict[str, int]:
-        """Head counts by config name (tensor parallelism divides each by ``tp``)."""
-        return {"num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads}
 
 
 def hf_shape(model: HFModelConfig) -> HFShape:
@@ -108,6 +104,47 @@ def hf_shape(model: HFModelConfig) -> HFShape:
         num_experts=experts or None,
         top_k=int(getattr(text, "num_experts_per_tok", 1) or 1),
     )
+
+
+def hf_spec(model: HFModelConfig) -> Any:
+    """The planner's :class:`~lightning_4d.planner.TransformerSpec` of ``model``'s config (exact in the heads,
+    blocks and experts the layout rules read; the widths of a Llama-style block for the memory model), or
+    ``None`` when the config does not describe such a block.
+
+    Example:
+        >>> hf_spec(HFModelConfig(path="my-llama")).layers  # doctest: +SKIP
+        32
+    """
+    from lightning_4d.planner import TransformerSpec
+
+    shape, cfg = hf_shape(model), hf_config(model)
+    text = getattr(cfg, "get_text_config", lambda: cfg)()
+    experts = shape.num_experts or 0
+    ffn = getattr(text, "intermediate_size", None)
+    try:
+        return TransformerSpec(
+            shape.vocab_size, int(text.hidden_size), shape.num_hidden_layers, shape.num_attention_heads,
+            shape.num_key_value_heads, ffn, num_experts=experts, top_k=shape.top_k if experts else 0,
+            expert_hidden=int(getattr(text, "moe_intermediate_size", None) or ffn or 0) if experts else 0,
+            tied_embeddings=bool(getattr(text, "tie_word_embeddings", False)), name=model.name)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def build_hf(model: HFModelConfig) -> Any:
+    """:class:`~lightning_4d.models.HFLogits` of ``model.path`` (pretrained) or ``model.config`` (random init).
+
+    Example:
+        >>> type(build_hf(HFModelConfig(config="my-llama/config.json"))).__name__  # doctest: +SKIP
+        'HFLogits'
+    """
+    from lightning_4d.models.hf import HFLogits
+
+    hf_config(model)  # clear errors for a missing path / config.json / weights
+    options = dict(dtype=model.dtype, attn_implementation=model.attn_implementation,
+                   trust_remote_code=model.trust_remote_code)
+    load = HFLogits.from_pretrained if model.path is not None else HFLogits.from_config
+    return load(Path(model.source).absolute(), **options)
 
 
 def hf_param_count(model: HFModelConfig) -> Any:

@@ -32,18 +32,17 @@ from typing import Any, Optional, Union
 
 from omegaconf import DictConfig
 
+from lightning_4d.recipes.resources import model_spec
 from lightning_4d.recipes.schema import (
-    GPT2ModelConfig,
     HFModelConfig,
-    LlamaModelConfig,
-    MoEModelConfig,
     PlanConfig,
     PlanRecipeConfig,
     RecipeConfigError,
     TrainConfig,
+    owned,
 )
 
-__all__ = ["PlanError", "PlanSetup", "PlanOutcome", "plan_setup", "run_plan", "model_config", "TRACE_BLOCKS"]
+__all__ = ["PlanError", "PlanSetup", "PlanOutcome", "plan_setup", "run_plan", "TRACE_BLOCKS"]
 
 TRACE_BLOCKS = 8
 """With ``plan.trace_blocks: null`` models of at most this many blocks are traced whole, bigger ones cut down
@@ -99,36 +98,6 @@ def _plan_section(c: TrainConfig) -> PlanConfig:
     return c.plan if isinstance(c, PlanRecipeConfig) else PlanConfig()
 
 
-def model_config(model: Any) -> Any:
-    """The package's model config (``LlamaConfig``, ``MoEConfig``, ``GPT2Config``) of a model schema.
-
-    Example:
-        >>> type(model_config(LlamaModelConfig())).__name__
-        'LlamaConfig'
-    """
-    from lightning_4d.recipes.build import _kwargs_for
-
-    if isinstance(model, MoEModelConfig):
-        from lightning_4d.models.moe import MoEConfig
-
-        return MoEConfig(**_kwargs_for(model, MoEConfig))
-    if isinstance(model, LlamaModelConfig):
-        from lightning_4d.models import LlamaConfig
-
-        return LlamaConfig(**_kwargs_for(model, LlamaConfig))
-    if isinstance(model, GPT2ModelConfig):
-        from lightning_4d.models import GPT2Config
-
-        return GPT2Config(**_kwargs_for(model, GPT2Config))
-    raise PlanError(f"model of type {type(model).__name__} cannot be planned.")
-
-
-def _spec(model: Any, seq_len: int) -> Any:
-    from lightning_4d.planner import TransformerSpec
-
-    return TransformerSpec.from_config(model_config(model), seq_len=seq_len, name=model.name)
-
-
 def _precision(trainer_precision: str) -> tuple[str, Optional[str]]:
     p = str(trainer_precision)
     if p in ("32-true", "32"):
@@ -178,7 +147,6 @@ def plan_setup(cfg: Union[DictConfig, TrainConfig]) -> PlanSetup:
     Example:
         >>> setup = plan_setup(cfg)  # doctest: +SKIP
     """
-    from lightning_4d.config import FourDConfig
     from lightning_4d.planner import ClusterSpec, TrainSpec
     from lightning_4d.planner.memory import check_layout
     from lightning_4d.recipes.build import validate
@@ -204,10 +172,7 @@ def plan_setup(cfg: Union[DictConfig, TrainConfig]) -> PlanSetup:
         source = f"trainer.devices × trainer.num_nodes = {devices} × {t.num_nodes} (parallel.dp=auto)"
     notes.append(f"world: {world} ranks from {source}")
     try:
-        fourd = FourDConfig(tp=par.tp, pp=par.pp, ep=par.ep, dp=par.dp, sequence_parallel=par.sequence_parallel,
-                            microbatches=par.microbatches, schedule=par.schedule, virtual_stages=par.virtual_stages,
-                            data_parallel=par.data_parallel, activation_checkpointing=par.activation_checkpointing)
-        dims = fourd.resolve(world)
+        dims = owned("parallel", par).resolve(world)
     except ValueError as err:
         raise PlanError(f"layout {par.name}: {err}") from None
     nodes = plan.nodes or -(-world // gpn)
@@ -219,11 +184,11 @@ def plan_setup(cfg: Union[DictConfig, TrainConfig]) -> PlanSetup:
         notes.append(f"cluster: {nodes} node(s) × {gpn} GPUs from the world (plan.nodes=null)")
     cluster = ClusterSpec(nodes, gpn, _device(plan))
 
-    seq = plan.seq_len or c.data.seq_len
-    if seq > c.model.max_seq_len:
-        raise PlanError(f"plan.seq_len={seq} exceeds the model's max_seq_len={c.model.max_seq_len}.")
+    seq, spec = plan.seq_len or c.data.seq_len, model_spec(c.model)
+    if seq > spec.seq_len:
+        raise PlanError(f"plan.seq_len={seq} exceeds the model's max_seq_len={spec.seq_len}.")
     notes.append(f"seq_len: {seq} from " + ("plan.seq_len" if plan.seq_len else "data.seq_len"))
-    spec = _spec(c.model, seq)
+    spec = spec.with_(seq_len=seq)
     try:
         check_layout(spec, dims)
     except ValueError as err:
@@ -272,16 +237,14 @@ def plan_setup(cfg: Union[DictConfig, TrainConfig]) -> PlanSetup:
 # ---------------------------------------------------------------------------------------------- dry run
 def _traced_model(model: Any, blocks: int) -> Any:
     """The model schema cut to ``blocks`` blocks (same widths); an MoE keeps dense and MoE blocks when both exist."""
-    if isinstance(model, GPT2ModelConfig):
-        return dataclasses.replace(model, n_layer=blocks)
-    changes: dict[str, Any] = {"n_layers": blocks}
-    if isinstance(model, MoEModelConfig) and model.first_dense_layers:
+    changes: dict[str, Any] = {"n_layer" if hasattr(model, "n_layer") else "n_layers": blocks}
+    if getattr(model, "first_dense_layers", 0):
         changes["first_dense_layers"] = 0 if blocks == 1 else min(model.first_dense_layers, blocks // 2)
     return dataclasses.replace(model, **changes)
 
 
 def _n_blocks(model: Any) -> int:
-    return model.n_layer if isinstance(model, GPT2ModelConfig) else model.n_layers
+    return model_spec(model).layers
 
 
 def trace_blocks(setup: PlanSetup) -> int:
@@ -318,7 +281,7 @@ def run_dry_run(setup: PlanSetup) -> Any:
     model = _traced_model(setup.config.model, blocks) if blocks < _n_blocks(setup.config.model) else \
         setup.config.model
     c = dataclasses.replace(setup.config, model=model)
-    spec = _spec(model, setup.train.seq(setup.spec))
+    spec = model_spec(model).with_(seq_len=setup.train.seq(setup.spec))
     result = dry_run(lambda: build_model(c), spec, setup.dims, setup.train, ranks=setup.plan.trace_ranks)
     if blocks < _n_blocks(setup.config.model):
         result.assumptions.append(

@@ -1,24 +1,26 @@
 """Typed schemas of the Hydra recipes, registered with Hydra's ``ConfigStore``.
 
-Every YAML file under ``conf/`` starts from one of these dataclasses (its defaults list names the
-schema first), so Hydra/OmegaConf reject a misspelt key or a wrongly typed value while composing,
-naming the full key::
+The model and layout schemas are the package's own dataclasses (``LlamaConfig``, ``MoEConfig``, ``GPT2Config``,
+``FourDConfig``; a field added there reaches the recipes as it is) with a recipe ``name`` and Hydra's
+``_target_`` (the object built from them with ``hydra.utils.instantiate``). Every YAML file under ``conf/``
+starts from one of these schemas (its defaults list names it first), so Hydra/OmegaConf reject a misspelt key
+or a wrongly typed value while composing, naming the full key::
 
     $ python recipes/train.py parallel.tpp=2
     Could not override 'parallel.tpp'. ... Key 'tpp' not in 'ParallelConfig'
 
-Value rules (a positive degree, a known schedule, ...) are checked in ``__post_init__``, which runs
-when the composed config is turned into objects (:func:`to_train_config`); messages name the key.
-Keys added with Hydra's ``+key=value`` (which bypasses the schema) are rejected there too, with the
-nearest known key suggested.
+Value rules are those of the owners: :func:`to_train_config` builds ``FourDConfig`` and the model config
+(their ``__post_init__`` runs) and names the key in their messages; the recipe-only sections (trainer, data,
+optim, plan) check theirs in ``__post_init__``. Keys added with Hydra's ``+key=value`` (which bypasses the
+schema) are rejected there too, with the nearest known key suggested.
 
 Schemas registered (group / name):
 
 - ``train_schema`` — :class:`TrainConfig`, the primary config (``conf/train.yaml``).
 - ``plan_schema`` — :class:`PlanRecipeConfig`, the planner's primary config (``conf/plan.yaml``).
-- ``model/base_llama``, ``model/base_gpt2``, ``model/base_moe``, ``model/base_hf`` — :class:`LlamaModelConfig`,
-  :class:`GPT2ModelConfig`, :class:`MoEModelConfig`, :class:`HFModelConfig`.
-- ``parallel/base_parallel`` — :class:`ParallelConfig`.
+- ``model/base_llama``, ``model/base_gpt2``, ``model/base_moe``, ``model/base_hf`` — :data:`LlamaModelConfig`,
+  :data:`GPT2ModelConfig`, :data:`MoEModelConfig`, :class:`HFModelConfig`.
+- ``parallel/base_parallel`` — :data:`ParallelConfig`.
 - ``trainer/base_trainer`` — :class:`TrainerConfig`.
 - ``data/base_text``, ``data/base_synthetic`` — :class:`TextDataConfig`, :class:`SyntheticDataConfig`.
 - ``optim/base_adamw`` — :class:`OptimConfig`.
@@ -37,12 +39,17 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Union
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from lightning_4d.config import ACTIVATION_CHECKPOINTING, DATA_PARALLEL, SCHEDULES
+from lightning_4d._compat.omegaconf import owner_of, structured_schema
+from lightning_4d.config import FourDConfig
+from lightning_4d.models import GPT2Config, LlamaConfig
+from lightning_4d.models.moe import MoEConfig
 
 __all__ = [
     "CallbacksConfig",
@@ -51,7 +58,6 @@ __all__ = [
     "LlamaModelConfig",
     "LoggerConfig",
     "MoEModelConfig",
-    "ModelConfig",
     "DataConfig",
     "OptimConfig",
     "ParallelConfig",
@@ -62,13 +68,11 @@ __all__ = [
     "TextDataConfig",
     "TrainConfig",
     "TrainerConfig",
+    "owned",
     "register_configs",
     "to_train_config",
 ]
 
-_SCHEDULES = tuple(SCHEDULES)
-_DATA_PARALLEL = tuple(DATA_PARALLEL)
-_ACTIVATION_CHECKPOINTING = tuple(ACTIVATION_CHECKPOINTING)
 _PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true")
 _ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
 
@@ -101,116 +105,14 @@ def _one_of(key: str, value: Any, choices: tuple) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- model
-@dataclass
-class LlamaModelConfig:
-    """A :class:`~lightning_4d.models.Llama` (TorchTitan names). Fields mirror ``LlamaConfig``.
-
-    ``name`` labels the run; everything else is passed to ``LlamaConfig``.
-
-    Example:
-        >>> LlamaModelConfig(dim=64, n_heads=4).n_layers
-        2
-    """
-
-    name: str = "llama"
-    vocab_size: int = 256
-    dim: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    n_kv_heads: Optional[int] = None
-    ffn_hidden: Optional[int] = None
-    multiple_of: int = 256
-    max_seq_len: int = 2048
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    dropout: float = 0.0
-    tie_embeddings: bool = False
-    init_std: float = 0.02
-
-    def __post_init__(self) -> None:
-        for key in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "multiple_of"):
-            _positive(f"model.{key}", getattr(self, key))
-        _positive("model.n_kv_heads", self.n_kv_heads, allow_none=True)
-        _positive("model.ffn_hidden", self.ffn_hidden, allow_none=True)
-        if self.dim % self.n_heads:
-            raise RecipeConfigError(
-                f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}.")
-        kv = self.n_kv_heads or self.n_heads
-        if self.n_heads % kv:
-            raise RecipeConfigError(
-                f"model.n_heads={self.n_heads} must be divisible by model.n_kv_heads={kv} (GQA groups).")
-
-
-@dataclass
-class MoEModelConfig(LlamaModelConfig):
-    """The package's mixture-of-experts transformer (``lightning_4d.models.moe.MoEConfig``):
-    Llama fields plus the MoE ones. Blocks ``< first_dense_layers`` are dense, then every
-    ``moe_every``-th block is MoE; ``shared_experts`` always-active experts of ``expert_hidden``.
-
-    Example:
-        >>> MoEModelConfig(num_experts=4, top_k=2).expert_hidden
-        128
-        >>> MoEModelConfig(num_experts=2, top_k=3)
-        Traceback (most recent call last):
-        ...
-        lightning_4d.recipes.schema.RecipeConfigError: model.top_k=3 exceeds model.num_experts=2.
-    """
-
-    name: str = "moe"
-    num_experts: int = 4
-    top_k: int = 2
-    expert_hidden: int = 128
-    moe_every: int = 1
-    first_dense_layers: int = 0
-    shared_experts: int = 0
-    score_func: str = "softmax"
-    renormalize: bool = True
-    route_scale: float = 1.0
-    aux_loss_coef: float = 0.0
-    bias_update_rate: float = 0.0
-    capacity_factor: Optional[float] = None
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for key in ("num_experts", "top_k", "expert_hidden", "moe_every"):
-            _positive(f"model.{key}", getattr(self, key))
-        if self.top_k > self.num_experts:
-            raise RecipeConfigError(f"model.top_k={self.top_k} exceeds model.num_experts={self.num_experts}.")
-        _non_negative("model.first_dense_layers", self.first_dense_layers)
-        _non_negative("model.shared_experts", self.shared_experts)
-        _one_of("model.score_func", self.score_func, ("softmax", "sigmoid"))
-
-
-@dataclass
-class GPT2ModelConfig:
-    """A :class:`~lightning_4d.models.GPT2` (nanoGPT names). Fields mirror ``GPT2Config``.
-
-    Example:
-        >>> GPT2ModelConfig().n_embd
-        768
-    """
-
-    name: str = "gpt2"
-    vocab_size: int = 50304
-    n_embd: int = 768
-    n_layer: int = 12
-    n_head: int = 12
-    block_size: int = 1024
-    dropout: float = 0.0
-    bias: bool = True
-    tie_embeddings: bool = True
-    init_std: float = 0.02
-
-    def __post_init__(self) -> None:
-        for key in ("vocab_size", "n_embd", "n_layer", "n_head", "block_size"):
-            _positive(f"model.{key}", getattr(self, key))
-        if self.n_embd % self.n_head:
-            raise RecipeConfigError(f"model.n_embd={self.n_embd} must be divisible by model.n_head={self.n_head}.")
-
-    @property
-    def max_seq_len(self) -> int:
-        """Longest sequence the model accepts (``block_size``)."""
-        return self.block_size
+# The package's own config dataclasses are the schemas (same fields, defaults and rules); the recipe adds ``name``
+# (labels the run) and ``_target_`` (the network class, called with the config object by ``hydra.utils.instantiate``).
+LlamaModelConfig = structured_schema(LlamaConfig, "LlamaModelConfig", __name__, name=(str, "llama"),
+                                     _target_=(str, "lightning_4d.models.Llama"))
+MoEModelConfig = structured_schema(MoEConfig, "MoEModelConfig", __name__, name=(str, "moe"),
+                                   _target_=(str, "lightning_4d.models.moe.MoETransformer"))
+GPT2ModelConfig = structured_schema(GPT2Config, "GPT2ModelConfig", __name__, name=(str, "gpt2"),
+                                    _target_=(str, "lightning_4d.models.GPT2"))
 
 
 @dataclass
@@ -221,7 +123,8 @@ class HFModelConfig:
 
     ``dtype``: weights' dtype (``float32``, ``bfloat16``, ``float16`` or ``auto`` = as saved; transformers'
     ``dtype``, formerly ``torch_dtype``); ``attn_implementation``: ``sdpa`` or ``eager``;
-    ``trust_remote_code``: run Python files shipped in the directory. Files are checked in
+    ``trust_remote_code``: run Python files shipped in the directory; ``_target_`` builds the network from this
+    config (:func:`~lightning_4d.recipes.hf_model.build_hf`). Files are checked in
     :func:`~lightning_4d.recipes.build.validate` (the vocabulary and sequence length against the data,
     head counts and blocks against the layout).
 
@@ -240,6 +143,7 @@ class HFModelConfig:
     dtype: str = "float32"
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
+    _target_: str = "lightning_4d.recipes.hf_model.build_hf"
 
     def __post_init__(self) -> None:
         from lightning_4d.models.hf import ATTN_IMPLEMENTATIONS, DTYPES
@@ -266,51 +170,11 @@ class HFModelConfig:
         return "model.path" if self.path is not None else "model.config"
 
 
-ModelConfig = Union[LlamaModelConfig, MoEModelConfig, GPT2ModelConfig, HFModelConfig]
-
-
 # ---------------------------------------------------------------------------------------------- parallel
-@dataclass
-class ParallelConfig:
-    """The layout: every option of :class:`~lightning_4d.FourDStrategy`.
-
-    ``dp`` is an integer or ``"auto"`` (``world / (tp·pp)``); ``timeout_min`` is the process-group
-    timeout in minutes.
-
-    Example:
-        >>> ParallelConfig(tp=2, pp=2, ep=2, dp=2).schedule
-        '1f1b'
-        >>> ParallelConfig(schedule="2f2b")  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        lightning_4d.recipes.schema.RecipeConfigError: parallel.schedule='2f2b' is not one of 'gpipe', '1f1b', ...
-    """
-
-    name: str = "custom"
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    dp: Any = "auto"
-    sequence_parallel: bool = True
-    microbatches: Optional[int] = None
-    schedule: str = "1f1b"
-    virtual_stages: Optional[int] = None
-    data_parallel: str = "fsdp"
-    activation_checkpointing: Optional[str] = None
-    timeout_min: float = 30.0
-
-    def __post_init__(self) -> None:
-        for key in ("tp", "pp", "ep"):
-            _positive(f"parallel.{key}", getattr(self, key))
-        if self.dp != "auto":
-            _positive("parallel.dp", self.dp)
-        _positive("parallel.microbatches", self.microbatches, allow_none=True)
-        _positive("parallel.virtual_stages", self.virtual_stages, allow_none=True)
-        _one_of("parallel.schedule", self.schedule, _SCHEDULES)
-        _one_of("parallel.data_parallel", self.data_parallel, _DATA_PARALLEL)
-        _one_of("parallel.activation_checkpointing", self.activation_checkpointing, _ACTIVATION_CHECKPOINTING)
-        if self.timeout_min <= 0:
-            raise RecipeConfigError(f"parallel.timeout_min={self.timeout_min} must be > 0 (minutes).")
+# ``FourDConfig`` is the schema (its options and rules); the recipe adds ``name``, ``timeout_min`` (the
+# process-group timeout in minutes) and ``_target_`` (the strategy, built by ``hydra.utils.instantiate``).
+ParallelConfig = structured_schema(FourDConfig, "ParallelConfig", __name__, name=(str, "custom"),
+                                   timeout_min=(float, 30.0), _target_=(str, "lightning_4d.FourDStrategy"))
 
 
 # ---------------------------------------------------------------------------------------------- trainer
@@ -617,11 +481,33 @@ def register_configs() -> None:
     _REGISTERED = True
 
 
+def owned(group: str, node: Any) -> Any:
+    """The package object a schema instance stands for (``FourDConfig``, ``LlamaConfig``, ...), built by its owner
+    so that the owner's rules run; a broken rule is a :class:`RecipeConfigError` naming ``group.key``. Other
+    objects (:class:`HFModelConfig`) are returned as they are.
+
+    Example:
+        >>> owned("parallel", ParallelConfig(tp=2)).resolve(4).dp
+        2
+        >>> owned("parallel", ParallelConfig(schedule="2f2b"))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lightning_4d.recipes.schema.RecipeConfigError: parallel.schedule='2f2b' is not known. Choose one of ...
+    """
+    try:
+        return owner_of(node)
+    except (ValueError, TypeError) as err:
+        msg = str(err)
+        sep = "." if msg.split("=", 1)[0].isidentifier() else ": "
+        raise RecipeConfigError(f"{group}{sep}{msg}") from None
+
+
 def to_train_config(cfg: Union[DictConfig, TrainConfig]) -> TrainConfig:
     """Validate a composed config and return it as dataclass objects.
 
-    Runs every schema's ``__post_init__`` rule; the model and data nodes must come from one of the
-    registered schemas (a YAML file whose defaults list names ``base_*``).
+    Runs every rule: the recipe sections' ``__post_init__`` and the owners' (:func:`owned`) of ``model`` and
+    ``parallel``; the model and data nodes must come from one of the registered schemas (a YAML file whose
+    defaults list names ``base_*``).
 
     Raises:
         RecipeConfigError: a value breaks a rule, or ``model``/``data`` is not typed by a schema.
@@ -633,33 +519,31 @@ def to_train_config(cfg: Union[DictConfig, TrainConfig]) -> TrainConfig:
         >>> to_train_config(cfg).parallel.tp
         1
     """
-    if isinstance(cfg, TrainConfig):
-        return cfg
-    checks = (
-        ("model", (LlamaModelConfig, GPT2ModelConfig, HFModelConfig), "base_llama, base_moe, base_gpt2 or base_hf",
-         "tiny_dense"),
-        ("data", (TextDataConfig, SyntheticDataConfig), "base_text or base_synthetic", "stdlib"),
-    )
-    for key, kinds, bases, example in checks:
-        if OmegaConf.is_missing(cfg, key) or OmegaConf.select(cfg, key) is None:
-            raise RecipeConfigError(f"{key} is not set: choose one on the command line, e.g. {key}={example}.")
-        typ = OmegaConf.get_type(OmegaConf.select(cfg, key))
-        if not (isinstance(typ, type) and issubclass(typ, kinds)):
-            raise RecipeConfigError(
-                f"{key} has no schema (type {getattr(typ, '__name__', typ)}): a YAML file of the {key} group must "
-                f"name its schema first in its defaults list ({bases}; see lightning_4d/recipes/schema.py).")
-    _reject_unknown_keys(cfg, "")
-    obj = OmegaConf.to_object(cfg)
-    assert isinstance(obj, TrainConfig)
-    return obj
+    if not isinstance(cfg, TrainConfig):
+        for key, bases, example in (("model", "base_llama, base_moe, base_gpt2 or base_hf", "tiny_dense"),
+                                    ("data", "base_text or base_synthetic", "stdlib")):
+            if OmegaConf.is_missing(cfg, key) or OmegaConf.select(cfg, key) is None:
+                raise RecipeConfigError(f"{key} is not set: choose one on the command line, e.g. {key}={example}.")
+            typ = OmegaConf.get_type(OmegaConf.select(cfg, key))
+            if typ not in _SCHEMAS[key]:
+                raise RecipeConfigError(
+                    f"{key} has no schema (type {getattr(typ, '__name__', typ)}): a YAML file of the {key} group "
+                    f"must name its schema first in its defaults list ({bases}; see lightning_4d/recipes/schema.py).")
+        _reject_unknown_keys(cfg, "")
+        cfg = OmegaConf.to_object(cfg)
+    assert isinstance(cfg, TrainConfig)
+    owned("model", cfg.model)
+    owned("parallel", cfg.parallel)
+    return cfg
+
+
+_SCHEMAS = {"model": (LlamaModelConfig, MoEModelConfig, GPT2ModelConfig, HFModelConfig),
+            "data": (TextDataConfig, SyntheticDataConfig)}
 
 
 def _reject_unknown_keys(node: DictConfig, prefix: str) -> None:
     """Keys a schema does not declare. Hydra's ``+key=value`` lifts the struct flag while applying the
     override and ``OmegaConf.to_object`` would then drop the key silently; name it instead."""
-    import dataclasses
-    import difflib
-
     typ = OmegaConf.get_type(node)
     if not (isinstance(typ, type) and dataclasses.is_dataclass(typ)):
         return
@@ -670,6 +554,5 @@ def _reject_unknown_keys(node: DictConfig, prefix: str) -> None:
             near = difflib.get_close_matches(str(key), known, n=1)
             hint = f" Did you mean {prefix}{near[0]}?" if near else f" Known keys: {', '.join(known)}."
             raise RecipeConfigError(f"{path} is not a key of {typ.__name__}.{hint}")
-        child = node._get_node(key)
-        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
-            _reject_unknown_keys(child, f"{path}.")
+        if not OmegaConf.is_missing(node, key) and isinstance(node[key], DictConfig):
+            _reject_unknown_keys(node[key], f"{path}.")

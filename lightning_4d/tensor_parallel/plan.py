@@ -1,4 +1,4 @@
-"""Automatic tensor/sequence-parallel plans from module names (pure: no process group).
+r"""Automatic tensor/sequence-parallel plans from module names (pure: no process group).
 
 What is recognised (DESIGN.md), by name where a convention exists and by dataflow otherwise (the
 :class:`~lightning_4d.trace.ModelTrace` of one forward):

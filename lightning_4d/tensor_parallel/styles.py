@@ -237,7 +237,9 @@ def install_sequence_boundary(first: Optional[nn.Module], last: Optional[nn.Modu
         if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
             return x
         shard = DTensor.from_local(x, tp_mesh, [Shard(1)], run_check=False)  # (B, T/tp, H)
-        return shard.redistribute(placements=[Replicate()]).to_local()  # (B, T, H)
+        # to_local() is an autograd view; a block (FSDP2 unit) must not return one: an in-place op on it
+        # would skip FSDP2's pre-backward hook. One copy of (B, T, H) per micro-batch.
+        return shard.redistribute(placements=[Replicate()]).to_local().clone()  # (B, T, H)
 
     def enter(_mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return hidden.replace(args, kwargs, scatter(hidden.get(args, kwargs)))

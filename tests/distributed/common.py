@@ -223,6 +223,11 @@ def fit_spec(spec: dict[str, Any]) -> dict[str, Any]:
     if strategy_kwargs is not None and trainer.strategy.dims.tp > 1:
         assert_replicas_identical(lm, trainer.strategy.mesh)
     result: dict[str, Any] = {"losses": recorder.losses, "grads": full_grads(lm)}
+    if spec.get("placements"):  # mesh dimension names and placements of every DTensor parameter
+        from torch.distributed.tensor import DTensor
+
+        result["placements"] = {n: (tuple(p.device_mesh.mesh_dim_names or ()), tuple(map(str, p.placements)))
+                                for n, p in lm.named_parameters() if isinstance(p, DTensor)}
     if spec.get("check_sharded"):
         # Per listed parameter (LightningModule names): a DTensor sharded on tp? None where this rank lacks it.
         params = dict(lm.named_parameters())
@@ -313,7 +318,7 @@ def merge_ranks(results: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         if "sharded" in out:  # under PP a parameter lives on one stage: take the ranks that hold it
             out["sharded"] = {name: next((res["sharded"][name] for res in per_rank if res["sharded"][name] is not None),
                                          None) for name in out["sharded"]}
-        for key in ("grads", "buffers"):
+        for key in ("grads", "buffers", "placements"):
             if key in out:
                 combined: dict[str, torch.Tensor] = {}
                 for res in per_rank:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -70,3 +72,32 @@ def batch(step: int, size: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
         y[row, : row % SEQ] = -100
     y[2:4] = -100
     return x, y
+
+
+def replay_recorded(events: list[Any], step: int) -> tuple[float, dict[int, float], dict[int, float]]:
+    """Each rank's compute actions of ``step``, in the order the instrument recorded them, replayed
+    under the cost model (``F = I = W = 1``, ``B = 2``, zero-latency messages): the makespan and the
+    idle share ``1 − busy / makespan`` per rank and per stage. Deterministic: wall time plays no part."""
+    from lightning_4d.pipeline.bubble import Action, simulate_actions
+    from lightning_4d.pipeline.instrument import COMPUTE_KINDS
+
+    order: dict[int, list[Action]] = {}
+    for e in sorted(events, key=lambda e: (e.rank, e.t0)):
+        if e.step == step and e.kind in COMPUTE_KINDS:
+            order.setdefault(e.rank, []).append(Action(e.stage, e.kind, e.microbatch))
+    stages = {a.stage for acts in order.values() for a in acts}
+    sim = simulate_actions(order, len(stages))
+    busy = {s: sum(t1 - t0 for acts in sim.timeline.values() for a, t0, t1 in acts if a.stage == s) for s in stages}
+    return sim.makespan, sim.bubble_by_rank(), {s: 1 - b / sim.makespan for s, b in sorted(busy.items())}
+
+
+def assert_causal(events: list[Any], step: int) -> None:
+    """The recorded intervals respect the pipeline's data dependencies on the shared monotonic clock:
+    ``F(s, i)`` starts after ``F(s − 1, i)`` ends, ``B/I(s, i)`` after ``B/I(s + 1, i)``, ``W(s, i)`` after ``I(s, i)``."""
+    end = {(e.stage, "B" if e.kind == "I" else e.kind, e.microbatch): e.t1 for e in events if e.step == step}
+    for e in events:
+        if e.step != step or e.kind not in ("F", "B", "I", "W"):
+            continue
+        before = {"F": (e.stage - 1, "F"), "B": (e.stage + 1, "B"), "I": (e.stage + 1, "B"), "W": (e.stage, "B")}
+        dep = (*before[e.kind], e.microbatch)
+        assert dep not in end or end[dep] <= e.t0, f"{e} started before {dep} ended ({end[dep]})"

@@ -6,9 +6,10 @@ import time
 from typing import Any
 
 import pytest
+import torch
 
 from lightning_4d.testing import run_world
-from tests.distributed.common import assert_parity, fit_spec, world_fit
+from tests.distributed.common import assert_parity, fit_spec, rel_err, world_fit
 
 BASE: dict[str, Any] = dict(model="llama", steps=5, accumulate=2, clip=0.05, predict=True)
 
@@ -83,10 +84,20 @@ def test_failing_rank_makes_the_others_exit() -> None:
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
-def test_precisions_train(precision: str, reference: dict[str, Any]) -> None:
+def test_precisions_train(precision: str) -> None:
+    """After two steps on 2 ranks in bf16, the gradients are within bf16 rounding (2·eps, relative over all
+    parameters; measured: about 1 eps) of the exact fp32 single-process run's, while one optimizer step
+    alone moves them by more than 5× that (measured 0.10): a broken backward, reduction or step fails."""
     spec = dict(model="llama", steps=2, precision=precision)
     got = run_world(world_fit, 2, [dict(spec, world=2, strategy={})])[0][0]
-    ref = fit_spec(spec)
-    # bf16 rounding differs between layouts; the losses agree to bf16 precision.
-    for a, b in zip(got["losses"], ref["losses"]):
-        assert abs(a - b) / abs(b) < 2e-2
+    exact = fit_spec(dict(spec, precision="32-true"))
+    unstepped = fit_spec(dict(spec, precision="32-true", lr=0.0))
+    tol = 2 * torch.finfo(torch.bfloat16).eps
+
+    def flat(result: dict[str, Any]) -> torch.Tensor:
+        return torch.cat([g.flatten() for _, g in sorted(result["grads"].items())])
+
+    assert rel_err(flat(unstepped), flat(exact)) > 5 * tol
+    assert rel_err(flat(got), flat(exact)) <= tol
+    for a, b in zip(got["losses"], exact["losses"]):
+        assert abs(a - b) <= tol * abs(b)

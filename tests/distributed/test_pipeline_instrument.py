@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import pytest
+
 from lightning_4d.pipeline import PipelineRunner, build_pipeline_stages, get_schedule_info
 from lightning_4d.pipeline.instrument import PipelineInstrument, bubble_share
 from lightning_4d.testing import run_world
-from tests.distributed.pipeline_models import batch, build, loss_fn
+from tests.distributed.pipeline_models import assert_causal, batch, build, loss_fn, replay_recorded
 
 
 def _world(rank: int) -> dict[str, Any]:
@@ -31,6 +33,7 @@ def _world(rank: int) -> dict[str, Any]:
             "waits": sum(1 for e in events if e.kind == "wait"),
             "ordered": all(e.t1 >= e.t0 for e in events),
             "bubble": bubble_share(events, by="rank"),
+            "events": events,
             "by_stage": bubble_share(events, by="stage", makespan="rank"),
             "recorded_after_detach": len(inst.events) - len([e for e in events if e.rank == rank]),
             "stage_methods_restored": all("forward_one_chunk" not in vars(s) for s in runner.stages),
@@ -52,6 +55,14 @@ def test_instrument_records_the_real_schedule() -> None:
                 assert got["kinds"][(rank, stage, kind)] == 8
         assert got["kinds"][(0, None, "step")] == 3 and got["kinds"][(1, None, "step")] == 3
         assert got["waits"] > 0 and got["ordered"]
-        assert set(got["bubble"]) == {0, 1} and all(0.0 <= b < 1.0 for b in got["bubble"].values())
+        assert set(got["bubble"]) == {0, 1}
+        # The second train step (step 1), replayed in its recorded order under unit costs (F = I = W = 1,
+        # B = 2): 1F1B (p − 1)/(m + p − 1) = 1/5; ZBV makespan max(3·v·m + p − 1, 4·(p + m) − 2) = 25,
+        # a rank works 24, a stage 12.
+        assert_causal(got["events"], 1)
+        _, per_rank, per_stage = replay_recorded(got["events"], 1)
+        rank_share, stage_share = (1 / 5, 1 / 5) if name == "1f1b" else (1 / 25, 13 / 25)
+        assert per_rank == pytest.approx({0: rank_share, 1: rank_share}, abs=1e-12)
+        assert per_stage == pytest.approx(dict.fromkeys(stages, stage_share), abs=1e-12)
         assert set(got["by_stage"]) == set(stages)
         assert got["recorded_after_detach"] == 0 and got["stage_methods_restored"]

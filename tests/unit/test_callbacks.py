@@ -23,7 +23,8 @@ from lightning_4d.callbacks import (
     peak_memory_bytes,
 )
 from lightning_4d.callbacks._common import every_n, internal_comm, is_internal_comm, resolve_every_n
-from lightning_4d.callbacks.communication import axis_groups, op_bytes
+from lightning_4d.callbacks.communication import axis_groups
+from lightning_4d.comm import op_bytes
 from lightning_4d.callbacks.experts import layer_labels, plot_expert_heatmap
 from lightning_4d.callbacks.pipeline import _local_row, _stats_from_rows, idle_intervals, plot_timeline, write_trace
 from lightning_4d.callbacks.throughput import _frozen_linear, find_flops_per_token
@@ -62,7 +63,7 @@ def test_recorder_outside_collectives_records_nothing_and_restores_work_wait() -
             torch.ones(3).sum()
         assert dist.Work.wait is not original
     assert dist.Work.wait is original
-    assert outer.events == inner.events == [] and outer.totals() == {}
+    assert outer.records == inner.records == [] and outer.totals() == {}
     assert axis_groups(None) == {}
 
 

@@ -16,14 +16,14 @@ def test_dp_is_inferred() -> None:
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(world_size=8, tp=3), r"not divisible by tp·pp = 3·1"),
+        (dict(world_size=8, tp=3), r"world size 8 is not divisible by tp·pp = 3·1 = 3, so dp cannot be inferred"),
         (dict(world_size=8, tp=2, dp=3), r"tp·pp·dp = 2·1·3 = 6 does not equal the world size 8"),
         (dict(world_size=8, tp=0), r"tp=0 is below 1"),
         (dict(world_size=8, tp=2.0), r"tp=2.0 is not an integer"),
         (dict(world_size=8, tp=True), r"tp=True is not an integer"),
         (dict(world_size=8, ep=3), r"ep=3 does not divide dp·tp = 8·1 = 8.*\[1, 2, 4, 8\]"),
-        (dict(world_size=8, tp=2, ep=2, sequence_parallel=False), r"needs sequence_parallel=True"),
-        (dict(world_size=8, virtual_stages=2), r"virtual_stages=2 needs pp > 1"),
+        (dict(world_size=8, tp=2, ep=2, sequence_parallel=False), r"ep=2 with tp=2 needs sequence_parallel=True.*Set sequence_parallel=True"),
+        (dict(world_size=8, virtual_stages=2), r"virtual_stages=2 needs pp > 1.*Set pp >= 2 or virtual_stages=1"),
         (dict(world_size=8, dp="two"), r"dp='two' is not understood"),
         (dict(world_size=0), r"world_size=0 is below 1"),
     ],
@@ -49,12 +49,12 @@ def test_rank_order_tp_innermost_pp_outermost() -> None:
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(schedule="bogus"), r"schedule='bogus' is not known"),
-        (dict(data_parallel="ddp"), r"data_parallel='ddp' is not supported"),
-        (dict(activation_checkpointing="some"), r"activation_checkpointing='some'"),
-        (dict(schedule="interleaved_1f1b", pp=2, virtual_stages=1), r"virtual_stages=1"),
-        (dict(schedule="zbv", pp=2, virtual_stages=3), r"exactly 2 stages per rank"),
-        (dict(schedule="1f1b", pp=2, virtual_stages=2), r"one stage per rank"),
+        (dict(schedule="bogus"), r"schedule='bogus' is not known\. Choose one of gpipe, 1f1b"),
+        (dict(data_parallel="ddp"), r"data_parallel='ddp' is not supported\. Use 'fsdp'"),
+        (dict(activation_checkpointing="some"), r"activation_checkpointing='some' is not supported\. Use None, 'selective' or 'full'"),
+        (dict(schedule="interleaved_1f1b", pp=2, virtual_stages=1), r"schedule='interleaved_1f1b' runs several stages per rank, but virtual_stages=1"),
+        (dict(schedule="zbv", pp=2, virtual_stages=3), r"schedule='zbv' places exactly 2 stages per rank.*virtual_stages=3"),
+        (dict(schedule="1f1b", pp=2, virtual_stages=2), r"schedule='1f1b' runs one stage per rank, but virtual_stages=2.*'interleaved_1f1b'"),
         (dict(microbatches=0), r"microbatches=0 is below 1"),
         (dict(sequence_parallel="yes"), r"sequence_parallel='yes' must be True or False"),
     ],
@@ -82,3 +82,25 @@ def test_strategy_registered_by_name() -> None:
 def test_timeout_must_be_timedelta() -> None:
     with pytest.raises(ValueError, match="timeout=5 must be a datetime.timedelta"):
         FourDStrategy(timeout=5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(data_parallel="hsdp"), r"data_parallel='hsdp' needs dp_shard"),
+        (dict(dp_shard=2), r"dp_shard=2 only applies to data_parallel='hsdp' \(got 'fsdp'\)"),
+        (dict(data_parallel="hsdp", dp_shard=0), r"dp_shard=0 is below 1"),
+        (dict(data_parallel="zero3"), r"data_parallel='zero3' is not supported.*'hsdp'"),
+    ],
+)
+def test_hsdp_options(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        FourDConfig(**kwargs)
+
+
+def test_hsdp_degrees() -> None:
+    dims = FourDConfig(tp=2, data_parallel="hsdp", dp_shard=4).resolve(16)
+    assert (dims.dp, dims.dp_shard, dims.dp_replicate) == (8, 4, 2)
+    assert ParallelDims.from_world(8).dp_replicate == 1  # no HSDP: one replica group
+    with pytest.raises(ValueError, match=r"dp_shard=3 does not divide dp=4.*among \[1, 2, 4\]"):
+        FourDConfig(data_parallel="hsdp", dp_shard=3).resolve(4)

@@ -128,7 +128,9 @@ def test_memory_hand_computed_sp_fsdp_1f1b():
         assert (m.params, m.grads, m.optimizer) == (4 * held, 4 * held, 8 * held)
         assert m.unsharded == (2 + 4) * dense  # pp > 1: gathered bf16 params + fp32 grad accumulators
         assert m.activations == inflight * 2 * per_layer
-        assert m.logits == (s * b * V / t * (2 + 4) if r == 1 else 0)
+        # loss: bf16 logits held (2) + fp32 log-softmax saved (4) + its fp32 grad (4) + the bf16 cast (2) per
+        # vocab-parallel element, plus the head's gathered bf16 input and its gradient (2·2·s·b·h)
+        assert m.logits == ((s * b * V / t) * (2 + 4 + 4 + 2) + 2 * 2 * s * b * h if r == 1 else 0)
         assert m.total == m.params + m.grads + m.optimizer + m.unsharded + m.activations + m.logits
 
 
@@ -211,11 +213,49 @@ def test_bubble_formulas():
         assert bubble_fraction("1f1b", p, m) == pytest.approx(bubble_theory("1f1b", p, m))
         assert bubble_fraction("interleaved_1f1b", p, m, 2) == (p - 1) / (2 * m + p - 1)
         assert idle_time("zb_h1", p, m) == pytest.approx(idle_time("1f1b", p, m) / 3)
-        assert bubble_fraction("zbv", p, m, 2) == 0.0
+        # ZBV with m >= 2p: only the p − 1 start-up chunk forwards idle, against 3·v·m chunk passes of work.
+        if m >= 2 * p:
+            assert bubble_fraction("zbv", p, m, 2) == pytest.approx((p - 1) / (6 * m + p - 1))
+        assert bubble_fraction("zbv", p, m, 2) > 0.0
     assert [in_flight_microbatches("1f1b", 4, 8, r) for r in range(4)] == [4, 3, 2, 1]
     assert in_flight_microbatches("gpipe", 4, 8, 3) == 8 and in_flight_microbatches("1f1b", 4, 2, 0) == 2
     with pytest.raises(ValueError, match="exactly 2 stages"):
         bubble_fraction("zbv", 4, 8, 1)
+
+
+# (schedule, stages per rank): every schedule the runtime accepts (lightning_4d.config.SCHEDULES)
+_RUNTIME_SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3), ("zbv", 2),
+                      ("dualpipev", 2)]
+
+
+@pytest.mark.parametrize("schedule,v", _RUNTIME_SCHEDULES)
+def test_planner_bubble_equals_the_replay(schedule, v):
+    """One owner for the bubble: the planner's number is the replay of torch's own action table."""
+    from lightning_4d.config import SCHEDULES
+    from lightning_4d.pipeline.bubble import bubble_from_actions
+    from lightning_4d.pipeline.schedules import bubble_theory, validate_microbatches
+    from lightning_4d.planner.bubble import replayed_bubble
+
+    assert {s for s, _ in _RUNTIME_SCHEDULES} == set(SCHEDULES)
+    checked = 0
+    for p in (2, 3, 4, 6, 8):
+        for m in range(1, 3 * p + 2):
+            try:
+                validate_microbatches(schedule, p, v, m)
+            except ValueError:
+                continue
+            replay = bubble_from_actions(schedule, p, v, m)
+            assert bubble_fraction(schedule, p, m, v) == pytest.approx(replay, abs=1e-12), (p, m)
+            assert bubble_theory(schedule, p, m, v) == pytest.approx(replay, abs=1e-12), (p, m)
+            assert replayed_bubble(schedule, p, m, v) == replay
+            checked += 1
+    assert checked >= 10
+
+
+def test_zbv_bubble_with_few_microbatches_is_large():
+    # p = 8 ranks, 1 micro-batch: each rank works 6 chunk passes (F, I, W on its 2 chunks) in a makespan of
+    # 34 passes (F down the 16 chunks, I back up them, then rank 0's two deferred W): 28/34 idle.
+    assert bubble_fraction("zbv", 8, 1, 2) == pytest.approx(28 / 34)
 
 
 # ---------------------------------------------------------------- hardware
@@ -294,3 +334,72 @@ def test_make_plan_and_write(tmp_path):
     assert "bytes sent per step" in format_table(plan)
     path = write_plan(plan, tmp_path / "out" / "plan.json")
     assert json.load(open(path))["total_params"] == spec.total_params()
+
+
+# ---------------------------------------------------------------- search over the strategy's options
+def test_search_winners_bubble_equals_the_replay():
+    from lightning_4d.planner.bubble import replayed_bubble
+
+    spec = TransformerSpec(vocab_size=256, hidden=64, layers=8, heads=4, seq_len=32)
+    every = search(spec, ClusterSpec(1, 8, CPU_TOY), TrainSpec(32), top=100000, distinct=False,
+                   activation_checkpointing=(None,), data_parallel=("fsdp",))
+    piped = [c for c in every if c.dims.pp > 1]
+    assert piped
+    for c in piped:
+        m, d = c.train.microbatches, c.dims
+        assert c.estimate.bubble == pytest.approx(replayed_bubble(c.train.schedule, d.pp, m, d.virtual_stages),
+                                                  abs=1e-12)
+
+
+def test_search_varies_checkpointing_sp_and_dp_mode_within_what_the_runtime_accepts():
+    from lightning_4d.config import DATA_PARALLEL, FourDConfig
+
+    spec = TransformerSpec(vocab_size=64, hidden=32, layers=4, heads=4, seq_len=16)
+    seen = list(enumerate_layouts(spec, ClusterSpec(2, 2), TrainSpec(global_batch_size=8)))
+    assert {t.activation_checkpointing for _, t in seen} == {None, "selective", "full"}
+    assert {d.sp for d, _ in seen if d.tp > 1} == {True, False}
+    assert {t.data_parallel for _, t in seen} == set(DATA_PARALLEL)
+    for dims, train in seen:  # every proposal passes the strategy's own validation
+        FourDConfig(tp=dims.tp, pp=dims.pp, ep=dims.ep, sequence_parallel=dims.sequence_parallel,
+                    schedule=train.schedule, data_parallel=train.data_parallel, dp_shard=train.dp_shard,
+                    activation_checkpointing=train.activation_checkpointing).resolve(4)
+    planned = {t.data_parallel for _, t in enumerate_layouts(spec, ClusterSpec(2, 2), TrainSpec(8), runtime_only=False)}
+    assert planned == {"fsdp", "replicate", "hsdp", "zero1", "zero2"}
+
+
+def test_a_cluster_that_trained_the_model_finds_a_layout():
+    """Llama 3.1 8B on 8 × 80 GB (TorchTitan ran it on 8 H100s, local batch 2 × 8192 tokens): the search
+    must find layouts (it needs checkpointing to vary)."""
+    llama8b = TransformerSpec(vocab_size=128256, hidden=4096, layers=32, heads=32, kv_heads=8, ffn_hidden=14336,
+                              seq_len=8192)
+    best = search(llama8b, ClusterSpec(1, 8, H100), TrainSpec(16), top=3, schedules=("1f1b",))
+    assert best and all(c.fits for c in best)
+
+
+# ---------------------------------------------------------------- HSDP and ZeRO-1/2
+def test_dp_mode_states_and_traffic():
+    from lightning_4d.planner.dp_modes import dp_traffic, state_bytes, state_bytes_per_param
+
+    n, P = 8, 800
+    # bf16 kept params 2, fp32 master 4 and moments 8 sharded, fp32 grads 4 kept (ZeRO-1) or sharded (ZeRO-2)
+    assert state_bytes_per_param("zero1", n) == 2 + 4 + 12 / 8
+    assert state_bytes_per_param("zero2", n) == 2 + 16 / 8
+    assert state_bytes_per_param("hsdp", 32, shard=8) == 16 / 8 and state_bytes_per_param("replicate", n) == 16
+    assert sum(state_bytes("fsdp", P, n).values()) == 16 * P / 8
+    # ZeRO-1: one reduce-scatter of fp32 grads and one all-gather of bf16 params per step
+    assert dp_traffic("zero1", P, n, microbatches=4).shard_bytes == 7 / 8 * P * (4 + 2)
+    assert dp_traffic("zero2", P, n, microbatches=4).shard_bytes == 7 / 8 * P * (4 * 4 + 2)
+    # HSDP 4 × 2: FSDP inside groups of 2 (one gather, one reduce-scatter), all-reduce of the fp32 shard over 4
+    t = dp_traffic("hsdp", P, 8, gather_passes=1, shard=2)
+    assert (t.shard_bytes, t.replica_bytes) == (1 / 2 * P * (2 + 4), 2 * 3 / 4 * 4 * P / 2)
+
+
+def test_hsdp_memory_shards_inside_the_group_only():
+    dims = ParallelDims.from_world(8)  # dp = 8
+    fsdp = memory_per_rank(TINY, dims, TrainSpec(8))[0]
+    hsdp = memory_per_rank(TINY, dims, TrainSpec(8, data_parallel="hsdp", dp_shard=2))[0]
+    full = memory_per_rank(TINY, ParallelDims.from_world(2), TrainSpec(2))[0]
+    assert hsdp.params == full.params and hsdp.optimizer == full.optimizer and hsdp.params > fsdp.params
+    zero1 = memory_per_rank(TINY, dims, TrainSpec(8, data_parallel="zero1"))[0]
+    n = TINY.total_params()
+    assert zero1.grads == 4 * n and zero1.unsharded == 0 and zero1.params == 2 * n + 4 * -(-n // 8)

@@ -4,8 +4,6 @@ dense TP / SP / DP / PP layouts, activation checkpointing, bf16, GPT-2 and MoE m
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -125,17 +123,18 @@ def test_uniform_experts_spread_over_ranks_then_experts():
     assert all(a != b for a, b in pairs.tolist())  # a token's k choices are distinct experts
 
 
-def test_uniform_routing_runs_the_real_layer_and_restores_it():
+def test_uniform_routing_runs_the_real_layer_and_resets_the_seam():
     from lightning_4d.expert_parallel import MoE
+    from lightning_4d.expert_parallel.permute import FIXED_ROUTING
 
-    moe_mod = importlib.import_module("lightning_4d.expert_parallel.moe")
-    original = moe_mod.make_permutation
     layer = MoE(8, 16, num_experts=4, top_k=2)
     x = torch.randn(2, 6, 8)
     with uniform_routing():
         out = layer(x)
     assert out.shape == x.shape and layer.tokens_per_expert.tolist() == [6, 6, 6, 6]
-    assert moe_mod.make_permutation is original
+    assert FIXED_ROUTING.get() is None
+    layer(x)
+    assert layer.tokens_per_expert.tolist() != [6, 6, 6, 6]  # the router decides again
 
 
 def test_recorder_names_a_group_shared_by_two_axes_after_the_dense_one():

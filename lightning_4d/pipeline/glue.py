@@ -2,26 +2,35 @@
 
 With ``pp > 1`` the forward and backward of every micro-batch run inside the torch schedule during
 ``training_step``. Lightning's own ``backward`` is skipped by the strategy and its ``zero_grad``
-(which Lightning runs *after* ``training_step``) by the mixin; gradients are zeroed here before the
-first micro-step of each accumulation window instead.
+(which Lightning runs *after* ``training_step``) by the mixin; gradients are zeroed by the strategy
+before the first micro-step of each accumulation window instead.
 
 Loss weighting: each rank counts its valid targets ``n_r``; ``N = Σ_dp n_r``. Every micro-batch
 contributes ``mean_i · n_i / N`` scaled by ``dp / accumulate_grad_batches`` to the gradients (data
 parallelism averages over ``dp``), so the gradient is that of the global-batch token mean; the value
 returned and logged is ``Σ_dp Σ_i mean_i · n_i / N`` on every rank.
 
+The functions take what they use (runner, groups, degrees), not the strategy.
+
 Example:
-    >>> loss = pipeline_train_loss(strategy, module, inputs, targets)  # doctest: +SKIP
+    >>> loss = pipeline_train_loss(runner, lm, x, y, dp_group, dp, 1, strategy.loss_context)  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from lightning_4d.distributed import all_reduce_sum, to_full
+from lightning_4d.pipeline.checks import check_sequential
+from lightning_4d.pipeline.partition import stage_ids_for_rank
+from lightning_4d.pipeline.runner import PipelineRunner
+from lightning_4d.pipeline.schedules import get_schedule_info
+from lightning_4d.pipeline.staged import StagedBlocks, StagedForward, check_staged, prepare_staged, prune_staged
+from lightning_4d.pipeline.stages import build_pipeline_stages, find_pipeline_split
+from lightning_4d.pipeline.tied import sync_tied_grads
 
 __all__ = ["check_pipeline_model", "prepare_pipeline", "split_pipeline", "build_runner", "pipeline_train_loss",
            "pipeline_eval", "example_input", "sync_tied", "uses_pipeline_hooks"]
@@ -61,14 +70,15 @@ def check_pipeline_model(module: nn.Module, blocks_path: str) -> Any:
 
     Runs on the full (unsharded) model on every rank before any collective; a mismatch raises a
     ``ValueError`` naming the hooks ``pipeline_pre_blocks`` / ``pipeline_post_blocks`` /
-    ``configure_pipeline_split``.
+    ``configure_pipeline_split``. On the meta device (a planner dry run) there is no data to compare:
+    the split only, as :func:`~lightning_4d.pipeline.staged.check_staged` does.
     """
-    from lightning_4d.pipeline import check_sequential, find_pipeline_split
-
     hook = _user_hook(module, "configure_pipeline_split")
     split = hook() if hook else find_pipeline_split(module, blocks_path)
     if isinstance(split, str):
         split = find_pipeline_split(module, split)
+    if any(p.is_meta for p in module.parameters()):
+        return split
     with torch.no_grad():
         was_training = module.training
         module.eval()  # dropout off for the comparison
@@ -93,9 +103,6 @@ def prepare_pipeline(module: nn.Module, mesh: Any, config: Any, trace: Any, exam
     the stage-by-stage composition is compared with the traced plain forward. With hooks: the chain
     the hooks describe is checked (:func:`check_pipeline_model`).
     """
-    from lightning_4d.pipeline import get_schedule_info
-    from lightning_4d.pipeline.staged import check_staged, prepare_staged
-
     if uses_pipeline_hooks(module):
         return check_pipeline_model(module, trace.blocks_path)
     num_stages = mesh.dims.pp * mesh.dims.virtual_stages
@@ -107,9 +114,6 @@ def prepare_pipeline(module: nn.Module, mesh: Any, config: Any, trace: Any, exam
 
 def split_pipeline(module: nn.Module, mesh: Any, config: Any, split: Any) -> Any:
     """Prune ``module`` in place to this rank's stages (original parameter names kept)."""
-    from lightning_4d.pipeline import build_pipeline_stages, get_schedule_info, stage_ids_for_rank
-    from lightning_4d.pipeline.staged import StagedForward, prune_staged
-
     dims = mesh.dims
     info = get_schedule_info(config.schedule)
     if isinstance(split, StagedForward):
@@ -120,14 +124,10 @@ def split_pipeline(module: nn.Module, mesh: Any, config: Any, split: Any) -> Any
     )
 
 
-def build_runner(module: nn.Module, mesh: Any, config: Any, parts: Any) -> Any:
+def build_runner(module: nn.Module, mesh: Any, config: Any, parts: Any) -> PipelineRunner:
     """The torch schedule over this rank's (already TP/DP-wrapped) stage modules."""
-    from lightning_4d.pipeline import PipelineRunner
-
     ignore = getattr(module, "ignore_index", -100)
     count = getattr(module, "count_targets", None)
-    from lightning_4d.pipeline.staged import StagedBlocks
-
     staged = isinstance(module.get_submodule(parts.split.blocks_path), StagedBlocks)
     return PipelineRunner(
         parts.modules, mesh["pp"], module.loss_fn, schedule=config.schedule, microbatches=config.microbatches,
@@ -138,47 +138,49 @@ def build_runner(module: nn.Module, mesh: Any, config: Any, parts: Any) -> Any:
     )
 
 
-def sync_tied(strategy: Any) -> None:
-    """Sum the gradients of weights tied between the first and last stage (once per optimizer step)."""
-    from lightning_4d.pipeline.tied import sync_tied_grads
+def sync_tied(model: nn.Module, runner: "PipelineRunner", tied: Sequence[tuple[str, str]]) -> None:
+    """Sum the gradients of weights tied between the first and last stage (once per optimizer step).
 
-    plan = strategy.plan
-    runner = plan.pipeline
-    if plan.pipeline_tied:
-        sync_tied_grads(strategy.model, plan.pipeline_tied, runner.group, runner.first_rank, runner.last_rank)
-
-
-def _dp(strategy: Any) -> tuple[Any, int]:
-    # Always the dp group (size 1 when dp == 1): ``None`` would mean the whole world, where TP/PP peers
-    # hold the same targets and would be counted again.
-    return strategy.mesh["dp"].get_group(), strategy.dims.dp
+    Example:
+        >>> sync_tied(strategy.model, plan.pipeline, plan.pipeline_tied)  # doctest: +SKIP
+    """
+    if tied:
+        sync_tied_grads(model, list(tied), runner.group, runner.first_rank, runner.last_rank)
 
 
-def _token_total(module: Any, targets: Tensor, group: Optional[Any]) -> float:
+def _token_total(module: Any, targets: Tensor, dp_group: Any) -> float:
     n = module.count_targets(targets).to(torch.float64).reshape(1).clone()
-    return float(all_reduce_sum(n, group)[0])
+    return float(all_reduce_sum(n, dp_group)[0])
 
 
-def pipeline_train_loss(strategy: Any, module: Any, inputs: Any, targets: Tensor) -> Tensor:
-    """Run forward + backward of the local batch through the schedule; return the global loss."""
-    runner = strategy.plan.pipeline
-    group, dp = _dp(strategy)
-    total = _token_total(module, targets, group)
-    accumulate = module.trainer.accumulate_grad_batches
-    strategy.zero_grad_if_needed()
-    with strategy.loss_context():
+def pipeline_train_loss(runner: "PipelineRunner", module: Any, inputs: Any, targets: Tensor, dp_group: Any,
+                        dp: int, accumulate: int, loss_context: Callable[[], ContextManager[Any]]) -> Tensor:
+    """Run forward + backward of the local batch through the schedule; return the global loss.
+
+    ``dp_group`` is always the dp group (size 1 when ``dp == 1``): ``None`` would mean the whole world,
+    where TP/PP peers hold the same targets and would be counted again. Gradients must have been zeroed
+    before the first micro-step of the accumulation window (the caller's job).
+
+    Example:
+        >>> loss = pipeline_train_loss(runner, lm, x, y, mesh["dp"].get_group(), 2, 1, nullcontext)  # doctest: +SKIP
+    """
+    total = _token_total(module, targets, dp_group)
+    with loss_context():
         local = runner.train_step(inputs, targets, grad_scale=dp / accumulate, num_tokens=total or 1.0)
-    return all_reduce_sum(local.detach().to(torch.float64).reshape(1).clone(), group)[0].float()
+    return all_reduce_sum(local.detach().to(torch.float64).reshape(1).clone(), dp_group)[0].float()
 
 
-def pipeline_eval(strategy: Any, module: Any, inputs: Any, targets: Optional[Tensor]) -> Any:
-    """Forward-only through the schedule: the global loss (with targets) or the full outputs (without)."""
-    runner = strategy.plan.pipeline
+def pipeline_eval(runner: "PipelineRunner", module: Any, inputs: Any, targets: Optional[Tensor], dp_group: Any,
+                  loss_context: Callable[[], ContextManager[Any]]) -> Any:
+    """Forward-only through the schedule: the global loss (with targets) or the full outputs (without).
+
+    Example:
+        >>> out = pipeline_eval(runner, lm, x, None, mesh["dp"].get_group(), nullcontext)  # doctest: +SKIP
+    """
     if targets is None:
-        with strategy.loss_context():
+        with loss_context():
             return to_full(runner.eval_step(inputs, None).output)
-    group, _ = _dp(strategy)
-    total = _token_total(module, targets, group)
-    with strategy.loss_context():
+    total = _token_total(module, targets, dp_group)
+    with loss_context():
         loss = runner.eval_step(inputs, targets, num_tokens=total or 1.0, broadcast_outputs=False).loss
-    return all_reduce_sum(loss.detach().to(torch.float64).reshape(1).clone(), group)[0].float()
+    return all_reduce_sum(loss.detach().to(torch.float64).reshape(1).clone(), dp_group)[0].float()
