@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+import torch  # noqa: F401  (the doctests use it)
 from torch import nn
 
 from lightning_4d._compat import child_modules, is_loss_module, registered_submodule
