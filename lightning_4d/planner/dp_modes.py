@@ -39,6 +39,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from lightning_4d.comm import wire_bytes
+
 __all__ = ["DP_MODES", "DPTraffic", "state_bytes_per_param", "state_bytes", "gathers_params", "dp_traffic",
            "hsdp_groups"]
 
@@ -141,11 +143,12 @@ def dp_traffic(mode: str, params: float, n: int, microbatches: int = 1, gather_p
         return DPTraffic(0.0, 0.0, 0)
     c = float(compute_bytes)
     if mode == "replicate":
-        return DPTraffic(2 * (n - 1) / n * 4 * params, 0.0, units)
+        return DPTraffic(wire_bytes("all_reduce", 4 * params, n), 0.0, units)
     if mode in ("fsdp", "hsdp"):
         r, k = hsdp_groups(n, shard) if mode == "hsdp" else (1, n)
-        inside = (k - 1) / k * params * (gather_passes * c + 4)
-        across = 2 * (r - 1) / r * 4 * params / k if r > 1 else 0.0
+        inside = wire_bytes("all_gather", gather_passes * c * params, k) + wire_bytes("reduce_scatter", 4 * params, k)
+        across = wire_bytes("all_reduce", 4 * params / k, r)
         return DPTraffic(inside, across, units * (gather_passes + 1 + (r > 1)))
     rs_times = 1 if mode == "zero1" else microbatches
-    return DPTraffic((n - 1) / n * params * (rs_times * 4 + c), 0.0, units * (rs_times + 1))
+    sent = wire_bytes("reduce_scatter", rs_times * 4 * params, n) + wire_bytes("all_gather", c * params, n)
+    return DPTraffic(sent, 0.0, units * (rs_times + 1))

@@ -29,6 +29,8 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any, Optional
 
+from lightning_4d.models.moe import is_moe_layer
+
 __all__ = ["TransformerSpec", "TrainSpec", "seed_moe_1t", "PRECISIONS", "DATA_PARALLEL_MODES", "SELECTIVE_POLICIES"]
 
 PRECISIONS = ("bf16-mixed", "32-true")
@@ -120,8 +122,7 @@ class TransformerSpec:
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer ``i`` has an MoE feed-forward."""
-        return self.num_experts > 0 and i >= self.first_dense_layers and (
-            (i - self.first_dense_layers) % self.moe_every == 0)
+        return self.num_experts > 0 and is_moe_layer(i, self.first_dense_layers, self.moe_every)
 
     @property
     def moe_layer_ids(self) -> list[int]:

@@ -40,6 +40,7 @@ GROUPS = ("model", "parallel", "trainer", "data", "optim")
 REQUIRED = {
     ("data", "text_file"): ["data.text=[README.md]"],
     ("data", "token_dir"): ["data.data_dir=data/books"],
+    ("data", "moe_1t"): ["data.data_dir=data/books", "model=moe_1t"],
     ("model", "hf"): [f"model.config={Path(__file__).parent / 'data' / 'tiny_llama_config.json'}"],
 }
 # Tiny, fast settings shared by the training tests.
@@ -74,9 +75,9 @@ def test_every_config_composes_and_validates(group: str, option: str) -> None:
 def test_groups_have_the_required_options() -> None:
     want = {
         "model": {"tiny_dense", "tiny_moe", "gpt2_125m", "llama3_8b", "mixtral_8x7b", "deepseek_v3", "moe_1t", "hf"},
-        "parallel": {"none", "dp", "tp", "cpu_4d", "moe_1t"},
+        "parallel": {"none", "dp", "tp", "cpu_4d", "moe_1t", "moe_1t_512"},
         "trainer": {"cpu", "gpu"},
-        "data": {"stdlib", "text_file", "synthetic", "token_dir"},
+        "data": {"stdlib", "text_file", "synthetic", "token_dir", "moe_1t"},
         "optim": {"adamw"},
     }
     for group, options in want.items():
