@@ -32,6 +32,7 @@ from lightning_4d.expert_parallel.rewrite import find_moe_modules
 from lightning_4d.mesh import FourDMesh
 from lightning_4d.pipeline.glue import build_runner, prepare_pipeline, split_pipeline
 from lightning_4d.pipeline.runner import PipelineRunner
+from lightning_4d.pipeline.schedules import get_schedule_info
 from lightning_4d.tensor_parallel import apply_tensor_parallel, plan_tensor_parallel
 from lightning_4d.trace import example_tokens, trace_model
 from lightning_4d.verify import check_tensor_parallel
@@ -58,6 +59,31 @@ class ParallelPlan:
     bias_update: bool = False
     pipeline_tied: list[tuple[str, str]] = field(default_factory=list)
     input_shape: Optional[tuple[int, ...]] = None  # the traced example's shape: inputs must have its rank
+
+
+def check_tied_across_v_stages(module: nn.Module, blocks_path: str, schedule: str, dp: int) -> None:
+    """Refuse weights tied outside the blocks (embedding and head) under a V-shaped schedule with ``dp > 1``:
+    the first and last stage share one rank, each stage module is its own data-parallel root, and torch's
+    FSDP2 / replicate cannot manage one parameter from two roots (the copies would drift). Pure, identical on
+    every rank, before any collective.
+
+    Example:
+        >>> check_tied_across_v_stages(nn.Linear(2, 2), "layers", "zbv", dp=2)  # nothing tied: fine
+    """
+    if dp == 1 or get_schedule_info(schedule).style != "v":
+        return
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    prefix = blocks_path + "."
+    tied = [n for n in names.values() if len(n) > 1 and not all(x.startswith(prefix) for x in n)]
+    if tied:
+        raise ValueError(
+            f"schedule={schedule!r} places the first and last pipeline stage on one rank, and {type(module).__name__} "
+            f"ties {' = '.join(tied[0])} across them; with dp={dp} data parallelism would wrap that weight in two "
+            f"roots and its copies would drift. Use schedule='1f1b' or 'interleaved_1f1b', dp=1, or untie the "
+            f"weights."
+        )
 
 
 def _hook(module: nn.Module, name: str) -> Any:
@@ -93,6 +119,7 @@ def parallelize_module(
     split = None
     if dims.pp > 1:
         split = prepare_pipeline(module, mesh, config, trace, example)
+        check_tied_across_v_stages(module, blocks_path, config.schedule, dims.dp)
 
     _apply_experts(module, mesh, plan, accumulate)
 

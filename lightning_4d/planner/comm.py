@@ -61,7 +61,8 @@ from lightning_4d.mesh import ParallelDims
 from lightning_4d.planner.memory import local_params, micro_batch_size, resolve_microbatches, stage_layout
 from lightning_4d.planner.spec import TrainSpec, TransformerSpec
 
-__all__ = ["KINDS", "Collective", "collective_bytes", "comm_per_rank", "expert_padding", "summarize",
+__all__ = ["KINDS", "Collective", "block_tensor_shapes", "collective_bytes", "comm_per_rank", "expert_padding",
+           "fsdp_elements", "root_tensor_shapes", "summarize",
            "ROUTING_ASSUMPTION"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
@@ -107,6 +108,66 @@ def _sharded_rows(rows: int, cols: int, n: int) -> int:
     """Elements of one rank's FSDP2 shard of a ``rows × cols`` tensor over ``n`` ranks (dim-0 chunks of
     ``ceil(rows / n)`` rows, the rank holding a full chunk)."""
     return -(-rows // n) * cols
+
+
+def block_tensor_shapes(spec: TransformerSpec, tp: int, moe: bool) -> list[tuple[int, int]]:
+    """``(rows, cols)`` of each dense parameter tensor of one block as a rank holds it under ``tp`` (dim 0 is
+    what FSDP2 shards): column-parallel weights and biases split their rows, row-parallel weights their
+    columns, norms, row-parallel biases, router and shared experts whole. Routed experts are not listed.
+
+    Example:
+        >>> spec = TransformerSpec(vocab_size=8, hidden=4, layers=1, heads=1, ffn_hidden=4)
+        >>> sum(r * c for r, c in block_tensor_shapes(spec, 1, False)) == spec.layer_params(0)["attention"] + 56
+        True
+    """
+    h, a, g, d, t = spec.hidden, spec.heads, spec.kv_heads, spec.head_dim, tp
+    q, kv = a * d // t, g * d // t
+    qkv = [(q + 2 * kv, h)] if spec.fused_qkv else [(q, h), (kv, h), (kv, h)]
+    out = qkv + [(h, a * d // t)]
+    if spec.qkv_bias:
+        out += [(q + 2 * kv, 1)] if spec.fused_qkv else [(q, 1), (kv, 1), (kv, 1)]
+    out += [(h, 1)] if spec.out_bias else []
+    out += [(h, 1)] * (4 if spec.norm == "layernorm" and spec.norm_bias else 2)  # two norms
+    up = 2 if spec.gated_mlp else 1
+    if moe and spec.num_experts:
+        out.append((spec.num_experts, h))  # router
+        fs = spec.shared_experts * spec.expert_hidden
+        out += [(fs, h)] * up + [(h, fs)] if fs else []
+    else:
+        f = spec.ffn_hidden // t
+        out += [(f, h)] * up + [(h, f)]
+        out += [(f, 1)] * up + [(h, 1)] if spec.mlp_bias else []
+    return out
+
+
+def root_tensor_shapes(spec: TransformerSpec, tp: int, first: bool, last: bool) -> list[tuple[int, int]]:
+    """``(rows, cols)`` of the root's tensors on a rank holding the first and/or last stage: the
+    vocabulary-parallel token table, learned positions, final norm, head (unless tied and also here).
+
+    Example:
+        >>> root_tensor_shapes(TransformerSpec(vocab_size=8, hidden=4, layers=1, heads=1), 2, True, True)
+        [(4, 4), (4, 1), (4, 4)]
+    """
+    h, out = spec.hidden, []
+    table = (-(-spec.vocab_size // tp), h)
+    if first:
+        out.append(table)
+        out += [(spec.learned_positions, h)] if spec.learned_positions else []
+    if last:
+        out += [(h, 1)] * (2 if spec.norm == "layernorm" and spec.norm_bias else 1)
+        out += [table] if (not spec.tied_embeddings or not first) else []
+    return out
+
+
+def fsdp_elements(shapes: list[tuple[int, int]], n: int) -> int:
+    """Elements FSDP2 gathers / reduce-scatters for these tensors over ``n`` ranks: each is sharded on dim 0
+    in chunks of ``ceil(rows / n)`` rows, so a dimension ``n`` does not divide is padded.
+
+    Example:
+        >>> fsdp_elements([(10, 3)], 4), fsdp_elements([(8, 3)], 4)
+        (36, 24)
+    """
+    return sum(-(-r // n) * n * c for r, c in shapes)
 
 
 def _tp(spec: TransformerSpec, dims: ParallelDims, layers: list[int], first: bool, last: bool, m: int,
@@ -297,6 +358,10 @@ def comm_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
             recs += [Collective(axis, "all_reduce", "router statistics (aux loss)", fwd_passes * m * n_moe,
                                 8.0 * (2 * spec.num_experts + 1), n) for axis, n in stats if n > 1]
         lp = local_params(spec, dims, layers, first, last)
+        if train.data_parallel == "fsdp" and dims.dp > 1:  # FSDP2 pads dim 0 of each tensor to a multiple of dp
+            lp = dict(lp, root=fsdp_elements(root_tensor_shapes(spec, t, first, last), dims.dp),
+                      layer_dense=[fsdp_elements(block_tensor_shapes(spec, t, spec.is_moe_layer(i)), dims.dp)
+                                   for i in layers])
         recs += _data_parallel(dims, train, m, r, lp, c, padding)
         out.append(recs)
     return out

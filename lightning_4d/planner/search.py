@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Iterator, Optional, Sequence
 
 from lightning_4d.mesh import ParallelDims
+from lightning_4d.pipeline.schedules import get_schedule_info
 from lightning_4d.planner.bubble import stages_per_rank
 from lightning_4d.planner.comm import comm_per_rank
 from lightning_4d.planner.hardware import ClusterSpec, axes_crossing_nodes
@@ -181,6 +182,9 @@ def enumerate_layouts(spec: TransformerSpec, cluster: ClusterSpec, train: TrainS
                                         check_layout(spec, dims)
                                     except ValueError:
                                         break
+                                    if (spec.tied_embeddings and dims.dp > 1 and pp > 1
+                                            and get_schedule_info(schedule).style == "v"):
+                                        break  # refused by the runtime (parallelize.check_tied_across_v_stages)
                                     yield dims, train.with_(microbatches=m, schedule=schedule, data_parallel=mode,
                                                             activation_checkpointing=ac, dp_shard=shard)
 

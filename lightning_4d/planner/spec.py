@@ -89,6 +89,7 @@ class TransformerSpec:
     learned_positions: int = 0
     name: str = ""
     router_aux_loss: bool = False
+    fused_qkv: bool = False  # one (3·h)-row q|k|v projection (GPT-2's c_attn) instead of three
 
     def __post_init__(self) -> None:
         for n in ("vocab_size", "hidden", "layers", "heads", "seq_len", "moe_every"):
@@ -244,7 +245,7 @@ class TransformerSpec:
             return cls(cfg.vocab_size, cfg.n_embd, cfg.n_layer, cfg.n_head, ffn_hidden=4 * cfg.n_embd,
                        tied_embeddings=cfg.tie_embeddings, seq_len=seq_len or cfg.block_size, gated_mlp=False,
                        norm="layernorm", norm_bias=b, qkv_bias=b, out_bias=b, mlp_bias=b,
-                       learned_positions=cfg.block_size, name=name or "gpt2")
+                       learned_positions=cfg.block_size, name=name or "gpt2", fused_qkv=True)
         if hasattr(cfg, "hidden_size"):  # HFStyleConfig
             return cls(cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
                        cfg.num_key_value_heads, cfg.intermediate_size, tied_embeddings=cfg.tie_word_embeddings,

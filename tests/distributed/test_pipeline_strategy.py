@@ -72,7 +72,15 @@ def _bad_batch(rank: int) -> None:
     fit_spec(dict(model="llama-4", steps=1, world=2, global_batch=6, strategy=dict(pp=2, microbatches=4)))
 
 
+def _tied_v_with_dp(rank: int) -> None:
+    fit_spec(dict(model="gpt2-4", steps=1, world=4, strategy=dict(pp=2, schedule="zbv")))
+
+
 def test_pipeline_errors_on_every_rank() -> None:
+    # Tied embedding/head on one rank (V-shaped schedule) wrapped by two data-parallel roots would drift: refused.
+    for res in run_world(_tied_v_with_dp, 4, raise_on_error=False, pg_timeout_s=20):
+        assert "schedule='zbv' places the first and last pipeline stage on one rank" in res["error"], res["error"]
+        assert "model.embeddings.wte.weight = model.lm_head.weight" in res["error"] and "dp=2" in res["error"]
     for res in run_world(_non_sequential, 2, raise_on_error=False, pg_timeout_s=20):
         assert "pipeline_pre_blocks" in res["error"] and "CausalLM" in res["error"], res["error"]
     for res in run_world(_bad_batch, 2, raise_on_error=False, pg_timeout_s=20):

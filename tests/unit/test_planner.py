@@ -403,3 +403,20 @@ def test_hsdp_memory_shards_inside_the_group_only():
     zero1 = memory_per_rank(TINY, dims, TrainSpec(8, data_parallel="zero1"))[0]
     n = TINY.total_params()
     assert zero1.grads == 4 * n and zero1.unsharded == 0 and zero1.params == 2 * n + 4 * -(-n // 8)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(qkv_bias=True, out_bias=True, mlp_bias=True, norm="layernorm",
+                                             norm_bias=True, gated_mlp=False, fused_qkv=True),
+                                dict(num_experts=4, top_k=2, expert_hidden=16, shared_experts=1)])
+def test_fsdp_tensor_shapes_add_up_to_the_local_counts(kw: dict) -> None:
+    # Without padding (dims divisible), the per-tensor shapes FSDP2 shards add up to local_params' counts.
+    from lightning_4d.planner.comm import block_tensor_shapes, fsdp_elements, root_tensor_shapes
+    from lightning_4d.planner.memory import local_params
+
+    spec = TransformerSpec(vocab_size=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn_hidden=64, **kw)
+    dims = ParallelDims.from_world(4, tp=2)
+    lp = local_params(spec, dims, [0, 1], True, True)
+    blocks = [fsdp_elements(block_tensor_shapes(spec, 2, spec.is_moe_layer(i)), 2) for i in (0, 1)]
+    assert blocks == lp["layer_dense"]
+    assert fsdp_elements(root_tensor_shapes(spec, 2, True, True), 2) == lp["root"]
+    assert fsdp_elements([(10, 3)], 4) == 36  # ceil(10/4)=3 rows per rank, 12 rows gathered

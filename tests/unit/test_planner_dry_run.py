@@ -43,6 +43,9 @@ DENSE = {
     "zbv, dp": (4, dict(pp=2, virtual_stages=2), dict(microbatches=4, schedule="zbv"), 4, {"dp", "pp"}),
     # dp = 1: the SP norms' gradients stay Partial DTensors until the strategy resolves them, once per step
     "tp+sp without dp": (2, dict(tp=2), dict(), 2, {"tp"}),
+    # dp = 3 divides no dimension: FSDP2 pads every tensor's dim 0 to a multiple of 3 (the formulas too)
+    "tp+sp, fsdp over dp=3 (padded)": (6, dict(tp=2), dict(), 2, {"tp", "dp"}),
+    "pp 1f1b, fsdp over dp=3 (padded)": (6, dict(pp=2), dict(microbatches=2), 2, {"dp", "pp"}),
 }
 
 
@@ -65,6 +68,14 @@ def test_gpt2_learned_positions_biases_and_tied_head():
     result = dry_run(lambda: CausalLM(GPT2(cfg)), TransformerSpec.from_config(cfg, seq_len=32), dims,
                      TrainSpec(global_batch_size=8, microbatches=4, precision="32-true"))
     _check(result, {"tp", "dp", "pp"})
+
+
+def test_gpt2_fused_qkv_and_tied_table_padded_over_dp3():
+    cfg = GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, block_size=32)
+    dims = ParallelDims.from_world(6, tp=2)
+    result = dry_run(lambda: CausalLM(GPT2(cfg)), TransformerSpec.from_config(cfg, seq_len=32), dims,
+                     TrainSpec(global_batch_size=3, precision="32-true"))
+    _check(result, {"tp", "dp"})
 
 
 def test_pipeline_sends_are_the_measured_boundary_tensors():
