@@ -29,7 +29,7 @@ from lightning_4d.expert_parallel.parallel import (
     install_token_shard_check,
 )
 from lightning_4d.expert_parallel.rewrite import find_moe_modules
-from lightning_4d.mesh import FourDMesh
+from lightning_4d.mesh import Axis, FourDMesh
 from lightning_4d.pipeline.glue import build_runner, prepare_pipeline, split_pipeline
 from lightning_4d.pipeline.runner import PipelineRunner
 from lightning_4d.pipeline.schedules import get_schedule_info
@@ -130,7 +130,7 @@ def parallelize_module(
             # In-place experts get the routed tokens themselves; the package's MoE layer gets them (its experts not).
             names = [n if is_inplace_experts(module.get_submodule(n)) else n.rpartition(".")[0]
                      for n in plan.expert_modules]
-            install_token_shard_check({n: module.get_submodule(n) for n in names}, mesh["tp"].get_group())
+            install_token_shard_check({n: module.get_submodule(n) for n in names}, mesh[Axis.TP].get_group())
         if not plan.expert_modules:
             check_tensor_parallel(module, split, example, trace.output)
 
@@ -152,7 +152,7 @@ def parallelize_module(
     if experts and dims.edp > 1:
         # Experts first, over edp: their gradients are averaged only over replicas of the same experts.
         for expert in experts:
-            apply_data_parallel(expert, mesh["edp"], mode=wrap_mode, precision=precision,
+            apply_data_parallel(expert, mesh[Axis.EDP], mode=wrap_mode, precision=precision,
                                 reshard_root=parts is None)
     if dims.dp > 1:
         direct = [name for name, p in module.named_parameters(recurse=False)]
@@ -191,7 +191,7 @@ def reduce_tp_partial_grads(plan: Optional[ParallelPlan], mesh: FourDMesh, model
     names = set(plan.tp_partial_params) if plan is not None else set()
     if not names:
         return
-    group = mesh["tp"].get_group()
+    group = mesh[Axis.TP].get_group()
     for name, p in model.named_parameters():
         if name in names and p.grad is not None:
             dist.all_reduce(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad, group=group)
@@ -208,7 +208,7 @@ def _apply_experts(module: nn.Module, mesh: FourDMesh, plan: ParallelPlan, accum
 
     dims = mesh.dims
     grad_scale = expert_grad_scale(dims)  # expert gradients are averaged over edp
-    inplace = apply_inplace_expert_parallel(module, mesh["ep"], grad_scale=grad_scale)
+    inplace = apply_inplace_expert_parallel(module, mesh[Axis.EP], grad_scale=grad_scale)
     for spec in inplace:
         plan.expert_modules.append(spec.name)
         layer = module.get_submodule(spec.name.rpartition(".")[0])
@@ -225,7 +225,7 @@ def _apply_experts(module: nn.Module, mesh: FourDMesh, plan: ParallelPlan, accum
                 f"MoE). Use ep=1 for a dense model."
             )
         return
-    stats = None if (dims.sp or dims.tp == 1) else ([("dp", mesh["dp"].get_group())] if dims.dp > 1 else [])
+    stats = None if (dims.sp or dims.tp == 1) else ([("dp", mesh[Axis.DP].get_group())] if dims.dp > 1 else [])
     apply_expert_parallel(module, mesh, grad_scale=grad_scale, stats_groups=stats,
                           aux_grad_scale=dims.dp / max(accumulate, 1))
     for name, moe in module.named_modules():

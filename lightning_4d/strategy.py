@@ -9,9 +9,12 @@ Example:
 from __future__ import annotations
 
 import copy
+import shutil
 import sys
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generator, Iterable, Literal, Optional, Sequence, Union
 
 import torch
@@ -21,14 +24,27 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from torch import Tensor
+from torch.distributed.tensor.parallel import loss_parallel
 from typing_extensions import override
 
 from lightning_4d import _compat
+from lightning_4d.callbacks._common import internal_comm
+from lightning_4d.callbacks.summary import use_whole_model_summary
+from lightning_4d.checkpoint.resume import normalize_loop_state, skip_first_batches
+from lightning_4d.checkpoint.state import load_sharded, model_state_dict, optimizer_state_dict, save_sharded
 from lightning_4d.config import FourDConfig
-from lightning_4d.distributed import all_reduce_sum, broadcast_module_state, global_grad_norm
-from lightning_4d.mesh import FourDMesh, ParallelDims, build_mesh
+from lightning_4d.data_parallel import set_gradient_sync
+from lightning_4d.distributed import all_reduce_sum, broadcast_module_state, global_grad_norm, to_full
+from lightning_4d.expert_parallel import update_expert_bias
+from lightning_4d.heartbeat import Heartbeat
+from lightning_4d.loss import check_inputs, check_targets, weighted_global_loss
+from lightning_4d.mesh import Axis, FourDMesh, ParallelDims, build_mesh
+from lightning_4d.nonfinite import NONFINITE_MODES, NonFiniteError, SkipStep, check_step
+from lightning_4d.parallelize import parallelize_module, reduce_tp_partial_grads
+from lightning_4d.peers import describe_peer_failure, gather_peers
 from lightning_4d.pipeline.glue import pipeline_eval, pipeline_train_loss, sync_tied
 from lightning_4d.preemption import DEFAULT_SIGNALS, PreemptionSaver, resolve_signals
+from lightning_4d.tensor_parallel.replicas import replica_mismatches
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -117,7 +133,6 @@ class FourDStrategy(ParallelStrategy):
         self._timeout = timeout
         self._process_group_backend = process_group_backend
         self._sync_module_states = sync_module_states
-        from lightning_4d.nonfinite import NONFINITE_MODES
 
         if nonfinite not in NONFINITE_MODES:
             raise ValueError(f"nonfinite={nonfinite!r} must be one of {', '.join(map(repr, NONFINITE_MODES))}.")
@@ -192,7 +207,7 @@ class FourDStrategy(ParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # TP and PP peers must see the same samples: shard the data over the dp axis only.
-        return {"num_replicas": self.dims.dp, "rank": self.mesh.rank("dp")}
+        return {"num_replicas": self.dims.dp, "rank": self.mesh.rank(Axis.DP)}
 
     @property
     def process_group_backend(self) -> Optional[str]:
@@ -238,7 +253,6 @@ class FourDStrategy(ParallelStrategy):
                 f"{self.world_size} (devices × num_nodes). Make them equal."
             )
         self._mesh = build_mesh(dims, self.root_device.type, backend=backend, timeout=self._timeout)
-        from lightning_4d.peers import gather_peers
 
         self._peers = gather_peers()  # (rank, host, pid): a dead peer can be named if a collective fails
         assert self.lightning_module is not None
@@ -246,9 +260,6 @@ class FourDStrategy(ParallelStrategy):
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
-        from lightning_4d.callbacks.summary import use_whole_model_summary
-        from lightning_4d.parallelize import parallelize_module
-
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         if self._plan is None:  # a second fit/validate on the same Trainer reuses the layout
@@ -277,8 +288,6 @@ class FourDStrategy(ParallelStrategy):
         self.setup_precision_plugin()
 
     def _start_heartbeat(self) -> None:
-        from lightning_4d.heartbeat import Heartbeat
-
         if self._heartbeat is not None:
             self._heartbeat.stop(finished=True)
         self._heartbeat, self._failed = None, False
@@ -292,7 +301,6 @@ class FourDStrategy(ParallelStrategy):
         """A collective that failed because a peer died gets a first line naming the peer and the collective."""
         super().on_exception(exception)
         self._failed = True
-        from lightning_4d.peers import describe_peer_failure
 
         line = describe_peer_failure(exception, self._peers, self.global_rank)
         if line is None:
@@ -333,7 +341,6 @@ class FourDStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = self.lightning_module.trainer
-        from lightning_4d.data_parallel import set_gradient_sync
 
         # No gradient reduction on the non-stepping micro-steps of gradient accumulation.
         set_gradient_sync(self.model, not _compat.should_accumulate(trainer))
@@ -355,11 +362,8 @@ class FourDStrategy(ParallelStrategy):
     def _check_replicas(self) -> None:
         """After the first optimizer step: every parameter tensor parallelism left whole must be identical
         on all TP ranks; one that is not (a gradient from sharded activations never summed) fails loudly."""
-        from lightning_4d.callbacks._common import internal_comm
-        from lightning_4d.tensor_parallel.replicas import replica_mismatches
-
         with internal_comm():  # a one-time check, not the step's communication
-            bad = replica_mismatches(self.model, self.mesh["tp"].get_group())
+            bad = replica_mismatches(self.model, self.mesh[Axis.TP].get_group())
         if bad:
             raise RuntimeError(
                 f"After the first optimizer step these parameters differ across the {self.dims.tp} tensor-parallel "
@@ -370,15 +374,11 @@ class FourDStrategy(ParallelStrategy):
 
     def _reduce_tp_partial_grads(self) -> None:
         """Once per step: :func:`lightning_4d.parallelize.reduce_tp_partial_grads`."""
-        from lightning_4d.parallelize import reduce_tp_partial_grads
-
         reduce_tp_partial_grads(self._plan, self.mesh, self.model)
 
     def _guarded(self, closure: Any) -> Any:
         """Run the step's forward and backward, then stop or skip it on every rank if it is not finite
         (before Lightning clips the gradients and the optimizer steps)."""
-        from lightning_4d.nonfinite import NonFiniteError, SkipStep, check_step
-
         loss = closure()
         trainer = self.lightning_module.trainer
         step = trainer.global_step
@@ -407,10 +407,6 @@ class FourDStrategy(ParallelStrategy):
         if self._nonfinite == "off" or self.lightning_module.automatic_optimization is False:
             out = super().optimizer_step(optimizer, closure, model, **kwargs)
         else:
-            from functools import partial
-
-            from lightning_4d.nonfinite import SkipStep
-
             try:
                 out = super().optimizer_step(optimizer, partial(self._guarded, closure), model, **kwargs)
             except SkipStep as skipped:
@@ -418,7 +414,6 @@ class FourDStrategy(ParallelStrategy):
                 optimizer.zero_grad(set_to_none=True)
                 self._grads_stale = True
                 if self.is_global_zero:
-                    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
                     rank_zero_warn(f"Skipped step ({self.skipped_steps} so far): {skipped}")
                 self._log_skipped()
@@ -430,7 +425,6 @@ class FourDStrategy(ParallelStrategy):
             self._replicas_checked = True
             self._check_replicas()
         if self._plan is not None and self._plan.bias_update:
-            from lightning_4d.expert_parallel import update_expert_bias
 
             update_expert_bias(self.model)  # aux-loss-free balancing: after the step, on every rank
         return out
@@ -441,13 +435,11 @@ class FourDStrategy(ParallelStrategy):
         Example:
             >>> loss = trainer.strategy.compute_loss(module, inputs, targets)  # doctest: +SKIP
         """
-        from lightning_4d.loss import check_inputs, check_targets, weighted_global_loss
-
         check_inputs(inputs, self._plan.input_shape if self._plan is not None else None)
         check_targets(targets, self._plan is not None and self._plan.loss_parallel)
         runner = self._plan.pipeline if self._plan is not None else None
         if runner is not None:
-            dp_group = self.mesh["dp"].get_group()
+            dp_group = self.mesh[Axis.DP].get_group()
             if stage == "train" and module.training and torch.is_grad_enabled():
                 self.zero_grad_if_needed()
                 return pipeline_train_loss(runner, module, inputs, targets, dp_group, self.dims.dp,
@@ -462,17 +454,14 @@ class FourDStrategy(ParallelStrategy):
         # None as the *world*, which would count the targets once per tp/pp peer and scale the backward
         # loss by 1/(tp·pp) while the logged value stays right (it broke the task-loss : MoE aux-loss
         # gradient ratio under tp=2 with dp=1).
-        group = self.mesh["dp"].get_group()
+        group = self.mesh[Axis.DP].get_group()
         return weighted_global_loss(local, n_local.to(local.device), group, dims.dp)
 
     def predict(self, module: Any, inputs: Any) -> Any:
         """Full (unsharded) model outputs on every rank."""
-        from lightning_4d.distributed import to_full
-        from lightning_4d.loss import check_inputs
-
         check_inputs(inputs, self._plan.input_shape if self._plan is not None else None)
         if self._plan is not None and self._plan.pipeline is not None:
-            return pipeline_eval(self._plan.pipeline, module, inputs, None, self.mesh["dp"].get_group(),
+            return pipeline_eval(self._plan.pipeline, module, inputs, None, self.mesh[Axis.DP].get_group(),
                                  self.loss_context)
         return to_full(module(inputs))
 
@@ -487,7 +476,6 @@ class FourDStrategy(ParallelStrategy):
         """Context for computing the loss and its backward (``loss_parallel`` under TP)."""
         plan = self._plan
         if plan is not None and getattr(plan, "loss_parallel", False):
-            from torch.distributed.tensor.parallel import loss_parallel
 
             return loss_parallel()
         return nullcontext()
@@ -572,8 +560,6 @@ class FourDStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        from lightning_4d.checkpoint.state import model_state_dict
-
         return model_state_dict(self.model)
 
     @override
@@ -582,8 +568,6 @@ class FourDStrategy(ParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        from lightning_4d.checkpoint.state import optimizer_state_dict
-
         return optimizer_state_dict(self.model, optimizer)
 
     @override
@@ -592,8 +576,6 @@ class FourDStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        from lightning_4d.checkpoint.state import save_sharded
-
         if storage_options is not None:
             raise TypeError("FourDStrategy.save_checkpoint(storage_options=...) is not supported.")
         save_sharded(checkpoint, self.broadcast(str(filepath)), is_global_zero=self.is_global_zero,
@@ -601,8 +583,6 @@ class FourDStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        from lightning_4d.checkpoint.state import load_sharded
-
         assert self.model is not None
         strict = bool(getattr(self.lightning_module, "strict_loading", True))
         meta = load_sharded(self.broadcast(str(checkpoint_path)), self.model, self.optimizers,
@@ -617,7 +597,6 @@ class FourDStrategy(ParallelStrategy):
         trainer = self.lightning_module.trainer
         if self._resume_loops is None or not trainer.training or "fit_loop" not in self._resume_loops:
             return dataloader
-        from lightning_4d.checkpoint.resume import normalize_loop_state, skip_first_batches
 
         loops, self._resume_loops = self._resume_loops, None
         try:
@@ -631,8 +610,6 @@ class FourDStrategy(ParallelStrategy):
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            import shutil
-            from pathlib import Path
 
             path = Path(filepath)
             if path.is_dir():

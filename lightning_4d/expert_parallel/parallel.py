@@ -34,6 +34,7 @@ from torch import nn
 
 from lightning_4d.expert_parallel.moe import MoE
 from lightning_4d.expert_parallel.router import check_routing
+from lightning_4d.mesh import Axis
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -123,7 +124,7 @@ def apply_expert_parallel(
     from lightning_4d.expert_parallel.rewrite import find_moe_modules, rewrite_moe_modules
 
     dims = getattr(mesh, "dims", None)
-    ep_mesh = mesh["ep"] if dims is not None else mesh
+    ep_mesh = mesh[Axis.EP] if dims is not None else mesh
     ep = ep_mesh.size()
     # 1) validate everything first: no collective, no change before all layers are known to be fine.
     for name, mod in find_moe_modules(model):

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_4d.distributed import all_reduce_sum, to_full
+from lightning_4d.mesh import Axis
 from lightning_4d.pipeline.checks import check_sequential
 from lightning_4d.pipeline.partition import stage_ids_for_rank
 from lightning_4d.pipeline.runner import PipelineRunner
@@ -117,9 +118,9 @@ def split_pipeline(module: nn.Module, mesh: Any, config: Any, split: Any) -> Any
     dims = mesh.dims
     info = get_schedule_info(config.schedule)
     if isinstance(split, StagedForward):
-        return prune_staged(split, stage_ids_for_rank(mesh.rank("pp"), dims.pp, dims.virtual_stages, info.style))
+        return prune_staged(split, stage_ids_for_rank(mesh.rank(Axis.PP), dims.pp, dims.virtual_stages, info.style))
     return build_pipeline_stages(
-        module, mesh.rank("pp"), dims.pp, dims.virtual_stages, info.style, split=split,
+        module, mesh.rank(Axis.PP), dims.pp, dims.virtual_stages, info.style, split=split,
         pre_fn=_user_hook(module, "pipeline_pre_blocks"), post_fn=_user_hook(module, "pipeline_post_blocks"),
     )
 
@@ -130,7 +131,7 @@ def build_runner(module: nn.Module, mesh: Any, config: Any, parts: Any) -> Pipel
     count = getattr(module, "count_targets", None)
     staged = isinstance(module.get_submodule(parts.split.blocks_path), StagedBlocks)
     return PipelineRunner(
-        parts.modules, mesh["pp"], module.loss_fn, schedule=config.schedule, microbatches=config.microbatches,
+        parts.modules, mesh[Axis.PP], module.loss_fn, schedule=config.schedule, microbatches=config.microbatches,
         inputs_to_every_stage=staged,
         ignore_index=-100 if ignore is None else ignore,
         token_count_fn=(lambda t: int(count(t))) if callable(count) else None,

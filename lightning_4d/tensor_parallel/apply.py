@@ -18,11 +18,17 @@ from typing import Any, Optional
 from torch import nn
 
 from lightning_4d._compat import registered_submodule
+from lightning_4d.mesh import Axis
 from lightning_4d.tensor_parallel.layouts import register_permutation
 from lightning_4d.tensor_parallel.plan import block_plan, model_plan
 from lightning_4d.tensor_parallel.rng import ShardedRNG, install_sharded_rng, sharded_dropout_modules
 from lightning_4d.tensor_parallel.styles import (
-    Colwise, LowRankDown, RegionInput, Rowwise, install_sequence_boundary, is_conv1d,
+    Colwise,
+    LowRankDown,
+    RegionInput,
+    Rowwise,
+    install_sequence_boundary,
+    is_conv1d,
 )
 from lightning_4d.trace import HiddenArg, ModelTrace
 
@@ -146,7 +152,7 @@ def plan_tensor_parallel(module: nn.Module, mesh: Any, trace: ModelTrace) -> TPL
     dims = mesh.dims
     hook = getattr(module, "fourd_tp_plan", None)
     if callable(hook):
-        return TPLayout(styles=dict(hook(mesh["tp"], dims.sp)),
+        return TPLayout(styles=dict(hook(mesh[Axis.TP], dims.sp)),
                         loss_parallel=bool(getattr(module, "fourd_loss_parallel", False)))
     return tp_styles(module, trace, dims.tp, dims.sp)
 
@@ -165,7 +171,7 @@ def apply_tensor_parallel(module: nn.Module, mesh: Any, plan: Any, layout: TPLay
     from torch.distributed.tensor.parallel import parallelize_module
 
     dims = mesh.dims
-    tp_mesh = mesh["tp"]
+    tp_mesh = mesh[Axis.TP]
     groups = _tied_groups(module)
 
     def present(name: str) -> bool:  # a pipeline split may have removed it from this rank
