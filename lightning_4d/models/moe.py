@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Literal, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -43,8 +43,8 @@ def is_moe_layer(layer_id: int, first_dense_layers: int, moe_every: int) -> bool
 
 
 @dataclass(frozen=True)
-class MoEConfig:
-    """Hyper-parameters of :class:`MoETransformer`: Llama's plus the MoE ones.
+class MoEConfig(LlamaConfig):
+    """Hyper-parameters of :class:`MoETransformer`: Llama's (inherited) plus the MoE ones.
 
     ``expert_hidden`` is each expert's hidden size; ``shared_experts`` the number of always-active
     shared experts (a dense SwiGLU of hidden ``shared_experts · expert_hidden``); ``ffn_hidden`` the
@@ -57,26 +57,13 @@ class MoEConfig:
     ValueError: top_k=5 exceeds num_experts=4: ... Use top_k <= 4 or add experts.
     """
 
-    vocab_size: int = 32000
-    dim: int = 4096
-    n_layers: int = 32
-    n_heads: int = 32
-    n_kv_heads: Optional[int] = None
-    ffn_hidden: Optional[int] = None
-    multiple_of: int = 256
-    max_seq_len: int = 2048
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    dropout: float = 0.0
-    tie_embeddings: bool = False
-    init_std: float = 0.02
     num_experts: int = 8
     top_k: int = 2
     expert_hidden: int = 1024
     moe_every: int = 1
     first_dense_layers: int = 0
     shared_experts: int = 0
-    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    score_func: str = "softmax"  # "softmax" | "sigmoid" (checked by check_routing)
     renormalize: bool = True
     route_scale: float = 1.0
     aux_loss_coef: float = 0.0
@@ -84,6 +71,7 @@ class MoEConfig:
     capacity_factor: Optional[float] = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_routing(self.num_experts, self.top_k, self.score_func)
         for name in ("expert_hidden", "moe_every"):
             if getattr(self, name) < 1:
