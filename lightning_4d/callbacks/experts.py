@@ -161,7 +161,7 @@ class ExpertLoadMonitor(Callback):
         self._ctx: Optional[RunContext] = None
         self._every = 1
         self._dir: Optional[str] = None
-        self._modules: dict[str, Any] = {}  # global name -> local MoE module
+        self._moe_modules: dict[str, Any] = {}  # global name -> local MoE module
         self._names: list[str] = []  # every rank's MoE names (global order)
         self._experts = 0
         self._hooks: list[Any] = []
@@ -201,7 +201,7 @@ class ExpertLoadMonitor(Callback):
         self._experts = max(order.values(), default=0)
         labels = layer_labels(self._names)
         self.layers = [labels[n] for n in self._names]
-        self._modules = local
+        self._moe_modules = local
         for name, module in local.items():
             self._hooks.append(module.register_forward_hook(self._make_hook(name)))
 
