@@ -21,6 +21,11 @@ rank is the sum of three physically separate parts, each with constants of the d
   Backward moves ``BACKWARD_FACTOR`` times as much; ``torch.compile`` fuses them
   (``COMPILE_FACTOR``).
 
+With ``TrainSpec.float8`` the linear layers' GEMMs run on the Float8 tensor cores: twice the bf16 peak
+and twice the intensity (1-byte operands), plus the dynamic-scaling casts, memory-bound: each operand is
+read for its absolute maximum and read again and written in Float8 (``FLOAT8_CAST_BYTES`` per element,
+``COMPILE_FACTOR`` of it compiled); backward casts the output gradient and re-casts the operands.
+
 Backward GEMMs cost twice the forward ones. Recomputation adds: full — one forward of everything;
 ``"selective"`` (the package's policy: save matmul and attention outputs) — the memory-bound forward;
 ``TrainSpec.selective_policy = "every_other_matmul"`` (TorchTitan's op-level policy) — that plus half
@@ -45,7 +50,7 @@ if TYPE_CHECKING:
     from lightning_4d.planner.hardware import DeviceSpec
 
 __all__ = ["NORM_ELEMENTS", "INNER_ELEMENTS", "SCORE_ELEMENTS", "BACKWARD_FACTOR", "COMPILE_FACTOR",
-           "OPTIMIZER_BYTES", "ComputeTime", "gemm_intensity", "gemm_efficiency", "layer_gemms",
+           "OPTIMIZER_BYTES", "FLOAT8_CAST_BYTES", "FLOAT8_SPEEDUP", "ComputeTime", "gemm_intensity", "gemm_efficiency", "layer_gemms",
            "rank_compute_time", "optimizer_seconds"]
 
 #: Elements of the residual stream moved per token and layer forward by norms, residual adds and dropout
@@ -61,6 +66,11 @@ SCORE_ELEMENTS = 5.0
 BACKWARD_FACTOR = 2.0
 #: Share of the eager memory-bound traffic left after ``torch.compile`` fuses the pointwise kernels.
 COMPILE_FACTOR = 0.3
+#: Bytes per element of a dynamic-scaling Float8 cast: read bf16 for the absolute maximum (2), read it again
+#: (2) and write Float8 (1).
+FLOAT8_CAST_BYTES = 5.0
+#: Float8 tensor-core peak over the bf16 one (H100: 1979 vs 989 TFLOP/s dense).
+FLOAT8_SPEEDUP = 2.0
 #: Bytes per local parameter an AdamW step moves (read fp32 param, grad, two moments: 16; write param and
 #: moments: 12; write the bf16 compute copy: 2).
 OPTIMIZER_BYTES = 30.0
@@ -171,18 +181,24 @@ def rank_compute_time(spec: TransformerSpec, dims: ParallelDims, train: TrainSpe
     s, c = train.seq(spec), train.act_bytes
     peak, bw = device.peak_flops, device.hbm_bw
     gemm_fwd = attn_fwd = mem_fwd = proj_fwd = 0.0
-    kinds: dict[bool, tuple[float, float, float]] = {}
+    kinds: dict[bool, tuple[float, float, float, float]] = {}
     for i in layers:
         moe = spec.is_moe_layer(i)
         if moe not in kinds:
             g = p = 0.0
+            cast = 0.0  # Float8 cast bytes per forward (both operands)
             for m, n, k, count in layer_gemms(spec, dims, train, i, b):
-                g += count * 2 * m * n * k / (peak * gemm_efficiency(m, n, k, device))
-            kinds[moe] = (g, g, _memory_elements(spec, dims, train, i))
-        g, p, e = kinds[moe]
+                if train.float8:  # 1-byte operands: twice the intensity at twice the peak
+                    eff = gemm_efficiency(2 * m, 2 * n, 2 * k, device)
+                    g += count * 2 * m * n * k / (FLOAT8_SPEEDUP * peak * eff)
+                    cast += count * FLOAT8_CAST_BYTES * (m * k + k * n)
+                else:
+                    g += count * 2 * m * n * k / (peak * gemm_efficiency(m, n, k, device))
+            kinds[moe] = (g, g, _memory_elements(spec, dims, train, i), cast)
+        g, p, e, cast = kinds[moe]
         gemm_fwd += g
         proj_fwd += p
-        mem_fwd += e * b * s * c / bw
+        mem_fwd += e * b * s * c / bw + cast / bw
     heads = spec.heads / dims.tp
     if layers:
         eff = gemm_efficiency(s, s, spec.head_dim, device)

@@ -328,6 +328,8 @@ class TrainSpec:
             :func:`lightning_4d.planner.dry_run.dry_run` sets it to what the wrapped model really does.
         compile: ``torch.compile`` fuses the memory-bound kernels (:mod:`lightning_4d.planner.compute`).
         selective_policy: what selective checkpointing saves (:data:`SELECTIVE_POLICIES`).
+        float8: the linear layers' GEMMs (not the attention core nor the head) run in Float8 with dynamic
+            scaling, as TorchTitan's ``float8`` converter (:mod:`lightning_4d.planner.compute`).
 
     Example:
         >>> TrainSpec(global_batch_size=8).act_bytes
@@ -349,6 +351,7 @@ class TrainSpec:
     dp_shard: Optional[int] = None
     compile: bool = False
     selective_policy: str = "matmuls"
+    float8: bool = False
 
     def __post_init__(self) -> None:
         _positive("global_batch_size", self.global_batch_size)

@@ -23,9 +23,9 @@ def test_runs_that_ran_fit(rows):
 
 
 def test_throughput_within_tolerance(rows):
-    off = {r["id"]: round(r["throughput_ratio"], 3) for r in rows
-           if not r["float8"] and abs(r["throughput_ratio"] - 1) > TOLERANCE}
-    assert off == {}
+    # Every row, the Float8 one included (modelled from the hardware, not fitted).
+    off = {r["id"]: round(r["throughput_ratio"], 3) for r in rows if abs(r["throughput_ratio"] - 1) > TOLERANCE}
+    assert off == {} and any(r["float8"] for r in rows)
 
 
 def test_memory_within_tolerance(rows):
@@ -39,3 +39,17 @@ def test_efficiency_rises_with_model_size_on_megatron(rows):
     1T model above the 1.7B one."""
     sc21 = {r["id"]: r["throughput_planned"] for r in rows if r["source"] == "megatron_sc21"}
     assert sc21["sc21-1T"] > sc21["sc21-1.7B"]
+
+
+def test_float8_is_physical_not_fitted():
+    # Float8 halves the linear GEMMs' time at most (2x peak, 2x intensity) and adds casts: a 70B step is
+    # faster than in bf16 but by less than 2x.
+    from lightning_4d.planner.calibrate import load_published, row_setup
+    from lightning_4d.planner.roofline import estimate_step
+
+    data = load_published()
+    row = next(r for r in data["rows"] if r.get("float8"))
+    spec, dims, train, cluster = row_setup(row, data["models"])
+    fp8 = estimate_step(spec, dims, train, cluster).step_s
+    bf16 = estimate_step(spec, dims, train.with_(float8=False), cluster).step_s
+    assert bf16 / 2 < fp8 < bf16
