@@ -19,9 +19,20 @@ from torch import nn
 
 from lightning_4d import _compat
 
-__all__ = ["DataParallelMode", "apply_data_parallel", "set_gradient_sync", "mixed_precision_policy"]
+__all__ = ["DataParallelMode", "apply_data_parallel", "mixed_precision_policy", "set_gradient_sync", "wrap_mode"]
 
 DataParallelMode = Literal["fsdp", "replicate"]  # how one mesh wraps; HSDP is "fsdp" over a 2-D mesh
+
+
+def wrap_mode(data_parallel: str, experts: bool = False) -> DataParallelMode:
+    """How a unit is wrapped for a ``data_parallel`` option: HSDP is FSDP2 on the 2-D dense mesh, and expert
+    units (over ``edp``) stay plain FSDP2 under it. The planner models the same rule.
+
+    Example:
+        >>> wrap_mode("hsdp"), wrap_mode("hsdp", experts=True), wrap_mode("replicate")
+        ('fsdp', 'fsdp', 'replicate')
+    """
+    return "fsdp" if data_parallel == "hsdp" else data_parallel  # type: ignore[return-value]
 
 
 def mixed_precision_policy(precision: str) -> Optional[Any]:

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Partial
 from lightning_4d._compat import registered_submodule
 from lightning_4d.activation_checkpoint import apply_activation_checkpointing
 from lightning_4d.config import FourDConfig
-from lightning_4d.data_parallel import apply_data_parallel
+from lightning_4d.data_parallel import apply_data_parallel, wrap_mode
 from lightning_4d.discovery import find_blocks, top_level_modules
 from lightning_4d.expert_parallel import MoE, apply_expert_parallel
 from lightning_4d.expert_parallel.inplace import is_inplace_experts
@@ -146,13 +146,13 @@ def parallelize_module(
     apply_activation_checkpointing(plan.blocks, config.activation_checkpointing)
 
     experts = [module.get_submodule(name) for name in plan.expert_modules]
-    wrap_mode = "fsdp" if config.data_parallel == "hsdp" else config.data_parallel  # HSDP: FSDP2 on a 2-D mesh
     # With edp == 1 no rank shares an expert: experts stay out of every data-parallel wrapper.
     unwrapped_experts = {p for e in experts for p in e.parameters()} if dims.edp == 1 else None
     if experts and dims.edp > 1:
         # Experts first, over edp: their gradients are averaged only over replicas of the same experts.
         for expert in experts:
-            apply_data_parallel(expert, mesh[Axis.EDP], mode=wrap_mode, precision=precision,
+            apply_data_parallel(expert, mesh[Axis.EDP], mode=wrap_mode(config.data_parallel, experts=True),
+                                precision=precision,
                                 reshard_root=parts is None)
     if dims.dp > 1:
         direct = [name for name, p in module.named_parameters(recurse=False)]
@@ -165,7 +165,8 @@ def parallelize_module(
         roots = parts.modules if parts is not None else [child for _, child in top_level_modules(module)]
         for root in roots:
             inner = [b for b in plan.blocks if _is_within(b, root)]
-            apply_data_parallel(root, mesh.data_parallel, blocks=inner, mode=wrap_mode, precision=precision,
+            apply_data_parallel(root, mesh.data_parallel, blocks=inner, mode=wrap_mode(config.data_parallel),
+                                precision=precision,
                                 ignored_params=unwrapped_experts, reshard_after_forward=parts is None)
 
     if parts is not None:

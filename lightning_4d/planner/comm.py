@@ -264,28 +264,41 @@ def _data_parallel(dims: ParallelDims, train: TrainSpec, m: int, r: int, lp: dic
     raf = train.reshard_after_forward if train.reshard_after_forward is not None else dims.pp == 1
     raf_experts = (train.expert_reshard_after_forward if train.expert_reshard_after_forward is not None
                    else train.reshard_after_forward is not False)
+    mode = train.data_parallel
+    hsdp = mode == "hsdp"
+    shard = _dp_shard(dims, train) if hsdp else dims.dp
+    dense_axis = "dp_shard" if hsdp else "dp"
     n = len(lp["layer_dense"])
-    units = [("dp", "root", lp["root"], False)]
-    units += [("dp", "block", d, raf and i < n - 1) for i, d in enumerate(lp["layer_dense"])]
-    pad = expert_padding if train.data_parallel == "fsdp" else 1.0
+    units = [(dense_axis, "root", lp["root"], False)]
+    units += [(dense_axis, "block", d, raf and i < n - 1) for i, d in enumerate(lp["layer_dense"])]
+    pad = expert_padding if mode in ("fsdp", "hsdp") else 1.0
     units += [("edp", "experts", e * pad, raf_experts) for e in lp["layer_experts"] if e]
-    groups = {"dp": dims.dp, "edp": dims.edp}
+    groups = {"dp": dims.dp, "edp": dims.edp, "dp_shard": shard, "dp_replicate": dims.dp // shard}
     acc: dict[tuple, list] = {}
+
+    def add(axis: str, kind: str, label: str, calls: int, size: float) -> None:
+        a = acc.setdefault((axis, kind, label), [0, 0.0])
+        a[0], a[1] = a[0] + calls, a[1] + calls * size
+
     for axis, what, params, reshards in units:
-        if groups[axis] == 1 or params == 0:
+        if params == 0:
             continue
-        if train.data_parallel == "fsdp":
-            p = _gather_passes(dims, train, m, r, reshards)
-            for kind, calls, size, label in (("all_gather", p, params * c, f"FSDP {what} params"),
-                                             ("reduce_scatter", 1, params * 4.0, f"FSDP {what} grads (fp32)")):
-                key = (axis, kind, label)
-                a = acc.setdefault(key, [0, 0.0])
-                a[0], a[1] = a[0] + calls, a[1] + calls * size
-        else:
-            a = acc.setdefault((axis, "all_reduce", f"replicate {what} grads (fp32)"), [0, 0.0])
-            a[0], a[1] = a[0] + 1, a[1] + params * 4.0
+        if mode in ("fsdp", "hsdp"):  # experts are FSDP2 over edp under HSDP too
+            if groups[axis] > 1:
+                p = _gather_passes(dims, train, m, r, reshards)
+                add(axis, "all_gather", f"FSDP {what} params", p, params * c)
+                add(axis, "reduce_scatter", f"FSDP {what} grads (fp32)", 1, params * 4.0)
+            if hsdp and axis == "dp_shard" and groups["dp_replicate"] > 1:  # the shard's gradient across replicas
+                add("dp_replicate", "all_reduce", f"HSDP {what} grad shards (fp32)", 1, params * 4.0 / groups[axis])
+        elif groups[axis] > 1:
+            add(axis, "all_reduce", f"replicate {what} grads (fp32)", 1, params * 4.0)
     return [Collective(axis, kind, label, calls, total / calls, groups[axis])
             for (axis, kind, label), (calls, total) in acc.items()]
+
+
+def _dp_shard(dims: ParallelDims, train: TrainSpec) -> int:
+    """HSDP's shard group size: the train spec's, else the layout's, else the whole dp (plain FSDP)."""
+    return train.dp_shard or dims.dp_shard or dims.dp
 
 
 def expert_padding(spec: TransformerSpec, dims: ParallelDims) -> float:
@@ -330,8 +343,8 @@ def comm_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
     out = []
     for r, layers in enumerate(layout):
         first, last = r == 0, r == (0 if style_v else dims.pp - 1)
-        recs = _tp(spec, dims, layers, first, last, m, act, b * s, c, recompute,
-                   dims.dp if train.data_parallel == "fsdp" else 1)
+        fsdp_ranks = {"fsdp": dims.dp, "hsdp": _dp_shard(dims, train)}.get(train.data_parallel, 1)
+        recs = _tp(spec, dims, layers, first, last, m, act, b * s, c, recompute, fsdp_ranks)
         if dims.pp > 1:
             style = "v" if style_v else "loop"
             stages = stage_ids_for_rank(r, dims.pp, dims.virtual_stages, style)
@@ -358,9 +371,9 @@ def comm_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
             recs += [Collective(axis, "all_reduce", "router statistics (aux loss)", fwd_passes * m * n_moe,
                                 8.0 * (2 * spec.num_experts + 1), n) for axis, n in stats if n > 1]
         lp = local_params(spec, dims, layers, first, last)
-        if train.data_parallel == "fsdp" and dims.dp > 1:  # FSDP2 pads dim 0 of each tensor to a multiple of dp
-            lp = dict(lp, root=fsdp_elements(root_tensor_shapes(spec, t, first, last), dims.dp),
-                      layer_dense=[fsdp_elements(block_tensor_shapes(spec, t, spec.is_moe_layer(i)), dims.dp)
+        if fsdp_ranks > 1:  # FSDP2 pads dim 0 of each tensor to a multiple of its shard group
+            lp = dict(lp, root=fsdp_elements(root_tensor_shapes(spec, t, first, last), fsdp_ranks),
+                      layer_dense=[fsdp_elements(block_tensor_shapes(spec, t, spec.is_moe_layer(i)), fsdp_ranks)
                                    for i in layers])
         recs += _data_parallel(dims, train, m, r, lp, c, padding)
         out.append(recs)

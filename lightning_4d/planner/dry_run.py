@@ -504,7 +504,8 @@ def _config_for(dims: ParallelDims, train: TrainSpec) -> Any:
         tp=dims.tp, pp=dims.pp, ep=dims.ep, dp=dims.dp, sequence_parallel=dims.sequence_parallel,
         microbatches=train.microbatches, schedule=train.schedule if dims.pp > 1 else "1f1b",
         virtual_stages=dims.virtual_stages if dims.pp > 1 else None, data_parallel=train.data_parallel,
-        activation_checkpointing=train.activation_checkpointing)
+        activation_checkpointing=train.activation_checkpointing,
+        dp_shard=(train.dp_shard or dims.dp_shard) if train.data_parallel == "hsdp" else None)
 
 
 def dry_run(build: Callable[[], nn.Module], spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,

@@ -93,6 +93,8 @@ class CollectiveRecorder(CommCounter):
             meshes = list(mesh.values())
         elif hasattr(mesh, "dense") and hasattr(mesh, "expert"):  # a lightning_4d FourDMesh
             meshes = [mesh.dense, mesh.expert]
+            if getattr(mesh, "flat_dp", None) is not None:  # HSDP: dp is dp_replicate × dp_shard flattened
+                self._names[mesh.flat_dp.get_group().group_name] = ("dp", mesh.flat_dp.size())
         else:
             meshes = [mesh] if mesh is not None else []
         # A group shared by several axes (e.g. an axis spanning the whole world reuses the default group)

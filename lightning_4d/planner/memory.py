@@ -57,6 +57,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Optional
 
+from lightning_4d.data_parallel import wrap_mode
 from lightning_4d.mesh import ParallelDims
 from lightning_4d.planner.bubble import in_flight_microbatches
 from lightning_4d.planner.spec import TrainSpec, TransformerSpec
@@ -301,14 +302,14 @@ def memory_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
 
 def _shard_groups(dims: ParallelDims, train: TrainSpec) -> tuple[Optional[int], Optional[int]]:
     """HSDP shard-group sizes of the dense (dp) and expert (edp) states: ``dp_shard`` (default: all of dp)
-    and the expert groups with the same number of replicas."""
+    and, as the runtime wraps them (:func:`lightning_4d.data_parallel.wrap_mode`), the experts FSDP-sharded
+    over all of edp."""
     if train.data_parallel != "hsdp":
         return None, None
     from lightning_4d.planner.dp_modes import hsdp_groups
 
-    replicas, k = hsdp_groups(dims.dp, train.dp_shard)
-    ek = dims.edp // replicas if dims.edp % replicas == 0 else dims.edp
-    return k, ek
+    _, k = hsdp_groups(dims.dp, train.dp_shard or dims.dp_shard)
+    return k, (dims.edp if wrap_mode("hsdp", experts=True) == "fsdp" else None)
 
 
 def saved_activation_bytes(spec: TransformerSpec, layer: int, dims: ParallelDims, train: TrainSpec, b: int

@@ -127,7 +127,8 @@ def comm_seconds(records: list[Collective], dims: ParallelDims, cluster: Cluster
     for rec in records:
         inter = crossing.get(rec.axis, False)
         bw, lat = (d.inter_node_bw, d.latency_inter) if inter else (d.intra_node_bw, d.latency_intra)
-        out[rec.axis] += rec.bytes_sent / bw + (rec.calls * lat if rec.bytes_sent else 0.0)
+        axis = "dp" if rec.axis in ("dp_shard", "dp_replicate") else rec.axis  # HSDP's two dp axes
+        out[axis] += rec.bytes_sent / bw + (rec.calls * lat if rec.bytes_sent else 0.0)
     return out
 
 
@@ -135,6 +136,7 @@ def _dp_mode_seconds(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec
                      layers: list[int], first: bool, last: bool, m: int) -> dict[str, float]:
     """Data-parallel seconds of one rank for hsdp / zero1 / zero2 (:mod:`.dp_modes`): the shard group's
     traffic inside a node when it fits there, the replicas' across nodes."""
+    from lightning_4d.data_parallel import wrap_mode
     from lightning_4d.planner.dp_modes import dp_traffic, hsdp_groups
     from lightning_4d.planner.memory import local_params
 
@@ -146,15 +148,16 @@ def _dp_mode_seconds(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec
         if n == 1 or not params:
             continue
         shard = None
-        if train.data_parallel == "hsdp":
-            per_node = max(1, cluster.gpus_per_node // (dims.tp if axis == "dp" else dims.ep))
-            shard = train.dp_shard or min(n, per_node)
+        mode = wrap_mode(train.data_parallel, experts=True) if axis == "edp" else train.data_parallel
+        if mode == "hsdp":
+            per_node = max(1, cluster.gpus_per_node // dims.tp)
+            shard = train.dp_shard or dims.dp_shard or min(n, per_node)
             shard = hsdp_groups(n, shard)[1]
-            inside = shard * (dims.tp if axis == "dp" else dims.ep) <= cluster.gpus_per_node
+            inside = shard * dims.tp <= cluster.gpus_per_node
         else:
             inside = n * (dims.tp if axis == "dp" else dims.ep) <= cluster.gpus_per_node
         passes = 1 if dims.pp > 1 else 2
-        tr = dp_traffic(train.data_parallel, params, n, m, passes, shard, train.act_bytes, units)
+        tr = dp_traffic(mode, params, n, m, passes, shard, train.act_bytes, units)
         bw_shard = d.intra_node_bw if inside else d.inter_node_bw
         out[axis] = (tr.shard_bytes / bw_shard + tr.replica_bytes / d.inter_node_bw
                      + tr.calls * (d.latency_intra if inside else d.latency_inter))

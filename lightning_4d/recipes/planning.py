@@ -227,7 +227,7 @@ def plan_setup(cfg: Union[DictConfig, TrainConfig]) -> PlanSetup:
     train = TrainSpec(global_batch_size=gbs, seq_len=seq, microbatches=m, schedule=par.schedule,
                       data_parallel=par.data_parallel, precision=precision,
                       activation_checkpointing=par.activation_checkpointing, flash_attention=plan.flash_attention,
-                      expert_imbalance=plan.expert_imbalance)
+                      expert_imbalance=plan.expert_imbalance, dp_shard=getattr(par, "dp_shard", None))
     bad = [r for r in plan.trace_ranks or [] if not 0 <= r < world]
     if bad:
         raise PlanError(f"plan.trace_ranks={bad} are outside the world of {world} ranks.")

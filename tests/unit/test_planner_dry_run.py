@@ -46,6 +46,10 @@ DENSE = {
     # dp = 3 divides no dimension: FSDP2 pads every tensor's dim 0 to a multiple of 3 (the formulas too)
     "tp+sp, fsdp over dp=3 (padded)": (6, dict(tp=2), dict(), 2, {"tp", "dp"}),
     "pp 1f1b, fsdp over dp=3 (padded)": (6, dict(pp=2), dict(microbatches=2), 2, {"dp", "pp"}),
+    # HSDP: reduce-scatter / all-gather inside dp_shard, the gradient shard all-reduced over dp_replicate
+    "hsdp 2x2, tp+sp": (8, dict(tp=2, dp_shard=2), dict(data_parallel="hsdp"), 2, {"tp", "dp_shard", "dp_replicate"}),
+    "hsdp 3x2 (padded), pp 1f1b": (12, dict(pp=2, dp_shard=2), dict(data_parallel="hsdp", microbatches=2), 2,
+                                   {"pp", "dp_shard", "dp_replicate"}),
 }
 
 
@@ -68,6 +72,16 @@ def test_gpt2_learned_positions_biases_and_tied_head():
     result = dry_run(lambda: CausalLM(GPT2(cfg)), TransformerSpec.from_config(cfg, seq_len=32), dims,
                      TrainSpec(global_batch_size=8, microbatches=4, precision="32-true"))
     _check(result, {"tp", "dp", "pp"})
+
+
+def test_moe_under_hsdp_keeps_experts_fsdp_over_edp():
+    from lightning_4d.models.moe import MoEConfig, MoETransformer
+
+    cfg = MoEConfig(num_experts=4, top_k=2, expert_hidden=32, n_layers=2, **LLAMA)
+    dims = ParallelDims.from_world(8, tp=2, ep=2, dp_shard=2)
+    train = TrainSpec(global_batch_size=4, data_parallel="hsdp", precision="32-true")
+    result = dry_run(lambda: CausalLM(MoETransformer(cfg)), TransformerSpec.from_config(cfg, seq_len=32), dims, train)
+    _check(result, {"tp", "ep", "edp", "dp_shard", "dp_replicate"})
 
 
 def test_gpt2_fused_qkv_and_tied_table_padded_over_dp3():
