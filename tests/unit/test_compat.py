@@ -32,6 +32,9 @@ PRIVATE_SYMBOLS = [
     ("torch.distributed.fsdp", "FSDPModule._get_fsdp_state"),
     ("torch.distributed.distributed_c10d", "_resolve_process_group"),
     ("torch.distributed", "ProcessGroupGloo._Options"),
+    ("torch.distributed.device_mesh", "DeviceMesh._flatten"),
+    ("lightning.pytorch.callbacks", "ModelSummary._summary"),
+    ("lightning.pytorch.utilities.model_summary", "ModelSummary._get_summary_data"),
 ]
 
 
@@ -43,9 +46,11 @@ def test_private_symbol_exists(module: str, path: str) -> None:
         obj = getattr(obj, part)
 
 
-def test_lightning_module_private_slots() -> None:
+def test_lightning_private_instance_slots() -> None:
     module = L.LightningModule()  # instance attributes set in __init__
     assert hasattr(module, "_device_mesh") and hasattr(module, "_trainer")
+    summary = L.pytorch.callbacks.ModelSummary(max_depth=2, foo=1)
+    assert _compat.model_summary_options(summary) == (2, {"foo": 1})
 
 
 class _Tiny(L.LightningModule):
