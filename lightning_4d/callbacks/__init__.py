@@ -28,6 +28,7 @@ from lightning_4d.callbacks.pipeline import (
     chrome_trace,
     plot_timeline,
 )
+from lightning_4d.callbacks.summary import FourDModelSummary
 from lightning_4d.callbacks.throughput import FourDThroughputMonitor, mfu, peak_memory_bytes
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "CommRecorder",
     "CommunicationMonitor",
     "ExpertLoadMonitor",
+    "FourDModelSummary",
     "FourDThroughputMonitor",
     "PipelineBubbleMonitor",
     "bubble_stats",
