@@ -35,7 +35,12 @@ import torch
 from torch import nn
 
 from lightning_4d._compat import child_modules, pytree, registered_submodule
+from lightning_4d.distributed import to_full
+from lightning_4d.pipeline.partition import partition_blocks
+from lightning_4d.pipeline.stages import HOOK_HINT, PipelineParts, PipelineSplit, StageModule
+from lightning_4d.pipeline.tied import find_tied_parameters
 from lightning_4d.trace import ModelTrace
+from lightning_4d.verify import max_difference
 
 __all__ = ["INPUTS_KW", "ShapeStub", "StageDone", "StagedBlocks", "StagedForward", "check_staged", "prepare_staged",
            "prune_staged"]
@@ -59,7 +64,6 @@ class ShapeStub(nn.Module):
         >>> ShapeStub(nn.Embedding(10, 4))(torch.zeros(2, 3, dtype=torch.long)).shape
         torch.Size([2, 3, 4])
     """
-
     fourd_stub = True
 
     def __init__(self, module: nn.Module) -> None:
@@ -93,7 +97,6 @@ class StagedBlocks(nn.ModuleDict):
     Outside a stage's forward it is an ordinary ``ModuleDict``. While a stage runs it behaves like the
     original container (a list or a dict of *all* blocks) whose entries are dispatchers.
     """
-
     def __init__(self, blocks: dict[str, nn.Module], order: tuple[str, ...], was_list: bool) -> None:
         super().__init__(blocks)
         object.__setattr__(self, "_order", order)
@@ -139,7 +142,6 @@ class StagedForward:
         trace: the model's :class:`~lightning_4d.trace.ModelTrace` (taken on the full model).
         stage_keys: block keys of every stage (all stages of the pipeline, by stage index).
     """
-
     def __init__(self, root: nn.Module, trace: ModelTrace, stage_keys: dict[int, list[str]]) -> None:
         self.root = root
         self.trace = trace
@@ -237,10 +239,6 @@ def check_staged(staged: StagedForward, example: Any, expected: Any, atol: float
     Example:
         >>> check_staged(staged, tokens, lm(tokens))  # doctest: +SKIP
     """
-    from lightning_4d.distributed import to_full
-    from lightning_4d.pipeline.stages import HOOK_HINT
-    from lightning_4d.verify import max_difference
-
     cls = type(staged.root).__name__
     if any(p.is_meta for p in staged.root.parameters()):
         return  # a planner dry run on the meta device: nothing to compare
@@ -281,9 +279,6 @@ def prepare_staged(root: nn.Module, trace: ModelTrace, num_stages: int) -> Stage
     Example:
         >>> staged = prepare_staged(lm, trace, num_stages=4)  # doctest: +SKIP
     """
-    from lightning_4d.pipeline.partition import partition_blocks
-    from lightning_4d.pipeline.stages import HOOK_HINT
-
     shared = [p for p in trace.elsewhere
               if (m := registered_submodule(root, p)) is not None and any(True for _ in m.parameters())]
     if shared:
@@ -307,9 +302,6 @@ def prune_staged(staged: StagedForward, stage_ids: list[int]) -> Any:
     Example:
         >>> parts = prune_staged(staged, [0])  # doctest: +SKIP
     """
-    from lightning_4d.pipeline.stages import PipelineParts, PipelineSplit, StageModule
-    from lightning_4d.pipeline.tied import find_tied_parameters
-
     root, trace = staged.root, staged.trace
 
     def holds_params(path: str) -> bool:

@@ -32,6 +32,11 @@ from typing import Any, Optional, Union
 
 from omegaconf import DictConfig
 
+from lightning_4d.pipeline.schedules import validate_microbatches
+from lightning_4d.planner import ClusterSpec, DeviceSpec, H100, H200, NoLayoutFits, TrainSpec, format_table, make_plan, search, write_plan
+from lightning_4d.planner.dry_run import dry_run
+from lightning_4d.planner.memory import check_layout
+from lightning_4d.recipes.build import build_model, output_dir, validate
 from lightning_4d.recipes.resources import model_spec
 from lightning_4d.recipes.schema import (
     HFModelConfig,
@@ -66,7 +71,6 @@ class PlanSetup:
         >>> PlanSetup.__dataclass_fields__["notes"].default_factory()
         []
     """
-
     config: TrainConfig
     plan: PlanConfig
     spec: Any
@@ -85,7 +89,6 @@ class PlanOutcome:
         >>> PlanOutcome(plan={}, text="", path=None).exit_code
         0
     """
-
     plan: dict
     text: str
     path: Optional[str]
@@ -111,7 +114,6 @@ def _precision(trainer_precision: str) -> tuple[str, Optional[str]]:
 
 
 def _device(plan: PlanConfig) -> Any:
-    from lightning_4d.planner import H100, H200, DeviceSpec
 
     if plan.device == "custom":
         base = DeviceSpec("custom", plan.memory_gb * 1e9, plan.peak_tflops * 1e12, plan.nvlink_gb_s * 1e9,
@@ -147,10 +149,6 @@ def plan_setup(cfg: Union[DictConfig, TrainConfig]) -> PlanSetup:
     Example:
         >>> setup = plan_setup(cfg)  # doctest: +SKIP
     """
-    from lightning_4d.planner import ClusterSpec, TrainSpec
-    from lightning_4d.planner.memory import check_layout
-    from lightning_4d.recipes.build import validate
-
     c = validate(cfg)
     if isinstance(c.model, HFModelConfig):
         raise PlanError(
@@ -218,7 +216,6 @@ def plan_setup(cfg: Union[DictConfig, TrainConfig]) -> PlanSetup:
         else:
             notes.append(f"global batch: {gbs} sequences = {text}")
     if dims.pp > 1:
-        from lightning_4d.pipeline.schedules import validate_microbatches
 
         try:
             validate_microbatches(par.schedule, dims.pp, dims.virtual_stages, m, gbs // dims.dp)
@@ -274,8 +271,6 @@ def run_dry_run(setup: PlanSetup) -> Any:
     """
     import torch  # noqa: F401 - the model builder runs under torch.device("meta")
 
-    from lightning_4d.planner.dry_run import dry_run
-    from lightning_4d.recipes.build import build_model
 
     blocks = trace_blocks(setup)
     model = _traced_model(setup.config.model, blocks) if blocks < _n_blocks(setup.config.model) else \
@@ -316,9 +311,6 @@ def run_plan(cfg: Union[DictConfig, TrainConfig], out_dir: Optional[Union[str, P
         >>> outcome.plan["total_params"]  # doctest: +SKIP
         1038954930176
     """
-    from lightning_4d.planner import NoLayoutFits, format_table, make_plan, search, write_plan
-    from lightning_4d.recipes.build import output_dir
-
     start = time.perf_counter()
     setup = plan_setup(cfg)
     plan_cfg = setup.plan

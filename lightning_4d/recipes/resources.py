@@ -23,11 +23,14 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
+from lightning_4d.pipeline.schedules import validate_microbatches
+from lightning_4d.planner import TrainSpec, TransformerSpec
+from lightning_4d.planner.memory import check_layout, memory_per_rank
 from lightning_4d.recipes.schema import HFModelConfig, TrainConfig, owned
+from lightning_4d.tensor_parallel.plan import check_divisible
 
 if TYPE_CHECKING:
     from lightning_4d.mesh import ParallelDims
-    from lightning_4d.planner import TransformerSpec
 
 __all__ = [
     "DeviceInventory",
@@ -77,7 +80,6 @@ class ParamCount:
         >>> ParamCount(dense=10, expert=40, active=20).total
         50
     """
-
     dense: int
     expert: int
     active: int
@@ -104,8 +106,6 @@ def model_spec(model: Any) -> Optional["TransformerSpec"]:
         >>> model_spec(GPT2ModelConfig(n_layer=2)).layers
         2
     """
-    from lightning_4d.planner import TransformerSpec
-
     if isinstance(model, HFModelConfig):
         from lightning_4d.recipes.hf_model import hf_spec
 
@@ -146,9 +146,6 @@ def states_bytes_per_rank(spec: "TransformerSpec", dims: "ParallelDims", schedul
         ...                       ParallelDims(1))
         3008.0
     """
-    from lightning_4d.planner import TrainSpec
-    from lightning_4d.planner.memory import memory_per_rank
-
     m = dims.pp * dims.virtual_stages if dims.pp > 1 else 1  # states do not depend on the batch
     train = TrainSpec(global_batch_size=dims.dp * m, schedule=schedule, data_parallel=data_parallel)
     return max(r.params + r.grads + r.optimizer for r in memory_per_rank(spec, dims, train))
@@ -164,7 +161,6 @@ class DeviceInventory:
         >>> DeviceInventory("cpu", 2, 16 * GiB).describe()
         '0 CUDA devices; 2 CPU cores, 16 GiB RAM'
     """
-
     kind: str
     count: int
     memory_bytes: int
@@ -207,9 +203,6 @@ def _layout_problems(cfg: TrainConfig, dims: "ParallelDims", spec: Optional["Tra
     """What ``FourDStrategy`` would refuse at setup, by the owners' own checks: the model against the layout
     (heads over tp, experts over ep, blocks over the stages), the micro-batches against ``data.batch_size``
     (per dp rank) and the schedule, the vocabulary split over tp."""
-    from lightning_4d.pipeline.schedules import validate_microbatches
-    from lightning_4d.planner.memory import check_layout
-    from lightning_4d.tensor_parallel.plan import check_divisible
 
     par, problems = cfg.parallel, []
     if spec is not None:
@@ -254,7 +247,6 @@ class ResourceReport:
         >>> ResourceReport.__name__
         'ResourceReport'
     """
-
     params: ParamCount
     dims: "ParallelDims"
     states_bytes: Optional[float]
