@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -44,9 +43,8 @@ def _bad_config(rank: int) -> str:
 
 
 def test_invalid_layout_fails_on_every_rank_without_hang() -> None:
-    t0 = time.monotonic()
+    # Every rank names the rule (a rank stuck in a collective would end with the timeout's message instead).
     results = run_world(_bad_config, 4, raise_on_error=False, pg_timeout_s=20)
-    assert time.monotonic() - t0 < 60
     for res in results:
         assert not res["ok"]
         assert "not divisible by tp·pp = 3·1" in res["error"]
@@ -72,15 +70,12 @@ def _crash_on_rank1(rank: int) -> None:
 
 
 def test_failing_rank_makes_the_others_exit() -> None:
-    t0 = time.monotonic()
     results = run_world(_crash_on_rank1, 4, raise_on_error=False, pg_timeout_s=5)
-    elapsed = time.monotonic() - t0
     assert "rank 1 fails on purpose" in results[1]["error"]
     for rank in (0, 2, 3):
         assert not results[rank]["ok"]
         # The survivors raised by themselves (a collective error or timeout), not killed by the harness.
         assert "produced no result" not in results[rank]["error"], results[rank]["error"]
-    assert elapsed < 30, elapsed
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
