@@ -367,6 +367,16 @@ def test_search_varies_checkpointing_sp_and_dp_mode_within_what_the_runtime_acce
     assert planned == {"fsdp", "replicate", "hsdp", "zero1", "zero2"}
 
 
+def test_search_never_proposes_a_tie_across_v_stages_with_dp():
+    # The runtime refuses tied embedding/head under ZBV / DualPipeV with dp > 1 (two roots on one rank).
+    tied = TransformerSpec(vocab_size=64, hidden=32, layers=4, heads=4, seq_len=16, tied_embeddings=True)
+    seen = list(enumerate_layouts(tied, ClusterSpec(1, 8), TrainSpec(global_batch_size=16)))
+    assert seen and not [(d, t.schedule) for d, t in seen if t.schedule in ("zbv", "dualpipev") and d.pp > 1
+                         and d.dp > 1]
+    untied = list(enumerate_layouts(tied.with_(tied_embeddings=False), ClusterSpec(1, 8), TrainSpec(16)))
+    assert any(t.schedule == "zbv" and d.dp > 1 for d, t in untied)
+
+
 def test_a_cluster_that_trained_the_model_finds_a_layout():
     """Llama 3.1 8B on 8 × 80 GB (TorchTitan ran it on 8 H100s, local batch 2 × 8192 tokens): the search
     must find layouts (it needs checkpointing to vary)."""
