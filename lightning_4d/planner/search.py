@@ -32,14 +32,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterator, Optional, Sequence
 
-from lightning_4d.mesh import ParallelDims
+from lightning_4d.mesh import ParallelDims, _divisors
 from lightning_4d.pipeline.schedules import get_schedule_info
 from lightning_4d.planner.bubble import stages_per_rank
 from lightning_4d.planner.comm import comm_per_rank
 from lightning_4d.planner.hardware import ClusterSpec, axes_crossing_nodes
 from lightning_4d.planner.memory import check_layout, memory_per_rank, stage_layout
 from lightning_4d.planner.roofline import StepEstimate, estimate_step
-from lightning_4d.planner.spec import TrainSpec, TransformerSpec
+from lightning_4d.planner.spec import DATA_PARALLEL_MODES, TrainSpec, TransformerSpec
 
 __all__ = ["Candidate", "NoLayoutFits", "enumerate_layouts", "search"]
 
@@ -76,10 +76,6 @@ class Candidate:
                 "schedule": self.train.schedule, "peak_memory": self.peak_memory, "fits": self.fits,
                 "step_s": self.estimate.step_s if self.estimate else None,
                 "mfu": self.estimate.mfu if self.estimate else None, "reason": self.reason}
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _microbatch_choices(schedule: str, pp: int, v: int, local_batch: int) -> list[int]:
@@ -121,7 +117,7 @@ def _node_shard(dp: int, tp: int, gpus_per_node: int) -> Optional[int]:
 
 #: Options the search varies besides the degrees, schedule and micro-batches.
 AC_CHOICES = (None, "selective", "full")
-DP_CHOICES = ("fsdp", "replicate", "hsdp", "zero1", "zero2")
+DP_CHOICES = DATA_PARALLEL_MODES
 
 
 def enumerate_layouts(spec: TransformerSpec, cluster: ClusterSpec, train: TrainSpec,
@@ -133,7 +129,7 @@ def enumerate_layouts(spec: TransformerSpec, cluster: ClusterSpec, train: TrainS
     """Every valid ``(ParallelDims, TrainSpec)`` pair (module docstring); ``train``'s micro-batches, schedule,
     data-parallel mode, activation checkpointing are replaced by each candidate's. With ``runtime_only``
     (default) a layout must pass the strategy's own validation (``FourDConfig``): data-parallel modes the
-    runtime does not offer yet (ZeRO-1/2, HSDP until it lands) are skipped; without it they are planned.
+    runtime does not offer (ZeRO-1/2) are skipped; without it they are planned.
 
     Example:
         >>> from lightning_4d.planner.spec import TransformerSpec, TrainSpec

@@ -29,14 +29,15 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any, Optional
 
+from lightning_4d.config import DATA_PARALLEL
 from lightning_4d.models.moe import is_moe_layer
 
 __all__ = ["TransformerSpec", "TrainSpec", "seed_moe_1t", "PRECISIONS", "DATA_PARALLEL_MODES", "SELECTIVE_POLICIES"]
 
 PRECISIONS = ("bf16-mixed", "32-true")
-#: Data-parallel modes the planner models (:mod:`lightning_4d.planner.dp_modes`); the runtime offers those
-#: of ``lightning_4d.config`` (``fsdp``, ``replicate``; ``hsdp`` once the strategy has it).
-DATA_PARALLEL_MODES = ("fsdp", "replicate", "hsdp", "zero1", "zero2")
+#: Data-parallel modes the planner models (:mod:`lightning_4d.planner.dp_modes`): the runtime's
+#: (``lightning_4d.config.DATA_PARALLEL``) plus ZeRO-1/2, which only the planner models.
+DATA_PARALLEL_MODES = (*DATA_PARALLEL, "zero1", "zero2")
 #: What ``activation_checkpointing="selective"`` saves: the package's policy (``"matmuls"``: every matmul and
 #: attention output) or TorchTitan's op-level policy (``"every_other_matmul"``: every second matmul output,
 #: attention outputs; the other matmuls are recomputed).
