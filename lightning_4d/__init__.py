@@ -11,5 +11,7 @@ from lightning_4d.mesh import Axis, FourDMesh, ParallelDims, build_mesh
 from lightning_4d.mixin import FourDModule
 from lightning_4d.strategy import FourDStrategy
 
+import lightning_4d.callbacks.summary  # noqa: E402,F401  (registers the whole-model summary with the strategy)
+
 __all__ = ["Axis", "FourDConfig", "FourDMesh", "FourDModule", "FourDStrategy", "ParallelDims", "build_mesh"]
 __version__ = "0.1.0"

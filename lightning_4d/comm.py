@@ -19,16 +19,18 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 
 from lightning_4d import _compat
 
-__all__ = ["CommCounter", "CommRecord", "KIND_OF_OP", "wire_bytes", "full_bytes", "op_bytes", "axis_names_for"]
+__all__ = ["internal_comm", "is_internal_comm", "CommCounter", "CommRecord", "KIND_OF_OP", "wire_bytes", "full_bytes", "op_bytes", "axis_names_for"]
 
 #: Collective op name (namespaces ``c10d``, ``_c10d_functional``, ``_dtensor``) → kind.
 KIND_OF_OP: dict[str, str] = {
@@ -43,6 +45,38 @@ KIND_OF_OP: dict[str, str] = {
     "send": "send", "recv_": "recv", "recv_any_source_": "recv", "broadcast_": "broadcast", "broadcast": "broadcast",
 }
 _NAMESPACES = ("c10d", "_c10d_functional", "_dtensor")
+
+_STATE = threading.local()
+
+
+@contextlib.contextmanager
+def internal_comm() -> Iterator[None]:
+    """Mark collectives issued inside the block as the package's own bookkeeping (checks, monitors, guards),
+    not training traffic: recorders that count the step's communication skip them.
+
+    Example:
+        >>> with internal_comm():
+        ...     is_internal_comm()
+        True
+        >>> is_internal_comm()
+        False
+    """
+    depth = getattr(_STATE, "depth", 0)
+    _STATE.depth = depth + 1
+    try:
+        yield
+    finally:
+        _STATE.depth = depth
+
+
+def is_internal_comm() -> bool:
+    """Whether the current thread is inside :func:`internal_comm`.
+
+    Example:
+        >>> is_internal_comm()
+        False
+    """
+    return getattr(_STATE, "depth", 0) > 0
 
 
 def wire_bytes(kind: str, full: float, n: int, kept: Optional[float] = None) -> float:

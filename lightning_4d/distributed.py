@@ -34,11 +34,12 @@ def all_reduce_sum(tensor: Tensor, group: Optional[Any] = None) -> Tensor:
 
 
 @torch.no_grad()
-def broadcast_module_state(module: nn.Module, src: int = 0) -> None:
+def broadcast_module_state(module: nn.Module, src: int = 0, bucket_bytes: int = 64 << 20) -> None:
     """Broadcast every full (non-DTensor) parameter and buffer from global rank ``src``.
 
-    Called before sharding, so all ranks start from identical weights even if they were
-    initialised from different random states.
+    Called before sharding a model built for real, so all ranks start from identical weights even if they were
+    initialised from different random states. Tensors are packed per dtype into buckets of at most
+    ``bucket_bytes`` (a larger tensor goes alone), so the extra memory is one bucket, never a copy of the model.
 
     Example:
         >>> broadcast_module_state(nn.Linear(2, 2))  # no-op without a process group
@@ -46,18 +47,36 @@ def broadcast_module_state(module: nn.Module, src: int = 0) -> None:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     tensors = [t for t in list(module.parameters()) + list(module.buffers()) if not t.is_meta]
-    # Flatten per dtype so a model costs a handful of broadcasts, not one per tensor.
     by_dtype: dict[torch.dtype, list[Tensor]] = defaultdict(list)
     for t in tensors:
         by_dtype[t.dtype].append(t)
     for group in by_dtype.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in group])
-        dist.broadcast(flat, src)
-        offset = 0
-        for t in group:
-            n = t.numel()
-            t.copy_(flat[offset : offset + n].view_as(t))
-            offset += n
+        bucket: list[Tensor] = []
+        size = 0
+        for t in group + [None]:  # type: ignore[list-item]
+            nbytes = 0 if t is None else t.numel() * t.element_size()
+            if bucket and (t is None or size + nbytes > bucket_bytes):
+                _broadcast_bucket(bucket, src)
+                bucket, size = [], 0
+            if t is not None:
+                bucket.append(t)
+                size += nbytes
+
+
+@torch.no_grad()
+def _broadcast_bucket(bucket: list[Tensor], src: int) -> None:
+    if len(bucket) == 1:
+        t = bucket[0]
+        if t.is_contiguous():
+            dist.broadcast(t.data, src)
+            return
+    flat = torch.cat([t.detach().reshape(-1) for t in bucket])
+    dist.broadcast(flat, src)
+    offset = 0
+    for t in bucket:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view_as(t))
+        offset += n
 
 
 def _local_norm_pow(grads: list[Tensor], norm_type: float) -> Tensor:

@@ -16,15 +16,26 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
 from torch import Tensor
 
 from lightning_4d import _compat
 from lightning_4d.loss import count_targets
+from lightning_4d.mesh import Axis
 
 __all__ = ["FourDModule"]
 
 _INPUT_KEYS = ("inputs", "input_ids", "tokens", "x")
 _TARGET_KEYS = ("targets", "labels", "y")
+
+
+def _last_stage_rank(strategy: Any) -> int:
+    """The pp rank of the last pipeline stage, placed as the pipeline runner places it (``stage_to_rank``)."""
+    from lightning_4d.pipeline.partition import stage_to_rank
+    from lightning_4d.pipeline.schedules import get_schedule_info
+
+    dims = strategy.dims
+    return stage_to_rank(dims.num_stages - 1, dims.pp, get_schedule_info(strategy.config.schedule).style)
 
 
 class FourDModule:
@@ -40,12 +51,27 @@ class FourDModule:
     tensor-parallel plan). Under any other strategy the steps compute the plain loss, so the same
     module is its own single-process reference.
 
+    Metrics (``torchmetrics``) that are right under every layout: create them with
+    ``process_group=self.fourd_dp_group`` (in ``setup``, when the groups exist), update them in ``loss_fn``
+    when :attr:`fourd_stage` is ``"val"`` (it runs where the outputs are: the last pipeline stage, once per
+    micro-batch) and log them with :meth:`fourd_log_metric` at the epoch's end::
+
+        def setup(self, stage):
+            self.val_acc = MulticlassAccuracy(V, average="micro", process_group=self.fourd_dp_group)
+        def loss_fn(self, logits, targets):
+            if self.fourd_stage == "val":
+                self.val_acc.update(token_predictions(logits), targets)
+            return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        def on_validation_epoch_end(self):
+            self.fourd_log_metric("val_acc", self.val_acc)
+
     Example:
         >>> FourDModule.ignore_index
         -100
     """
 
     ignore_index: Optional[int] = -100
+    _fourd_stage: Optional[str] = None
 
     # ------------------------------------------------------------------ user hooks
     def loss_fn(self, outputs: Any, targets: Any) -> Tensor:
@@ -92,9 +118,115 @@ class FourDModule:
         """
         inputs, targets = self.split_batch(batch)
         strategy = self._fourd_strategy()
+        previous, self._fourd_stage = self._fourd_stage, stage
+        try:
+            if strategy is None:
+                return self.loss_fn(self(inputs), targets)
+            return strategy.compute_loss(self, inputs, targets, stage)
+        finally:
+            self._fourd_stage = previous
+
+    # ------------------------------------------------------------------ metrics
+    @property
+    def fourd_stage(self) -> Optional[str]:
+        """``"train"``, ``"val"`` or ``"test"`` while :meth:`fourd_loss` runs (so inside ``loss_fn``: which
+        metrics to update), else ``None``.
+
+        Example:
+            >>> FourDModule().fourd_stage is None
+            True
+        """
+        return self._fourd_stage
+
+    @property
+    def fourd_dp_group(self) -> Any:
+        """The data-parallel process group, to pass as a ``torchmetrics`` metric's ``process_group=``: its states
+        are then summed over the ranks holding *different* samples only (tensor-parallel and pipeline peers see
+        the same ones). ``None`` (torchmetrics' default: the world, right for DDP and one process) under other
+        strategies. Exists once the Trainer has set up the processes (from ``setup`` on).
+
+        Example:
+            >>> FourDModule().fourd_dp_group is None  # no Trainer: one process
+            True
+        """
+        strategy = self._fourd_strategy()
         if strategy is None:
-            return self.loss_fn(self(inputs), targets)
-        return strategy.compute_loss(self, inputs, targets, stage)
+            return None
+        try:
+            mesh = strategy.mesh
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"{type(self).__name__}.fourd_dp_group: the data-parallel group exists once the Trainer has set up "
+                f"the processes. Create metrics in `setup(self, stage)` (or later), not in `__init__`."
+            ) from err
+        return mesh[Axis.DP].get_group()
+
+    @property
+    def fourd_holds_outputs(self) -> bool:
+        """Whether this rank computes the model's outputs and ``loss_fn``: every rank without pipeline parallelism,
+        else the ranks of the last pipeline stage (all their tensor-parallel ranks). Metrics are updated there.
+
+        Example:
+            >>> FourDModule().fourd_holds_outputs
+            True
+        """
+        strategy = self._fourd_strategy()
+        if strategy is None or strategy.dims.pp == 1:
+            return True
+        return strategy.mesh.rank(Axis.PP) == _last_stage_rank(strategy)
+
+    def _check_metric_group(self, name: str, metric: Any, strategy: Any) -> None:
+        import torch.distributed as dist
+
+        if strategy.dims.world_size == strategy.dims.dp:
+            return  # data parallel only: the world is the data-parallel group
+        group = getattr(metric, "process_group", None)
+        want = dist.get_process_group_ranks(self.fourd_dp_group)
+        have = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        if have != want:
+            raise ValueError(
+                f"metric {name!r} ({type(metric).__name__}) syncs over ranks {have[:8]}{'…' if len(have) > 8 else ''} "
+                f"but this rank's data-parallel group is {want}: tensor-parallel and pipeline peers hold the same "
+                f"samples (counted tp·pp times) and ranks without outputs have nothing to add. Create it with "
+                f"process_group=self.fourd_dp_group (in `setup`)."
+            )
+
+    def fourd_log_metric(self, name: str, metric: Any, **log_kwargs: Any) -> Tensor:
+        """Compute a ``torchmetrics`` metric where the outputs are, hand the value to every rank, log it and reset
+        the metric; returns the value (equal on every rank). Call it on **every** rank at the end of an epoch
+        (``on_validation_epoch_end``).
+
+        The metric (created with ``process_group=self.fourd_dp_group``) is computed on the ranks holding the
+        outputs (:attr:`fourd_holds_outputs`; its states are synced over the data-parallel group there) and
+        broadcast from the last pipeline stage to the others. It is logged per epoch with ``sync_dist=True`` and
+        ``reduce_fx="max"``, so the logged number is bit-for-bit the computed one. ``log_kwargs`` go to
+        ``self.log`` (e.g. ``prog_bar=True``).
+
+        Raises:
+            ValueError: under ``FourDStrategy`` with tp or pp > 1, a metric that syncs over other ranks than the
+                data-parallel group (e.g. ``process_group`` left at the world).
+
+        Example:
+            >>> self.fourd_log_metric("val_acc", self.val_acc, prog_bar=True)  # doctest: +SKIP
+            tensor(0.4375)
+        """
+        import torch.distributed as dist
+
+        strategy = self._fourd_strategy()
+        holds = self.fourd_holds_outputs
+        if strategy is not None:  # on every rank, before any collective
+            self._check_metric_group(name, metric, strategy)
+        value = torch.as_tensor(metric.compute(), dtype=torch.float64).reshape(()) if holds else None
+        metric.reset()
+        if strategy is not None and strategy.dims.pp > 1:
+            buf = value.detach().clone() if value is not None else torch.zeros((), dtype=torch.float64)
+            buf = buf.to(strategy.root_device)
+            dist.broadcast(buf, group=strategy.mesh[Axis.PP].get_group(), group_src=_last_stage_rank(strategy))
+            value = buf
+        assert value is not None
+        options = {"on_step": False, "on_epoch": True, "sync_dist": True, "reduce_fx": "max", **log_kwargs}
+        self.log(name, value.float(), **options)  # type: ignore[attr-defined]
+        return value.float()
 
     def _log_loss(self, name: str, loss: Tensor, batch: Any, on_step: bool) -> None:
         inputs, _ = self.split_batch(batch)

@@ -82,7 +82,7 @@ def check_step(model: nn.Module, loss: Optional[Tensor], step: int, device: Any 
     per-rank numbers to agree on in the same all-reduce (their maximum over the ranks replaces them in place;
     the preemption check rides along so that a step costs one small collective, not two).
     """
-    from lightning_4d.callbacks._common import internal_comm
+    from lightning_4d.comm import internal_comm
 
     flags = local_flags(loss, model.parameters(), device)
     extra = len(also_max or [])

@@ -9,14 +9,16 @@ Example:
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 
-from lightning_4d._compat import registered_submodule
+from lightning_4d._compat import meta_scalar_mode, registered_submodule
 from lightning_4d.activation_checkpoint import apply_activation_checkpointing
 from lightning_4d.config import FourDConfig
 from lightning_4d.data_parallel import apply_data_parallel, wrap_mode
@@ -37,7 +39,7 @@ from lightning_4d.tensor_parallel import apply_tensor_parallel, plan_tensor_para
 from lightning_4d.trace import example_tokens, trace_model
 from lightning_4d.verify import check_tensor_parallel
 
-__all__ = ["ParallelPlan", "parallelize_module", "reduce_tp_partial_grads"]
+__all__ = ["LayoutRow", "ParallelPlan", "describe_layout", "parallelize_module", "reduce_tp_partial_grads"]
 
 
 @dataclass
@@ -59,6 +61,55 @@ class ParallelPlan:
     bias_update: bool = False
     pipeline_tied: list[tuple[str, str]] = field(default_factory=list)
     input_shape: Optional[tuple[int, ...]] = None  # the traced example's shape: inputs must have its rank
+
+
+@dataclass(frozen=True)
+class LayoutRow:
+    """Where one parameter of the rewritten model lives on this rank: its global shape, the mesh dimensions
+    and placements of its DTensor (``()`` for a plain tensor held whole), and the local shard's shape.
+
+    Example:
+        >>> describe_layout(nn.Linear(2, 3))[0]
+        LayoutRow(name='bias', shape=(3,), mesh=(), placements=(), local=(3,))
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    mesh: tuple[str, ...]
+    placements: tuple[str, ...]
+    local: tuple[int, ...]
+
+    def __str__(self) -> str:
+        where = ", ".join(f"{m}:{p}" for m, p in zip(self.mesh, self.placements)) or "whole"
+        return f"{self.name} {list(self.shape)} -> {list(self.local)} [{where}]"
+
+
+def describe_layout(module: nn.Module) -> list[LayoutRow]:
+    """The layout this rank holds, one row per parameter in name order (works on the meta device: it is the
+    plan, computed without weights). Logged by the strategy at set-up; golden-tested for a few families.
+
+    Example:
+        >>> [str(r) for r in describe_layout(nn.Linear(2, 3, bias=False))]
+        ['weight [3, 2] -> [3, 2] [whole]']
+    """
+    rows = []
+    for name, p in sorted(module.named_parameters(), key=lambda item: item[0]):
+        if isinstance(p, DTensor):
+            names = tuple(p.device_mesh.mesh_dim_names or ())
+            rows.append(LayoutRow(name, tuple(p.shape), names, tuple(_placement(x) for x in p.placements),
+                                  tuple(p.to_local().shape)))
+        else:
+            rows.append(LayoutRow(name, tuple(p.shape), (), (), tuple(p.shape)))
+    return rows
+
+
+def _placement(p: Any) -> str:
+    if isinstance(p, Partial):
+        return "P"
+    dim = getattr(p, "dim", None)
+    if dim is None:
+        return "R"
+    return f"S({dim})" if type(p).__name__ == "Shard" else f"{type(p).__name__.lstrip('_')}({dim})"
 
 
 def check_tied_across_v_stages(module: nn.Module, blocks_path: str, schedule: str, dp: int) -> None:
@@ -92,13 +143,16 @@ def _hook(module: nn.Module, name: str) -> Any:
 
 
 def parallelize_module(
-    module: nn.Module, mesh: FourDMesh, config: FourDConfig, precision: str, accumulate: int = 1
+    module: nn.Module, mesh: FourDMesh, config: FourDConfig, precision: str, accumulate: int = 1,
+    device: Optional[torch.device] = None,
 ) -> ParallelPlan:
     """Rewrite ``module`` (a LightningModule, usually a ``FourDModule``) in place for ``mesh``.
 
     Order: trace one forward of the full model on a tiny input → pipeline split decided and checked
     (full model) → expert parallel → TP/SP on the full model, checked against the traced output →
-    pipeline pruning → activation checkpointing → data parallel → pipeline schedule.
+    pipeline pruning → activation checkpointing → data parallel → pipeline schedule. ``module`` may be on the meta
+    device (then the value checks are skipped: see :mod:`lightning_4d.reduced_check`); ``device``: where its
+    pipeline stages will run once materialised (default: where its parameters are).
 
     Example:
         >>> parallelize_module(lm, mesh, FourDConfig(), "32-true").blocks_path  # doctest: +SKIP
@@ -109,16 +163,21 @@ def parallelize_module(
     blocks_path, container = find_blocks(module, path_hook() if path_hook else None)
     plan = ParallelPlan(blocks_path=blocks_path, blocks=_blocks_of(container))
 
+    # On the meta device a forward's data-dependent shortcuts (``if mask.all():``) read as False: the structure
+    # is all the trace and the split need; values are checked on a materialised reduced copy instead.
+    on_meta = any(p.is_meta for p in module.parameters())
     trace, example = None, None
     if dims.tp > 1 or dims.pp > 1:
         example = example_tokens(module, dims.tp)
-        trace = trace_model(module, blocks_path, example)
+        with meta_scalar_mode() if on_meta else nullcontext():
+            trace = trace_model(module, blocks_path, example)
         first = example[0] if isinstance(example, tuple) else example
         plan.input_shape = tuple(first.shape) if hasattr(first, "shape") else None
 
     split = None
     if dims.pp > 1:
-        split = prepare_pipeline(module, mesh, config, trace, example)
+        with meta_scalar_mode() if on_meta else nullcontext():
+            split = prepare_pipeline(module, mesh, config, trace, example)
         check_tied_across_v_stages(module, blocks_path, config.schedule, dims.dp)
 
     _apply_experts(module, mesh, plan, accumulate)
@@ -170,7 +229,7 @@ def parallelize_module(
                                 ignored_params=unwrapped_experts, reshard_after_forward=parts is None)
 
     if parts is not None:
-        plan.pipeline = build_runner(module, mesh, config, parts)
+        plan.pipeline = build_runner(module, mesh, config, parts, device=device)
         plan.pipeline_tied = list(parts.tied)
     return plan
 

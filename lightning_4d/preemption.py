@@ -135,7 +135,7 @@ class PreemptionSaver(Callback):
         self._agreed = (step, signum)
 
     def _agreed_signal(self, device: torch.device, step: int) -> int:
-        from lightning_4d.callbacks._common import internal_comm
+        from lightning_4d.comm import internal_comm
 
         agreed, self._agreed = self._agreed, None
         if agreed is not None and agreed[0] == step:

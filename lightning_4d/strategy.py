@@ -9,13 +9,15 @@ Example:
 from __future__ import annotations
 
 import copy
+import logging
 import shutil
 import sys
+import time
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generator, Iterable, Literal, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterable, Literal, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -28,21 +30,23 @@ from torch.distributed.tensor.parallel import loss_parallel
 from typing_extensions import override
 
 from lightning_4d import _compat
-from lightning_4d.callbacks._common import internal_comm
-from lightning_4d.callbacks.summary import use_whole_model_summary
+from lightning_4d.comm import internal_comm
 from lightning_4d.checkpoint.resume import normalize_loop_state, skip_first_batches
 from lightning_4d.checkpoint.state import load_sharded, model_state_dict, optimizer_state_dict, save_sharded
 from lightning_4d.config import FourDConfig
 from lightning_4d.data_parallel import set_gradient_sync
 from lightning_4d.distributed import all_reduce_sum, broadcast_module_state, global_grad_norm, to_full
 from lightning_4d.expert_parallel import update_expert_bias
+from lightning_4d.expert_parallel.rewrite import source_names
 from lightning_4d.heartbeat import Heartbeat
 from lightning_4d.loss import check_inputs, check_targets, weighted_global_loss
+from lightning_4d.materialize import MaterializeReport, is_meta_built, materialize_local_shards, meta_skeleton
 from lightning_4d.mesh import Axis, FourDMesh, ParallelDims, build_mesh
 from lightning_4d.nonfinite import NONFINITE_MODES, NonFiniteError, SkipStep, check_step
-from lightning_4d.parallelize import parallelize_module, reduce_tp_partial_grads
+from lightning_4d.parallelize import LayoutRow, describe_layout, parallelize_module, reduce_tp_partial_grads
 from lightning_4d.peers import describe_peer_failure, gather_peers
 from lightning_4d.pipeline.glue import pipeline_eval, pipeline_train_loss, sync_tied
+from lightning_4d.reduced_check import check_reduced_model
 from lightning_4d.preemption import DEFAULT_SIGNALS, PreemptionSaver, resolve_signals
 from lightning_4d.tensor_parallel.replicas import replica_mismatches
 
@@ -50,7 +54,14 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["FourDStrategy"]
+__all__ = ["FIT_SETUP_HOOKS", "FourDStrategy"]
+
+log = logging.getLogger(__name__)
+
+#: Called with the Trainer when a fit starts (after the optimizers are set up). The monitors register theirs —
+#: :mod:`lightning_4d.callbacks.summary` swaps Lightning's model summary (which would count this rank's stage)
+#: for the whole model's — so the strategy never imports the monitors.
+FIT_SETUP_HOOKS: list[Callable[["pl.Trainer"], None]] = []
 
 
 class FourDStrategy(ParallelStrategy):
@@ -72,8 +83,10 @@ class FourDStrategy(ParallelStrategy):
         dp_shard: ``data_parallel="hsdp"`` only: the data-parallel ranks sharding each parameter (divides ``dp``).
         timeout: process-group timeout; a rank blocked on a failed peer raises after it.
         process_group_backend: ``"gloo"``/``"nccl"``; default by device.
-        sync_module_states: broadcast the full initial weights from rank 0 before sharding, so every
-            rank starts from the same model even without a seed (a no-op cost for small models).
+        sync_module_states: every rank starts from rank 0's weights even without a common seed: a model built
+            on the CPU is broadcast from rank 0 (64 MB buckets) before sharding; a model built on the meta device
+            is initialised shard by shard (:mod:`lightning_4d.materialize`) from rank 0's random state when the
+            ranks' states differ (nothing is broadcast but that state).
         nonfinite: what a step whose loss or global gradient norm is NaN/inf does, decided on every rank
             together before clipping and the optimizer step: ``"raise"`` (default) stops training with
             :class:`~lightning_4d.nonfinite.NonFiniteError` naming the step, the ranks and the first
@@ -157,6 +170,7 @@ class FourDStrategy(ParallelStrategy):
         self._heartbeat_timeout = heartbeat_timeout
         self._heartbeat: Any = None
         self._failed = False
+        self.materialize_report: Optional[MaterializeReport] = None  # set when the model was built on meta
 
     # ------------------------------------------------------------------ properties
     @property
@@ -263,19 +277,7 @@ class FourDStrategy(ParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         if self._plan is None:  # a second fit/validate on the same Trainer reuses the layout
-            _compat.materialize_meta_module(self.model, self.root_device)
-            if self._sync_module_states and self.world_size > 1:
-                broadcast_module_state(self.model, src=0)
-            self.model = self.precision_plugin.convert_module(self.model)
-            params = list(self.model.parameters())  # the whole model, each tied weight once
-            self.parameter_counts = (sum(p.numel() for p in params),
-                                     sum(p.numel() for p in params if p.requires_grad))
-            self.module_parameter_counts = {name: sum(p.numel() for p in sub.parameters())
-                                            for name, sub in self.model.named_modules() if name}
-            self._plan = parallelize_module(
-                self.model, self.mesh, self.config, self.precision_plugin.precision,
-                accumulate=trainer.accumulate_grad_batches,
-            )
+            self._plan = self._set_up_layout(trainer)
         self.model_to_device()
         self.barrier()
         self._start_heartbeat()
@@ -284,8 +286,55 @@ class FourDStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
             if self.preemption is not None and self.preemption not in trainer.callbacks:
                 trainer.callbacks.append(self.preemption)  # before a checkpoint is restored
-            use_whole_model_summary(trainer)  # Lightning's summary would count this rank's stage only
+            for hook in FIT_SETUP_HOOKS:
+                hook(trainer)
         self.setup_precision_plugin()
+
+    def _set_up_layout(self, trainer: "pl.Trainer") -> Any:
+        """Rewrite the model for the mesh. A model built on the meta device stays there through the rewrite
+        (pipeline pruning, EP, TP/SP, data parallelism) and only this rank's shards are then allocated and
+        initialised (:func:`~lightning_4d.materialize.materialize_local_shards`), so no rank ever holds the
+        whole model; a model built for real is (optionally) synchronised from rank 0 tensor by tensor, then
+        rewritten."""
+        assert self.model is not None
+        meta = is_meta_built(self.model)
+        # The unsharded model on meta (no memory): initialisation of a meta-built model and the set-up check.
+        skeleton = meta_skeleton(self.model)
+        buffers = None if meta else {n: b.detach().clone() for n, b in self.model.named_buffers()}
+        if not meta and self._sync_module_states and self.world_size > 1:
+            broadcast_module_state(self.model, src=0)
+        self.model = self.precision_plugin.convert_module(self.model)
+        params = list(self.model.parameters())  # the whole model, each tied weight once
+        self.parameter_counts = (sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad))
+        self.module_parameter_counts = {name: sum(p.numel() for p in sub.parameters())
+                                        for name, sub in self.model.named_modules() if name}
+        plan = parallelize_module(self.model, self.mesh, self.config, self.precision_plugin.precision,
+                                  accumulate=trainer.accumulate_grad_batches, device=self.root_device)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("lightning_4d: rank %d layout:\n  %s", self.global_rank,
+                      "\n  ".join(map(str, describe_layout(self.model))))
+        # The rewrite checked on a reduced copy with perturbed weights (a meta-built model has no other check;
+        # a real one's full-size check compares initial weights, which symmetric values such as norms of ones
+        # can fool). First, so its memory is gone before this rank's shards exist.
+        check_reduced_model(skeleton, self.mesh, self.config, self.precision_plugin.precision,
+                            accumulate=trainer.accumulate_grad_batches, device=self.root_device, buffers=buffers)
+        del buffers
+        if self.root_device.type == "cpu":
+            _compat.release_freed_host_memory()  # the reduced copy's memory, before the shards are allocated
+        if meta:
+            start = time.perf_counter()
+            report = materialize_local_shards(skeleton, self.model, self.root_device,
+                                              sync_module_states=self._sync_module_states,
+                                              source_names=source_names(self.model))
+            del skeleton
+            if self.root_device.type == "cpu":
+                _compat.release_freed_host_memory()  # the freed full tensors of the initialisation
+            self.materialize_report = report
+            log.info("lightning_4d: materialised this rank's shards (%.1f MB) in %.1f s; largest initialiser "
+                     "call %s held %.1f MB in full%s", report.local_bytes / 2**20, time.perf_counter() - start,
+                     report.largest_call, report.largest_call_bytes / 2**20,
+                     "; random states differed: rank 0's were used" if report.broadcast else "")
+        return plan
 
     def _start_heartbeat(self) -> None:
         if self._heartbeat is not None:
@@ -323,6 +372,17 @@ class FourDStrategy(ParallelStrategy):
     def plan(self) -> Any:
         """What was applied to the model (set in ``setup``)."""
         return self._plan
+
+    def layout(self) -> list[LayoutRow]:
+        """Where each parameter this rank holds lives (mesh dimensions, placements, local shape); logged at
+        ``DEBUG`` during set-up.
+
+        Example:
+            >>> print(*trainer.strategy.layout()[:1])  # doctest: +SKIP
+            model.layers.0.attention.wk.weight [16, 32] -> [4, 32] [dp:StridedShard(0), tp:S(0)]
+        """
+        assert self.model is not None
+        return describe_layout(self.model)
 
     @override
     def model_to_device(self) -> None:

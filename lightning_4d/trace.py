@@ -39,7 +39,8 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_4d._compat import child_modules, registered_submodule
 
-__all__ = ["Consumer", "HiddenArg", "ModelTrace", "trace_model", "example_tokens", "first_param_name", "SPLIT_OPS"]
+__all__ = ["ColumnLayout", "Consumer", "HiddenArg", "ModelTrace", "trace_model", "example_tokens", "first_param_name",
+           "SPLIT_OPS"]
 
 # Ops that cut a fused projection's output into pieces along its last dimension.
 SPLIT_OPS = ("split", "split_with_sizes", "chunk", "tensor_split", "unbind")
@@ -101,6 +102,10 @@ class ModelTrace:
         last_linear: per parent module inside the first block, the last linear it called.
         sources: for each linear inside the first block, the linears of that block whose outputs reach its
             input (through any ops, not through another linear).
+        module_sources: the same for every other module inside the first block (norms, per-head modules).
+        input_ndim: for every module inside the first block, the number of dimensions of its main input.
+        columns: for each linear inside the first block, how the model cuts and reshapes its output features
+            (:class:`ColumnLayout`: ``split`` / slices along the features, per-head ``view`` widths).
         output: the model's output.
     """
 
@@ -115,6 +120,9 @@ class ModelTrace:
     takes_block_input: set[str] = field(default_factory=set)
     last_linear: dict[str, str] = field(default_factory=dict)
     sources: dict[str, frozenset[str]] = field(default_factory=dict)
+    module_sources: dict[str, frozenset[str]] = field(default_factory=dict)
+    input_ndim: dict[str, int] = field(default_factory=dict)
+    columns: dict[str, "ColumnLayout"] = field(default_factory=dict)
     output: Any = None
 
     @property
@@ -170,6 +178,12 @@ def first_param_name(module: nn.Module) -> Optional[str]:
     return named[0].name if named else None
 
 
+def _is_norm(module: nn.Module) -> bool:
+    from lightning_4d.tensor_parallel.plan import is_norm
+
+    return is_norm(module)
+
+
 def _is_linear(module: nn.Module) -> bool:
     from lightning_4d.tensor_parallel.styles import is_linear
 
@@ -213,6 +227,206 @@ class Consumer:
         return None
 
 
+
+@dataclass
+class ColumnLayout:
+    """How a model uses the output features of one linear, recorded during the traced forward.
+
+    ``cuts``: feature ranges ``(start, stop)`` the model takes apart (``split`` / ``chunk`` / ``qkv[..., a:b]`` along
+    the features, or a slice of the heads after a per-head ``view``); ``units``: for a range, the width of the
+    groups a ``view`` / ``reshape`` makes of it (``view(B, T, -1, head_dim)``: ``head_dim``; an interleaved
+    ``view(B, T, n_kv, r, head_dim)``: ``r·head_dim``). Sharding a range over ``tp`` ranks must keep those groups
+    whole.
+
+    Example:
+        >>> c = ColumnLayout(48, {(0, 32), (32, 40), (40, 48)}, {(0, 32): 8, (32, 40): 8, (40, 48): 8})
+        >>> c.pieces()
+        [(0, 32, 8), (32, 40, 8), (40, 48, 8)]
+    """
+
+    width: int
+    cuts: set[tuple[int, int]] = field(default_factory=set)
+    units: dict[tuple[int, int], int] = field(default_factory=dict)
+    groups: dict[tuple[int, int], bool] = field(default_factory=dict)  # range -> viewed as interleaved groups
+
+    def pieces(self) -> list[tuple[int, int, Optional[int]]]:
+        """Consecutive feature ranges ``(start, stop, unit)`` between every cut point, each with the width of the
+        groups a ``view`` makes of the smallest recorded range containing it (``None``: never viewed in groups)."""
+        points = sorted({0, self.width} | {p for c in self.cuts for p in c})
+        out: list[tuple[int, int, Optional[int]]] = []
+        for a, b in zip(points, points[1:]):
+            holding = sorted((hi - lo, u) for (lo, hi), u in self.units.items() if lo <= a and b <= hi)
+            unit = next((u for _, u in holding if (b - a) % u == 0), None)
+            out.append((a, b, unit))
+        return out
+
+
+_KEEP_LAST = ("unsqueeze", "squeeze", "contiguous", "clone", "to", "float", "half", "bfloat16", "double", "type_as",
+              "detach", "view", "reshape", "view_as", "reshape_as", "flatten", "expand", "__getitem__", "narrow")
+_SCALE = ("mul", "__mul__", "__rmul__", "div", "__truediv__")
+_MOVE = ("transpose", "swapaxes", "swapdims", "permute", "movedim")
+
+
+def _dim_entry(key: Any, ndim: int, dim: int) -> Any:
+    """The index applied to dimension ``dim`` of an ``ndim``-d tensor by ``tensor[key]``; ``slice(None)`` when the
+    key leaves it alone; ``...`` (Ellipsis) when that cannot be told (advanced indexing elsewhere, new axes)."""
+    key = key if isinstance(key, tuple) else (key,)
+    if any(k is None for k in key):
+        return ...
+    consuming = [k for k in key if k is not Ellipsis]
+    if sum(k is Ellipsis for k in key) > 1 or len(consuming) > ndim:
+        return ...
+    if Ellipsis in key:
+        at = key.index(Ellipsis)
+        full = list(key[:at]) + [slice(None)] * (ndim - len(consuming)) + list(key[at + 1:])
+    else:
+        full = list(key) + [slice(None)] * (ndim - len(key))
+    return full[dim]
+
+
+def _as_range(entry: Any, size: int) -> Optional[tuple[int, int]]:
+    """A contiguous range of ``range(size)`` selected by a slice or a list of consecutive ints (``None`` otherwise)."""
+    if isinstance(entry, slice):
+        a, b, step = entry.indices(size)
+        return (a, b) if step == 1 and b > a else None
+    if isinstance(entry, (list, tuple)) and entry and all(isinstance(i, int) and not isinstance(i, bool) for i in entry):
+        idx = [i % size for i in entry]
+        return (idx[0], idx[-1] + 1) if idx == list(range(idx[0], idx[-1] + 1)) else None
+    return None
+
+
+class _Columns:
+    """Follows each first-block linear's output through the ops that keep its features addressable (layout ops,
+    cuts, per-head views) and records a :class:`ColumnLayout` per linear."""
+
+    def __init__(self) -> None:
+        self.layouts: dict[str, ColumnLayout] = {}
+        # id -> (tensor kept alive, linear, start, stop, group width: None = the last dim is the features,
+        # d = the last two dims are (groups, d) over the features)
+        self.tracked: dict[int, tuple[torch.Tensor, str, int, int, Optional[int]]] = {}
+
+    def watch(self, rel: str, out: torch.Tensor) -> None:
+        width = int(out.shape[-1]) if out.dim() else 0
+        self.layouts.setdefault(rel, ColumnLayout(width))
+        self.tracked[id(out)] = (out, rel, 0, width, None)
+
+    def same(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """``dst`` holds ``src``'s features in place (the output of a norm applied to ``src``)."""
+        entry = self.tracked.get(id(src))
+        if entry is not None and entry[0] is src and entry[4] is None:
+            self._track(dst, entry[1], entry[2], entry[3], None)
+
+    def _track(self, t: Any, rel: str, a: int, b: int, sub: Optional[int]) -> None:
+        if isinstance(t, torch.Tensor):
+            self.tracked[id(t)] = (t, rel, a, b, sub)
+
+    def follow(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
+        first = args[0] if args else None
+        entry = self.tracked.get(id(first)) if isinstance(first, torch.Tensor) else None
+        if entry is None or entry[0] is not first or first.dim() == 0:
+            return
+        _, rel, a, b, sub = entry
+        layout = self.layouts[rel]
+        ndim, last = first.dim(), int(first.shape[-1])
+        if name in SPLIT_OPS:
+            at = 1 if name == "unbind" else 2  # split(t, sizes, dim), chunk(t, n, dim), unbind(t, dim)
+            dim = args[at] if len(args) > at else kwargs.get("dim", 0)
+            if not isinstance(dim, int) or not isinstance(out, (tuple, list)):
+                return
+            dim %= ndim
+            if sub is None and dim == ndim - 1 and name != "unbind":
+                cur = a
+                for piece in out:
+                    size = int(piece.shape[-1])
+                    layout.cuts.add((cur, cur + size))
+                    self._track(piece, rel, cur, cur + size, None)
+                    cur += size
+            elif sub is not None and dim == ndim - 2 and name != "unbind":
+                cur = a
+                for piece in out:
+                    size = int(piece.shape[-2]) * sub
+                    layout.cuts.add((cur, cur + size))
+                    layout.units.setdefault((cur, cur + size), sub)
+                    self._track(piece, rel, cur, cur + size, sub)
+                    cur += size
+            elif sub is None and dim < ndim - 1:
+                for piece in out:
+                    self._track(piece, rel, a, b, None)
+            return
+        if not isinstance(out, torch.Tensor) or out.dim() == 0:
+            return
+        if name in _SCALE and sub is None and tuple(out.shape) == tuple(first.shape) and all(
+                isinstance(x, (int, float)) for x in args[1:]):
+            self._track(out, rel, a, b, None)  # q * scaling
+            return
+        if name in _MOVE:
+            if name == "permute":
+                dims = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
+                order = [d % ndim for d in dims if isinstance(d, int)]
+                keep = len(order) == ndim and order[-1] == ndim - 1 and (sub is None or order[-2] == ndim - 2)
+            else:  # transpose(d0, d1), movedim(source, destination)
+                moved = [d for d in args[1:3] if isinstance(d, int)]
+                keep = len(moved) == 2 and not {d % ndim for d in moved} & ({ndim - 1} if sub is None
+                                                                            else {ndim - 1, ndim - 2})
+            if keep:
+                self._track(out, rel, a, b, sub)
+            return
+        if name not in _KEEP_LAST:
+            return
+        if name == "__getitem__" and len(args) > 1:
+            if sub is None:
+                span = _as_range(_dim_entry(args[1], ndim, ndim - 1), last)
+                if span is not None and span != (0, last) and int(out.shape[-1]) == span[1] - span[0]:
+                    lo, hi = a + span[0], a + span[1]
+                    layout.cuts.add((lo, hi))
+                    self._track(out, rel, lo, hi, None)
+                elif int(out.shape[-1]) == last and _dim_entry(args[1], ndim, ndim - 1) == slice(None):
+                    self._track(out, rel, a, b, None)
+            else:
+                span = _as_range(_dim_entry(args[1], ndim, ndim - 2), int(first.shape[-2]))
+                if span is not None and _dim_entry(args[1], ndim, ndim - 1) == slice(None):
+                    lo, hi = a + span[0] * sub, a + span[1] * sub
+                    layout.cuts.add((lo, hi))
+                    layout.units.setdefault((lo, hi), sub)
+                    self._track(out, rel, lo, hi, sub)
+            return
+        if name == "narrow" and sub is None:
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            start = args[2] if len(args) > 2 else kwargs.get("start")
+            length = args[3] if len(args) > 3 else kwargs.get("length")
+            if isinstance(dim, int) and dim % ndim == ndim - 1 and isinstance(start, int) and isinstance(length, int):
+                lo = a + start % last
+                layout.cuts.add((lo, lo + length))
+                self._track(out, rel, lo, lo + length, None)
+            elif isinstance(dim, int) and dim % ndim != ndim - 1:
+                self._track(out, rel, a, b, None)
+            return
+        width = b - a
+        grouped = name in ("view", "reshape") and out.dim() > first.dim()
+        if sub is None and int(out.shape[-1]) == last and not grouped:
+            self._track(out, rel, a, b, None)
+            return
+        if sub is None and name in ("view", "reshape", "flatten") and out.numel() == first.numel():
+            # the features cut into groups: (..., n, d) or interleaved (..., n, r, d)
+            shape, k, prod = list(out.shape), out.dim(), 1
+            while k > 0 and prod < width:
+                k -= 1
+                prod *= int(shape[k])
+            if prod == width and k == out.dim() - 1 and k > first.dim() - 1 and shape[k - 1] == 1:
+                k -= 1  # (..., 1, width): one group
+            if prod != width or k == out.dim() - 1:
+                return
+            factors = shape[k:]
+            unit = width // int(factors[0])
+            layout.units.setdefault((a, b), unit)
+            layout.groups.setdefault((a, b), len(factors) > 2)
+            if len(factors) == 2:
+                self._track(out, rel, a, b, int(factors[1]))
+            return
+        if sub is not None and name in ("view", "reshape", "flatten", "contiguous", "clone", "to", "float",
+                                        "type_as") and tuple(out.shape[-2:]) == tuple(first.shape[-2:]):
+            self._track(out, rel, a, b, sub)
+
 class _Consumers(TorchFunctionMode):
     """Records the first torch function applied to each watched tensor, and which linears of the first block
     each tensor derives from (``origin``: every op's outputs inherit the union of its inputs' origins; a
@@ -223,6 +437,7 @@ class _Consumers(TorchFunctionMode):
         self.watch: dict[int, tuple[str, torch.Tensor]] = {}
         self.seen: dict[str, Consumer] = {}
         self.origin: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}  # id -> (tensor kept alive, linears)
+        self.columns = _Columns()
 
     def origin_of(self, value: Any) -> frozenset[str]:
         """The linears ``value`` (a tensor, or a nest of them) derives from."""
@@ -247,6 +462,8 @@ class _Consumers(TorchFunctionMode):
                 rest = tuple(a for a in args[1:] if not isinstance(a, torch.Tensor))
                 self.seen.setdefault(rel, Consumer(name, rest, dict(kwargs), first.dim()))
         out = func(*args, **kwargs)
+        if self.columns.tracked and name not in _INSPECTIONS:
+            self.columns.follow(name, args, kwargs, out)
         if self.origin and name not in _INSPECTIONS:
             origin = self.origin_of((args, kwargs))
             if origin:
@@ -287,6 +504,7 @@ def trace_model(root: nn.Module, blocks_path: str, example: Any) -> ModelTrace:
     inputs: dict[str, int] = {}
     parent_inputs: dict[str, int] = {}
     last_linear: dict[str, str] = {}
+    module_inputs: dict[int, torch.Tensor] = {}
 
     def pre(mod: nn.Module, args: tuple, kwargs: dict) -> None:
         path = names.get(id(mod))
@@ -300,17 +518,25 @@ def trace_model(root: nn.Module, blocks_path: str, example: Any) -> ModelTrace:
             main = args[0] if args else (kwargs.get(first_param_name(mod) or "") if kwargs else None)
             if isinstance(main, torch.Tensor):
                 parent_inputs.setdefault(rel, id(main))
+                trace.input_ndim.setdefault(rel, main.dim())
                 if _is_linear(mod):
                     inputs.setdefault(rel, id(main))
                     trace.sources.setdefault(rel, mode.origin_of(main))
+                else:
+                    trace.module_sources.setdefault(rel, mode.origin_of(main))
+                    module_inputs[id(mod)] = main
 
     def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        main = module_inputs.pop(id(mod), None)
+        if main is not None and isinstance(out, torch.Tensor) and out.shape == main.shape and _is_norm(mod):
+            mode.columns.same(main, out)  # a norm keeps the features where they are
         if id(mod) in block_ids:
             block_calls.append((block_ids[id(mod)], args, kwargs, out))
         if id(mod) in in_first and len(block_calls) == 0 and _is_linear(mod) and isinstance(out, torch.Tensor):
             rel = in_first[id(mod)]
             mode.watch[id(out)] = (rel, out)
             mode.tag(out, frozenset({rel}))
+            mode.columns.watch(rel, out)
             parent = rel.rpartition(".")[0]
             last_linear[parent] = rel
 
@@ -332,6 +558,7 @@ def trace_model(root: nn.Module, blocks_path: str, example: Any) -> ModelTrace:
             del mod.forward
         root.train(was_training)
     trace.consumers = dict(mode.seen)
+    trace.columns = dict(mode.columns.layouts)
     trace.last_linear = last_linear
     for rel, tid in inputs.items():
         parent = rel.rpartition(".")[0]

@@ -5,9 +5,12 @@ pipeline bubble, step time and MFU — and a dry run of the real rewriting on a 
     python recipes/plan.py model=moe_1t parallel=moe_1t plan.device=H200 plan.search=true
     python recipes/plan.py model=llama3_8b parallel=tp plan.nodes=2      # dp=auto fills 2 × 8 GPUs
     python recipes/plan.py model=tiny_moe parallel=cpu_4d plan.trace_ranks=[0,5]
+    python recipes/plan.py model=hf model.path=DIR parallel.tp=2 plan.device=A100-40GB plan.search=true
+    python recipes/plan.py trainer=cpu plan.device=cpu plan.trace=false  # the default recipe on this machine's CPUs
 
 Same config groups as recipes/train.py (conf/plan.yaml; the trainer defaults to `gpu`) plus the `plan`
-section (device, nodes, bandwidths, batch, search, trace). Prints a table and writes plan.json in
+section (device by name or custom with a family, nodes, bandwidths, batch, what only the planner models, search,
+trace). Each row of docs/planner_calibration.md prints the command that reproduces it. Prints a table and writes plan.json in
 Hydra's run directory. Exit status: 0; 1 when the traced collectives disagree with the formulas; 2 when
 the request is impossible (layout, cluster, batch, or nothing fits in the search).
 The logic lives in lightning_4d.recipes.planning (importable and tested); see recipes/README.md.

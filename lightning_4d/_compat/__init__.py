@@ -33,6 +33,7 @@ from lightning_4d._compat.dispatch import (  # noqa: E402
     dispatch_mode_base,
     in_backward,
     is_higher_order_op,
+    meta_scalar_mode,
     op_name,
     pytree,
 )
@@ -61,12 +62,17 @@ from lightning_4d._compat.kernels import (  # noqa: E402
     grouped_mm_supported,
 )
 from lightning_4d._compat.modules import (  # noqa: E402
+    InitCall,
+    callable_without_arguments,
     child_modules,
+    init_calls,
     is_loss_module,
     materialize_meta_module,
     registered_submodule,
+    release_freed_host_memory,
     replace_batch_sampler,
     swapped_parameters,
+    to_empty_keeping_ties,
 )
 from lightning_4d._compat.pipelining import (  # noqa: E402
     forward_only_actions,

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree  # private ``torch.utils._pytree`` (no public pytree module yet)
 
-__all__ = ["dispatch_mode_base", "in_backward", "is_higher_order_op", "op_name", "pytree"]
+__all__ = ["dispatch_mode_base", "in_backward", "is_higher_order_op", "meta_scalar_mode", "op_name", "pytree"]
 
 
 def dispatch_mode_base() -> type:
@@ -58,3 +58,28 @@ def in_backward() -> bool:
     ``torch._C._current_graph_task_id() != -1``; ``False`` where it is missing)."""
     task_id = getattr(torch._C, "_current_graph_task_id", None)
     return task_id is not None and task_id() != -1
+
+
+def meta_scalar_mode(value: float = 0) -> Any:
+    """A ``TorchDispatchMode`` under which reading a scalar out of a meta tensor (``.item()``, ``bool(t)``: the
+    private ``aten._local_scalar_dense``) returns ``value`` (``False`` for booleans) instead of raising. For
+    tracing a model's structure on the meta device when its forward has data-dependent shortcuts (e.g.
+    transformers' mask helpers asking whether a sequence is packed); never for computing values.
+
+    Example:
+        >>> with meta_scalar_mode():
+        ...     bool(torch.ones(1, device="meta").all())
+        False
+    """
+    base = dispatch_mode_base()
+
+    class _MetaScalars(base):  # type: ignore[misc, valid-type]
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func is torch.ops.aten._local_scalar_dense.default and args and args[0].is_meta:
+                t = args[0]
+                if t.dtype == torch.bool:
+                    return bool(value)
+                return float(value) if t.is_floating_point() else int(value)
+            return func(*args, **(kwargs or {}))
+
+    return _MetaScalars()

@@ -10,12 +10,15 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
 
-__all__ = ["child_modules", "is_loss_module", "materialize_meta_module", "registered_submodule",
+__all__ = ["InitCall", "callable_without_arguments", "release_freed_host_memory", "child_modules", "init_calls", "to_empty_keeping_ties", "is_loss_module",
+           "materialize_meta_module", "registered_submodule",
            "replace_batch_sampler", "swapped_parameters"]
 
 
@@ -64,23 +67,62 @@ def is_loss_module(module: nn.Module) -> bool:
     return type(module).__module__ == loss.__name__
 
 
+def callable_without_arguments(fn: Any) -> bool:
+    """Whether ``fn`` is callable with no argument (an initialiser such as TorchTitan's ``init_weights(std)``,
+    which needs one, is not called by the meta-device materialisation).
+
+    Example:
+        >>> callable_without_arguments(lambda x=1: x), callable_without_arguments(lambda x: x)
+        (True, False)
+    """
+    if not callable(fn):
+        return False
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params)
+
+
+def to_empty_keeping_ties(module: nn.Module, device: torch.device) -> None:
+    """``module.to_empty(device)`` that keeps tied parameters tied: a plain ``to_empty`` from the meta device
+    replaces each parameter object module by module, so a weight shared by two modules would become two (and a
+    model's own re-tying would then decide which initialisation survives). Under torch's
+    ``torch.__future__.set_swap_module_params_on_conversion(True)`` the objects are kept, their data swapped.
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     net = nn.Sequential(nn.Embedding(3, 2), nn.Linear(2, 3, bias=False))
+        >>> net[1].weight = net[0].weight
+        >>> to_empty_keeping_ties(net, torch.device("cpu")); net[1].weight is net[0].weight
+        True
+    """
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        module.to_empty(device=device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+
+
 def materialize_meta_module(module: nn.Module, device: torch.device) -> None:
     """Allocate meta parameters on ``device`` and re-run every module's ``reset_parameters``.
 
     Runs on full (unsharded) tensors, in module order, so a seeded single process and every
-    rank draw identical initial weights. Modules may provide ``reset_parameters()``; the root
+    rank draw identical initial weights; tied weights stay tied (:func:`to_empty_keeping_ties`), as in a model
+    built on the CPU. Modules may provide ``reset_parameters()``; the root
     may provide ``init_weights()`` which then runs last (e.g. to re-tie embeddings).
     """
     if not any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
         return
-    module.to_empty(device=device)
+    to_empty_keeping_ties(module, device)
     for sub in module.modules():
         reset = getattr(sub, "reset_parameters", None)
-        if callable(reset):
+        if callable_without_arguments(reset):
             reset()
     for sub in module.modules():
         init = getattr(sub, "init_weights", None)
-        if callable(init):
+        if callable_without_arguments(init):
             init()
 
 
@@ -90,3 +132,100 @@ def replace_batch_sampler(dataloader: Any, batch_sampler: Any) -> None:
     construction, so this goes around the guard; it relies on the (internal) iterators reading
     ``batch_sampler`` when an iteration starts, as they do in torch 2.x."""
     object.__setattr__(dataloader, "batch_sampler", batch_sampler)
+
+
+# ---------------------------------------------------------------------------------------------- initialisers
+@dataclass
+class InitCall:
+    """One initialiser call of a model, in a single process's order (see :func:`init_calls`): ``fn()`` may write
+    the tensors of ``module`` (its whole subtree when ``recurse``)."""
+
+    fn: Callable[[], Any]
+    module: nn.Module
+    recurse: bool
+    label: str
+
+
+def _hf_pretrained_class() -> Optional[type]:
+    import sys
+
+    if "transformers" not in sys.modules:
+        return None
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - a broken install
+        return None
+    return PreTrainedModel
+
+
+def _hf_init_calls(model: nn.Module, name: str) -> list[InitCall]:
+    """A Hugging Face ``PreTrainedModel.init_weights()`` as the per-module calls it makes: transformers 5's
+    ``initialize_weights`` is ``smart_apply(self._initialize_weights)`` — children first, each sub-model with its
+    own ``_initialize_weights`` — inside ``transformers.initialization.guard_torch_init_functions()`` and
+    ``no_grad``; ``_init_weights(module)`` initialises that module's own tensors. (Private transformers API,
+    pinned by ``tests/unit/test_compat.py``; weights are tied by object identity already.)"""
+    from transformers import PreTrainedModel
+    from transformers import initialization as hf_init
+
+    custom = model.is_custom_code()
+    calls: list[InitCall] = []
+
+    def guarded(owner: Any, module: nn.Module) -> Callable[[], Any]:
+        def run() -> None:
+            with torch.no_grad(), hf_init.guard_torch_init_functions():
+                owner._initialize_weights(module, custom)
+        return run
+
+    def visit(module: nn.Module, owner: Any, path: str) -> None:
+        for child_name, child in module.named_children():
+            child_path = f"{path}.{child_name}" if path else child_name
+            visit(child, child if isinstance(child, PreTrainedModel) else owner, child_path)
+        calls.append(InitCall(guarded(owner, module), module, False, f"{type(owner).__name__}._init_weights({path or type(module).__name__})"))
+
+    visit(model, model, name)
+    return calls
+
+
+def init_calls(root: nn.Module) -> list[InitCall]:
+    """The initialisers :func:`materialize_meta_module` runs, in its order: every module's ``reset_parameters()``
+    (module order, on its subtree), then every ``init_weights()`` (a Hugging Face model's expanded into its
+    per-module ``_init_weights``, one module at a time).
+
+    Example:
+        >>> [c.label for c in init_calls(nn.Sequential(nn.Linear(1, 1)))]
+        ['0.reset_parameters()']
+    """
+    hf = _hf_pretrained_class()
+    calls: list[InitCall] = []
+    for name, sub in root.named_modules():
+        reset = getattr(sub, "reset_parameters", None)
+        if callable_without_arguments(reset):
+            calls.append(InitCall(reset, sub, True, f"{name or type(sub).__name__}.reset_parameters()"))
+    for name, sub in root.named_modules():
+        init = getattr(sub, "init_weights", None)
+        if not callable_without_arguments(init):
+            continue
+        if hf is not None and isinstance(sub, hf) and type(sub).init_weights is hf.init_weights:
+            calls.extend(_hf_init_calls(sub, name))
+        else:
+            calls.append(InitCall(init, sub, True, f"{name or type(sub).__name__}.init_weights()"))
+    return calls
+
+
+def release_freed_host_memory() -> bool:
+    """Return the C heap's freed memory to the operating system (glibc's ``malloc_trim(0)``; a no-op returning
+    ``False`` elsewhere). After set-up on the CPU, the freed full tensors of the initialisation would otherwise
+    stay in the process's resident memory.
+
+    Example:
+        >>> isinstance(release_freed_host_memory(), bool)
+        True
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

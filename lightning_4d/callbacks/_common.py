@@ -14,14 +14,14 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
 
 import torch
+
+from lightning_4d.comm import internal_comm, is_internal_comm
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -37,33 +37,6 @@ __all__ = [
     "resolve_output_dir",
     "new_figure",
 ]
-
-_STATE = threading.local()
-
-
-@contextlib.contextmanager
-def internal_comm() -> Iterator[None]:
-    """Mark collectives issued inside the block as the monitors' own (not counted as training traffic).
-
-    Example:
-        >>> with internal_comm():
-        ...     is_internal_comm()
-        True
-        >>> is_internal_comm()
-        False
-    """
-    depth = getattr(_STATE, "depth", 0)
-    _STATE.depth = depth + 1
-    try:
-        yield
-    finally:
-        _STATE.depth = depth
-
-
-def is_internal_comm() -> bool:
-    """Whether the current thread is inside :func:`internal_comm`."""
-    return getattr(_STATE, "depth", 0) > 0
-
 
 def every_n(n: int, step: int) -> bool:
     """Whether ``step`` (0-based) is a sampling step for a cadence of ``n`` (``n <= 0``: never).

@@ -78,3 +78,13 @@ def use_whole_model_summary(trainer: "pl.Trainer") -> None:
         if type(cb) in (ModelSummary, RichModelSummary):
             depth, kwargs = _compat.model_summary_options(cb)
             trainer.callbacks[i] = FourDModelSummary(depth, rich=isinstance(cb, RichModelSummary), **kwargs)
+
+
+def _register() -> None:
+    from lightning_4d.strategy import FIT_SETUP_HOOKS
+
+    if use_whole_model_summary not in FIT_SETUP_HOOKS:
+        FIT_SETUP_HOOKS.append(use_whole_model_summary)  # Lightning's summary would count this rank's stage only
+
+
+_register()

@@ -1,10 +1,13 @@
 """Export a sharded checkpoint of a Hugging Face model to a directory ``from_pretrained`` loads.
 
-The checkpoint (any layout) is merged into full tensors (:func:`~lightning_4d.checkpoint.read_model_state`,
-files verified against the manifest), the LightningModule's and wrapper's prefixes are stripped so the
-names equal ``AutoModelForCausalLM.from_pretrained(base).state_dict()``'s, the model is rebuilt from its
-config and loaded strictly, and ``save_pretrained`` writes ``config.json`` and safetensors (tied weights
-and transformers' on-disk conversions handled by transformers itself). Tokenizer, chat-template and
+The checkpoint (any layout; files verified against the manifest) is never merged in memory: the model is
+built from its config on the meta device, the LightningModule's and wrapper's prefixes are stripped from the
+checkpoint's names (from DCP's metadata) so they equal ``AutoModelForCausalLM.from_pretrained(base)
+.state_dict()``'s, names, shapes and dtypes are checked against the meta model, and then one tensor at a
+time is read, converted as ``save_pretrained`` converts it (tied copies dropped, transformers' on-disk
+names and layouts: ``revert_weight_conversion`` applied per tensor, or per group of tensors that convert
+together) and written to Hugging Face's sharded layout. ``config.json`` and ``generation_config.json`` are
+written by ``save_pretrained`` itself (of the meta model, without weights). Tokenizer, chat-template and
 generation-config files are copied from the base directory when there is one.
 
 Where the config comes from: ``base`` (a model directory) when given; otherwise the record a
@@ -23,12 +26,17 @@ import shutil
 import warnings
 from collections import Counter
 from pathlib import Path
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 from torch import nn
 
-__all__ = ["SIDE_FILES", "export_hf", "load_strict", "strip_prefix"]
+from lightning_4d._compat.hf_saving import revert_conversion, saved_state
+from lightning_4d.checkpoint.stream import (DEFAULT_MAX_SHARD_SIZE, SAFE_WEIGHTS_INDEX, SafetensorsWriter, TensorSpec,
+                                            atomic_directory, check_new_directory, parse_size, plan_shards,
+                                            write_index)
+
+__all__ = ["SIDE_FILES", "conversion_groups", "export_hf", "load_strict", "resolve_names", "strip_prefix"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -75,6 +83,38 @@ def _aliases(model: nn.Module) -> dict[str, list[str]]:
     return {name: names for names in groups.values() for name in names}
 
 
+def resolve_names(own: Mapping[str, tuple[int, ...]], given: Mapping[str, tuple[int, ...]],
+                  aliases: Mapping[str, list[str]], model_name: str, source: str = "the checkpoint") -> dict[str, str]:
+    """Map every name of a model (``own``: name → shape) to the name in ``given`` that holds its value: the
+    same name, or for a missing one a weight tied to it (``aliases``: name → all names of its tensor).
+
+    Raises:
+        ValueError: naming the missing keys, the unexpected keys and the shape mismatches.
+
+    Example:
+        >>> resolve_names({"emb": (4, 2), "head": (4, 2)}, {"emb": (4, 2)}, {"emb": ["emb", "head"],
+        ...               "head": ["emb", "head"]}, "Tied")
+        {'emb': 'emb', 'head': 'emb'}
+    """
+    full = {key: key for key in given}
+    for key in set(own) - set(given):
+        present = [a for a in aliases.get(key, []) if a in given]
+        if present:
+            full[key] = present[0]
+    missing = sorted(set(own) - set(full))
+    unexpected = sorted(set(full) - set(own))
+    shapes = [f"{k} {tuple(given[full[k]])} vs {tuple(own[k])}" for k in sorted(set(own) & set(full))
+              if tuple(given[full[k]]) != tuple(own[k])]
+    problems = [part for part in (
+        f"{len(missing)} missing keys ({_names(missing)})" if missing else "",
+        f"{len(unexpected)} unexpected keys ({_names(unexpected)})" if unexpected else "",
+        f"{len(shapes)} shape mismatches (checkpoint vs model: {'; '.join(shapes[:4])})" if shapes else "") if part]
+    if problems:
+        raise ValueError(f"{source} does not match {model_name}: {'; '.join(problems)}. Is it a checkpoint "
+                         f"of another model (other depth, sizes or names)?")
+    return {key: full[key] for key in own}
+
+
 @torch.no_grad()
 def load_strict(model: nn.Module, state: dict[str, torch.Tensor], source: str = "the checkpoint") -> None:
     """Load ``state`` into ``model`` requiring the same names and shapes; a name missing from ``state`` is
@@ -90,24 +130,9 @@ def load_strict(model: nn.Module, state: dict[str, torch.Tensor], source: str = 
         ValueError: the checkpoint does not match Linear: 1 missing keys (bias). Is it a checkpoint of ...
     """
     own = model.state_dict()
-    aliases = _aliases(model)
-    full = dict(state)
-    for key in set(own) - set(state):
-        present = [a for a in aliases.get(key, []) if a in state]
-        if present:
-            full[key] = state[present[0]]
-    missing = sorted(set(own) - set(full))
-    unexpected = sorted(set(full) - set(own))
-    shapes = [f"{k} {tuple(full[k].shape)} vs {tuple(own[k].shape)}" for k in sorted(set(own) & set(full))
-              if tuple(full[k].shape) != tuple(own[k].shape)]
-    problems = [part for part in (
-        f"{len(missing)} missing keys ({_names(missing)})" if missing else "",
-        f"{len(unexpected)} unexpected keys ({_names(unexpected)})" if unexpected else "",
-        f"{len(shapes)} shape mismatches (checkpoint vs model: {'; '.join(shapes[:4])})" if shapes else "") if part]
-    if problems:
-        raise ValueError(f"{source} does not match {type(model).__name__}: {'; '.join(problems)}. Is it a checkpoint "
-                         f"of another model (other depth, sizes or names)?")
-    model.load_state_dict(full, strict=True)
+    names = resolve_names({k: tuple(v.shape) for k, v in own.items()}, {k: tuple(v.shape) for k, v in state.items()},
+                          _aliases(model), type(model).__name__, source)
+    model.load_state_dict({key: state[name] for key, name in names.items()}, strict=True)
 
 
 def _meta_record(checkpoint: Path) -> Optional[dict[str, Any]]:
@@ -147,22 +172,82 @@ def _resolve(checkpoint: Path, base: Optional[PathLike]) -> tuple[Any, Optional[
     return config_from_record(record), recorded
 
 
-def _empty_model(config: Any, dtype: torch.dtype) -> nn.Module:
-    """The causal LM of ``config`` with uninitialised CPU storage: no time spent on a random init, every
-    persistent tensor is then loaded. Only written to files (non-persistent buffers such as rotary tables
-    stay uninitialised), never run."""
+def _meta_model(config: Any, dtype: torch.dtype) -> nn.Module:
+    """The causal LM of ``config`` on the meta device: names, shapes, dtypes and tied weights, no storage."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model = model.to_empty(device="cpu")
-    model.tie_weights()  # to_empty gives tied parameters separate storage: tie them again
-    return model
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
-def _dtype_of(state: dict[str, torch.Tensor]) -> torch.dtype:
-    floats = [v.dtype for v in state.values() if v.is_floating_point()]
+def _dtype_of(specs: Mapping[str, TensorSpec]) -> torch.dtype:
+    floats = [s.dtype for s in specs.values() if s.dtype.is_floating_point]
     return Counter(floats).most_common(1)[0][0] if floats else torch.float32
+
+
+def conversion_groups(revert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+                      tensors: Mapping[str, torch.Tensor]) -> Optional[list[tuple[list[str], dict[str, TensorSpec]]]]:
+    """Split ``tensors`` (meta) into the smallest groups that ``revert`` converts on their own, each with the
+    names and specs it writes; ``None`` when no split reproduces ``revert(tensors)`` exactly.
+
+    One-to-one and one-to-many conversions (renames, fused experts split per expert) give one group per
+    tensor; many-to-one ones (e.g. ``q``, ``k``, ``v`` written as one fused tensor) group the tensors whose
+    outputs share a name. Every group's output is checked against the whole conversion's (names, shapes,
+    dtypes), computed on the meta device.
+
+    Example:
+        >>> t = {"a": torch.empty(2, device="meta"), "b": torch.empty(3, device="meta")}
+        >>> [(keys, list(out)) for keys, out in conversion_groups(lambda sd: dict(sd), t)]
+        [(['a'], ['a']), (['b'], ['b'])]
+    """
+    def probe(keys: Iterable[str]) -> Optional[dict[str, TensorSpec]]:
+        try:
+            return {k: TensorSpec.of(v) for k, v in revert({key: tensors[key] for key in keys}).items()}
+        except Exception:  # a conversion that needs the other tensors of its group
+            return None
+
+    full = probe(tensors)
+    if full is None:
+        return None
+    parent = {key: key for key in tensors}
+
+    def find(key: str) -> str:
+        while parent[key] != key:
+            parent[key] = parent[parent[key]]
+            key = parent[key]
+        return key
+
+    def union(a: str, b: str) -> None:
+        parent[find(b)] = find(a)
+
+    alone: dict[str, dict[str, TensorSpec]] = {}
+    producers: dict[str, list[str]] = {}
+    odd: dict[str, str] = {}  # key → its module's parent: keys that convert wrongly alone, grouped by module
+    for key in tensors:
+        got = probe([key])
+        if got is None or any(full.get(name) != spec for name, spec in got.items()):
+            odd[key] = key.rsplit(".", 2)[0]
+        if got is not None:
+            alone[key] = got
+            for name in got:
+                producers.setdefault(name, []).append(key)
+    for keys in producers.values():  # tensors that write to one name convert together
+        for key in keys[1:]:
+            union(keys[0], key)
+    first: dict[str, str] = {}
+    for key, module in odd.items():  # and so do the odd ones of one module (e.g. q, k, v of one attention)
+        union(first.setdefault(module, key), key)
+    members: dict[str, list[str]] = {}
+    for key in tensors:
+        members.setdefault(find(key), []).append(key)
+    groups: list[tuple[list[str], dict[str, TensorSpec]]] = []
+    for keys in members.values():
+        got = alone.get(keys[0]) if len(keys) == 1 and keys[0] not in odd else probe(keys)
+        if got is None or any(full.get(name) != spec for name, spec in got.items()):
+            return None
+        groups.append((keys, got))
+    written = [name for _, got in groups for name in got]
+    return groups if len(written) == len(set(written)) and set(written) == set(full) else None
 
 
 def _copy_side_files(base_dir: Optional[Path], target: Path) -> list[str]:
@@ -177,9 +262,30 @@ def _copy_side_files(base_dir: Optional[Path], target: Path) -> list[str]:
     return copied
 
 
+def _write_group(writer: SafetensorsWriter, sources: Mapping[str, tuple[str, torch.dtype]], reader: Any,
+                 revert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]) -> None:
+    """Read the tensors of one conversion group (model name → checkpoint name, dtype), cast, convert, write."""
+    tensors: dict[str, torch.Tensor] = {}
+    for key, (name, dtype) in sources.items():
+        value = reader.read(name)
+        tensors[key] = value if value.dtype == dtype else value.to(dtype)
+    for name, value in revert(tensors).items():
+        writer.write(name, value)
+
+
 def export_hf(checkpoint: PathLike, out: PathLike, base: Optional[PathLike] = None, verify: bool = True,
-              dtype: Optional[Union[str, torch.dtype]] = None) -> Path:
-    """Write a sharded checkpoint of a Hugging Face causal LM as a ``save_pretrained`` directory.
+              dtype: Optional[Union[str, torch.dtype]] = None,
+              max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE) -> Path:
+    """Write a sharded checkpoint of a Hugging Face causal LM as a ``save_pretrained`` directory, one tensor
+    at a time.
+
+    The model is built from its config on the meta device (no storage); the checkpoint's names, shapes and
+    dtypes are checked against it from DCP's metadata before any weight is read. Then each tensor is read,
+    cast, converted to transformers' on-disk names and layout (tied copies dropped, fused experts split per
+    expert, as ``save_pretrained`` does) and written to its place in ``model.safetensors`` or, above
+    ``max_shard_size``, ``model-0000k-of-0000n.safetensors`` with ``model.safetensors.index.json``. Peak
+    memory: about twice the checkpoint's largest tensor (DCP deserialises a saved chunk, then copies it into
+    place), whatever the model or shard size.
 
     Args:
         checkpoint: a checkpoint directory written by ``FourDStrategy`` (any layout).
@@ -190,45 +296,61 @@ def export_hf(checkpoint: PathLike, out: PathLike, base: Optional[PathLike] = No
             record the config and that directory.
         verify: check every checkpoint file's SHA-256 against the manifest (``False``: sizes only).
         dtype: ``float32``, ``bfloat16`` or ``float16`` to cast the weights to (``None``: as trained).
+        max_shard_size: largest safetensors file (bytes, or ``"5GB"``, ``"500MB"``); a larger tensor gets a
+            file of its own. Default ``"50GB"``, as ``save_pretrained``.
 
     Returns:
         ``out``; ``AutoModelForCausalLM.from_pretrained(out)`` loads it.
 
     Raises:
-        ValueError: the checkpoint's names or shapes do not match the config's model (naming the keys), no
-            config is recorded and no ``base`` given, or ``out`` is not empty.
+        ValueError: the checkpoint's names, shapes or dtypes do not match the config's model (naming the
+            keys), no config is recorded and no ``base`` given, or ``out`` is not empty.
 
     Example:
-        >>> export_hf("ckpts/last.ckpt", "exported", base="pretrained/llama")  # doctest: +SKIP
+        >>> export_hf("ckpts/last.ckpt", "exported", base="pretrained/llama", max_shard_size="5GB")  # doctest: +SKIP
         PosixPath('exported')
     """
-    from lightning_4d.checkpoint.consolidate import read_model_state
+    from lightning_4d.checkpoint.consolidate import open_checkpoint
     from lightning_4d.checkpoint.state import check_checkpoint
     from lightning_4d.models.hf import resolve_dtype
 
     target = Path(out)
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise ValueError(f"{out} already exists and is not an empty directory: choose a new output directory or "
-                         f"remove it first.")
+    check_new_directory(target)
+    parse_size(max_shard_size)  # a bad size fails before any reading
     cast = resolve_dtype(dtype)
     if cast == "auto":
         cast = None
     ckpt = check_checkpoint(checkpoint)
     config, base_dir = _resolve(ckpt, base)
-    state = read_model_state(ckpt, verify=verify)
-    build_dtype = cast if isinstance(cast, torch.dtype) else _dtype_of(state)
-    model = _empty_model(config, build_dtype)
-    _, state = strip_prefix(state, model.state_dict())
-    if isinstance(cast, torch.dtype):
-        state = {k: v.to(cast) if v.is_floating_point() else v for k, v in state.items()}
-    load_strict(model, state, source=str(checkpoint))
-    tmp = target.with_name(target.name + ".partial")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(str(tmp))
-    _copy_side_files(base_dir, tmp)
-    if target.exists():
-        target.rmdir()  # empty (checked above)
-    os.replace(tmp, target)  # never a half-written directory under the final name
+    reader = open_checkpoint(ckpt, verify=verify)
+    model = _meta_model(config, cast if isinstance(cast, torch.dtype) else _dtype_of(reader.specs))
+    own = model.state_dict()
+    prefix, specs = strip_prefix(reader.specs, own)
+    names = resolve_names({k: tuple(v.shape) for k, v in own.items()}, {k: s.shape for k, s in specs.items()},
+                          _aliases(model), type(model).__name__, str(checkpoint))
+    dtypes = [f"{k} {specs[n].dtype} vs {own[k].dtype}" for k, n in sorted(names.items())
+              if specs[n].dtype != own[k].dtype and not (specs[n].dtype.is_floating_point and
+                                                         own[k].dtype.is_floating_point)]
+    if dtypes:
+        raise ValueError(f"{checkpoint} does not match {type(model).__name__}: {len(dtypes)} dtype mismatches "
+                         f"(checkpoint vs model: {'; '.join(dtypes[:4])}); only floating-point weights are cast.")
+    saved = saved_state(model)
+    groups = conversion_groups(lambda sd: revert_conversion(model, sd), saved)
+    order = {k: TensorSpec.of(v) for k, v in revert_conversion(model, saved).items()}  # save_pretrained's order
+    if groups is None:
+        warnings.warn(f"transformers' on-disk conversion of {type(model).__name__} cannot be applied one tensor at "
+                      f"a time: this export holds the whole model in memory.", stacklevel=2)
+        groups = [(list(saved), order)]
+    layout = plan_shards(order, max_shard_size)
+    with atomic_directory(target) as tmp:
+        model.save_pretrained(str(tmp), state_dict={})  # config.json, generation_config.json: as transformers writes
+        for stray in [*tmp.glob("*.safetensors"), tmp / SAFE_WEIGHTS_INDEX]:
+            stray.unlink(missing_ok=True)
+        with SafetensorsWriter(tmp, layout) as writer:
+            for keys, _ in groups:  # one group in memory at a time: about one tensor
+                _write_group(writer, {key: (prefix + names[key], own[key].dtype) for key in keys}, reader,
+                             lambda sd: revert_conversion(model, sd))
+        if len(layout) > 1:
+            write_index(tmp, layout, total_parameters=model.num_parameters())
+        _copy_side_files(base_dir, tmp)
     return target

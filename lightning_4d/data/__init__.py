@@ -1,7 +1,9 @@
-"""Data for lightning_4d: tokenizers, memory-mapped token files and DataModules.
+"""Data for lightning_4d: tokenizers (byte, tiktoken, a model's own Hugging Face tokenizer offline),
+memory-mapped token files, tokenization of JSONL / Parquet / Arrow / text files (packed text, chat with the
+prompts masked) and DataModules.
 
 Every DataModule here yields ``(inputs, targets)`` batches of token ids, the batch contract of
-:class:`lightning_4d.FourDModule`.
+:class:`lightning_4d.FourDModule`; targets that are not trained on (prompts, padding) are ``-100``.
 
 Example:
     >>> from lightning_4d.data import SyntheticDataModule
@@ -17,11 +19,22 @@ Prepare token files from the command line (default corpus: the Python standard l
 
 from typing import TYPE_CHECKING, Any
 
-from lightning_4d.data.tokenizer import ByteTokenizer, TiktokenTokenizer, Tokenizer, get_tokenizer
+from lightning_4d.data.chat import ChatTemplateError, encode_chat, encode_chats, encode_texts, to_messages
+from lightning_4d.data.prepared import DatasetPrepareResult, open_split, prepare_dataset
+from lightning_4d.data.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    TiktokenTokenizer,
+    Tokenizer,
+    check_same_tokenizer,
+    get_tokenizer,
+    tokenizer_record,
+)
 from lightning_4d.data.tokens import (
     DEFAULT_MAX_BYTES,
     PrepareResult,
     TokenFile,
+    TokenWriter,
     dtype_for_vocab,
     iter_texts,
     prepare,
@@ -32,13 +45,16 @@ from lightning_4d.data.tokens import (
 
 if TYPE_CHECKING:
     from lightning_4d.data.datamodule import (
+        HFDataModule,
+        MaskedTokenDataset,
         SyntheticDataModule,
         SyntheticTokenDataset,
         TextDataModule,
         TokenWindowDataset,
     )
 
-_LAZY = {"SyntheticDataModule", "SyntheticTokenDataset", "TextDataModule", "TokenWindowDataset"}
+_LAZY = {"HFDataModule", "MaskedTokenDataset", "SyntheticDataModule", "SyntheticTokenDataset", "TextDataModule",
+         "TokenWindowDataset"}
 
 
 def __getattr__(name: str) -> Any:
@@ -54,6 +70,11 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "DEFAULT_MAX_BYTES",
     "ByteTokenizer",
+    "ChatTemplateError",
+    "DatasetPrepareResult",
+    "HFDataModule",
+    "HFTokenizer",
+    "MaskedTokenDataset",
     "PrepareResult",
     "SyntheticDataModule",
     "SyntheticTokenDataset",
@@ -61,12 +82,21 @@ __all__ = [
     "TiktokenTokenizer",
     "TokenFile",
     "TokenWindowDataset",
+    "TokenWriter",
     "Tokenizer",
+    "check_same_tokenizer",
     "dtype_for_vocab",
+    "encode_chat",
+    "encode_chats",
+    "encode_texts",
     "get_tokenizer",
     "iter_texts",
+    "open_split",
     "prepare",
+    "prepare_dataset",
     "sidecar_path",
     "stdlib_files",
+    "to_messages",
+    "tokenizer_record",
     "write_tokens",
 ]

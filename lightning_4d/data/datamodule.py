@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import lightning as L
 import numpy as np
@@ -27,10 +27,23 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lightning_4d.data.tokenizer import Tokenizer, get_tokenizer
+from lightning_4d.data.tokenizer import (
+    Tokenizer,
+    get_tokenizer,
+    is_tokenizer_dir,
+    tokenizer_difference,
+    tokenizer_record,
+)
 from lightning_4d.data.tokens import TokenFile, prepare, source_record
 
-__all__ = ["SyntheticDataModule", "SyntheticTokenDataset", "TextDataModule", "TokenWindowDataset"]
+__all__ = [
+    "HFDataModule",
+    "MaskedTokenDataset",
+    "SyntheticDataModule",
+    "SyntheticTokenDataset",
+    "TextDataModule",
+    "TokenWindowDataset",
+]
 
 PathLike = Union[str, "os.PathLike[str]"]
 SyntheticKind = Literal["random", "increment", "repeat"]
@@ -158,6 +171,115 @@ class SyntheticTokenDataset(Dataset):
         return window[:-1], window[1:]
 
 
+class MaskedTokenDataset(Dataset):
+    """Chat / instruction samples as ``(inputs, targets)`` pairs whose targets are ``ignore_index`` where the
+    next token is not part of an answer (prompts, role headers, padding).
+
+    ``pack=False`` (default): sample ``i`` is conversation ``i``: its first ``seq_len + 1`` tokens (longer ones
+    are cut; :attr:`truncated` counts them), padded with ``pad_id`` (padding is never a target); inputs and
+    targets are that row shifted by one. ``pack=True``: conversations are one stream cut into windows like
+    :class:`TokenWindowDataset` (``seq_len`` apart); a window may hold the end of one conversation and the start
+    of the next.
+
+    Args:
+        tokens: the token stream (a :class:`~lightning_4d.data.tokens.TokenFile` or a 1-D array).
+        mask: per token 1 if it belongs to an answer, else 0 (same length as ``tokens``).
+        docs: conversation start offsets with the end appended (``len = conversations + 1``).
+        seq_len: tokens per sample.
+        pack: windows over the stream instead of one conversation per sample.
+        pad_id: filler id of short rows.
+        ignore_index: target of tokens that are not trained on.
+
+    Example:
+        >>> toks, mask = np.arange(10), np.array([0, 0, 1, 1, 0, 0, 0, 1, 1, 1])
+        >>> ds = MaskedTokenDataset(toks, mask, docs=np.array([0, 4, 10]), seq_len=4)
+        >>> [t.tolist() for t in ds[0]]
+        [[0, 1, 2, 3], [-100, 2, 3, -100]]
+        >>> [t.tolist() for t in ds[1]]
+        [[4, 5, 6, 7], [-100, -100, 7, 8]]
+        >>> ds.truncated, ds.num_targets()
+        (1, 4)
+    """
+
+    def __init__(
+        self,
+        tokens: Union[TokenFile, np.ndarray, Sequence[int]],
+        mask: Union[np.ndarray, Sequence[int]],
+        docs: Union[np.ndarray, Sequence[int]],
+        seq_len: int,
+        pack: bool = False,
+        pad_id: int = 0,
+        ignore_index: int = -100,
+    ) -> None:
+        if seq_len <= 0:
+            raise ValueError(f"seq_len must be positive, got {seq_len}")
+        self.tokens = tokens if isinstance(tokens, TokenFile) else np.asarray(tokens)
+        self.mask = np.asarray(mask) if not isinstance(mask, np.ndarray) else mask
+        self.docs = np.asarray(docs, dtype=np.int64)
+        if len(self.mask) != len(self.tokens):
+            raise ValueError(f"mask has {len(self.mask)} entries for {len(self.tokens)} tokens")
+        if len(self.docs) < 2 or int(self.docs[0]) != 0 or int(self.docs[-1]) != len(self.tokens):
+            raise ValueError(f"docs must run from 0 to the number of tokens ({len(self.tokens)}) in at least two "
+                             f"offsets, got {len(self.docs)} offsets")
+        self.seq_len, self.pack, self.pad_id, self.ignore_index = seq_len, pack, int(pad_id), int(ignore_index)
+        n = len(self.tokens)
+        if pack:
+            if n < seq_len + 1:
+                raise ValueError(f"not enough tokens: {n} tokens, but one window of seq_len={seq_len} needs "
+                                 f"{seq_len + 1}")
+            self._len = (n - seq_len - 1) // seq_len + 1
+        else:
+            self._len = len(self.docs) - 1
+        lengths = np.diff(self.docs)
+        self.truncated = 0 if pack else int((lengths > seq_len + 1).sum())
+        """Conversations longer than ``seq_len + 1`` tokens, cut (``pack=False``)."""
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _span(self, index: int) -> tuple[int, int]:
+        if self.pack:
+            start = index * self.seq_len
+            return start, start + self.seq_len + 1
+        start, end = int(self.docs[index]), int(self.docs[index + 1])
+        return start, min(end, start + self.seq_len + 1)
+
+    @override
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if index < 0:
+            index += self._len
+        if not 0 <= index < self._len:
+            raise IndexError(f"sample {index} out of range for {self._len} samples")
+        start, end = self._span(index)
+        row = np.full(self.seq_len + 1, self.pad_id, dtype=np.int64)
+        keep = np.zeros(self.seq_len + 1, dtype=bool)
+        row[: end - start] = np.asarray(self.tokens[start:end], dtype=np.int64)
+        keep[: end - start] = np.asarray(self.mask[start:end]) != 0
+        targets = np.where(keep[1:], row[1:], self.ignore_index)
+        return torch.from_numpy(row[:-1].copy()), torch.from_numpy(targets)
+
+    def num_targets(self) -> int:
+        """Targets that are trained on, over the whole dataset (what the loss averages over)."""
+        return sum(int((self[i][1] != self.ignore_index).sum()) for i in range(len(self)))
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Memory maps travel to DataLoader worker processes as their files, not as copies of the data.
+        state = self.__dict__.copy()
+        for key in ("mask", "docs"):
+            value = state[key]
+            if isinstance(value, np.memmap) and value.filename is not None:
+                state[key] = ("memmap", value.filename, value.dtype.str, value.shape, int(value.offset))
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for key in ("mask", "docs"):
+            value = state[key]
+            if isinstance(value, tuple) and value and value[0] == "memmap":
+                _, filename, dtype, shape, offset = value
+                state[key] = np.memmap(filename, dtype=np.dtype(dtype), mode="r", shape=shape, offset=offset)
+        self.__dict__.update(state)
+
+
 def _loader(
     dataset: Dataset, batch_size: int, shuffle: bool, seed: int, num_workers: int, pin_memory: bool
 ) -> DataLoader:
@@ -196,7 +318,8 @@ class TextDataModule(L.LightningDataModule):
         seq_len: tokens per sample.
         batch_size: samples per batch **per data-parallel rank**.
         num_workers: DataLoader worker processes.
-        tokenizer: ``"byte"`` or a tiktoken name such as ``"gpt2"``.
+        tokenizer: ``"byte"``, a tiktoken name such as ``"gpt2"``, or a local directory holding a Hugging
+            Face tokenizer (the model's own, loaded offline).
         max_bytes: cap on raw text bytes (default: 4 MB for the default corpus, none for user text).
         val_fraction: share of tokens held out for validation.
         seed: seed of the training shuffle.
@@ -250,6 +373,7 @@ class TextDataModule(L.LightningDataModule):
         self.val_file: Optional[TokenFile] = None
         self.train_dataset: Optional[TokenWindowDataset] = None
         self.val_dataset: Optional[TokenWindowDataset] = None
+        self._tokenizer_record: Optional[dict[str, Any]] = None
 
     @property
     def train_path(self) -> Path:
@@ -264,7 +388,16 @@ class TextDataModule(L.LightningDataModule):
     @property
     def tokenizer_name(self) -> str:
         """Name of the configured tokenizer (as recorded in the sidecars)."""
-        return self.tokenizer if isinstance(self.tokenizer, str) else self.tokenizer.name
+        return self._expected_tokenizer()["name"]
+
+    def _expected_tokenizer(self) -> dict[str, Any]:
+        """The configured tokenizer's record: by name for ``byte`` / tiktoken names (nothing loaded), the full
+        :func:`~lightning_4d.data.tokenizer.tokenizer_record` for a tokenizer object or directory."""
+        if isinstance(self.tokenizer, str) and not is_tokenizer_dir(self.tokenizer):
+            return {"name": self.tokenizer}
+        if self._tokenizer_record is None:
+            self._tokenizer_record = tokenizer_record(get_tokenizer(self.tokenizer))
+        return self._tokenizer_record
 
     @property
     def vocab_size(self) -> int:
@@ -283,7 +416,9 @@ class TextDataModule(L.LightningDataModule):
         if self.text is None and recorded[0] is not None and recorded[0].get("sources") is not None:
             return False  # prepared from user text elsewhere: use as is (setup checks the tokenizer)
         wanted = source_record(self.text, self.max_bytes, self.val_fraction)
-        return any(r != wanted or f.tokenizer != self.tokenizer_name for r, f in zip(recorded, files))
+        expected = self._expected_tokenizer()
+        return any(r != wanted or tokenizer_difference(f.tokenizer_record, expected) is not None
+                   for r, f in zip(recorded, files))
 
     @override
     def prepare_data(self) -> None:
@@ -304,8 +439,10 @@ class TextDataModule(L.LightningDataModule):
             return
         train_file = TokenFile(self.train_path)
         val_file = TokenFile(self.val_path)
+        expected = self._expected_tokenizer()
         for f in (train_file, val_file):
-            f.check(tokenizer=self.tokenizer_name)
+            f.check(tokenizer=expected if "vocab_size" in expected else expected["name"],
+                    fix=f"re-run prepare with tokenizer={self.tokenizer!r}, or point data_dir elsewhere")
         val_file.check(vocab_size=train_file.vocab_size)
         self.train_dataset = TokenWindowDataset(train_file, self.seq_len, self.stride)
         self.val_dataset = TokenWindowDataset(val_file, self.seq_len) if len(val_file) > self.seq_len else None
@@ -409,4 +546,158 @@ class SyntheticDataModule(L.LightningDataModule):
     @override
     def predict_dataloader(self) -> DataLoader:
         """The validation set."""
+        return self.val_dataloader()
+
+
+class HFDataModule(L.LightningDataModule):
+    """Batches from the files users have (JSONL, Parquet, Arrow, CSV, text), tokenized with a model's own
+    Hugging Face tokenizer (offline): packed plain text, or chat / instruction conversations with the prompt
+    tokens' targets set to ``ignore_index`` (the package's loss averages over the answer tokens only).
+
+    ``prepare_data`` (Lightning runs it on one process per node; the other ranks wait) tokenizes once, in
+    ``num_proc`` worker processes, into ``data_dir`` (:func:`~lightning_4d.data.prepared.prepare_dataset`);
+    later runs find the files there and tokenize nothing. ``setup`` opens them memory-mapped and refuses files
+    written by another tokenizer. Its result is :attr:`prepare_result` (``describe()`` gives the throughput).
+
+    Args:
+        files: data files or directories.
+        data_dir: where the token files go.
+        tokenizer: the model's tokenizer directory (usually the model directory).
+        data_format: ``"text"`` (packed documents, EOS between them) or ``"chat"``.
+        seq_len: tokens per sample.
+        batch_size: samples per batch **per data-parallel rank**.
+        val_files: a separate validation set (else ``val_fraction`` of the data).
+        val_fraction: share of tokens (text) or conversations (chat) held out for validation.
+        pack: chat only: pack conversations into ``seq_len`` windows instead of one (padded) per sample.
+        mask_prompt: chat only: train on the answers only.
+        num_proc: tokenization worker processes (``None``: by data size and CPU cores).
+        num_workers: DataLoader worker processes.
+        seed: seed of the training shuffle and of the chat validation pick.
+        ignore_index: target of prompt and padding tokens.
+        **fields: ``text_field``, ``messages_field``, ``prompt_field``, ``response_field``, ``system_prompt``,
+            ``text_sample_by`` (see :func:`~lightning_4d.data.prepared.prepare_dataset`).
+
+    Example:
+        >>> dm = HFDataModule(["chat.jsonl"], "data/chat", "my-model", data_format="chat", seq_len=64)  # doctest: +SKIP
+        >>> dm.prepare_data(); dm.setup("fit")  # doctest: +SKIP
+        >>> x, y = next(iter(dm.train_dataloader()))  # doctest: +SKIP
+        >>> bool((y == -100).any())  # prompt tokens are not targets  # doctest: +SKIP
+        True
+    """
+
+    def __init__(
+        self,
+        files: Union[PathLike, Sequence[PathLike]],
+        data_dir: PathLike,
+        tokenizer: Union[PathLike, Tokenizer],
+        data_format: str = "text",
+        seq_len: int = 256,
+        batch_size: int = 8,
+        val_files: Optional[Union[PathLike, Sequence[PathLike]]] = None,
+        val_fraction: float = 0.05,
+        pack: bool = False,
+        mask_prompt: bool = True,
+        num_proc: Optional[int] = None,
+        num_workers: int = 0,
+        seed: int = 0,
+        ignore_index: int = -100,
+        **fields: Any,
+    ) -> None:
+        super().__init__()
+        from lightning_4d.data.prepared import DATA_FORMATS
+
+        if seq_len <= 0 or batch_size <= 0:
+            raise ValueError(f"seq_len and batch_size must be positive, got {seq_len} and {batch_size}")
+        if data_format not in DATA_FORMATS:
+            raise ValueError(f"data_format={data_format!r} is not one of {', '.join(map(repr, DATA_FORMATS))}")
+        known = {"text_field", "messages_field", "prompt_field", "response_field", "system_prompt", "text_sample_by"}
+        if set(fields) - known:
+            raise TypeError(f"unknown arguments {sorted(set(fields) - known)}; known fields: {sorted(known)}")
+        self.files = [str(f) for f in ([files] if isinstance(files, (str, os.PathLike)) else files)]
+        self.val_files = None if val_files is None else [
+            str(f) for f in ([val_files] if isinstance(val_files, (str, os.PathLike)) else val_files)]
+        self.data_dir = Path(data_dir)
+        self.tokenizer = tokenizer
+        self.data_format = data_format
+        self.seq_len, self.batch_size = seq_len, batch_size
+        self.val_fraction, self.pack, self.mask_prompt = val_fraction, pack, mask_prompt
+        self.num_proc, self.num_workers, self.seed, self.ignore_index = num_proc, num_workers, seed, ignore_index
+        self.fields = dict(fields)
+        self.prepare_result: Any = None
+        self.train_dataset: Optional[Dataset] = None
+        self.val_dataset: Optional[Dataset] = None
+        self._tok: Optional[Tokenizer] = None
+
+    @property
+    def tokenizer_object(self) -> Tokenizer:
+        """The loaded tokenizer (:class:`~lightning_4d.data.tokenizer.HFTokenizer`)."""
+        if self._tok is None:
+            self._tok = get_tokenizer(self.tokenizer)
+        return self._tok
+
+    @property
+    def vocab_size(self) -> int:
+        """The tokenizer's number of ids (``len(tokenizer)``)."""
+        return self.tokenizer_object.vocab_size
+
+    @override
+    def prepare_data(self) -> None:
+        """Tokenize into ``data_dir`` unless files made from the same source are there (then nothing is read)."""
+        from lightning.pytorch.utilities import rank_zero_info
+
+        from lightning_4d.data.prepared import prepare_dataset
+
+        self.prepare_result = prepare_dataset(
+            self.files, self.data_dir, self.tokenizer_object, self.data_format, val_files=self.val_files,
+            val_fraction=self.val_fraction, seed=self.seed, mask_prompt=self.mask_prompt, num_proc=self.num_proc,
+            **self.fields)
+        rank_zero_info(self.prepare_result.describe())
+
+    @override
+    def setup(self, stage: str) -> None:
+        """Open the token files (memory maps), check their tokenizer, build the datasets."""
+        if self.train_dataset is not None:
+            return
+        from lightning_4d.data.prepared import open_split
+
+        expected = tokenizer_record(self.tokenizer_object)
+        splits = []
+        for split in ("train", "val"):
+            tokens, mask, docs = open_split(self.data_dir, split)
+            tokens.check(tokenizer=expected, fix=f"delete {str(self.data_dir)!r} or point data_dir elsewhere so "
+                                                 f"the data is tokenized again with this tokenizer")
+            fmt = tokens.meta.get("data_format")
+            if fmt != self.data_format:
+                raise ValueError(f"{str(tokens.path)!r} holds {fmt!r} data, not {self.data_format!r}; prepare it "
+                                 f"again (prepare_data) or point data_dir elsewhere")
+            if self.data_format == "chat":
+                assert mask is not None and docs is not None
+                splits.append(MaskedTokenDataset(tokens, mask, docs, self.seq_len, pack=self.pack,
+                                                 pad_id=int(tokens.meta.get("pad_id", 0)),
+                                                 ignore_index=self.ignore_index))
+            else:
+                splits.append(TokenWindowDataset(tokens, self.seq_len))
+        self.train_dataset, self.val_dataset = splits
+
+    def _require_setup(self) -> None:
+        if self.train_dataset is None:
+            raise RuntimeError(f"{type(self).__name__}: call prepare_data() and setup() before asking for data loaders")
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled (seeded), ``drop_last=True`` batches of ``(inputs, targets)``."""
+        self._require_setup()
+        assert self.train_dataset is not None
+        return _loader(self.train_dataset, self.batch_size, True, self.seed, self.num_workers, False)
+
+    @override
+    def val_dataloader(self) -> DataLoader:
+        """In-order, ``drop_last=True`` batches of the validation split."""
+        self._require_setup()
+        assert self.val_dataset is not None
+        return _loader(self.val_dataset, self.batch_size, False, self.seed, self.num_workers, False)
+
+    @override
+    def test_dataloader(self) -> DataLoader:
+        """The validation split."""
         return self.val_dataloader()

@@ -35,12 +35,13 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from lightning_4d.data.tokenizer import Tokenizer, get_tokenizer
+from lightning_4d.data.tokenizer import Tokenizer, check_same_tokenizer, get_tokenizer, tokenizer_record
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
     "PrepareResult",
     "TokenFile",
+    "TokenWriter",
     "dtype_for_vocab",
     "iter_texts",
     "prepare",
@@ -105,6 +106,111 @@ def _atomic_write_bytes(path: Path, data: Union[bytes, memoryview]) -> None:
             tmp.unlink()
 
 
+def _tokenizer_meta(tokenizer: Union[str, Tokenizer], vocab_size: int) -> tuple[str, dict[str, Any]]:
+    """The sidecar's ``tokenizer`` name and ``tokenizer_info`` record (a name is not instantiated)."""
+    if isinstance(tokenizer, str):
+        return tokenizer, {"name": tokenizer, "vocab_size": int(vocab_size)}
+    record = tokenizer_record(tokenizer)
+    return tokenizer.name, record
+
+
+class TokenWriter:
+    """Stream token ids into a token file: chunks go to a temporary file, which :meth:`close` renames into
+    place, then writes the sidecar (last), so readers never see a partial file. As a context manager it
+    closes on success and removes the temporary file on an exception.
+
+    Args:
+        path: the ``.bin`` file to write (parent directories are created).
+        vocab_size: vocabulary size; selects ``uint16`` or ``uint32``; every id must be below it.
+        tokenizer: tokenizer name, or the tokenizer object (its :func:`tokenizer_record` is stored).
+        extra: more JSON-serialisable metadata stored in the sidecar.
+
+    Example:
+        >>> import tempfile, os
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> with TokenWriter(os.path.join(tmp.name, "s.bin"), vocab_size=256) as w:
+        ...     w.write([1, 2]); w.write(np.array([3]))
+        >>> w.result.tokens.tolist(), w.result.tokenizer_record
+        ([1, 2, 3], {'name': 'byte', 'vocab_size': 256})
+        >>> tmp.cleanup()
+    """
+
+    def __init__(
+        self,
+        path: PathLike,
+        vocab_size: int,
+        tokenizer: Union[str, Tokenizer] = "byte",
+        extra: Optional[Mapping[str, Any]] = None,
+    ) -> None:
+        self.path = Path(path)
+        self.vocab_size = int(vocab_size)
+        self.dtype = dtype_for_vocab(self.vocab_size)
+        name, record = _tokenizer_meta(tokenizer, self.vocab_size)
+        self.meta: dict[str, Any] = {
+            "format": FORMAT,
+            "version": VERSION,
+            "dtype": self.dtype.name,
+            "vocab_size": self.vocab_size,
+            "num_tokens": 0,
+            "tokenizer": name,
+            "tokenizer_info": record,
+        }
+        if extra:
+            clash = set(extra) & set(self.meta)
+            if clash:
+                raise ValueError(f"extra metadata may not override {sorted(clash)}")
+            self.meta.update(extra)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._tmp = _tmp_name(self.path)
+        self._fh: Any = open(self._tmp, "wb")
+        self.num_tokens = 0
+        self.result: Optional[TokenFile] = None
+
+    def write(self, tokens: Any) -> None:
+        """Append a 1-D array-like of ids in ``[0, vocab_size)``."""
+        arr = np.asarray(tokens)
+        if arr.ndim != 1:
+            raise ValueError(f"tokens must be 1-D, got shape {arr.shape}")
+        if not arr.size:
+            return
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"tokens must be integers, got dtype {arr.dtype}")
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= self.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got min {lo} and max {hi}")
+        self._fh.write(np.ascontiguousarray(arr, dtype=self.dtype).tobytes())
+        self.num_tokens += int(arr.size)
+
+    def close(self) -> "TokenFile":
+        """Flush, rename into place, write the sidecar; return the opened :class:`TokenFile`."""
+        if self.result is not None:
+            return self.result
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self._fh.close()
+        os.replace(self._tmp, self.path)
+        self.meta["num_tokens"] = self.num_tokens
+        _atomic_write_bytes(sidecar_path(self.path), (json.dumps(self.meta, indent=2, sort_keys=True) + "\n").encode())
+        self.result = TokenFile(self.path)
+        return self.result
+
+    def abort(self) -> None:
+        """Drop what was written (the previous file at ``path``, if any, is left as it was)."""
+        if not self._fh.closed:
+            self._fh.close()
+        if self._tmp.exists():
+            self._tmp.unlink()
+
+    def __enter__(self) -> "TokenWriter":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
 def write_tokens(
     path: PathLike,
     tokens: Any,
@@ -118,7 +224,8 @@ def write_tokens(
         path: the ``.bin`` file to write (parent directories are created).
         tokens: 1-D array-like of non-negative ids smaller than ``vocab_size``.
         vocab_size: vocabulary size; selects ``uint16`` or ``uint32``.
-        tokenizer: tokenizer name (or object, whose ``name`` is recorded).
+        tokenizer: tokenizer name, or the tokenizer object (its :func:`tokenizer_record`, with special ids
+            and vocabulary fingerprint, is stored as ``tokenizer_info``).
         extra: more JSON-serialisable metadata stored in the sidecar (e.g. the corpus source).
 
     Example:
@@ -129,35 +236,15 @@ def write_tokens(
         dtype('uint32')
         >>> tmp.cleanup()
     """
-    path = Path(path)
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise ValueError(f"tokens must be 1-D, got shape {arr.shape}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"tokens must be integers, got dtype {arr.dtype}")
-    dtype = dtype_for_vocab(vocab_size)
-    if arr.size:
-        lo, hi = int(arr.min()), int(arr.max())
-        if lo < 0 or hi >= vocab_size:
-            raise ValueError(f"token ids must lie in [0, {vocab_size}), got min {lo} and max {hi}")
-    name = tokenizer if isinstance(tokenizer, str) else tokenizer.name
-    meta: dict[str, Any] = {
-        "format": FORMAT,
-        "version": VERSION,
-        "dtype": dtype.name,
-        "vocab_size": int(vocab_size),
-        "num_tokens": int(arr.size),
-        "tokenizer": name,
-    }
-    if extra:
-        clash = set(extra) & set(meta)
-        if clash:
-            raise ValueError(f"extra metadata may not override {sorted(clash)}")
-        meta.update(extra)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write_bytes(path, np.ascontiguousarray(arr, dtype=dtype).tobytes())
-    _atomic_write_bytes(sidecar_path(path), (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
-    return TokenFile(path)
+    with TokenWriter(path, vocab_size, tokenizer, extra) as writer:
+        writer.write(arr)
+    assert writer.result is not None
+    return writer.result
 
 
 class TokenFile:
@@ -231,8 +318,21 @@ class TokenFile:
                 self._data = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.num_tokens,))
         return self._data
 
-    def check(self, vocab_size: Optional[int] = None, tokenizer: Optional[str] = None) -> None:
-        """Raise :class:`ValueError` if the sidecar disagrees with the expected vocab size or tokenizer.
+    @property
+    def tokenizer_record(self) -> dict[str, Any]:
+        """What the sidecar records about the tokenizer that wrote the file: name, vocabulary size and, for
+        files written by this version, special ids and a vocabulary fingerprint (see
+        :func:`~lightning_4d.data.tokenizer.tokenizer_record`)."""
+        info = self.meta.get("tokenizer_info")
+        if isinstance(info, dict):
+            return dict(info)
+        return {"name": self.tokenizer, "vocab_size": self.vocab_size}
+
+    def check(self, vocab_size: Optional[int] = None, tokenizer: Optional[Union[str, Mapping[str, Any]]] = None,
+              fix: str = "re-run prepare with the same tokenizer") -> None:
+        """Raise :class:`ValueError` if the sidecar disagrees with the expected vocab size or tokenizer
+        (a name, or a :func:`~lightning_4d.data.tokenizer.tokenizer_record` compared by vocabulary and special
+        ids, wherever the tokenizer is saved).
 
         Example:
             >>> import tempfile, os
@@ -241,10 +341,12 @@ class TokenFile:
             >>> tf.check(vocab_size=256, tokenizer="byte")
             >>> tmp.cleanup()
         """
-        if tokenizer is not None and tokenizer != self.tokenizer:
+        if isinstance(tokenizer, Mapping):
+            check_same_tokenizer(self.tokenizer_record, tokenizer, f"token file {str(self.path)!r}", fix)
+        elif tokenizer is not None and tokenizer != self.tokenizer:
             raise ValueError(
                 f"sidecar mismatch for {str(self.path)!r}: written with tokenizer {self.tokenizer!r}, "
-                f"expected {tokenizer!r}; re-run prepare with the same tokenizer"
+                f"expected {tokenizer!r}; {fix}"
             )
         if vocab_size is not None and vocab_size != self.vocab_size:
             raise ValueError(

@@ -7,7 +7,9 @@ forward is one of two contracts, told apart by its signature:
 
 - ``"assignments"`` (transformers): ``experts(hidden (N, H), top_k_index (N, k), top_k_weights (N, k)) -> (N, H)``,
   the weighted sum over each token's ``k`` experts;
-- ``"grouped"`` (TorchTitan): ``experts(x (M, H) sorted by expert, num_tokens_per_expert (E,)) -> (M, H)``.
+- ``"grouped"`` (TorchTitan): ``experts(x (M, H) sorted by expert, num_tokens_per_expert (E,)) -> (M, H)``;
+- ``"dense"`` (Llama 4): ``experts(x (E·N, H)) -> (E·N, H)``, every expert on every token (rows expert-major, the
+  router's scores already applied by the layer): the grouped contract with ``N`` tokens per expert.
 
 :func:`install_expert_parallel` keeps the module, its class (a subclass is swapped in, as FSDP2 does), its
 parameter names and the checkpoint layout: parameters become DTensors ``Shard(0)`` over the ep mesh (global
@@ -45,7 +47,7 @@ from lightning_4d.expert_parallel.permute import make_permutation, permute, unpe
 __all__ = ["ExpertsSpec", "inspect_experts", "find_expert_modules", "verify_experts", "install_expert_parallel",
            "is_inplace_experts", "Contract"]
 
-Contract = Literal["assignments", "grouped"]
+Contract = Literal["assignments", "grouped", "dense"]
 _COUNT_ATTR_HINTS = ("expert",)  # int attributes equal to E whose name contains this are made local too
 
 
@@ -59,7 +61,7 @@ class ExpertsSpec:
         num_experts: ``E`` (dim 0 of every parameter).
         params: names of its parameters (all ``[E, ...]``).
         count_attrs: int attributes equal to ``E`` (``num_experts``...), set to ``E/ep`` during the local call.
-        router: name of the sibling holding the ``(E, H)`` router weight.
+        router: where the ``(E, H)`` router weight is, relative to the parent (``../`` per level up).
     """
 
     name: str
@@ -90,16 +92,19 @@ def _contract(module: nn.Module) -> Optional[Contract]:
     required = [p for p in params if p.default is inspect.Parameter.empty]
     # GPT-OSS declares ``forward(hidden_states, router_indices=None, routing_weights=None)``.
     count = len(params) if len(params) in (2, 3) else len(required)
-    return {3: "assignments", 2: "grouped"}.get(count)  # type: ignore[return-value]
+    return {3: "assignments", 2: "grouped", 1: "dense"}.get(count)  # type: ignore[return-value]
 
 
-def inspect_experts(module: nn.Module, name: str, parent: Optional[nn.Module]) -> ExpertsSpec | str:
+def inspect_experts(module: nn.Module, name: str, parent: Optional[nn.Module],
+                    ancestors: tuple[nn.Module, ...] = ()) -> ExpertsSpec | str:
     """An :class:`ExpertsSpec` when ``module`` is an experts module with 3-D parameters next to a router, else
     the reason it is not one (a string). Pure.
 
     Rules: every direct parameter has the same leading size ``E >= 2`` and at least one is 3-D; no child module
-    holds parameters; the parent holds another parameter of shape ``(E, H)`` (the router); the forward takes
-    ``(hidden, top_k_index, top_k_weights)`` or ``(x, num_tokens_per_expert)``.
+    holds parameters; the nearest enclosing module — ``parent``, then each of ``ancestors`` (innermost first, up to
+    a container of blocks) — that holds another parameter of shape ``(E, H)`` outside the experts holds the router
+    (TorchTitan keeps it one level up: ``moe.router.gate`` beside ``moe.routed_experts.inner_experts``); the forward
+    takes ``(hidden, top_k_index, top_k_weights)`` or ``(x, num_tokens_per_expert)``.
 
     Example:
         >>> class Experts(nn.Module):
@@ -131,19 +136,25 @@ def inspect_experts(module: nn.Module, name: str, parent: Optional[nn.Module]) -
     if parent is None:
         return "it has no parent module holding a router"
     router = ""
-    for sub, mod in parent.named_modules():
-        direct = mod.parameters(recurse=False)
-        if mod is module or (mod is not parent and any(m is module for m in mod.modules())):
-            continue
-        if any(p.dim() == 2 and p.shape[0] == e for p in direct):
-            router = sub
+    for level, enclosing in enumerate((parent,) + tuple(ancestors)):
+        if level and isinstance(enclosing, (nn.ModuleList, nn.ModuleDict)):
+            break  # a container of blocks: another layer's router is not this one's
+        for sub, mod in enclosing.named_modules():
+            if mod is module or (mod is not enclosing and any(m is module for m in mod.modules())):
+                continue
+            if any(p.dim() == 2 and p.shape[0] == e for p in mod.parameters(recurse=False)):
+                router = "../" * level + sub
+                break
+        if router:
             break
     if not router:
-        return f"no sibling holds a router weight of shape ({e}, hidden)"
+        return f"no sibling holds a router weight of shape ({e}, hidden), nor a module around its parent"
     contract = _contract(module)
+    if contract == "dense" and "expert" not in name.rpartition(".")[2]:
+        contract = None  # a one-input forward is taken for every-token experts only where the model says so
     if contract is None:
-        return ("its forward takes neither (hidden_states, top_k_index, top_k_weights) nor "
-                "(x, num_tokens_per_expert)")
+        return ("its forward takes neither (hidden_states, top_k_index, top_k_weights), (x, num_tokens_per_expert) "
+                "nor (x) with every expert's rows")
     counts = [a for a, v in vars(module).items()
               if isinstance(v, int) and not isinstance(v, bool) and v == e and any(h in a for h in _COUNT_ATTR_HINTS)]
     return ExpertsSpec(name, contract, e, list(own), counts, router)
@@ -174,7 +185,12 @@ def find_expert_modules(model: nn.Module) -> tuple[list[ExpertsSpec], list[tuple
             continue
         if not _looks_moe(mod) or isinstance(mod, GroupedExperts):  # the package's own layer is handled apart
             continue
-        found = inspect_experts(mod, name, parents.get(id(mod)))
+        chain: list[nn.Module] = []
+        up = parents.get(id(mod))
+        while up is not None and len(chain) < 4:
+            chain.append(up)
+            up = parents.get(id(up))
+        found = inspect_experts(mod, name, chain[0] if chain else None, tuple(chain[1:]))
         if isinstance(found, str):
             rejected.append((name, found))
         else:
@@ -249,6 +265,19 @@ def _grouped_forward(module: nn.Module, st: _State, x: torch.Tensor, counts: tor
     return combine(ys + _touch(tensors).to(ys.dtype), info)  # (M, H)
 
 
+def _dense_forward(module: nn.Module, st: _State, x: torch.Tensor) -> torch.Tensor:
+    e = st.spec.num_experts
+    counts = torch.full((e,), x.shape[0] // e, dtype=torch.long, device=x.device)  # (E,) N tokens each
+    tensors = _local_tensors(module, st)
+    with torch.no_grad():
+        st.tokens = counts.clone()
+    if st.group is None:
+        return _call_local(module, st, tensors, x)  # (E·N, H)
+    recv, _info = dispatch(x, counts, st.group)  # (E/ep · ep·N, H): this rank's experts, every rank's tokens
+    ys = _call_local(module, st, tensors, recv)
+    return combine(ys + _touch(tensors).to(ys.dtype), _info)  # (E·N, H)
+
+
 def _bind(module: nn.Module, st: _State, args: tuple, kwargs: dict) -> list[Any]:
     if not kwargs:
         return list(args)
@@ -267,6 +296,8 @@ class _InPlaceExperts:
         values = _bind(self, st, args, kwargs)  # type: ignore[arg-type]
         if st.spec.contract == "assignments":
             return _assignments_forward(self, st, *values[:3])  # type: ignore[arg-type]
+        if st.spec.contract == "dense":
+            return _dense_forward(self, st, values[0])  # type: ignore[arg-type]
         return _grouped_forward(self, st, *values[:2])  # type: ignore[arg-type]
 
     @property
@@ -311,8 +342,8 @@ def verify_experts(module: nn.Module, spec: ExpertsSpec, parts: int = 2) -> None
     hidden = torch.randn(n, hidden_dim, generator=gen).to(device=first.device, dtype=first.dtype)  # (N, H)
     idx = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(n)]).to(first.device)  # (N, k)
     st = _State(spec, type(module).forward)
-    what = "(hidden_states, top_k_index, top_k_weights)" if spec.contract == "assignments" else \
-        "(x, num_tokens_per_expert)"
+    what = {"assignments": "(hidden_states, top_k_index, top_k_weights)", "grouped": "(x, num_tokens_per_expert)",
+            "dense": "(x) with N rows per expert, expert-major"}[spec.contract]
     try:
         if spec.contract == "assignments":
             weights = torch.rand(n, k, generator=gen).to(first.device)  # (N, k) fp32 like the routers'
@@ -325,6 +356,12 @@ def verify_experts(module: nn.Module, spec: ExpertsSpec, parts: int = 2) -> None
                 ones = torch.ones(tok.numel(), 1, dtype=weights.dtype, device=first.device)
                 ys = _call_local(module, st, local, hidden[tok], (idx[tok, slot] - lo).unsqueeze(1), ones)
                 got.index_add_(0, tok, (ys * weights[tok, slot].unsqueeze(1)).to(got.dtype))
+        elif spec.contract == "dense":
+            x = torch.randn(e * n, hidden_dim, generator=gen).to(device=first.device, dtype=first.dtype)  # (E·N, H)
+            ref = st.forward(module, x)
+            got = torch.cat([_call_local(module, st, {n_: p.detach()[r * e // parts:(r + 1) * e // parts]
+                                                      for n_, p in params.items()},
+                                         x[r * e // parts * n:(r + 1) * e // parts * n]) for r in range(parts)])
         else:
             counts = torch.bincount(idx.reshape(-1), minlength=e)  # (E,)
             x = hidden[torch.sort(idx.reshape(-1), stable=True).indices // k]  # (M, H) sorted by expert

@@ -203,7 +203,7 @@ def install_token_shard_check(layers: dict[str, nn.Module], tp_group: dist.Proce
     """
     import torch
 
-    from lightning_4d.callbacks._common import internal_comm
+    from lightning_4d.comm import internal_comm
 
     for name, layer in layers.items():
         handles: list[Any] = []

@@ -38,7 +38,7 @@ from torch import nn
 
 from lightning_4d.expert_parallel.moe import MoE
 
-__all__ = ["find_moe_modules", "is_moe_like", "moe_from_mixtral", "rewrite_moe_modules",
+__all__ = ["source_names", "find_moe_modules", "is_moe_like", "moe_from_mixtral", "rewrite_moe_modules",
            "export_original_state_dict", "convert_original_state_dict"]
 
 _NAMINGS = (("w1", "w2", "w3"), ("gate_proj", "down_proj", "up_proj"))  # as (w1, w2, w3)
@@ -209,6 +209,23 @@ def rewrite_moe_modules(model: nn.Module, verify: bool = True) -> nn.Module:
 
 def _maps(model: nn.Module) -> dict[str, dict[str, tuple[str, Optional[int]]]]:
     return {n: m.source_key_map for n, m in model.named_modules() if isinstance(m, MoE) and m.source_key_map}
+
+
+def source_names(model: nn.Module) -> dict[str, tuple[str, Optional[int]]]:
+    """Original names of rewritten tensors → ``(name in ``model``, index along dim 0 or None)``, e.g.
+    ``layers.0.moe.experts.3.w1.weight → (layers.0.moe.experts.w1, 3)`` for Mixtral experts stacked by
+    :func:`rewrite_moe_modules` (empty when nothing was rewritten).
+
+    Example:
+        >>> source_names(nn.Linear(1, 1))
+        {}
+    """
+    out: dict[str, tuple[str, Optional[int]]] = {}
+    for prefix, mapping in _maps(model).items():
+        pre = f"{prefix}." if prefix else ""
+        for orig, (new, idx) in mapping.items():
+            out[pre + orig] = (pre + new, idx)
+    return out
 
 
 def export_original_state_dict(model: nn.Module, state_dict: Optional[dict] = None) -> dict[str, torch.Tensor]:

@@ -176,8 +176,10 @@ class HFLogits(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: PathLike, dtype: Union[str, torch.dtype] = "float32",
-                        attn_implementation: str = "sdpa", trust_remote_code: bool = False) -> "HFLogits":
-        """``AutoModelForCausalLM.from_pretrained(path)`` from a local directory, offline.
+                        attn_implementation: str = "sdpa", trust_remote_code: bool = False,
+                        meta: Optional[bool] = None) -> "HFLogits":
+        """The model of a local directory, offline: loaded whole (``AutoModelForCausalLM.from_pretrained``), or
+        built on the meta device with its weights streamed in later, shard by shard.
 
         Args:
             path: a directory with ``config.json`` and weights (``*.safetensors`` or ``pytorch_model*.bin``).
@@ -186,12 +188,28 @@ class HFLogits(nn.Module):
                 (formerly ``torch_dtype``).
             attn_implementation: ``sdpa`` (default) or ``eager``.
             trust_remote_code: run Python code shipped in the directory (off by default).
+            meta: ``None`` (default): on the meta device when called under one (``with torch.device("meta")``,
+                ``trainer.init_module(empty_init=True)``, a ``configure_model`` doing so), else loaded whole;
+                ``True`` / ``False`` force either. On meta the model is built from its config
+                (``AutoModelForCausalLM.from_config``, no memory) and carries an
+                :class:`~lightning_4d.models.hf_source.HFWeightSource` as ``model.fourd_weight_source``:
+                ``FourDStrategy`` then allocates only each rank's shards and reads their values straight from
+                the safetensors files, one tensor at a time (peak per rank ≈ its share + one tensor);
+                :func:`~lightning_4d.models.hf_source.materialize_pretrained` does it in one process. Needs
+                ``*.safetensors`` files (single-file or sharded with ``model.safetensors.index.json``).
 
         Raises:
-            FileNotFoundError: no such directory, no ``config.json``, or no weight files.
+            FileNotFoundError: no such directory, no ``config.json``, or no weight files (on meta: no
+                safetensors files).
+            lightning_4d.models.hf_source.WeightMappingError: on meta, files that do not fit the model (shapes,
+                keys transformers cannot map), found from the files' headers before anything is allocated.
 
         Example:
             >>> net = HFLogits.from_pretrained("my-llama", dtype="bfloat16")  # doctest: +SKIP
+            >>> with torch.device("meta"):
+            ...     net = HFLogits.from_pretrained("my-llama")  # doctest: +SKIP
+            >>> net.model.fourd_weight_source  # doctest: +SKIP
+            HFWeightSource('/data/my-llama', 26 tensors from 1 file(s), missing=0, unexpected=0)
         """
         from transformers import AutoModelForCausalLM
 
@@ -205,9 +223,37 @@ class HFLogits(nn.Module):
                 f"{path} holds config.json but no weights (*.safetensors or pytorch_model*.bin); save the model with "
                 f"save_pretrained, or build a randomly initialised one from the config with from_config.")
         _check_attn(attn_implementation)
+        if meta is None:
+            meta = torch.get_default_device().type == "meta"
+        if meta:
+            return cls._streamed(directory, config, dtype, attn_implementation, trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
             str(directory), config=config, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code, local_files_only=True)
+        return cls(model, source=directory)
+
+    @classmethod
+    def _streamed(cls, directory: Path, config: Any, dtype: Union[str, torch.dtype], attn_implementation: str,
+                  trust_remote_code: bool) -> "HFLogits":
+        """Built on meta from ``config``, with the directory's weights attached as its ``fourd_weight_source``."""
+        from transformers import AutoModelForCausalLM
+
+        from lightning_4d.models.hf_source import HFWeightSource, safetensors_dtype
+
+        resolved = resolve_dtype(dtype)
+        if resolved == "auto":  # as from_pretrained: config.json's dtype, else the files' first floating dtype
+            saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+            resolved = getattr(torch, saved) if isinstance(saved, str) else saved
+            resolved = resolved or safetensors_dtype(directory) or torch.float32
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=resolved, attn_implementation=attn_implementation,
+                                                     trust_remote_code=trust_remote_code)
+        model.fourd_weight_source = HFWeightSource(directory, model)
+        source = model.fourd_weight_source
+        if source.missing or source.unexpected:
+            from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+            rank_zero_warn(f"HFLogits.from_pretrained: {source.describe()}")
         return cls(model, source=directory)
 
     @classmethod

@@ -15,6 +15,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from typing_extensions import override
 
 from lightning_4d.mixin import FourDModule
 
@@ -24,12 +25,18 @@ __all__ = ["CausalLM"]
 class CausalLM(FourDModule, L.LightningModule):
     """Wraps a model mapping tokens ``(B, T)`` to logits ``(B, T, V)``.
 
+    Validation and test log, besides ``val_loss`` / ``test_loss``, the token-weighted perplexity ``val_ppl`` and
+    the next-token accuracy ``val_acc`` (``test_ppl``, ``test_acc``) of every target token that is not
+    ``ignore_index``, through ``torchmetrics`` (:mod:`lightning_4d.metrics`): updated in ``loss_fn`` where the
+    outputs are, synced over the data-parallel group, equal on every rank and to one process's values.
+
     Args:
         model: the network (its forward must be ``tokens -> logits``).
         lr: AdamW learning rate.
         weight_decay: AdamW weight decay.
         betas: AdamW betas.
         warmup_steps: linear warm-up steps of the LR (0 = constant LR).
+        metrics: log perplexity and accuracy in validation and test.
 
     Example:
         >>> lm = CausalLM(nn.Sequential(nn.Embedding(8, 8)), lr=1e-3)
@@ -44,19 +51,82 @@ class CausalLM(FourDModule, L.LightningModule):
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 0,
+        metrics: bool = True,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["model"])
         self.model = model
+        # stage -> {"ppl": TokenPerplexity, "acc": TokenAccuracy}. A plain dict, not submodules: the metrics stay out
+        # of the model the strategy rewrites (trace, pipeline split, precision casts, checkpoints).
+        self._metrics: dict[str, dict[str, Any]] = {}
 
     def forward(self, tokens: Tensor) -> Tensor:
         """Logits ``(B, T, V)`` for tokens ``(B, T)``."""
         return self.model(tokens)
 
     def loss_fn(self, logits: Tensor, targets: Tensor) -> Tensor:
-        """Mean next-token cross-entropy over targets that are not ``ignore_index``."""
+        """Mean next-token cross-entropy over targets that are not ``ignore_index``; in validation and test it also
+        updates the perplexity and accuracy metrics with this (micro-)batch."""
         ignore = self.ignore_index if self.ignore_index is not None else -100
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=ignore)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=ignore)
+        stage = self.fourd_stage
+        if stage in ("val", "test") and self.hparams.get("metrics", True):
+            self._update_metrics(stage, logits, targets, loss, ignore)
+        return loss
+
+    def stage_metrics(self, stage: str) -> dict[str, Any]:
+        """The ``torchmetrics`` metrics of ``stage`` (``"val"`` or ``"test"``): ``{"ppl": TokenPerplexity,
+        "acc": TokenAccuracy}``, created on first use with ``process_group=self.fourd_dp_group``.
+
+        Example:
+            >>> sorted(CausalLM(nn.Linear(2, 2)).stage_metrics("val"))
+            ['acc', 'ppl']
+        """
+        if stage not in self._metrics:
+            from lightning_4d.metrics import TokenAccuracy, TokenPerplexity
+
+            group = self.fourd_dp_group
+            ignore = self.ignore_index if self.ignore_index is not None else -100
+            with torch.inference_mode(False):  # plain tensors: updated inside and outside inference mode
+                self._metrics[stage] = {"ppl": TokenPerplexity(process_group=group),
+                                        "acc": TokenAccuracy(ignore_index=ignore, process_group=group)}
+        return self._metrics[stage]
+
+    @torch.no_grad()
+    def _update_metrics(self, stage: str, logits: Tensor, targets: Tensor, loss: Tensor, ignore: int) -> None:
+        from lightning_4d.metrics import local_value, token_predictions
+
+        metrics = self.stage_metrics(stage)
+        for metric in metrics.values():
+            if metric.device != targets.device:
+                metric.to(targets.device)
+        count = (targets != ignore).sum()
+        if int(count):
+            metrics["ppl"].update(local_value(loss).detach().double() * count, count)
+        metrics["acc"].update(token_predictions(logits), targets)
+
+    def _log_metrics(self, stage: str) -> None:
+        if not self.hparams.get("metrics", True):
+            return
+        metrics = self.stage_metrics(stage)  # also on ranks without outputs: they take part in the broadcast
+        self.fourd_log_metric(f"{stage}_ppl", metrics["ppl"])
+        self.fourd_log_metric(f"{stage}_acc", metrics["acc"])
+
+    @override
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_metrics"] = {}  # their process groups cannot be pickled or copied; recreated on first use
+        return state
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        """Log ``val_ppl`` and ``val_acc`` (equal on every rank), then reset them."""
+        self._log_metrics("val")
+
+    @override
+    def on_test_epoch_end(self) -> None:
+        """Log ``test_ppl`` and ``test_acc`` (equal on every rank), then reset them."""
+        self._log_metrics("test")
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Record a wrapped Hugging Face model's config (:class:`~lightning_4d.models.HFLogits`), so

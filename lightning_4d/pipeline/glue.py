@@ -125,8 +125,10 @@ def split_pipeline(module: nn.Module, mesh: Any, config: Any, split: Any) -> Any
     )
 
 
-def build_runner(module: nn.Module, mesh: Any, config: Any, parts: Any) -> PipelineRunner:
-    """The torch schedule over this rank's (already TP/DP-wrapped) stage modules."""
+def build_runner(module: nn.Module, mesh: Any, config: Any, parts: Any,
+                 device: Optional[torch.device] = None) -> PipelineRunner:
+    """The torch schedule over this rank's (already TP/DP-wrapped) stage modules, on ``device`` (default: the
+    stages' parameters' device; a model still on the meta device passes the device it will be materialised on)."""
     ignore = getattr(module, "ignore_index", -100)
     count = getattr(module, "count_targets", None)
     staged = isinstance(module.get_submodule(parts.split.blocks_path), StagedBlocks)
@@ -136,6 +138,7 @@ def build_runner(module: nn.Module, mesh: Any, config: Any, parts: Any) -> Pipel
         ignore_index=-100 if ignore is None else ignore,
         token_count_fn=(lambda t: int(count(t))) if callable(count) else None,
         model=module,  # tied weights are synchronised by the strategy once per optimizer step
+        device=device,
     )
 
 

@@ -4,7 +4,8 @@ bubble, step time / MFU, and a layout search — pure functions, no process grou
 The layers of the planner:
 
 - :mod:`.spec` — :class:`TransformerSpec` (from the package's model configs) and :class:`TrainSpec`;
-- :mod:`.hardware` — devices, clusters, which mesh axes cross nodes;
+- :mod:`.hardware` — devices by name and their families' calibrated constants, clusters, which mesh axes
+  cross nodes;
 - :mod:`.memory` — model states, FSDP buffers and activations (Korthikanti et al. 2022) per pp rank;
 - :mod:`.comm` — bytes per collective kind and axis per step;
 - :mod:`.bubble` — the bubble of the exact schedule (closed form = replay of torch's table) and in-flight
@@ -12,7 +13,8 @@ The layers of the planner:
 - :mod:`.compute` — GEMM-shape-dependent compute time, memory-bound kernels, optimizer step;
 - :mod:`.dp_modes` — states and traffic of fsdp, replicate, hsdp, zero1, zero2;
 - :mod:`.roofline` — step time and MFU;
-- :mod:`.calibrate` — the planner against published runs (``docs/planner_calibration.md``);
+- :mod:`.calibrate` — published figures and the ratio table (``docs/planner_calibration.md``, planned through
+  ``recipes/plan.py``'s path by :mod:`lightning_4d.recipes.calibration`);
 - :mod:`.moe_1t` — the seed's 1T MoE on 512 / 1024 GPUs (``docs/moe_1t_plan.md``);
 - :mod:`.search` — enumerate, filter by memory, rank by time;
 - :mod:`.report` — ``make_plan`` / ``format_table`` / ``write_plan``;
@@ -31,13 +33,19 @@ from lightning_4d.planner.bubble import bubble_fraction, in_flight_microbatches,
 from lightning_4d.planner.comm import Collective, collective_bytes, comm_per_rank, summarize
 from lightning_4d.planner.hardware import (
     A100,
+    CPU,
     CPU_TOY,
+    DEVICES,
+    FAMILIES,
     H100,
     H100_HBM2E_500W,
     H200,
     ClusterSpec,
+    DeviceFamily,
     DeviceSpec,
     axes_crossing_nodes,
+    custom_device,
+    device_by_name,
 )
 from lightning_4d.planner.memory import RankMemory, memory_per_rank
 from lightning_4d.planner.report import format_table, make_plan, write_plan
@@ -46,7 +54,8 @@ from lightning_4d.planner.search import Candidate, NoLayoutFits, search
 from lightning_4d.planner.spec import TrainSpec, TransformerSpec, seed_moe_1t
 
 __all__ = [
-    "A100", "CPU_TOY", "H100", "H100_HBM2E_500W", "H200", "Candidate", "ClusterSpec", "Collective", "DeviceSpec", "NoLayoutFits",
+    "A100", "CPU", "CPU_TOY", "DEVICES", "FAMILIES", "H100", "H100_HBM2E_500W", "H200", "Candidate", "ClusterSpec",
+    "Collective", "DeviceFamily", "DeviceSpec", "NoLayoutFits", "custom_device", "device_by_name",
     "RankMemory", "StepEstimate", "TrainSpec", "TransformerSpec", "axes_crossing_nodes", "bubble_fraction",
     "collective_bytes", "comm_per_rank", "estimate_step", "format_table", "in_flight_microbatches", "make_plan",
     "memory_per_rank", "replayed_bubble", "search", "seed_moe_1t", "summarize", "write_plan",

@@ -1,194 +1,190 @@
-"""The planner against published training runs: throughput and memory ratios, one row per run.
+"""The planner against published training runs: what a published figure means, and the ratio table.
 
-The runs (figures and sources) are in ``lightning_4d/planner/calibration/published.json``: Megatron-LM's
-SC21 Table 1 (Narayanan et al. 2021; A100 80GB, GPT 1.7B–1T, TFLOP/s per GPU) and TorchTitan's
-Llama 3.1 8B / 70B H100 benchmarks (tokens/s per GPU and max reserved memory). Every row is planned
-with the same device constants (:mod:`lightning_4d.planner.hardware`) and kernel constants
-(:mod:`lightning_4d.planner.compute`); nothing is fitted per row.
+The runs (figures, sources and each run described as ``recipes/plan.py`` overrides) are in
+``lightning_4d/planner/calibration/published.json``: Megatron-LM's SC21 Table 1 (A100 80GB, GPT 1.7B–1T,
+TFLOP/s per GPU), TorchTitan's Llama 3.1 8B / 70B H100 benchmarks (tokens/s per GPU and max reserved memory),
+Megatron-Core's Mixtral 8x7B H100 figure and Llama 3 405B's 8K / 16K-GPU pre-training. Every row is planned by
+the path a user runs — the row's overrides composed into the ``plan`` config, then
+:func:`lightning_4d.recipes.planning.plan_setup` and :func:`~lightning_4d.planner.make_plan`
+(:mod:`lightning_4d.recipes.calibration`) — with the devices' family constants
+(:mod:`lightning_4d.planner.hardware`) and the kernel constants (:mod:`lightning_4d.planner.compute`);
+nothing is fitted per row.
 
-Run ``python -m lightning_4d.planner.calibrate [--write docs/planner_calibration.md]``.
+This module is the pure part: how a published figure converts to a step time (:func:`published_step_s`, with
+the FLOP conventions of :data:`FLOP_CONVENTIONS`), one row's comparison (:func:`compare`) and the markdown
+table (:func:`format_markdown`). ``python bench/calibrate_planner.py --write docs/planner_calibration.md``
+regenerates the document.
 
 Example:
-    >>> rows = calibration_rows()
-    >>> all(r["fits"] for r in rows)
+    >>> data = load_published()
+    >>> {"megatron_sc21", "torchtitan_202412", "megatron_core_moe"} <= {r["source"] for r in data["rows"]}
     True
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from importlib import resources
 from typing import Any, Optional
 
-from lightning_4d.mesh import ParallelDims
-from lightning_4d.planner.hardware import A100, H100_HBM2E_500W, ClusterSpec
-from lightning_4d.planner.memory import memory_per_rank
-from lightning_4d.planner.roofline import estimate_step
 from lightning_4d.planner.spec import TrainSpec, TransformerSpec
 
-__all__ = ["load_published", "row_setup", "calibration_rows", "format_markdown", "TOLERANCE", "main"]
+__all__ = ["TOLERANCE", "FLOP_CONVENTIONS", "load_published", "iteration_flops", "published_step_s", "compare",
+           "format_markdown", "row_command"]
 
 #: The target: every ratio planner / published within ±15%.
 TOLERANCE = 0.15
 _GIB = 2**30
+_LAYOUT_KEYS = ("world_size", "tp", "pp", "ep", "dp", "virtual_stages", "microbatches", "micro_batch_size",
+                "global_batch_size")
+#: How a source counts the FLOPs behind its TFLOP/s figure (:func:`iteration_flops`).
+FLOP_CONVENTIONS = ("megatron_sc21", "megatron_core", "model")
 
 
 def load_published() -> dict[str, Any]:
-    """The published figures (``calibration/published.json``)."""
+    """The published figures (``calibration/published.json``).
+
+    Example:
+        >>> len(load_published()["rows"]) >= 15
+        True
+    """
     text = resources.files("lightning_4d.planner").joinpath("calibration/published.json").read_text()
     return json.loads(text)
 
 
-def row_setup(row: dict, models: dict) -> tuple[TransformerSpec, ParallelDims, TrainSpec, ClusterSpec]:
-    """Planner inputs of one published run.
+def row_command(row: dict[str, Any]) -> str:
+    """The command line that plans ``row`` (its overrides after ``python recipes/plan.py``).
 
     Example:
-        >>> data = load_published()
-        >>> spec, dims, train, cluster = row_setup(data["rows"][0], data["models"])
-        >>> (dims.tp, dims.pp, dims.dp, train.microbatches), cluster.device.name
-        ((1, 1, 32, 1), 'A100-SXM-80GB')
+        >>> row_command({"overrides": ["model=llama3_8b", "parallel=dp"]})
+        'python recipes/plan.py model=llama3_8b parallel=dp'
     """
-    base = dict(models[row["model"]])
-    n = row["gpus"]
-    if row["source"] == "megatron_sc21":
-        spec = TransformerSpec(hidden=row["hidden"], layers=row["layers"], heads=row["heads"],
-                               ffn_hidden=4 * row["hidden"], name=row["id"], **base)
-        # Megatron 2021: no sequence parallelism, fused (non-flash) softmax, full recomputation, DDP.
-        dims = ParallelDims.from_world(n, tp=row["tp"], pp=row["pp"], sequence_parallel=False,
-                                       virtual_stages=row["virtual_stages"] if row["pp"] > 1 else 1)
-        m = row["global_batch"] // (dims.dp * row["micro_batch"])
-        schedule = "interleaved_1f1b" if row["virtual_stages"] > 1 else "1f1b"
-        train = TrainSpec(row["global_batch"], microbatches=m, schedule=schedule, data_parallel="replicate",
-                          activation_checkpointing="full", flash_attention=False)
-        cluster = ClusterSpec(n // 8, 8, A100)
+    return " ".join(["python recipes/plan.py", *row["overrides"]])
+
+
+def iteration_flops(convention: str, spec: TransformerSpec, train: TrainSpec) -> float:
+    """FLOPs of one optimizer step as a source counts them for its TFLOP/s figure.
+
+    - ``megatron_sc21``: Narayanan et al. 2021, eq. 3, ``96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))`` (GPT with
+      full recomputation: four forward passes' worth);
+    - ``megatron_core``: Megatron-Core's ``num_floating_point_operations`` (model FLOPs, no recomputation):
+      ``12·B·s·l·h²·((1 + g/a + s/h)·q/h + (F/h)·k·σ + V/(2·l·h))`` with ``F`` the expert width of an MoE,
+      ``k`` its top-k, ``σ`` 3/2 for SwiGLU;
+    - ``model``: the planner's model FLOPs, :meth:`TransformerSpec.flops_per_token` ``× B·s``
+      (``6·N_active + 12·l·a·d·s`` per token).
+
+    Example:
+        >>> spec = TransformerSpec(vocab_size=51200, hidden=2304, layers=24, heads=24, seq_len=2048)
+        >>> round(iteration_flops("megatron_sc21", spec, TrainSpec(512)) / 1e15, 1)
+        15.5
+    """
+    b, s, l, h, v = train.global_batch_size, train.seq(spec), spec.layers, spec.hidden, spec.vocab_size
+    if convention == "megatron_sc21":
+        return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+    if convention == "megatron_core":
+        ffn, k = (spec.expert_hidden, spec.top_k) if spec.is_moe else (spec.ffn_hidden, 1)
+        glu = 1.5 if spec.gated_mlp else 1.0
+        attn = (1 + spec.kv_heads / spec.heads + s / h) * spec.q_width / h
+        return 12 * b * s * l * h * h * (attn + ffn / h * k * glu + v / (2 * l * h))
+    if convention == "model":
+        return float(spec.flops_per_token(s)) * b * s
+    raise ValueError(f"flops={convention!r} is not one of {FLOP_CONVENTIONS}.")
+
+
+def published_step_s(published: dict[str, Any], spec: TransformerSpec, train: TrainSpec, world: int) -> float:
+    """Seconds per optimizer step that a published throughput implies for the planned batch: from
+    ``tokens_per_s_per_gpu``, or from ``tflops_per_gpu`` with its FLOP convention (``flops``).
+
+    Example:
+        >>> spec = TransformerSpec(vocab_size=8, hidden=4, layers=1, heads=1, seq_len=10)
+        >>> published_step_s({"tokens_per_s_per_gpu": 5.0}, spec, TrainSpec(4), world=2)
+        4.0
+    """
+    if "tokens_per_s_per_gpu" in published:
+        return train.global_batch_size * train.seq(spec) / (published["tokens_per_s_per_gpu"] * world)
+    flops = iteration_flops(published["flops"], spec, train)
+    return flops / (published["tflops_per_gpu"] * 1e12 * world)
+
+
+def compare(row: dict[str, Any], spec: TransformerSpec, train: TrainSpec, plan: dict[str, Any]) -> dict[str, Any]:
+    """One row of the table: the published figure and the plan's in the published unit, their ratio
+    (planner / published; > 1 means the planner is optimistic), memory (planned peak reserved GiB, published
+    when known, ratio) and whether the planned peak fits the device.
+
+    Example:
+        >>> spec = TransformerSpec(vocab_size=8, hidden=4, layers=1, heads=1, seq_len=10)
+        >>> plan = {"step_time_s": 2.0, "layout": {"world_size": 2}, "memory": {"peak": 2**30, "fits": True},
+        ...         "step": {"bottleneck": "compute"}, "inputs": {"device": "toy"}}
+        >>> r = compare({"id": "x", "source": "s", "published": {"tokens_per_s_per_gpu": 5.0, "memory_gib": 2.0},
+        ...              "overrides": []}, spec, TrainSpec(4), plan)
+        >>> r["throughput_ratio"], r["memory_ratio"]
+        (2.0, 0.5)
+    """
+    pub = row["published"]
+    world = plan["layout"]["world_size"]
+    step_pub, step = published_step_s(pub, spec, train, world), plan["step_time_s"]
+    if "tokens_per_s_per_gpu" in pub:
+        unit, published = "tokens/s/GPU", pub["tokens_per_s_per_gpu"]
     else:
-        spec = TransformerSpec(name=row["id"], **base)
-        dims = ParallelDims.from_world(n, tp=row["tp"], pp=row["pp"], sequence_parallel=row["tp"] > 1)
-        m = row["global_batch"] // (dims.dp * row["micro_batch"])
-        train = TrainSpec(row["global_batch"], microbatches=m, data_parallel="fsdp",
-                          activation_checkpointing=row["activation_checkpointing"], compile=row["compile"],
-                          selective_policy="every_other_matmul", float8=bool(row.get("float8")))
-        cluster = ClusterSpec(max(1, n // 8), min(8, n), H100_HBM2E_500W)
-    return spec, dims, train, cluster
-
-
-def _megatron_flops(row: dict, seq: int, vocab: int) -> float:
-    """Megatron's FLOPs per iteration (SC21 eq. 3, with recomputation)."""
-    b, l, h = row["global_batch"], row["layers"], row["hidden"]
-    return 96 * b * seq * l * h * h * (1 + seq / (6 * h) + vocab / (16 * l * h))
-
-
-def calibration_rows(data: Optional[dict] = None) -> list[dict[str, Any]]:
-    """Planner vs published for every row: ``throughput`` (published unit), ``planned``, ``ratio``, memory.
-
-    Example:
-        >>> r = calibration_rows()[0]
-        >>> sorted(k for k in r if k.startswith("throughput"))
-        ['throughput_planned', 'throughput_published', 'throughput_ratio', 'throughput_unit']
-    """
-    data = data or load_published()
-    out = []
-    for row in data["rows"]:
-        spec, dims, train, cluster = row_setup(row, data["models"])
-        dev = cluster.device
-        est = estimate_step(spec, dims, train, cluster)
-        mem = max(r.total for r in memory_per_rank(spec, dims, train, allocator_overhead=dev.allocator_overhead))
-        res: dict[str, Any] = {"id": row["id"], "source": row["source"], "layout":
-                               f"tp={dims.tp} pp={dims.pp} dp={dims.dp} v={dims.virtual_stages} "
-                               f"m={train.microbatches} b={row['micro_batch']}",
-                               "device": dev.name, "bottleneck": est.bottleneck, "bubble": est.bubble,
-                               "fits": mem <= dev.usable_bytes, "memory_planned_gib": mem / _GIB}
-        if row["source"] == "megatron_sc21":
-            flops = _megatron_flops(row, train.seq(spec), spec.vocab_size)
-            planned = flops / (dims.world_size * est.step_s) / 1e12
-            res.update(throughput_unit="TFLOP/s/GPU", throughput_published=row["tflops_per_gpu"],
-                       throughput_planned=planned)
-        else:
-            planned = est.tokens_per_s / dims.world_size
-            res.update(throughput_unit="tokens/s/GPU", throughput_published=row["tokens_per_s_per_gpu"],
-                       throughput_planned=planned)
-            res["memory_published_gib"] = row["memory_gib"]
-            res["memory_ratio"] = res["memory_planned_gib"] / row["memory_gib"]
-        res["float8"] = bool(row.get("float8"))
-        res["throughput_ratio"] = planned / res["throughput_published"]
-        out.append(res)
+        unit, published = f"TFLOP/s/GPU ({pub['flops']})", pub["tflops_per_gpu"]
+    planned = published * step_pub / step
+    mem = plan["memory"]["peak"] / _GIB
+    out: dict[str, Any] = {
+        "id": row["id"], "source": row["source"], "gpus": world, "device": plan["inputs"]["device"],
+        "layout": plan.get("layout_label", ""), "throughput_unit": unit, "throughput_published": published,
+        "throughput_planned": planned, "throughput_ratio": planned / published, "step_s_planned": step,
+        "step_s_published": step_pub, "memory_planned_gib": mem, "memory_published_gib": pub.get("memory_gib"),
+        "memory_ratio": mem / pub["memory_gib"] if pub.get("memory_gib") else None,
+        "fits": bool(plan["memory"]["fits"]), "bottleneck": plan["step"]["bottleneck"],
+        "planner_only": list(plan.get("planner_only", [])), "command": row_command(row),
+        "bar": bool(row.get("bar", True)), "why": row.get("why", ""), "assumption": row.get("assumption", ""),
+        "moe": spec.is_moe, "planned_layout": {k: plan["layout"][k] for k in _LAYOUT_KEYS if k in plan["layout"]},
+    }
     return out
 
 
-def format_markdown(rows: list[dict[str, Any]]) -> str:
-    """The calibration table as markdown (ratios planner / published; ``*``: outside ±15%)."""
-    def flag(x: Optional[float]) -> str:
-        if x is None:
-            return "–"
-        return f"{x:.2f}" + ("" if abs(x - 1) <= TOLERANCE else " *")
+def _flag(x: Optional[float], tolerance: float = TOLERANCE) -> str:
+    if x is None:
+        return "–"
+    return f"{x:.2f}" + ("" if abs(x - 1) <= tolerance else " *")
 
-    lines = ["| run | layout | device | throughput published | planned | ratio | memory GiB published | planned "
-             "| ratio | fits | bottleneck |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
+
+def _table(rows: list[dict[str, Any]], tolerance: float) -> list[str]:
+    lines = ["| run | GPUs | device | layout | throughput published | planned | ratio | memory GiB published "
+             "| planned | ratio | fits | bottleneck |",
+             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
-        unit = "TFLOP/s" if r["throughput_unit"].startswith("TFLOP") else "tok/s"
-        thr = flag(r["throughput_ratio"]) + (" (Float8)" if r["float8"] else "")
+        unit = "tok/s" if r["throughput_unit"].startswith("tokens") else "TFLOP/s"
+        pub_mem = "–" if r["memory_published_gib"] is None else f"{r['memory_published_gib']:g}"
         lines.append(
-            f"| {r['id']} | {r['layout']} | {r['device']} | {r['throughput_published']:g} {unit} | "
-            f"{r['throughput_planned']:.4g} | {thr} | {r.get('memory_published_gib', '–')} | "
-            f"{r['memory_planned_gib']:.1f} | {flag(r.get('memory_ratio'))} | {'yes' if r['fits'] else 'NO'} | "
-            f"{r['bottleneck']} |")
+            f"| {r['id']} | {r['gpus']} | {r['device']} | {r['layout']} | {r['throughput_published']:g} {unit} | "
+            f"{r['throughput_planned']:.4g} | {_flag(r['throughput_ratio'], tolerance)} | {pub_mem} | "
+            f"{r['memory_planned_gib']:.1f} | {_flag(r['memory_ratio'], tolerance)} | "
+            f"{'yes' if r['fits'] else 'NO'} | {r['bottleneck']} |")
+    return lines
+
+
+def format_markdown(rows: list[dict[str, Any]], tolerance: float = TOLERANCE) -> str:
+    """The calibration tables as markdown — the rows the planner models (``bar``), then the rows planned but
+    outside what it models faithfully, each with why — and the command of every row. Ratios planner / published;
+    ``*``: outside ``±tolerance``.
+
+    Example:
+        >>> print(format_markdown([]).splitlines()[0][:24])
+        | run | GPUs | device |
+    """
+    inside = [r for r in rows if r.get("bar", True)]
+    outside = [r for r in rows if not r.get("bar", True)]
+    lines = _table(inside, tolerance)
+    if outside:
+        lines += ["", "Planned the same way, outside what the planner models faithfully (not part of the ±15% bar):",
+                  ""] + _table(outside, tolerance) + [""]
+        lines += [f"- `{r['id']}`: {r['why']}." for r in outside]
+    assumed = [r for r in rows if r.get("assumption")]
+    if assumed:
+        lines += ["", "What a source leaves open and how the row fills it:", ""]
+        lines += [f"- `{r['id']}`: {r['assumption']}." for r in assumed]
+    lines += ["", "Commands (each prints the row's step time, tokens/s and model TFLOP/s per device and peak memory "
+                  "in GiB):", ""]
+    lines += [f"- `{r['id']}`: `{r['command']}`" for r in rows]
     return "\n".join(lines)
-
-
-_NOTES = """# Planner calibration against published runs
-
-Sources and figures: `lightning_4d/planner/calibration/published.json` (Megatron-LM SC21 Table 1 with the
-layouts of Megatron-LM's `examples/sc21/run_table_1.sh`; TorchTitan's
-`benchmarks/llama3_h100_202412_torchtitan.md`). Ratios are planner / published; `*` marks a ratio outside ±15%.
-
-What the model is (no per-row constant):
-
-- compute: every GEMM at `compute_efficiency · I/(I + gemm_half_intensity)` of the peak (`I` its arithmetic
-  intensity), the attention core as GEMMs of width `head_dim`, memory-bound kernels (norms, residuals,
-  activation functions, the non-flash softmax) at the HBM bandwidth, recomputation, the AdamW step;
-  tp / ep / pp traffic on the critical path, dp traffic overlapped; the bubble of the exact schedule.
-  The rising efficiency with model size comes out of the shapes: small hidden sizes spend a larger share
-  in memory-bound kernels, the attention core and tp all-reduces.
-- memory (reserved): sharded states, FSDP buffers, activations (Korthikanti et al.; checkpointing policies:
-  the package's "save every matmul", TorchTitan's "every other matmul", full), the loss's logits
-  (`2c + 8` bytes per vocab-parallel element: bf16 logits, fp32 log-softmax, its fp32 gradient and the bf16
-  cast) and the allocator's slack (`allocator_overhead` of the allocated bytes).
-- device constants: A100 `compute_efficiency` from Megatron's rows; one Hopper value for the H100s (from
-  TorchTitan's 8B rows); TorchTitan's H100s ran at a 500 W power limit with HBM2e, modelled as a peak of
-  989 TFLOP/s × 500/700.
-
-Honest limits: the 70B row ran with Float8 linears (the row without AsyncTP): modelled from the hardware
-(Float8 tensor cores at twice the bf16 peak, 1-byte operands, dynamic-scaling casts as memory-bound passes),
-not fitted. Megatron's table gives no memory; its rows are checked to fit an 80 GB A100. TorchTitan's
-compile rows use `COMPILE_FACTOR` (fused memory-bound kernels); compile's memory savings are not modelled (ratio ~1.08).
-
-"""
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    """Print the table; ``--write PATH`` also writes it (with the constants) as markdown."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--write", default=None, help="markdown file to write the table to")
-    args = ap.parse_args(argv)
-    rows = calibration_rows()
-    table = format_markdown(rows)
-    print(table)
-    if args.write:
-        from lightning_4d.planner import compute
-
-        consts = {n: getattr(compute, n) for n in ("NORM_ELEMENTS", "INNER_ELEMENTS", "SCORE_ELEMENTS",
-                                                     "BACKWARD_FACTOR", "COMPILE_FACTOR", "OPTIMIZER_BYTES")}
-        dev = "\n".join(f"- {d.name}: " + ", ".join(f"{k} {v:g}" for k, v in d.constants().items())
-                        for d in (A100, H100_HBM2E_500W))
-        body = ("<!-- generated by `python bench/calibrate_planner.py --write docs/planner_calibration.md` -->\n\n"
-                + _NOTES + f"## Table (planner / published)\n\n{table}\n\n## Constants\n\n{dev}\n- kernels: "
-                + ", ".join(f"{k} {v:g}" for k, v in consts.items()) + "\n")
-        with open(args.write, "w") as f:
-            f.write(body)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

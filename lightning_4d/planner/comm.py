@@ -128,6 +128,7 @@ def block_tensor_shapes(spec: TransformerSpec, tp: int, moe: bool) -> list[tuple
         out += [(q + 2 * kv, 1)] if spec.fused_qkv else [(q, 1), (kv, 1), (kv, 1)]
     out += [(h, 1)] if spec.out_bias else []
     out += [(h, 1)] * (4 if spec.norm == "layernorm" and spec.norm_bias else 2)  # two norms
+    out += [(d, 1)] * 2 if spec.qk_norm else []  # q and k norms (Qwen3)
     up = 2 if spec.gated_mlp else 1
     if moe and spec.num_experts:
         out.append((spec.num_experts, h))  # router

@@ -26,6 +26,10 @@ and twice the intensity (1-byte operands), plus the dynamic-scaling casts, memor
 read for its absolute maximum and read again and written in Float8 (``FLOAT8_CAST_BYTES`` per element,
 ``COMPILE_FACTOR`` of it compiled); backward casts the output gradient and re-casts the operands.
 
+On a CPU (:data:`~lightning_4d.planner.hardware.CPU`) the framework's own time per block and micro-batch
+(Python, autograd, the dispatcher: :attr:`~lightning_4d.planner.hardware.DeviceSpec.layer_overhead`) is work
+too; on GPUs it is 0 (kernel launches run ahead of the device). The loss and head count as one more block.
+
 Backward GEMMs cost twice the forward ones. Recomputation adds: full — one forward of everything;
 ``"selective"`` (the package's policy: save matmul and attention outputs) — the memory-bound forward;
 ``TrainSpec.selective_policy = "every_other_matmul"`` (TorchTitan's op-level policy) — that plus half
@@ -137,17 +141,20 @@ def layer_gemms(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec, lay
 @dataclass(frozen=True)
 class ComputeTime:
     """Seconds of one rank's step by kind: ``gemm``, ``attention``, ``memory`` (memory-bound kernels),
-    ``recompute`` (extra forward work of activation checkpointing) and ``total``."""
+    ``recompute`` (extra forward work of activation checkpointing), ``host`` (framework time per block and
+    micro-batch that no device work hides: :attr:`~lightning_4d.planner.hardware.DeviceSpec.layer_overhead`, 0 on
+    GPUs) and ``total``."""
 
     gemm: float
     attention: float
     memory: float
     recompute: float
+    host: float = 0.0
 
     @property
     def total(self) -> float:
         """Sum of the parts."""
-        return self.gemm + self.attention + self.memory + self.recompute
+        return self.gemm + self.attention + self.memory + self.recompute + self.host
 
 
 def _memory_elements(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec, layer: int) -> float:
@@ -201,7 +208,7 @@ def rank_compute_time(spec: TransformerSpec, dims: ParallelDims, train: TrainSpe
         mem_fwd += e * b * s * c / bw + cast / bw
     heads = spec.heads / dims.tp
     if layers:
-        eff = gemm_efficiency(s, s, spec.head_dim, device)
+        eff = gemm_efficiency(s, s, spec.head_dim, device) * device.attention_efficiency
         causal = 0.5 if train.flash_attention else 1.0
         attn_fwd = len(layers) * b * heads * 4 * s * s * spec.head_dim * causal / (peak * eff)
     if last:
@@ -218,7 +225,8 @@ def rank_compute_time(spec: TransformerSpec, dims: ParallelDims, train: TrainSpe
     else:
         redo = 0.0
     m_ = microbatches
-    return ComputeTime(3 * gemm_fwd * m_, 3 * attn_fwd * m_, (1 + BACKWARD_FACTOR) * mem_fwd * m_, redo * m_)
+    host = device.layer_overhead * (len(layers) + (1 if last else 0)) * m_
+    return ComputeTime(3 * gemm_fwd * m_, 3 * attn_fwd * m_, (1 + BACKWARD_FACTOR) * mem_fwd * m_, redo * m_, host)
 
 
 def optimizer_seconds(local_params: float, device: "DeviceSpec") -> float:

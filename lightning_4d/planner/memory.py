@@ -31,7 +31,12 @@ Models", §4): per layer and micro-batch, in bytes with 16-bit activations and 1
 with ``R = 10`` (two norm inputs 4, the QKV and MLP inputs 2 + 2, two dropout masks 2) — the part
 SP divides by ``t`` — ``T_attn = 4 + 4·g/a`` (Q, K, V, output-projection input; 8 without GQA),
 ``T_mlp = 4·F/h`` for a GeLU MLP (16 for ``F = 4h``: the paper's ``34 + 5as/h`` total) or ``6·F/h``
-for SwiGLU (``w1``, ``w3`` outputs and the ``w2`` input). An MoE layer's ``T_mlp`` is
+for SwiGLU (``w1``, ``w3`` outputs and the ``w2`` input). Those are the counts of fused kernels
+(``TrainSpec.kernels="fused"``: Megatron, Transformer Engine). PyTorch's eager kernels (``"eager"``, the runtime's,
+measured on the package's Llama) keep more: keys and values repeated to every query head before attention and the
+attention output twice (the kernel's and the output projection's contiguous input), ``T_attn = 10`` (q = h), and
+``silu(w1 x)`` besides ``w1 x``, ``w3 x`` and their product, ``T_mlp = 8·F/h`` (``6·F/h`` again under
+``torch.compile``, which fuses the product). An MoE layer's ``T_mlp`` is
 ``k·ι·(2 + 6·Fe/h) + 6·Fs/h + 4·E/h`` (the permuted copies of the ``k`` assignments per token and
 their expert activations, ``ι`` the imbalance factor, the shared experts, fp32 router scores); it is
 divided by ``t`` only with SP (without SP every tp rank routes the same tokens). ``5·a·s/h`` (the
@@ -165,13 +170,21 @@ def activation_coefficients(spec: TransformerSpec, layer: int, train: TrainSpec)
 
     Example:
         >>> gpt = TransformerSpec(vocab_size=8, hidden=32, layers=1, heads=4, gated_mlp=False, seq_len=16)
-        >>> c = activation_coefficients(gpt, 0, TrainSpec(1, flash_attention=False))
+        >>> c = activation_coefficients(gpt, 0, TrainSpec(1, flash_attention=False, kernels="fused"))
         >>> c["R"] + c["T_attn"] + c["T_mlp"], c["scores"]
         (34.0, 10.0)
+        >>> c = activation_coefficients(gpt, 0, TrainSpec(1, flash_attention=False))  # eager: the attention output twice
+        >>> c["R"] + c["T_attn"] + c["T_mlp"]
+        36.0
     """
     h, s = spec.hidden, train.seq(spec)
-    t_attn = 4 + 4 * spec.kv_heads / spec.heads
-    inner = 6 if spec.gated_mlp else 4
+    q, kv = spec.q_width / h, spec.kv_width / h  # 1 and g/a when heads·head_dim = hidden
+    if train.kernels == "eager":  # keys / values expanded to every head; the attention output kept twice
+        t_attn = 2 * q + 4 * q + 2 * q + 2 * q
+    else:
+        t_attn = 4 * q + 4 * kv  # Korthikanti: 4 + 4·g/a
+    eager_glu = spec.gated_mlp and train.kernels == "eager" and not train.compile
+    inner = (8 if eager_glu else 6) if spec.gated_mlp else 4
     if spec.is_moe_layer(layer):
         t_mlp = spec.top_k * train.expert_imbalance * (2 + inner * spec.expert_hidden / h)
         t_mlp += inner * spec.shared_experts * spec.expert_hidden / h + 4 * spec.num_experts / h
@@ -188,13 +201,17 @@ def layer_activation_bytes(spec: TransformerSpec, layer: int, dims: ParallelDims
 
     Example:
         >>> gpt = TransformerSpec(vocab_size=8, hidden=32, layers=1, heads=4, gated_mlp=False, seq_len=16)
-        >>> layer_activation_bytes(gpt, 0, ParallelDims(1), TrainSpec(1, flash_attention=False), b=1)
+        >>> layer_activation_bytes(gpt, 0, ParallelDims(1), TrainSpec(1, flash_attention=False, kernels="fused"), b=1)
         22528.0
     """
     c = activation_coefficients(spec, layer, train)
     t = dims.tp
     sbh = train.seq(spec) * b * spec.hidden
-    if dims.sp:
+    if dims.sp and train.kernels == "eager" and t > 1:
+        # DTensor's sequence parallelism all-gathers the QKV and MLP inputs before the matmuls, which keep the
+        # gathered copies for backward (Megatron keeps the shards and gathers again): 4 of R are not divided by t.
+        coef = 4 + (c["R"] - 4 + c["T_attn"] + c["T_mlp"] + c["scores"]) / t
+    elif dims.sp:
         coef = (c["R"] + c["T_attn"] + c["T_mlp"] + c["scores"]) / t
     else:
         mlp_div = 1 if c["moe"] else t
@@ -205,8 +222,9 @@ def layer_activation_bytes(spec: TransformerSpec, layer: int, dims: ParallelDims
 @dataclass(frozen=True)
 class RankMemory:
     """Peak memory of the ranks of pipeline rank ``pp_rank`` (bytes). ``total`` is the sum of
-    ``params + grads + optimizer + unsharded + activations + logits + allocator`` (``allocator``: the
-    caching allocator's reserved-but-unused bytes, ``DeviceSpec.allocator_overhead`` of the rest)."""
+    ``params + grads + optimizer + unsharded + activations + logits + allocator + runtime`` (``allocator``: the
+    caching allocator's reserved-but-unused bytes, ``DeviceSpec.allocator_overhead`` of the rest; ``runtime``:
+    what a CPU rank's process adds besides tensors, ``DeviceSpec.runtime_bytes``, 0 on GPUs)."""
 
     pp_rank: int
     layers: list[int]
@@ -221,6 +239,7 @@ class RankMemory:
     in_flight: float
     micro_batch_size: int
     allocator: float = 0.0
+    runtime: float = 0.0
 
     @property
     def allocated(self) -> float:
@@ -229,8 +248,8 @@ class RankMemory:
 
     @property
     def total(self) -> float:
-        """Reserved bytes at the peak: ``allocated + allocator``."""
-        return self.allocated + self.allocator
+        """Reserved bytes at the peak: ``allocated + allocator + runtime``."""
+        return self.allocated + self.allocator + self.runtime
 
     def as_dict(self) -> dict:
         """Plain dict (with ``total``) for JSON."""
@@ -238,8 +257,8 @@ class RankMemory:
 
 
 def memory_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
-                    layout: Optional[list[list[int]]] = None, allocator_overhead: float = 0.0
-                    ) -> list[RankMemory]:
+                    layout: Optional[list[list[int]]] = None, allocator_overhead: float = 0.0,
+                    runtime_bytes: float = 0.0) -> list[RankMemory]:
     """Memory of each pipeline rank (see the module docstring for every term).
 
     Example:
@@ -296,7 +315,7 @@ def memory_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
         allocated = sum(st.values()) + unsharded + acts + logits
         out.append(RankMemory(r, list(layers), dense, experts, st["params"], st["grads"], st["optimizer"],
                               float(unsharded), float(acts), float(logits), inflight, b,
-                              float(allocator_overhead * allocated)))
+                              float(allocator_overhead * allocated), float(runtime_bytes)))
     return out
 
 
@@ -338,12 +357,12 @@ def saved_activation_bytes(spec: TransformerSpec, layer: int, dims: ParallelDims
         f = spec.top_k * train.expert_imbalance * spec.expert_hidden + spec.shared_experts * spec.expert_hidden
     else:
         f = spec.ffn_hidden
-    g = spec.kv_heads / spec.heads
+    q, kv = spec.q_width / h, spec.kv_width / h  # 1 and g/a when heads·head_dim = hidden
     up = 2 if spec.gated_mlp else 1
     if train.selective_policy == "every_other_matmul":
-        rest = 3 + g + f / h
+        rest = 2 * q + 1 + kv + f / h
     else:
-        rest = 4 + 2 * g + up * f / h
+        rest = 2 * q + 2 + 2 * kv + up * f / h
     return sbh * (inp + rest / t) * c
 
 

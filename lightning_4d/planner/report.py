@@ -30,7 +30,7 @@ from lightning_4d.planner.comm import ROUTING_ASSUMPTION, comm_per_rank, summari
 from lightning_4d.planner.hardware import ClusterSpec, axes_crossing_nodes
 from lightning_4d.planner.memory import memory_per_rank, micro_batch_size, resolve_microbatches, stage_layout
 from lightning_4d.planner.roofline import estimate_step
-from lightning_4d.planner.spec import TrainSpec, TransformerSpec
+from lightning_4d.planner.spec import TrainSpec, TransformerSpec, planner_only
 
 __all__ = ["make_plan", "format_table", "write_plan"]
 
@@ -62,7 +62,7 @@ def make_plan(spec: TransformerSpec, dims: ParallelDims, cluster: ClusterSpec, t
     m = resolve_microbatches(dims, train)
     b = micro_batch_size(dims, train)
     layout = stage_layout(spec, dims, train.schedule)
-    mem = memory_per_rank(spec, dims, train, layout, cluster.device.allocator_overhead)
+    mem = memory_per_rank(spec, dims, train, layout, cluster.device.allocator_overhead, cluster.device.runtime_bytes)
     records = comm_per_rank(spec, dims, train, layout)
     crossing = axes_crossing_nodes(dims, cluster)
     est = estimate_step(spec, dims, train, cluster, records, layout, crossing)
@@ -111,9 +111,13 @@ def make_plan(spec: TransformerSpec, dims: ParallelDims, cluster: ClusterSpec, t
         "step_time_s": est.step_s,
         "mfu": est.mfu,
         "tokens_per_s": est.tokens_per_s,
+        "tokens_per_s_per_device": est.tokens_per_s / dims.world_size,
+        "model_tflops_per_device": est.model_flops / est.step_s / dims.world_size / 1e12,
         "compute_efficiency": cluster.device.compute_efficiency,
         "memory_fraction": cluster.device.memory_fraction,
         "hardware": cluster.device.constants(),
+        "device": cluster.device.describe(),
+        "planner_only": planner_only(train),
         "assumptions": assumptions,
     }
 
@@ -160,12 +164,13 @@ def format_table(plan: dict[str, Any]) -> str:
              "axes across nodes: " + (", ".join(a for a, x in lay["axes_crossing_nodes"].items() if x) or "none"),
              "",
              f"{'role':>6} {'layers':>11} {'params':>10} {'grads':>10} {'optim':>10} {'unshard':>10} "
-             f"{'activ':>10} {'logits':>10} {'total':>10}"]
+             f"{'activ':>10} {'logits':>10} {'alloc+rt':>10} {'total':>10}"]
     for r in mem["per_role"]:
         span = _ranges(r["layers"])
+        other = r.get("allocator", 0.0) + r.get("runtime", 0.0)  # allocator slack and a CPU rank's runtime
         lines.append(f"{'pp' + str(r['pp_rank']):>6} {span:>11} " + " ".join(
-            f"{_fmt_bytes(r[k]):>10}" for k in ("params", "grads", "optimizer", "unsharded", "activations",
-                                                "logits", "total")))
+            f"{_fmt_bytes(v):>10}" for v in [*(r[k] for k in ("params", "grads", "optimizer", "unsharded",
+                                                              "activations", "logits")), other, r["total"]]))
     lines += [f"peak {_fmt_bytes(mem['peak'])} of {_fmt_bytes(mem['usable'])} usable: "
               f"{'fits' if mem['fits'] else 'DOES NOT FIT'}", "",
               f"bytes sent per step by the busiest rank (role pp{plan['communication']['busiest_role']}):"]
@@ -177,6 +182,13 @@ def format_table(plan: dict[str, Any]) -> str:
                                                             if isinstance(bub.get("replay"), float) else ""),
               f"step {st['step_s']:.3g} s (compute {st['compute_s']:.3g} s, exposed dp {st['dp_exposed_s']:.3g} s), "
               f"MFU {st['mfu']:.1%}, {plan['tokens_per_s']:.3g} tokens/s, bottleneck {st['bottleneck']}"]
+    if "tokens_per_s_per_device" in plan:
+        lines.append(f"per device: {plan['tokens_per_s_per_device']:.5g} tokens/s, "
+                     f"{plan['model_tflops_per_device']:.4g} model TFLOP/s; peak memory "
+                     f"{mem['peak'] / 2**30:.4g} GiB")
+    lines += [f"planner only (the runtime cannot run this yet): {x}" for x in plan.get("planner_only", [])]
+    if "device" in plan:
+        lines.insert(1, f"device: {plan['device']}")
     return "\n".join(lines)
 
 

@@ -16,6 +16,8 @@ Per pipeline rank (the slowest one sets the pace):
   of torch's action table) and the AdamW step at the HBM bandwidth. HSDP / ZeRO traffic comes from
   :mod:`~lightning_4d.planner.dp_modes`.
 - ``MFU = 6·N_active·tokens + attention (model FLOPs, no recomputation) / (world · peak · step)``.
+- CPU ranks sharing fewer cores than ranks (``DeviceSpec.cores``): the step is at least the node's ranks' own
+  work over its cores plus the communication nothing hides (:func:`shared_cores_step`).
 
 Kernel launch gaps and stragglers are not modelled; the constants of
 :class:`~lightning_4d.planner.hardware.DeviceSpec` are calibrated against published runs
@@ -44,7 +46,7 @@ from lightning_4d.planner.compute import optimizer_seconds, rank_compute_time
 from lightning_4d.planner.memory import micro_batch_size, resolve_microbatches, stage_layout
 from lightning_4d.planner.spec import TrainSpec, TransformerSpec
 
-__all__ = ["StepEstimate", "rank_flops", "estimate_step", "comm_seconds"]
+__all__ = ["StepEstimate", "rank_flops", "estimate_step", "comm_seconds", "shared_cores_step"]
 
 _CRITICAL = ("tp", "ep", "pp")
 
@@ -128,6 +130,8 @@ def comm_seconds(records: list[Collective], dims: ParallelDims, cluster: Cluster
         inter = crossing.get(rec.axis, False)
         bw, lat = (d.inter_node_bw, d.latency_inter) if inter else (d.intra_node_bw, d.latency_intra)
         axis = "dp" if rec.axis in ("dp_shard", "dp_replicate") else rec.axis  # HSDP's two dp axes
+        if d.latency_dp is not None and axis in ("dp", "edp"):
+            lat = d.latency_dp
         out[axis] += rec.bytes_sent / bw + (rec.calls * lat if rec.bytes_sent else 0.0)
     return out
 
@@ -196,6 +200,7 @@ def estimate_step(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec, c
     peak = cluster.device.peak_flops
     v_last = 0 if train.schedule in ("zbv", "dualpipev") and dims.pp > 1 else dims.pp - 1
     best = None
+    work = []  # per pp rank: seconds of its own (compute + optimizer) and of its critical communication
     for r, layers in enumerate(layout):
         flops = rank_flops(spec, dims, train, layers, r == v_last)
         ct = rank_compute_time(spec, dims, train, cluster.device, layers, r == v_last, b, m)
@@ -206,18 +211,52 @@ def estimate_step(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec, c
         busy = compute + sum(comm[a] for a in _CRITICAL)
         dp_exposed = max(0.0, comm["dp"] + comm["edp"] - compute)
         optim = optimizer_seconds(_held_params(spec, dims, train, layers, r == 0, r == v_last), cluster.device)
+        optim += cluster.device.step_overhead  # the host's own per-step work (CPU; 0 on GPUs)
         step = busy / (1.0 - bubble) + dp_exposed + optim
+        work.append((compute + optim + sum(comm.values()), 0.0))
         if best is None or step > best[0]:
             best = (step, r, flops, compute, comm, dp_exposed, busy, optim, ct)
     step, r, flops, compute, comm, dp_exposed, busy, optim, ct = best
+    shared = shared_cores_step(work, dims, cluster)
     tokens = train.global_batch_size * train.seq(spec)
     model_flops = float(spec.flops_per_token(train.seq(spec)) * tokens)
     parts = {"compute": compute, **{f"comm_{a}": comm[a] for a in _CRITICAL},
              "bubble": busy * bubble / (1.0 - bubble), "dp_exposed": dp_exposed, "optimizer": optim}
+    if shared > step:
+        parts["shared_cores"] = shared - step
+        step = shared
     return StepEstimate(model_flops, flops, compute, comm, bubble, dp_exposed, step,
                         model_flops / (dims.world_size * peak * step), tokens / step, crossing, parts, r,
                         {"gemm": ct.gemm, "attention": ct.attention, "memory_bound": ct.memory,
-                         "recompute": ct.recompute})
+                         "recompute": ct.recompute, "host": ct.host})
+
+
+def shared_cores_step(work: list[tuple[float, float]], dims: ParallelDims, cluster: ClusterSpec) -> float:
+    """Step seconds when the ranks of a node take turns on fewer cores than ranks (CPU runs): each node's
+    ranks' own work over its cores, plus the busiest rank's time that no other rank can use
+    (``work[pp_rank] = (own, exposed)``); 0 when every rank has its own device.
+
+    :func:`estimate_step` counts as a rank's own work its compute, optimizer step and communication (gloo moves
+    the bytes with the CPU, and a call's latency is its CPU cost), and nothing as exposed: while one rank waits
+    for a peer or sits in the bubble, the others use the cores.
+
+    Example:
+        >>> from lightning_4d.planner.hardware import CPU
+        >>> shared_cores_step([(1.0, 0.1), (1.0, 0.2)], ParallelDims.from_world(8, tp=2, pp=2),
+        ...                   ClusterSpec(1, 8, CPU.with_(cores=2)))
+        4.2
+    """
+    cores = cluster.device.cores
+    g = cluster.gpus_per_node
+    if cores is None or cores >= g:
+        return 0.0
+    per_role = dims.dp * dims.tp
+    out = 0.0
+    for node in range(-(-dims.world_size // g)):
+        ranks = range(node * g, min((node + 1) * g, dims.world_size))
+        own = sum(work[rank // per_role][0] for rank in ranks)
+        out = max(out, own / cores + max(work[rank // per_role][1] for rank in ranks))
+    return out
 
 
 def _held_params(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec, layers: list[int], first: bool,

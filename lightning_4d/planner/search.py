@@ -246,7 +246,8 @@ def search(spec: TransformerSpec, cluster: ClusterSpec, train: TrainSpec, top: i
         count += 1
         layout = stage_layout(spec, dims, tr.schedule)
         try:
-            peak = max(r.total for r in memory_per_rank(spec, dims, tr, layout, overhead))
+            peak = max(r.total for r in memory_per_rank(spec, dims, tr, layout, overhead,
+                                                         cluster.device.runtime_bytes))
         except ValueError:  # e.g. an HSDP shard group that does not divide dp
             continue
         cand = Candidate(dims, tr, peak, peak <= usable)

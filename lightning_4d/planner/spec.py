@@ -32,7 +32,8 @@ from typing import Any, Optional
 from lightning_4d.config import DATA_PARALLEL
 from lightning_4d.models.moe import is_moe_layer
 
-__all__ = ["TransformerSpec", "TrainSpec", "seed_moe_1t", "PRECISIONS", "DATA_PARALLEL_MODES", "SELECTIVE_POLICIES"]
+__all__ = ["TransformerSpec", "TrainSpec", "seed_moe_1t", "planner_only", "PRECISIONS", "DATA_PARALLEL_MODES",
+           "SELECTIVE_POLICIES", "RUNTIME_SELECTIVE_POLICY", "KERNELS"]
 
 PRECISIONS = ("bf16-mixed", "32-true")
 #: Data-parallel modes the planner models (:mod:`lightning_4d.planner.dp_modes`): the runtime's
@@ -42,6 +43,43 @@ DATA_PARALLEL_MODES = (*DATA_PARALLEL, "zero1", "zero2")
 #: attention output) or TorchTitan's op-level policy (``"every_other_matmul"``: every second matmul output,
 #: attention outputs; the other matmuls are recomputed).
 SELECTIVE_POLICIES = ("matmuls", "every_other_matmul")
+#: The policy the runtime's ``activation_checkpointing="selective"`` runs (``lightning_4d.parallelize``).
+RUNTIME_SELECTIVE_POLICY = "matmuls"
+#: What the kernels keep for backward (:func:`lightning_4d.planner.memory.activation_coefficients`): ``"eager"``,
+#: PyTorch's eager kernels as the runtime and TorchTitan run them (SwiGLU keeps ``silu(w1 x)`` too; keys and values
+#: expanded to every query head before attention; the attention output kept by the kernel and again as the output
+#: projection's input), or ``"fused"``, Megatron / Transformer Engine's (Korthikanti et al.'s counts).
+KERNELS = ("eager", "fused")
+
+
+def planner_only(train: "TrainSpec") -> list[str]:
+    """The options of ``train`` the planner models but lightning_4d cannot run yet, each with what runs instead
+    (plans label them; ``recipes/plan.py`` prints them).
+
+    Example:
+        >>> planner_only(TrainSpec(8, activation_checkpointing="selective", selective_policy="every_other_matmul"))
+        ... # doctest: +ELLIPSIS
+        ["selective_policy=every_other_matmul (TorchTitan's op-level policy): planner only; ...]
+        >>> planner_only(TrainSpec(8))
+        []
+    """
+    out = []
+    if train.activation_checkpointing == "selective" and train.selective_policy != RUNTIME_SELECTIVE_POLICY:
+        out.append(f"selective_policy={train.selective_policy} (TorchTitan's op-level policy): planner only; the "
+                   f"runtime's activation_checkpointing=selective saves every matmul and attention output "
+                   f"(selective_policy={RUNTIME_SELECTIVE_POLICY})")
+    if train.data_parallel not in DATA_PARALLEL:
+        out.append(f"data_parallel={train.data_parallel} (sharded optimizer states{' and gradients' if train.data_parallel == 'zero2' else ''}, "
+                   f"kept parameters): planner only; the runtime offers {', '.join(DATA_PARALLEL)}")
+    if train.kernels == "fused":
+        out.append("kernels=fused (Megatron / Transformer Engine: fused SwiGLU, attention on grouped keys and values): "
+                   "planner only; the runtime runs PyTorch's eager kernels")
+    if train.compile:
+        out.append("compile (torch.compile'd memory-bound kernels): planner only; the runtime runs eagerly")
+    if train.float8:
+        out.append("float8 (Float8 linears with dynamic scaling): planner only; the runtime computes in "
+                   "the trainer's precision")
+    return out
 
 
 def _positive(name: str, value: Any, allow_zero: bool = False) -> None:
@@ -91,6 +129,8 @@ class TransformerSpec:
     name: str = ""
     router_aux_loss: bool = False
     fused_qkv: bool = False  # one (3·h)-row q|k|v projection (GPT-2's c_attn) instead of three
+    head_size: Optional[int] = None  # width of one head when it is not hidden // heads (Qwen3, Gemma)
+    qk_norm: bool = False  # a norm of width head_dim on q and on k in every layer (Qwen3, OLMo 2)
 
     def __post_init__(self) -> None:
         for n in ("vocab_size", "hidden", "layers", "heads", "seq_len", "moe_every"):
@@ -102,9 +142,10 @@ class TransformerSpec:
             object.__setattr__(self, "kv_heads", self.heads)
         if self.ffn_hidden is None:
             object.__setattr__(self, "ffn_hidden", 4 * self.hidden)
-        if self.hidden % self.heads or self.heads % self.kv_heads:
+        if (self.head_size is None and self.hidden % self.heads) or self.heads % self.kv_heads:
             raise ValueError(f"hidden={self.hidden}, heads={self.heads}, kv_heads={self.kv_heads}: hidden must be a "
-                             f"multiple of heads and heads a multiple of kv_heads.")
+                             f"multiple of heads (or give head_size) and heads a multiple of kv_heads.")
+        _positive("head_size", self.head_size if self.head_size is not None else 1)
         if self.norm not in ("rmsnorm", "layernorm"):
             raise ValueError(f"norm={self.norm!r} must be 'rmsnorm' or 'layernorm'.")
         if self.num_experts and not (1 <= self.top_k <= self.num_experts and self.expert_hidden >= 1):
@@ -114,8 +155,19 @@ class TransformerSpec:
     # ----------------------------------------------------------------- structure
     @property
     def head_dim(self) -> int:
-        """``hidden // heads``."""
-        return self.hidden // self.heads
+        """Width of one attention head: ``head_size``, else ``hidden // heads``."""
+        return self.head_size if self.head_size is not None else self.hidden // self.heads
+
+    @property
+    def q_width(self) -> int:
+        """Width of the queries (and of the output projection's input), ``heads · head_dim`` (``hidden`` unless
+        ``head_size`` says otherwise)."""
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """Width of the keys (and of the values), ``kv_heads · head_dim``."""
+        return self.kv_heads * self.head_dim
 
     @property
     def is_moe(self) -> bool:
@@ -168,7 +220,7 @@ class TransformerSpec:
         """Component counts of a dense (``False``) and an MoE (``True``) layer, computed once."""
         out = {}
         for moe in (False, True):
-            d = {"attention": self.attention_params(), "norms": 2 * self.norm_params,
+            d = {"attention": self.attention_params(), "norms": 2 * self.norm_params + 2 * self.head_dim * self.qk_norm,
                  "dense_mlp": 0, "experts": 0, "router": 0, "shared_experts": 0}
             if moe and self.num_experts:
                 d["experts"] = self.num_experts * self.expert_params()
@@ -331,6 +383,7 @@ class TrainSpec:
         selective_policy: what selective checkpointing saves (:data:`SELECTIVE_POLICIES`).
         float8: the linear layers' GEMMs (not the attention core nor the head) run in Float8 with dynamic
             scaling, as TorchTitan's ``float8`` converter (:mod:`lightning_4d.planner.compute`).
+        kernels: what the kernels keep for backward (:data:`KERNELS`): ``"eager"`` (the runtime's) or ``"fused"``.
 
     Example:
         >>> TrainSpec(global_batch_size=8).act_bytes
@@ -353,9 +406,12 @@ class TrainSpec:
     compile: bool = False
     selective_policy: str = "matmuls"
     float8: bool = False
+    kernels: str = "eager"
 
     def __post_init__(self) -> None:
         _positive("global_batch_size", self.global_batch_size)
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels={self.kernels!r} must be one of {KERNELS}.")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision={self.precision!r} is not modelled; use one of {PRECISIONS}.")
         if self.data_parallel not in DATA_PARALLEL_MODES:

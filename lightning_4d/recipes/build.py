@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_4d.recipes.resources import ResourceReport, check_resources, count_params, model_spec
 from lightning_4d.recipes.schema import (
+    HFDataConfig,
     HFModelConfig,
     LlamaModelConfig,  # noqa: F401 - used by the examples
     RecipeConfigError,
@@ -55,6 +56,7 @@ __all__ = [
     "build_network",
     "build_strategy",
     "build_trainer",
+    "data_tokenizer",
     "output_dir",
     "run",
     "validate",
@@ -88,8 +90,79 @@ def _data_vocab(data: Any) -> int:
 
     try:
         return get_tokenizer(data.tokenizer).vocab_size
-    except (ImportError, ValueError) as err:
+    except (ImportError, ValueError, FileNotFoundError) as err:
         raise RecipeConfigError(f"data.tokenizer={data.tokenizer!r}: {err}") from err
+
+
+def _model_dir(m: HFModelConfig) -> Path:
+    source = Path(m.source).absolute()
+    return source if source.is_dir() else source.parent
+
+
+def data_tokenizer(cfg: Config) -> str:
+    """The tokenizer of ``data=hf_text`` / ``data=chat``: ``data.tokenizer`` (a directory, made absolute), or for
+    ``auto`` the model's own: the directory of ``model.path`` (``model=hf``), which must hold tokenizer files.
+
+    Example:
+        >>> from lightning_4d.recipes.schema import HFDataConfig
+        >>> data_tokenizer(TrainConfig(model=LlamaModelConfig(), data=HFDataConfig(files=["a.jsonl"])))
+        ... # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lightning_4d.recipes.schema.RecipeConfigError: data.tokenizer=auto means the tokenizer of model.path ...
+    """
+    from lightning_4d.data.tokenizer import is_tokenizer_dir
+
+    c = _cfg(cfg)
+    d, m = c.data, c.model
+    if d.tokenizer != "auto":
+        if not is_tokenizer_dir(d.tokenizer):
+            raise RecipeConfigError(
+                f"data.tokenizer={d.tokenizer!r} is not a directory holding a Hugging Face tokenizer (tokenizer.json, "
+                f"tokenizer_config.json, ...): data={d.name} tokenizes with the model's own tokenizer; use "
+                f"data.tokenizer=auto (model.path) or the directory it was saved to.")
+        return str(Path(d.tokenizer).absolute())
+    if not isinstance(m, HFModelConfig):
+        raise RecipeConfigError(
+            f"data.tokenizer=auto means the tokenizer of model.path (model=hf); with model={m.name} name the "
+            f"Hugging Face tokenizer directory: data.tokenizer=DIR.")
+    directory = _model_dir(m)
+    if not is_tokenizer_dir(directory):
+        raise RecipeConfigError(
+            f"data.tokenizer=auto: {m.source_key}={m.source!r} holds no tokenizer files (tokenizer.json, "
+            f"tokenizer_config.json, ...). Save the model's tokenizer there (tokenizer.save_pretrained(DIR)) or set "
+            f"data.tokenizer=DIR.")
+    return str(directory)
+
+
+def _check_tokenizer(c: TrainConfig) -> None:
+    """``model=hf`` whose directory holds a tokenizer: the data must be tokenized by that tokenizer (same
+    vocabulary and special ids), or its ids would mean other tokens. Refused before anything is built."""
+    from lightning_4d.data.tokenizer import HFTokenizer, check_same_tokenizer, is_tokenizer_dir, tokenizer_record
+    from lightning_4d.data.tokens import TokenFile
+
+    m, d = c.model, c.data
+    if not isinstance(m, HFModelConfig) or isinstance(d, SyntheticDataConfig) or not is_tokenizer_dir(_model_dir(m)):
+        return
+    expected = tokenizer_record(HFTokenizer(_model_dir(m)))
+    if isinstance(d, HFDataConfig):
+        what, fix = f"data.tokenizer={d.tokenizer!r}", "Use data.tokenizer=auto (the model's own tokenizer)."
+        recorded = tokenizer_record(HFTokenizer(d.tokenizer)) if Path(d.tokenizer) != _model_dir(m) else expected
+    else:
+        assert isinstance(d, TextDataConfig)
+        fix = (f"Tokenize the text with the model's tokenizer: data=hf_text or data=chat (data.tokenizer=auto), or "
+               f"python -m lightning_4d.data prepare --tokenizer {m.source} ...")
+        train = Path(d.data_dir).absolute() / "train.bin"
+        if not d.prepare and train.exists():
+            what, recorded = f"data.data_dir={d.data_dir!r} ({train.name})", TokenFile(train).tokenizer_record
+        else:
+            what = f"data.tokenizer={d.tokenizer!r}"
+            recorded = (tokenizer_record(HFTokenizer(d.tokenizer)) if is_tokenizer_dir(d.tokenizer)
+                        else {"name": d.tokenizer})
+    try:
+        check_same_tokenizer(recorded, expected, what, fix)
+    except ValueError as err:
+        raise RecipeConfigError(f"{err} (The model's tokenizer is in {m.source_key}={m.source!r}.)") from None
 
 
 def validate(cfg: Config) -> TrainConfig:
@@ -104,6 +177,9 @@ def validate(cfg: Config) -> TrainConfig:
         lightning_4d.recipes.schema.RecipeConfigError: data vocabulary (256 ids) exceeds model.vocab_size=64: ...
     """
     c = _cfg(cfg)
+    if isinstance(c.data, HFDataConfig):
+        c.data.tokenizer = data_tokenizer(c)  # auto -> the model's directory
+    _check_tokenizer(c)
     if isinstance(c.model, HFModelConfig):
         _validate_hf(c)
         return c
@@ -119,7 +195,8 @@ def validate(cfg: Config) -> TrainConfig:
 
 
 def _validate_hf(c: TrainConfig) -> None:
-    """``model=hf``: the directory or config file is usable, the data fits the model, no meta init."""
+    """``model=hf``: the directory or config file is usable, the data fits the model; ``meta_init=true`` with
+    pretrained weights needs safetensors files."""
     from lightning_4d.recipes.hf_model import hf_shape
 
     m = c.model
@@ -134,10 +211,28 @@ def _validate_hf(c: TrainConfig) -> None:
         raise RecipeConfigError(
             f"data.seq_len={c.data.seq_len} exceeds max_position_embeddings={shape.max_positions} of "
             f"{m.source_key}={m.source!r}; use data.seq_len<={shape.max_positions}.")
-    if c.meta_init:
+    if c.meta_init and m.path is not None and not _has_safetensors(m.path):
         raise RecipeConfigError(
-            "meta_init=true does not apply to model=hf: from_pretrained loads real weights on every rank (and "
-            "transformers' norms have no reset_parameters to materialise them); set meta_init=null.")
+            f"meta_init=true with model.path={m.path!r}: streaming pretrained weights into each rank's shards reads "
+            f"*.safetensors files and the directory holds none (pytorch_model*.bin only). Convert it once "
+            f"(AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir)) or set meta_init=null to load "
+            f"the whole model on every rank.")
+
+
+def _has_safetensors(path: str) -> bool:
+    return any(Path(path).glob("*.safetensors"))
+
+
+def _hf_meta_init(c: TrainConfig) -> bool:
+    """``model=hf`` on the meta device? ``model.path``: yes when the directory holds safetensors (its weights
+    are then streamed into each rank's shards), unless ``meta_init=false`` (loaded whole on every rank);
+    ``model.config`` (random init): as every other model (``meta_init``, ``null``: over 100M parameters)."""
+    m = c.model
+    if c.meta_init is not None:
+        return c.meta_init
+    if m.path is not None:
+        return _has_safetensors(m.path)
+    return count_params(m).total > META_INIT_THRESHOLD
 
 
 # ---------------------------------------------------------------------------------------------- paths
@@ -166,7 +261,8 @@ def output_dir(cfg: Config) -> Path:
 
 # ---------------------------------------------------------------------------------------------- data
 def build_data(cfg: Config) -> "L.LightningDataModule":
-    """The DataModule of ``cfg.data`` (``TextDataModule`` or ``SyntheticDataModule``).
+    """The DataModule of ``cfg.data`` (``TextDataModule``, ``SyntheticDataModule``, or ``HFDataModule`` for
+    ``data=hf_text`` / ``data=chat``).
 
     Example:
         >>> from lightning_4d.recipes.schema import SyntheticDataConfig
@@ -182,6 +278,19 @@ def build_data(cfg: Config) -> "L.LightningDataModule":
             vocab_size=d.vocab_size, seq_len=d.seq_len, batch_size=d.batch_size,
             num_train_samples=d.num_train_samples, num_val_samples=d.num_val_samples, kind=d.kind,
             period=d.period, seed=d.seed, num_workers=d.num_workers)
+    if isinstance(d, HFDataConfig):
+        from lightning_4d.data import HFDataModule
+
+        files, val_files = ([str(Path(f).absolute()) for f in fs] if fs else None for fs in (d.files, d.val_files))
+        for f in [*(files or []), *(val_files or [])]:
+            if not Path(f).exists():
+                raise RecipeConfigError(f"data file {f!r} (data.files / data.val_files) does not exist.")
+        return HFDataModule(
+            files, Path(d.data_dir).absolute(), data_tokenizer(cfg), d.format, seq_len=d.seq_len,
+            batch_size=d.batch_size, val_files=val_files, val_fraction=d.val_fraction, pack=d.pack,
+            mask_prompt=d.mask_prompt, num_proc=d.num_proc, num_workers=d.num_workers, seed=d.seed,
+            text_field=d.text_field, messages_field=d.messages_field, prompt_field=d.prompt_field,
+            response_field=d.response_field, system_prompt=d.system_prompt, text_sample_by=d.text_sample_by)
     assert isinstance(d, TextDataConfig)
     from lightning_4d.data import TextDataModule
 
@@ -204,7 +313,8 @@ def build_network(cfg: Config) -> "nn.Module":
     """The plain torch network of ``cfg.model``: ``hydra.utils.instantiate`` of its ``_target_`` (``Llama``,
     ``GPT2``, ``MoETransformer``, or :func:`~lightning_4d.recipes.hf_model.build_hf` for ``model=hf``) called
     with the model's config object, on the current default device (wrap in ``torch.device("meta")`` for an
-    empty build; not for ``model=hf``).
+    empty build; for ``model=hf`` with ``model.path`` that builds the model from its config and attaches its
+    weights, which ``FourDStrategy`` streams into each rank's shards).
 
     Example:
         >>> tiny = LlamaModelConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, ffn_hidden=64)
@@ -219,9 +329,10 @@ def build_network(cfg: Config) -> "nn.Module":
 def build_model(cfg: Config, trainer: Optional["L.Trainer"] = None) -> "L.LightningModule":
     """A :class:`~lightning_4d.models.CausalLM` around :func:`build_network`, with ``cfg.optim``.
 
-    With a ``trainer`` and ``meta_init`` (``null``: over 100M parameters) the network is built inside
-    ``trainer.init_module(empty_init=True)``, i.e. on the meta device, and the strategy materialises
-    and shards it.
+    With a ``trainer`` and ``meta_init`` (``null``: over 100M parameters; for ``model=hf`` with ``model.path``:
+    whenever the directory holds safetensors) the network is built inside ``trainer.init_module(empty_init=True)``,
+    i.e. on the meta device, and the strategy materialises and shards it (pretrained weights are read from the
+    files tensor by tensor, each rank keeping its slices).
 
     Example:
         >>> lm = build_model(TrainConfig(model=LlamaModelConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4)))
@@ -232,7 +343,7 @@ def build_model(cfg: Config, trainer: Optional["L.Trainer"] = None) -> "L.Lightn
 
     c = _cfg(cfg)
     if isinstance(c.model, HFModelConfig):
-        meta = False  # from_pretrained loads real weights; validate() refuses meta_init=true
+        meta = _hf_meta_init(c)  # pretrained: built from the config, weights streamed into the shards
     else:
         meta = c.meta_init if c.meta_init is not None else count_params(c.model).total > META_INIT_THRESHOLD
     if trainer is not None and meta:

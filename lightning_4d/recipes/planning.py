@@ -33,9 +33,11 @@ from typing import Any, Optional, Union
 from omegaconf import DictConfig
 
 from lightning_4d.pipeline.schedules import validate_microbatches
-from lightning_4d.planner import ClusterSpec, DeviceSpec, H100, H200, NoLayoutFits, TrainSpec, format_table, make_plan, search, write_plan
+from lightning_4d.planner import ClusterSpec, DeviceSpec, NoLayoutFits, TrainSpec, format_table, make_plan, search, write_plan
 from lightning_4d.planner.dry_run import dry_run
+from lightning_4d.planner.hardware import custom_device, device_by_name
 from lightning_4d.planner.memory import check_layout
+from lightning_4d.planner.spec import planner_only
 from lightning_4d.recipes.build import build_model, output_dir, validate
 from lightning_4d.recipes.resources import model_spec
 from lightning_4d.recipes.schema import (
@@ -113,20 +115,36 @@ def _precision(trainer_precision: str) -> tuple[str, Optional[str]]:
     raise PlanError(f"trainer.precision={p} is not modelled by the planner; use 32-true or bf16-mixed.")
 
 
-def _device(plan: PlanConfig) -> Any:
+def plan_device(plan: PlanConfig) -> DeviceSpec:
+    """The device of the ``plan`` section: a named one (``lightning_4d.planner.hardware.DEVICES``) with any of
+    the numbers overridden (its name then gets a ``*``), or a ``custom`` one from the numbers and a family's
+    calibrated constants (or an explicit ``compute_efficiency``).
 
+    Example:
+        >>> plan_device(PlanConfig(device="A100-40GB")).name
+        'A100-SXM-40GB'
+        >>> d = plan_device(PlanConfig(device="H100", memory_gb=94, compute_efficiency=0.5))
+        >>> d.name, d.memory_bytes / 1e9, d.compute_efficiency, d.family
+        ('H100-SXM-80GB*', 94.0, 0.5, 'hopper')
+    """
     if plan.device == "custom":
-        base = DeviceSpec("custom", plan.memory_gb * 1e9, plan.peak_tflops * 1e12, plan.nvlink_gb_s * 1e9,
-                          plan.infiniband_gb_s * 1e9)
+        dev = custom_device(plan.memory_gb, plan.peak_tflops, plan.nvlink_gb_s, plan.infiniband_gb_s, plan.family,
+                            plan.compute_efficiency, plan.hbm_gb_s)
     else:
-        base = {"H100": H100, "H200": H200}[plan.device]
-    changes = {k: v for k, v in (("memory_bytes", plan.memory_gb), ("peak_flops", plan.peak_tflops),
-                                 ("intra_node_bw", plan.nvlink_gb_s), ("inter_node_bw", plan.infiniband_gb_s))
-               if v is not None}
-    scale = {"memory_bytes": 1e9, "peak_flops": 1e12, "intra_node_bw": 1e9, "inter_node_bw": 1e9}
-    if plan.device != "custom" and changes:
-        base = base.with_(name=f"{base.name}*", **{k: v * scale[k] for k, v in changes.items()})
-    return base
+        dev = device_by_name(plan.device)
+        scale = {"memory_gb": ("memory_bytes", 1e9), "peak_tflops": ("peak_flops", 1e12),
+                 "nvlink_gb_s": ("intra_node_bw", 1e9), "infiniband_gb_s": ("inter_node_bw", 1e9),
+                 "hbm_gb_s": ("hbm_bw", 1e9), "compute_efficiency": ("compute_efficiency", 1.0)}
+        changes = {field_: getattr(plan, key) * factor for key, (field_, factor) in scale.items()
+                   if getattr(plan, key) is not None}
+        if changes:
+            dev = dev.with_(name=f"{dev.name}*", **changes)
+    if plan.cpu_cores is not None:
+        if dev.family != "cpu":
+            raise PlanError(f"plan.cpu_cores={plan.cpu_cores} applies to CPU ranks; plan.device={plan.device} is a "
+                            f"{dev.family} device. Use plan.device=cpu, or drop plan.cpu_cores.")
+        dev = dev.with_(cores=plan.cpu_cores)
+    return dev
 
 
 def plan_setup(cfg: Union[DictConfig, TrainConfig]) -> PlanSetup:
@@ -134,14 +152,21 @@ def plan_setup(cfg: Union[DictConfig, TrainConfig]) -> PlanSetup:
 
     Rules (each noted in ``PlanSetup.notes`` when a default is used):
 
+    - model: the package's model configs, or ``model=hf`` (``model.path`` / ``model.config``) through
+      :func:`~lightning_4d.recipes.hf_model.hf_spec` (its parameter count checked against the model's own);
     - world: ``tp·pp·dp`` with an explicit ``parallel.dp``; with ``dp: auto`` ``plan.nodes ×
       gpus_per_node`` if ``plan.nodes`` is set, else ``trainer.devices × trainer.num_nodes``;
     - cluster: ``plan.gpus_per_node`` (``null``: ``trainer.devices``, 8 for ``auto``) and ``plan.nodes``
-      (``null``: enough nodes for the world);
+      (``null``: enough nodes for the world); the device of :func:`plan_device`;
     - sequence length: ``plan.seq_len`` or ``data.seq_len``; global batch: ``plan.global_batch_size`` or
       ``data.batch_size × dp × trainer.accumulate_grad_batches``, raised to the next multiple of
       ``dp × microbatches`` when the pipeline needs more sequences than that (noted);
-    - precision: ``trainer.precision`` (16-bit variants modelled as ``bf16-mixed``).
+    - micro-batches: ``parallel.microbatches`` (``null``: ``pp·v`` with a pipeline) times
+      ``trainer.accumulate_grad_batches``: the runtime runs the pipeline schedule once per accumulation step, and
+      accumulated micro-batches without a pipeline hold unsharded gradients like pipeline ones;
+    - precision: ``trainer.precision`` (16-bit variants modelled as ``bf16-mixed``);
+    - what only the planner models (``plan.selective_policy``, ``plan.compile``, ``plan.float8``,
+      ``plan.data_parallel=zero1|zero2``, ``plan.kernels=fused``) is noted as "planner only" (:func:`~lightning_4d.planner.spec.planner_only`).
 
     Raises:
         PlanError: the layout does not fit the model or the cluster, or the batch does not split.
@@ -150,11 +175,6 @@ def plan_setup(cfg: Union[DictConfig, TrainConfig]) -> PlanSetup:
         >>> setup = plan_setup(cfg)  # doctest: +SKIP
     """
     c = validate(cfg)
-    if isinstance(c.model, HFModelConfig):
-        raise PlanError(
-            "recipes/plan.py cannot plan model=hf yet (the planner models the package's Llama, GPT-2 and MoE "
-            "transformers); plan the nearest built-in shape (e.g. model=llama3_8b), or run recipes/train.py, whose "
-            "fail-fast check counts the Hugging Face model's parameters exactly.")
     plan, par, t = _plan_section(c), c.parallel, c.trainer
     notes: list[str] = []
     gpn = plan.gpus_per_node or (t.devices if isinstance(t.devices, int) else 8)
@@ -180,9 +200,11 @@ def plan_setup(cfg: Union[DictConfig, TrainConfig]) -> PlanSetup:
             f"{nodes * gpn} GPUs; set plan.nodes={-(-world // gpn)}, or parallel.dp=auto to fill the cluster.")
     if plan.nodes is None:
         notes.append(f"cluster: {nodes} node(s) × {gpn} GPUs from the world (plan.nodes=null)")
-    cluster = ClusterSpec(nodes, gpn, _device(plan))
+    device = plan_device(plan)
+    cluster = ClusterSpec(nodes, gpn, device)
+    notes.append(f"device: {device.describe()}")
 
-    seq, spec = plan.seq_len or c.data.seq_len, model_spec(c.model)
+    seq, spec = plan.seq_len or c.data.seq_len, _model_spec(c, notes)
     if seq > spec.seq_len:
         raise PlanError(f"plan.seq_len={seq} exceeds the model's max_seq_len={spec.seq_len}.")
     notes.append(f"seq_len: {seq} from " + ("plan.seq_len" if plan.seq_len else "data.seq_len"))
@@ -195,7 +217,12 @@ def plan_setup(cfg: Union[DictConfig, TrainConfig]) -> PlanSetup:
     precision, note = _precision(t.precision)
     if note:
         notes.append(note)
-    m = dims.pp * dims.virtual_stages if (par.microbatches is None and dims.pp > 1) else (par.microbatches or 1)
+    pipe_m = dims.pp * dims.virtual_stages if (par.microbatches is None and dims.pp > 1) else (par.microbatches or 1)
+    acc = t.accumulate_grad_batches
+    m = pipe_m * acc
+    if acc > 1:
+        notes.append(f"micro-batches: {pipe_m} per schedule × trainer.accumulate_grad_batches={acc} = {m} per step"
+                     + (" (the bubble is planned as one schedule over all of them: optimistic)" if dims.pp > 1 else ""))
     if plan.global_batch_size is not None:
         gbs = plan.global_batch_size
         if gbs % (dims.dp * m):
@@ -203,10 +230,10 @@ def plan_setup(cfg: Union[DictConfig, TrainConfig]) -> PlanSetup:
                             f"micro-batches; use a multiple of {dims.dp * m}.")
         notes.append(f"global batch: {gbs} sequences from plan.global_batch_size")
     else:
-        local = c.data.batch_size * t.accumulate_grad_batches
+        local = c.data.batch_size * acc
         gbs = local * dims.dp
         text = (f"data.batch_size × dp × trainer.accumulate_grad_batches = {c.data.batch_size} × {dims.dp} × "
-                f"{t.accumulate_grad_batches}")
+                f"{acc}")
         if local % m:
             local = -(-local // m) * m
             notes.append(f"global batch: {text} = {gbs} does not split into {m} micro-batches per dp rank; planned "
@@ -216,19 +243,44 @@ def plan_setup(cfg: Union[DictConfig, TrainConfig]) -> PlanSetup:
         else:
             notes.append(f"global batch: {gbs} sequences = {text}")
     if dims.pp > 1:
-
         try:
-            validate_microbatches(par.schedule, dims.pp, dims.virtual_stages, m, gbs // dims.dp)
+            validate_microbatches(par.schedule, dims.pp, dims.virtual_stages, pipe_m, gbs // dims.dp // acc)
         except ValueError as err:
             raise PlanError(f"parallel.schedule={par.schedule} with pp={dims.pp}: {err}") from None
     train = TrainSpec(global_batch_size=gbs, seq_len=seq, microbatches=m, schedule=par.schedule,
-                      data_parallel=par.data_parallel, precision=precision,
+                      data_parallel=plan.data_parallel or par.data_parallel, precision=precision,
                       activation_checkpointing=par.activation_checkpointing, flash_attention=plan.flash_attention,
-                      expert_imbalance=plan.expert_imbalance, dp_shard=getattr(par, "dp_shard", None))
+                      expert_imbalance=plan.expert_imbalance, dp_shard=getattr(par, "dp_shard", None),
+                      selective_policy=plan.selective_policy, compile=plan.compile, float8=plan.float8,
+                      kernels=plan.kernels)
+    notes += [f"planner only: {x}" for x in planner_only(train)]
     bad = [r for r in plan.trace_ranks or [] if not 0 <= r < world]
     if bad:
         raise PlanError(f"plan.trace_ranks={bad} are outside the world of {world} ranks.")
     return PlanSetup(c, plan, spec, dims, cluster, train, notes)
+
+
+def _model_spec(c: TrainConfig, notes: list[str]) -> Any:
+    """The planner's spec of ``c.model``; for ``model=hf`` also checked against the model's own parameter count."""
+    spec = model_spec(c.model)
+    if not isinstance(c.model, HFModelConfig):
+        return spec
+    from lightning_4d.recipes.hf_model import hf_param_count, hf_spec_notes
+
+    if spec is None:
+        raise PlanError(
+            f"{c.model.source_key}={c.model.source!r}: the planner cannot describe this Hugging Face config as a "
+            f"decoder-only transformer (hidden_size, num_hidden_layers, num_attention_heads, intermediate_size or "
+            f"experts); {'; '.join(hf_spec_notes(c.model)) or 'see lightning_4d.recipes.hf_model.hf_spec'}.")
+    exact = hf_param_count(c.model).total
+    planned = spec.total_params()
+    notes += [f"hf: {x}" for x in hf_spec_notes(c.model)]
+    if planned == exact:
+        notes.append(f"hf: parameters {exact:,} (the planner's count equals the model's own, built on meta)")
+    else:
+        notes.append(f"hf: parameters {exact:,} counted on a meta build; the planner's shape holds {planned:,} "
+                     f"({(planned - exact) / exact:+.2%}): its memory and time are for that shape")
+    return spec
 
 
 # ---------------------------------------------------------------------------------------------- dry run
@@ -263,24 +315,33 @@ def trace_blocks(setup: PlanSetup) -> int:
 
 def run_dry_run(setup: PlanSetup) -> Any:
     """:func:`~lightning_4d.planner.dry_run.dry_run` of the config's model (cut to :func:`trace_blocks` blocks)
-    with the setup's layout and micro-batch.
+    with the setup's layout and micro-batch. A Hugging Face model is traced from its config alone (randomly
+    initialised on the meta device: no weights are read), cut in a temporary ``config.json``.
 
     Example:
         >>> run_dry_run(plan_setup(cfg)).ok  # doctest: +SKIP
         True
     """
+    import tempfile
+
     import torch  # noqa: F401 - the model builder runs under torch.device("meta")
 
-
     blocks = trace_blocks(setup)
-    model = _traced_model(setup.config.model, blocks) if blocks < _n_blocks(setup.config.model) else \
-        setup.config.model
-    c = dataclasses.replace(setup.config, model=model)
-    spec = model_spec(model).with_(seq_len=setup.train.seq(setup.spec))
-    result = dry_run(lambda: build_model(c), spec, setup.dims, setup.train, ranks=setup.plan.trace_ranks)
-    if blocks < _n_blocks(setup.config.model):
+    total = _n_blocks(setup.config.model)
+    with tempfile.TemporaryDirectory(prefix="plan_hf_") as tmp:
+        model = setup.config.model
+        if isinstance(model, HFModelConfig):
+            from lightning_4d.recipes.hf_model import hf_config_with_layers
+
+            model = hf_config_with_layers(model, blocks, Path(tmp))
+        elif blocks < total:
+            model = _traced_model(model, blocks)
+        c = dataclasses.replace(setup.config, model=model)
+        spec = model_spec(model).with_(seq_len=setup.train.seq(setup.spec))
+        result = dry_run(lambda: build_model(c), spec, setup.dims, setup.train, ranks=setup.plan.trace_ranks)
+    if blocks < total:
         result.assumptions.append(
-            f"dry run: {blocks} of {_n_blocks(setup.config.model)} blocks traced (plan.trace_blocks); the formulas are "
+            f"dry run: {blocks} of {total} blocks traced (plan.trace_blocks); the formulas are "
             f"per block, compared for the same {blocks} blocks")
     return result
 

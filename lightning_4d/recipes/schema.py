@@ -22,7 +22,8 @@ Schemas registered (group / name):
   :data:`GPT2ModelConfig`, :data:`MoEModelConfig`, :class:`HFModelConfig`.
 - ``parallel/base_parallel`` — :data:`ParallelConfig`.
 - ``trainer/base_trainer`` — :class:`TrainerConfig`.
-- ``data/base_text``, ``data/base_synthetic`` — :class:`TextDataConfig`, :class:`SyntheticDataConfig`.
+- ``data/base_text``, ``data/base_synthetic``, ``data/base_hf_data`` — :class:`TextDataConfig`,
+  :class:`SyntheticDataConfig`, :class:`HFDataConfig`.
 - ``optim/base_adamw`` — :class:`OptimConfig`.
 
 Example:
@@ -54,6 +55,7 @@ from lightning_4d.models.moe import MoEConfig
 __all__ = [
     "CallbacksConfig",
     "GPT2ModelConfig",
+    "HFDataConfig",
     "HFModelConfig",
     "LlamaModelConfig",
     "LoggerConfig",
@@ -284,7 +286,67 @@ class SyntheticDataConfig:
         _non_negative("data.num_workers", self.num_workers)
 
 
-DataConfig = Union[TextDataConfig, SyntheticDataConfig]
+@dataclass
+class HFDataConfig:
+    """:class:`~lightning_4d.data.HFDataModule`: the files users have (``files``: JSONL / JSON, Parquet, Arrow,
+    CSV, text, or directories of them; read with the ``datasets`` library, nothing downloaded) tokenized with the
+    model's own Hugging Face tokenizer (``tokenizer``: a local directory, or ``auto``: ``model.path``) once, in
+    ``num_proc`` worker processes (``null``: by size and CPU cores), into ``data_dir``; later runs reuse the files.
+
+    ``format``: ``text`` (each document + EOS, packed into ``seq_len`` windows; the text in ``text_field``; text
+    files give a row per ``text_sample_by``: ``document``, ``paragraph`` or ``line``) or ``chat`` (``messages_field``
+    conversations, or ``prompt_field`` / ``response_field`` instruction rows, through the tokenizer's chat
+    template; with ``mask_prompt`` only the answers are targets; one conversation per sample, padded, or packed
+    with ``pack``; ``system_prompt`` added where a conversation has none). Validation: ``val_files``, else a
+    ``val_fraction`` of the tokens (text) or of the conversations (chat, picked with ``seed``). ``batch_size`` is
+    per data-parallel rank.
+
+    Example:
+        >>> HFDataConfig(files=["chat.jsonl"], format="chat").tokenizer
+        'auto'
+        >>> HFDataConfig(files=["a.jsonl"], format="html")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lightning_4d.recipes.schema.RecipeConfigError: data.format='html' is not one of 'text', 'chat'.
+    """
+
+    name: str = "hf_text"
+    format: str = "text"
+    files: Optional[List[str]] = None
+    val_files: Optional[List[str]] = None
+    tokenizer: str = "auto"
+    data_dir: str = "data/hf_text"
+    seq_len: int = 128
+    batch_size: int = 8
+    val_fraction: float = 0.05
+    pack: bool = False
+    mask_prompt: bool = True
+    text_field: str = "text"
+    messages_field: str = "messages"
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    system_prompt: Optional[str] = None
+    text_sample_by: str = "document"
+    num_proc: Optional[int] = None
+    num_workers: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _one_of("data.format", self.format, ("text", "chat"))
+        if not self.files:
+            raise RecipeConfigError(f"data={self.name} needs data.files: local data files or directories, e.g. "
+                                    f"'data.files=[my_data.jsonl]'.")
+        _positive("data.seq_len", self.seq_len)
+        _positive("data.batch_size", self.batch_size)
+        _positive("data.num_proc", self.num_proc, allow_none=True)
+        _non_negative("data.num_workers", self.num_workers)
+        _one_of("data.text_sample_by", self.text_sample_by, ("document", "paragraph", "line"))
+        if not self.val_files and not 0.0 < self.val_fraction < 1.0:
+            raise RecipeConfigError(
+                f"data.val_fraction={self.val_fraction} must be in (0, 1) (or give data.val_files).")
+
+
+DataConfig = Union[TextDataConfig, SyntheticDataConfig, HFDataConfig]
 
 
 # ---------------------------------------------------------------------------------------------- optim
@@ -373,31 +435,37 @@ class TrainConfig:
 
 
 # ---------------------------------------------------------------------------------------------- plan
-_PLAN_DEVICES = ("H100", "H200", "custom")
-
-
 @dataclass
 class PlanConfig:
     """The ``plan`` section of ``recipes/plan.py`` (``conf/plan.yaml``): the cluster and what to report.
 
-    ``device``: ``H100`` (80 GB), ``H200`` (141 GB) or ``custom`` (then ``memory_gb``, ``peak_tflops``,
-    ``nvlink_gb_s`` and ``infiniband_gb_s`` are required); any of those four also overrides a named
-    device. Bandwidths are GB/s per GPU and direction (NVLink inside a node, the NIC share across nodes).
+    ``device``: a device by name (``lightning_4d.planner.hardware.DEVICES``: ``A100-40GB``, ``A100-80GB``,
+    ``H100-SXM``, ``H100-PCIe``, ``H100-NVL``, ``H100-96GB-500W``, ``H200``, ``H800``, ``cpu``; ``A100`` and ``H100``
+    are aliases) or ``custom`` (then ``memory_gb``, ``peak_tflops``, ``nvlink_gb_s``, ``infiniband_gb_s`` and a
+    ``family`` — ``ampere``, ``hopper``, ``cpu``: its calibrated constants — or a ``compute_efficiency`` are
+    required). Any of the numbers (and ``compute_efficiency``, ``hbm_gb_s``) also overrides a named device.
+    Bandwidths are GB/s per GPU and direction (NVLink inside a node, the NIC share across nodes).
+    ``cpu_cores``: with ``device=cpu``, the cores the ranks of a node share (``null``: the device's).
     ``nodes`` (``null``: the layout's world / ``gpus_per_node``) × ``gpus_per_node`` (``null``:
     ``trainer.devices``) is the cluster. ``global_batch_size`` / ``seq_len`` (``null``: from ``data``),
-    ``expert_imbalance`` (>= 1, 1 = uniform routing). ``search``: rank every layout of the cluster and show
-    the ``top`` ones. ``trace``: dry-run the real rewriting on a fake process group and compare traced bytes
-    with the formulas, over ``trace_blocks`` blocks (``null``: the whole model up to 8 blocks) and the ranks
-    ``trace_ranks`` (``null``: one per pipeline rank). ``output``: the JSON file (relative: in the run dir).
+    ``expert_imbalance`` (>= 1, 1 = uniform routing). What the planner models beyond the runtime (labelled
+    "planner only" in the plan): ``selective_policy`` (what ``parallel.activation_checkpointing=selective``
+    saves: ``matmuls``, the runtime's, or TorchTitan's ``every_other_matmul``), ``compile`` (``torch.compile``'d
+    kernels), ``float8`` (Float8 linears), ``data_parallel`` (``zero1`` / ``zero2`` instead of
+    ``parallel.data_parallel``) and ``kernels=fused`` (what Megatron / Transformer Engine's fused kernels keep for
+    backward instead of PyTorch's eager kernels). ``search``: rank every layout of the cluster and show the ``top`` ones.
+    ``trace``: dry-run the real rewriting on a fake process group and compare traced bytes with the formulas,
+    over ``trace_blocks`` blocks (``null``: the whole model up to 8 blocks) and the ranks ``trace_ranks``
+    (``null``: one per pipeline rank). ``output``: the JSON file (relative: in the run dir).
 
     Example:
         >>> PlanConfig().device, PlanConfig(device="custom", memory_gb=96, peak_tflops=400, nvlink_gb_s=300,
-        ...                                 infiniband_gb_s=25).memory_gb
+        ...                                 infiniband_gb_s=25, family="hopper").memory_gb
         ('H100', 96)
         >>> PlanConfig(device="B300")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        lightning_4d.recipes.schema.RecipeConfigError: plan.device='B300' is not one of 'H100', 'H200', 'custom'.
+        lightning_4d.recipes.schema.RecipeConfigError: plan.device='B300' is not one of 'A100', ...
     """
 
     device: str = "H100"
@@ -405,12 +473,21 @@ class PlanConfig:
     peak_tflops: Optional[float] = None
     nvlink_gb_s: Optional[float] = None
     infiniband_gb_s: Optional[float] = None
+    family: Optional[str] = None
+    compute_efficiency: Optional[float] = None
+    hbm_gb_s: Optional[float] = None
+    cpu_cores: Optional[int] = None
     gpus_per_node: Optional[int] = None
     nodes: Optional[int] = None
     global_batch_size: Optional[int] = None
     seq_len: Optional[int] = None
     expert_imbalance: float = 1.0
     flash_attention: bool = True
+    selective_policy: str = "matmuls"
+    compile: bool = False
+    float8: bool = False
+    data_parallel: Optional[str] = None
+    kernels: str = "eager"
     search: bool = False
     top: int = 5
     trace: bool = True
@@ -419,15 +496,36 @@ class PlanConfig:
     output: str = "plan.json"
 
     def __post_init__(self) -> None:
-        _one_of("plan.device", self.device, _PLAN_DEVICES)
-        for key in ("memory_gb", "peak_tflops", "nvlink_gb_s", "infiniband_gb_s"):
+        from lightning_4d.planner.hardware import FAMILIES, device_names
+        from lightning_4d.planner.spec import DATA_PARALLEL_MODES, KERNELS, SELECTIVE_POLICIES
+
+        _one_of("plan.device", self.device, (*device_names(), "custom"))
+        for key in ("memory_gb", "peak_tflops", "nvlink_gb_s", "infiniband_gb_s", "compute_efficiency", "hbm_gb_s"):
             value = getattr(self, key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
                 raise RecipeConfigError(f"plan.{key}={value!r} must be a number > 0.")
-            if self.device == "custom" and value is None:
-                raise RecipeConfigError(f"plan.device=custom needs plan.{key} (memory_gb, peak_tflops, nvlink_gb_s "
-                                        f"and infiniband_gb_s describe the device).")
-        for key in ("gpus_per_node", "nodes", "global_batch_size", "seq_len", "trace_blocks"):
+        if self.compute_efficiency is not None and self.compute_efficiency > 1:
+            raise RecipeConfigError(f"plan.compute_efficiency={self.compute_efficiency} is a share of the peak: "
+                                    f"use a number in (0, 1], e.g. 0.6.")
+        if self.device == "custom":
+            for key in ("memory_gb", "peak_tflops", "nvlink_gb_s", "infiniband_gb_s"):
+                if getattr(self, key) is None:
+                    raise RecipeConfigError(f"plan.device=custom needs plan.{key} (memory_gb, peak_tflops, nvlink_gb_s "
+                                            f"and infiniband_gb_s describe the device).")
+            if self.family is None and self.compute_efficiency is None:
+                raise RecipeConfigError(
+                    f"plan.device=custom needs plan.family ({', '.join(sorted(FAMILIES))}: the family's calibrated "
+                    f"GEMM efficiency and constants) or plan.compute_efficiency (share of the peak a large GEMM "
+                    f"reaches, e.g. 0.6).")
+        if self.family is not None:
+            _one_of("plan.family", self.family, tuple(sorted(FAMILIES)))
+            if self.device != "custom":
+                raise RecipeConfigError(f"plan.family={self.family} describes a custom device; plan.device={self.device} "
+                                        f"has its own family. Set plan.device=custom, or drop plan.family.")
+        _one_of("plan.selective_policy", self.selective_policy, SELECTIVE_POLICIES)
+        _one_of("plan.data_parallel", self.data_parallel, (None, *DATA_PARALLEL_MODES))
+        _one_of("plan.kernels", self.kernels, KERNELS)
+        for key in ("gpus_per_node", "nodes", "global_batch_size", "seq_len", "trace_blocks", "cpu_cores"):
             _positive(f"plan.{key}", getattr(self, key), allow_none=True)
         _positive("plan.top", self.top)
         if not self.expert_imbalance >= 1.0:
@@ -477,6 +575,7 @@ def register_configs() -> None:
     cs.store(group="trainer", name="base_trainer", node=TrainerConfig)
     cs.store(group="data", name="base_text", node=TextDataConfig)
     cs.store(group="data", name="base_synthetic", node=SyntheticDataConfig)
+    cs.store(group="data", name="base_hf_data", node=HFDataConfig)
     cs.store(group="optim", name="base_adamw", node=OptimConfig)
     _REGISTERED = True
 
@@ -521,7 +620,7 @@ def to_train_config(cfg: Union[DictConfig, TrainConfig]) -> TrainConfig:
     """
     if not isinstance(cfg, TrainConfig):
         for key, bases, example in (("model", "base_llama, base_moe, base_gpt2 or base_hf", "tiny_dense"),
-                                    ("data", "base_text or base_synthetic", "stdlib")):
+                                    ("data", "base_text, base_synthetic or base_hf_data", "stdlib")):
             if OmegaConf.is_missing(cfg, key) or OmegaConf.select(cfg, key) is None:
                 raise RecipeConfigError(f"{key} is not set: choose one on the command line, e.g. {key}={example}.")
             typ = OmegaConf.get_type(OmegaConf.select(cfg, key))
@@ -538,7 +637,7 @@ def to_train_config(cfg: Union[DictConfig, TrainConfig]) -> TrainConfig:
 
 
 _SCHEMAS = {"model": (LlamaModelConfig, MoEModelConfig, GPT2ModelConfig, HFModelConfig),
-            "data": (TextDataConfig, SyntheticDataConfig)}
+            "data": (TextDataConfig, SyntheticDataConfig, HFDataConfig)}
 
 
 def _reject_unknown_keys(node: DictConfig, prefix: str) -> None:

@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -24,9 +25,13 @@ from lightning_4d.tensor_parallel.plan import block_plan, model_plan
 from lightning_4d.tensor_parallel.rng import ShardedRNG, install_sharded_rng, sharded_dropout_modules
 from lightning_4d.tensor_parallel.styles import (
     Colwise,
+    DistributedNorm,
+    GatheredColumns,
     LowRankDown,
     RegionInput,
     Rowwise,
+    install_head_lists,
+    install_head_slices,
     install_sequence_boundary,
     is_conv1d,
 )
@@ -72,6 +77,10 @@ class TPLayout:
 
     styles: dict[str, Any] = field(default_factory=dict)
     heads: dict[str, dict[str, int]] = field(default_factory=dict)  # region -> {attr: global value}
+    local_heads: dict[str, dict[str, int]] = field(default_factory=dict)  # region -> {attr: per-rank value}
+    configs: dict[str, dict[str, int]] = field(default_factory=dict)  # region -> {config attr: per-rank value}
+    head_lists: dict[str, dict[str, list[tuple[int, int]]]] = field(default_factory=dict)  # owner -> {list: slices}
+    head_params: dict[str, dict[str, list[tuple[int, int]]]] = field(default_factory=dict)  # owner -> {param: slices}
     regions: dict[str, list[str]] = field(default_factory=dict)  # block -> TP regions (attention, MLP)
     loss_parallel: bool = False
     permutations: dict[str, tuple[list[int], int]] = field(default_factory=dict)  # param fqn -> (rows, dim)
@@ -99,25 +108,38 @@ def tp_styles(root: nn.Module, trace: ModelTrace, tp: int, sp: bool) -> TPLayout
         layout.regions[block_name] = list(plan.regions)
         for name, kind in plan.linears.items():
             fqn = f"{block_name}.{name}"
+            direct = sp and name in plan.direct  # held by the block itself: its input is this rank's tokens
             if kind == "replicate":
                 styles[fqn] = LowRankDown()
+            elif kind == "colwise" and name in plan.gathered:
+                if direct:
+                    raise ValueError(
+                        f"{fqn} computes replicated heads and is held directly by the block, where sequence "
+                        f"parallelism gives it only this rank's tokens. Set sequence_parallel=False or implement "
+                        f"`fourd_tp_plan(self, tp_mesh, sequence_parallel)`."
+                    )
+                styles[fqn] = GatheredColumns(plan.gathered[name])
             elif kind == "colwise":
                 perm = plan.permutations.get(name)
-                styles[fqn] = Colwise(permutation=perm, partial_input=name in plan.low_rank)
+                styles[fqn] = Colwise(permutation=perm, partial_input=name in plan.low_rank, sequence=direct)
                 if perm is not None:
                     module = block.get_submodule(name)
                     layout.permutations[f"{fqn}.weight"] = (perm, 1 if is_conv1d(module) else 0)
                     if getattr(module, "bias", None) is not None:
                         layout.permutations[f"{fqn}.bias"] = (perm, 0)
             else:
-                styles[fqn] = Rowwise(output_layouts=seq if sp else Replicate())
+                styles[fqn] = Rowwise(output_layouts=seq if sp else Replicate(), sequence=direct)
         for region in plan.regions:
             # One DTensor input shared by all column projections of the region: their input gradients add
             # up as a Partial and are reduced once (one all-reduce, or one reduce-scatter with SP).
             styles[f"{block_name}.{region}"] = RegionInput(sequence_parallel=sp)
+        for norm in plan.dist_norms:
+            styles[f"{block_name}.{norm}"] = DistributedNorm()
         if sp:
             for norm in plan.norms:
-                styles[f"{block_name}.{norm}"] = SequenceParallel()
+                if norm not in plan.local_norms:  # those run on this rank's tokens as they are (grads summed)
+                    # A local output: a norm on a region's output (Gemma's sandwich norms) feeds the residual add.
+                    styles[f"{block_name}.{norm}"] = SequenceParallel(use_local_output=True)
             for moe in plan.moe:
                 # Tokens stay sequence-sharded into the MoE layer (experts see local tokens).
                 styles[f"{block_name}.{moe}"] = PrepareModuleInput(
@@ -125,6 +147,16 @@ def tp_styles(root: nn.Module, trace: ModelTrace, tp: int, sp: bool) -> TPLayout
                 )
         for region, attrs in plan.head_attrs.items():
             heads[f"{block_name}.{region}"] = attrs
+        for region, attrs in plan.local_attrs.items():
+            layout.local_heads[f"{block_name}.{region}"] = attrs
+        for region, attrs in plan.config_attrs.items():
+            layout.configs[f"{block_name}.{region}"] = attrs
+        for path, slices in plan.head_lists.items():
+            owner, _, child = path.rpartition(".")
+            layout.head_lists.setdefault(f"{block_name}.{owner}" if owner else block_name, {})[child] = slices
+        for path, slices in plan.head_params.items():
+            owner, _, pname = path.rpartition(".")
+            layout.head_params.setdefault(f"{block_name}.{owner}" if owner else block_name, {})[pname] = slices
         layout.partial_params += [f"{block_name}.{n}" for n in plan.partial_params]
     if not styles:
         raise ValueError(
@@ -180,12 +212,27 @@ def apply_tensor_parallel(module: nn.Module, mesh: Any, plan: Any, layout: TPLay
 
     styles = {name: style for name, style in layout.styles.items() if present(name)}
     parallelize_module(module, tp_mesh, styles)
-    for region, attrs in layout.heads.items():
+    rank = tp_mesh.get_local_rank()
+    for region, attrs in layout.local_heads.items():
         if not present(region):
             continue
         target = module.get_submodule(region)
         for attr, value in attrs.items():
-            setattr(target, attr, value // dims.tp)
+            setattr(target, attr, value)
+    for region, attrs in layout.configs.items():
+        if not present(region):
+            continue
+        target = module.get_submodule(region)
+        config = copy.copy(target.config)  # this region's own copy: the model's config is shared and stays whole
+        for attr, value in attrs.items():
+            setattr(config, attr, value)
+        target.config = config
+    for owner, lists in layout.head_lists.items():
+        if present(owner):
+            install_head_lists(module.get_submodule(owner), {child: s[rank] for child, s in lists.items()})
+    for owner, params in layout.head_params.items():
+        if present(owner):
+            install_head_slices(module.get_submodule(owner), {name: s[rank] for name, s in params.items()})
     _retie(module, groups)
     for fqn, (perm, dim) in layout.permutations.items():
         if present(fqn.rpartition(".")[0]):

@@ -5,15 +5,29 @@ What is recognised (DESIGN.md), by name where a convention exists and by dataflo
 
 - column-parallel (output features split): ``wq wk wv`` / ``q_proj k_proj v_proj`` / ``c_attn`` / ``wqkv``,
   ``w1 w3`` / ``gate_proj up_proj`` / ``c_fc``, and any linear that reads its region's input;
-  ``nn.Linear`` or transformers' ``Conv1D``. A fused projection whose output the model ``split``\s
-  (concatenated ``q|k|v``) gets its rows permuted so that each rank holds ``q_r|k_r|v_r``; one the model
-  ``view``\s per head (interleaved) is sharded as it is;
+  ``nn.Linear`` (and its subclasses, e.g. TorchTitan's) or transformers' ``Conv1D``. The trace follows each
+  projection's output through ``split`` / ``chunk`` / slices (``qkv[..., :n_q]``) and per-head ``view``\s
+  (:class:`~lightning_4d.trace.ColumnLayout`): a fused projection cut into pieces (concatenated ``q|k|v``,
+  ``gate|up``) gets its rows permuted so that each rank holds ``q_r|k_r|v_r``; one viewed per head or per KV group
+  (interleaved) is sharded as it is; heads fewer than ``tp`` (one KV head, multi-query) are replicated: the
+  weight stays whole and each rank computes the KV head its query heads use (:class:`Piece`);
 - row-parallel (input features split, one reduction): ``wo`` / ``o_proj`` / ``w2`` / ``down_proj`` /
   ``c_proj``, or the last linear its region calls;
-- norms (``LayerNorm``, ``RMSNorm``) directly inside a block: sequence-parallel; norms inside a region
-  (per-head ``q_norm`` / ``k_norm``) stay replicated and their gradients are summed over ``tp``;
+- a region (gathered input, one reduction) is the smallest module holding a row-parallel linear and the
+  column-parallel ones that feed it (TorchTitan's ``attention.qkv_linear.wqkv`` and ``attention.wo``: the
+  ``attention``); linears held by the block itself (OPT's ``fc1`` / ``fc2``) gather and scatter their own tokens;
+- head counts, cut widths and group ratios the region reads from attributes (``num_heads``, ``split_size``,
+  ``num_key_value_groups``) or from its ``config`` (``config.num_attention_heads``: a per-region copy) become
+  per-rank values;
+- per-head parameters and module lists inside a region (attention sinks, StableLM's ``norms`` zipped with the
+  heads, per-head ``q_norm`` / ``k_norm``) are used per rank on that rank's heads, their gradients summed over
+  ``tp``; a norm over the full width of one projection (OLMo 2's ``q_norm``) runs distributed;
+- norms (``LayerNorm``, ``RMSNorm``) directly inside a block: sequence-parallel (also on a region's output:
+  Gemma's sandwich norms); on flattened tokens ``(B·T, H)``: run locally, gradients summed;
 - the token embedding (the first ``nn.Embedding`` to run): vocab-parallel; the output head (the last
   linear to run after the blocks): column-parallel, with a parallel cross-entropy (``loss_parallel``).
+
+Anything else with parameters inside a region is refused at set-up, naming the module, the cause and the fix.
 
 Every block becomes the Megatron pattern: all-gather (SP) → column → local math → row →
 reduce-scatter (SP), or one all-reduce per attention and per MLP without SP.
@@ -30,6 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
 from torch import nn
 
 from lightning_4d.tensor_parallel.layouts import concat_permutation
@@ -41,6 +56,8 @@ __all__ = [
     "ROWWISE_NAMES",
     "HEAD_ATTRS",
     "WIDTH_ATTRS",
+    "GROUP_ATTRS",
+    "Piece",
     "BlockPlan",
     "ModelPlan",
     "block_plan",
@@ -57,10 +74,16 @@ COLWISE_NAMES = frozenset({"wq", "wk", "wv", "q_proj", "k_proj", "v_proj", "c_at
 ROWWISE_NAMES = frozenset({"wo", "o_proj", "w2", "down_proj", "c_proj", "out_proj", "fc2", "fc_out"})
 # Per-rank head counts that attention code uses in view/reshape calls.
 HEAD_ATTRS = ("n_heads", "n_head", "num_heads", "n_kv_heads", "num_key_value_heads", "num_attention_heads",
-              "n_local_heads", "n_local_kv_heads", "num_kv_heads")
+              "n_local_heads", "n_local_kv_heads", "num_kv_heads", "kv_heads")
 # Widths a region may use to cut or reshape its sharded activations (``split(self.split_size)``).
 WIDTH_ATTRS = ("split_size", "embed_dim", "n_embd", "hidden_size", "all_head_size", "q_size", "kv_size",
-               "intermediate_size", "inner_dim")
+               "intermediate_size", "inner_dim", "kv_dim")
+# Query heads per KV head, used to repeat keys and values: per rank when the KV heads are replicated.
+GROUP_ATTRS = ("num_key_value_groups", "n_rep", "num_kv_groups", "num_queries_per_kv", "kv_groups")
+# The same facts as a Hugging Face region reads them from its ``config`` (a per-region copy holds per-rank values).
+CONFIG_HEAD_ATTRS = ("num_attention_heads", "num_key_value_heads", "n_head", "num_kv_heads", "n_heads")
+CONFIG_WIDTH_ATTRS = ("hidden_size", "intermediate_size", "n_embd", "ffn_hidden_size", "n_inner")
+CONFIG_GROUP_ATTRS: tuple[str, ...] = ()
 
 _HOOK = "`fourd_tp_plan(self, tp_mesh, sequence_parallel)` on your FourDModule (returns {module path: ParallelStyle})"
 
@@ -92,6 +115,14 @@ class BlockPlan:
     head_attrs: dict[str, dict[str, int]] = field(default_factory=dict)  # region -> {attr: global value}
     permutations: dict[str, list[int]] = field(default_factory=dict)  # concatenated fused linear -> row order
     partial_params: list[str] = field(default_factory=list)  # replicated params that see sharded activations
+    local_attrs: dict[str, dict[str, int]] = field(default_factory=dict)  # region -> {attr: per-rank value}
+    config_attrs: dict[str, dict[str, int]] = field(default_factory=dict)  # region -> {config attr: per-rank value}
+    gathered: dict[str, list[list[int]]] = field(default_factory=dict)  # replicated-head linear -> rows per rank
+    direct: list[str] = field(default_factory=list)  # linears held by the block itself (outside any region)
+    head_lists: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # per-head module list -> slices
+    head_params: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # per-head parameter -> slices
+    dist_norms: dict[str, str] = field(default_factory=dict)  # full-width norm -> the linear it normalises
+    local_norms: list[str] = field(default_factory=list)  # SP norms on non-(B, T, H) inputs: local, grads summed
 
 
 @dataclass
@@ -172,14 +203,136 @@ def low_rank_pairs(trace: Optional[ModelTrace]) -> dict[str, str]:
     return pairs
 
 
-def _fused_pieces(block_name: str, name: str, width: int, trace: Optional[ModelTrace], tp: int) -> Optional[list[int]]:
-    consumer = trace.consumers.get(name) if trace is not None else None
-    pieces = consumer.pieces(width) if consumer is not None else None
-    if not pieces or len(pieces) < 2:
-        return None
-    for size in pieces:
-        _divisible(f"{block_name}.{name}", f"output piece (of {pieces})", size, tp)
+@dataclass(frozen=True)
+class Piece:
+    """A range of a column-parallel linear's output features: ``heads`` groups of ``unit`` features (``None`` for
+    features used one by one, e.g. an MLP's ``gate | up``); ``sharded`` (split over the ranks) or replicated (each
+    rank computes the one group its heads use: multi-query / fewer KV heads than ``tp``).
+
+    Example:
+        >>> Piece(32, 40, 8, sharded=False).heads
+        1
+    """
+
+    start: int
+    stop: int
+    unit: Optional[int] = None
+    sharded: bool = True
+    interleaved: bool = False
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def heads(self) -> Optional[int]:
+        return self.size // self.unit if self.unit else None
+
+    def rows(self, rank: int, tp: int) -> list[int]:
+        """The features of this piece that rank ``rank`` computes."""
+        if self.sharded:
+            chunk = self.size // tp
+            return list(range(self.start + rank * chunk, self.start + (rank + 1) * chunk))
+        assert self.unit is not None and self.heads is not None
+        head = rank * self.heads // tp
+        return list(range(self.start + head * self.unit, self.start + (head + 1) * self.unit))
+
+
+def _pieces(block_name: str, name: str, width: int, trace: Optional[ModelTrace], tp: int) -> list[Piece]:
+    """How the output features of column-parallel linear ``name`` are sharded, from the traced cuts and head views
+    (see :class:`~lightning_4d.trace.ColumnLayout`); raises naming the linear when no exact sharding exists."""
+    layout = trace.columns.get(name) if trace is not None else None
+    raw = layout.pieces() if layout is not None else [(0, width, None)]
+    known = {u for *_, u in raw if u}
+    if len(known) == 1:  # pieces of one fused projection share its head width (a key used without a view)
+        (u,) = known
+        raw = [(a, b, unit or (u if (b - a) % u == 0 else None)) for a, b, unit in raw]
+    where = f"{block_name}.{name}"
+    grouped = {r for r, g in (layout.groups.items() if layout is not None else ()) if g}
+    pieces: list[Piece] = []
+    for a, b, unit in raw:
+        heads = (b - a) // unit if unit else None
+        interleaved = any(lo <= a and b <= hi for lo, hi in grouped)
+        if (heads if heads is not None else b - a) % tp == 0:
+            pieces.append(Piece(a, b, unit, True, interleaved))
+        elif heads is not None and tp % heads == 0 and not interleaved:
+            pieces.append(Piece(a, b, unit, False))
+        else:
+            what = (f"features {a}:{b} form {heads} interleaved groups of {unit} (a fused projection viewed per KV "
+                    f"group: each group's query heads, key and value)" if interleaved else
+                    f"features {a}:{b} form {heads} heads of {unit}" if heads is not None else
+                    f"features {a}:{b} ({b - a} of them)")
+            fix = (f"use a tp that divides {heads}" if interleaved else
+                   f"use a tp that divides {heads} or is a multiple of it" if heads is not None else
+                   f"use a tp that divides {b - a}")
+            raise ValueError(
+                f"{where}: its {what}, which cannot be split evenly over tp={tp} ranks. Fix: {fix}, or implement "
+                f"{_HOOK}."
+            )
     return pieces
+
+
+def _check_linear_forward(where: str, module: nn.Module) -> None:
+    """A subclass of ``nn.Linear`` with its own ``forward`` (TorchTitan's ``Linear`` family) is sharded like a linear
+    only if it computes one: its output on a random input must be ``x @ weight.T + bias``. Skipped on the meta
+    device (a dry run); raises naming the module otherwise."""
+    if not isinstance(module, nn.Linear) or type(module).forward is nn.Linear.forward:
+        return
+    w = module.weight
+    if w.is_meta or not isinstance(w, torch.Tensor) or type(w.data) is not torch.Tensor:
+        return
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, module.in_features, generator=gen).to(device=w.device, dtype=w.dtype)  # (3, in)
+    with torch.no_grad():
+        got = module(x)
+        want = torch.nn.functional.linear(x, w, module.bias)
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4,
+                                                                                           atol=1e-6):
+        raise ValueError(
+            f"{where} ({type(module).__name__}) subclasses nn.Linear with its own forward, which does not compute "
+            f"x @ weight.T + bias on a test input, so it cannot be sharded as a column- or row-parallel linear. "
+            f"Implement {_HOOK} for this model, or use tp=1."
+        )
+
+
+def _common_prefix(paths: list[str]) -> str:
+    parts = [p.split(".") for p in paths]
+    out: list[str] = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        out.append(level[0])
+    return ".".join(out)
+
+
+def _parent(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+def _assign_regions(plan: BlockPlan, trace: Optional[ModelTrace]) -> dict[str, str]:
+    """``{linear: region}``: the smallest module holding a row-parallel linear and the column-parallel linears that
+    feed it (traced dataflow); TorchTitan keeps ``wqkv`` one level below the attention (``attention.qkv_linear``) and
+    ``wo`` beside it. ``""``: linears held directly by the block (OPT's ``fc1`` / ``fc2``)."""
+    region: dict[str, str] = {}
+    kinds = plan.linears
+    for name, kind in kinds.items():
+        if kind != "rowwise":
+            continue
+        feeding = [s for s in (trace.sources.get(name, ()) if trace is not None else ())
+                   if kinds.get(s) == "colwise"]
+        where = _common_prefix([_parent(name)] + [_parent(s) for s in feeding]) if feeding else _parent(name)
+        region[name] = where
+        for s in feeding:
+            if s not in region or len(where) < len(region[s]):
+                region[s] = where
+    for name in kinds:
+        region.setdefault(name, _parent(name))
+    # a region inside another one is the outer one
+    for name, where in list(region.items()):
+        outer = [r for r in set(region.values()) if r and where != r and (where + ".").startswith(r + ".")]
+        if outer:
+            region[name] = min(outer, key=len)
+    return region
 
 
 def block_plan(block: nn.Module, block_name: str, tp: int, trace: Optional[ModelTrace] = None,
@@ -187,7 +340,8 @@ def block_plan(block: nn.Module, block_name: str, tp: int, trace: Optional[Model
     """Plan one block; raise naming the module when it does not fit.
 
     ``trace`` (from :func:`~lightning_4d.trace.trace_model`) adds what names cannot tell: roles by
-    dataflow, concatenated fused outputs (``split``) and the sizes the region cuts them into.
+    dataflow, concatenated fused outputs (``split``, slices) and the head widths the region views them in, which
+    module feeds each norm, and the input rank of each module.
 
     Example:
         >>> from lightning_4d.models import GPT2, GPT2Config
@@ -199,7 +353,6 @@ def block_plan(block: nn.Module, block_name: str, tp: int, trace: Optional[Model
     plan.low_rank = low_rank_pairs(trace)
     downs = set(plan.low_rank.values())
     moe_prefixes: list[str] = []
-    cut_sizes: dict[str, set[int]] = {}
     for name, module in block.named_modules():
         if not name:
             continue
@@ -210,68 +363,209 @@ def block_plan(block: nn.Module, block_name: str, tp: int, trace: Optional[Model
             plan.moe.append(name)
             continue
         if is_linear(module):
-            fan_in, fan_out = linear_features(module)
-            role = ("replicate" if name in downs else "colwise" if name in plan.low_rank
-                    else _role(block_name, name, trace))
-            plan.linears[name] = role
-            if role == "colwise":
-                _divisible(f"{block_name}.{name}", "out_features", fan_out, tp)
-                pieces = _fused_pieces(block_name, name, fan_out, trace, tp)
-                if pieces is not None:
-                    plan.permutations[name] = concat_permutation(pieces, tp)
-                    cut_sizes.setdefault(name.rpartition(".")[0], set()).update(pieces)
-            elif role == "rowwise":
-                _divisible(f"{block_name}.{name}", "in_features", fan_in, tp)
-                cut_sizes.setdefault(name.rpartition(".")[0], set()).add(fan_in)
-            else:  # a low-rank down-projection: replicated, its gradient a partial sum over the ranks' heads
-                plan.partial_params += [f"{name}.{n}" for n, _ in module.named_parameters()]
+            _check_linear_forward(f"{block_name}.{name}", module)
+            plan.linears[name] = ("replicate" if name in downs else "colwise" if name in plan.low_rank
+                                  else _role(block_name, name, trace))
         elif is_norm(module) and "." not in name:
             plan.norms.append(name)
-    parents = sorted({n.rsplit(".", 1)[0] if "." in n else "" for n, k in plan.linears.items() if k == "colwise"})
-    if "" in parents:
-        raise ValueError(
-            f"{block_name} holds column-parallel linears directly; put attention and MLP in submodules or "
-            f"implement {_HOOK}."
-        )
-    plan.regions = parents
-    for region in parents:
+    regions = _assign_regions(plan, trace)
+    cut_sizes: dict[str, set[int]] = {}
+    pieces_of: dict[str, list[Piece]] = {}
+    for name, role in plan.linears.items():
+        fan_in, fan_out = linear_features(block.get_submodule(name))
+        region = regions[name]
+        if role == "colwise":
+            pieces = _pieces(block_name, name, fan_out, trace, tp)
+            pieces_of[name] = pieces
+            sizes = [p.size for p in pieces]
+            if all(p.sharded for p in pieces):
+                if len(pieces) > 1:
+                    plan.permutations[name] = concat_permutation(sizes, tp)
+            else:
+                plan.gathered[name] = [[r for p in pieces for r in p.rows(rank, tp)] for rank in range(tp)]
+                plan.partial_params += [f"{name}.{n}" for n, _ in block.get_submodule(name).named_parameters()]
+            cut_sizes.setdefault(region, set()).update(p.size for p in pieces if p.sharded)
+        elif role == "rowwise":
+            _divisible(f"{block_name}.{name}", "in_features", fan_in, tp)
+            cut_sizes.setdefault(region, set()).add(fan_in)
+        else:  # a low-rank down-projection: replicated, its gradient a partial sum over the ranks' heads
+            plan.partial_params += [f"{name}.{n}" for n, _ in block.get_submodule(name).named_parameters()]
+    _check_replicated_heads(block_name, plan, regions, pieces_of)
+    plan.direct = sorted(n for n, r in regions.items() if r == "" and plan.linears[n] != "replicate")
+    plan.regions = sorted({r for n, r in regions.items() if r and plan.linears[n] == "colwise"})
+    for region in plan.regions:
         module = block.get_submodule(region)
-        attrs = {a: getattr(module, a) for a in HEAD_ATTRS if isinstance(getattr(module, a, None), int)}
+        members = [n for n, r in regions.items() if r == region]
+        heads = _region_heads(members, pieces_of)
         widths = cut_sizes.get(region, set())
-        attrs.update({a: getattr(module, a) for a in WIDTH_ATTRS
-                      if isinstance(getattr(module, a, None), int) and getattr(module, a) in widths})
-        for attr, value in attrs.items():
-            _divisible(f"{block_name}.{region}", attr, value, tp)
+        attrs, local = _local_attrs(f"{block_name}.{region}", module, heads, widths, tp)
         if attrs:
             plan.head_attrs[region] = attrs
-        plan.partial_params += _region_params(block_name, region, module, plan)
+            plan.local_attrs[region] = local
+        config = getattr(module, "config", None)
+        if config is not None and not isinstance(config, (int, float, str, bool)) and not isinstance(config, nn.Module):
+            # The config holds the whole model's sizes: its head counts matter only where this region has heads.
+            names = (HEAD_ATTRS + CONFIG_HEAD_ATTRS if heads.sharded or heads.replicated else ()) \
+                + WIDTH_ATTRS + CONFIG_WIDTH_ATTRS + GROUP_ATTRS
+            _, conf_local = _local_attrs(f"{block_name}.{region}.config", config, heads, widths, tp, names=names)
+            if conf_local:
+                plan.config_attrs[region] = conf_local
+        plan.partial_params += _region_params(block_name, block, region, plan, heads, trace, tp)
+    plan.partial_params += _moe_params(block, plan, sequence_parallel)
+    if sequence_parallel:
+        ndim = trace.input_ndim if trace is not None else {}
+        plan.local_norms = [n for n in plan.norms if ndim.get(n, 3) != 3]
+        plan.partial_params += [f"{n}.{p}" for n in plan.local_norms
+                                for p, _ in block.get_submodule(n).named_parameters()]
     plan.partial_params += _block_params(block_name, block, plan, sequence_parallel)
     return plan
 
 
-def _region_params(block_name: str, region: str, module: nn.Module, plan: BlockPlan) -> list[str]:
-    """Replicated parameters inside a region: they see this rank's heads only, so their gradients are
-    partial sums (per-head ``q_norm`` / ``k_norm``). Anything else with parameters is refused."""
+@dataclass
+class _Heads:
+    """Head counts of a region: ``sharded`` (split over the ranks, e.g. query heads) and ``replicated`` (fewer than
+    ``tp``: one per rank, e.g. a multi-query KV head), with the width of one head of each."""
+
+    sharded: set[int] = field(default_factory=set)
+    replicated: dict[int, int] = field(default_factory=dict)  # heads -> unit
+
+
+def _region_heads(members: list[str], pieces_of: dict[str, list[Piece]]) -> _Heads:
+    heads = _Heads()
+    for name in members:
+        for p in pieces_of.get(name, ()):
+            if p.heads is None:
+                continue
+            if p.sharded:
+                heads.sharded.add(p.heads)
+            else:
+                heads.replicated[p.heads] = p.unit or 0
+    return heads
+
+
+def _check_replicated_heads(block_name: str, plan: BlockPlan, regions: dict[str, str],
+                            pieces_of: dict[str, list[Piece]]) -> None:
+    """Replicated heads (a KV head shared by several query heads) are exact only next to sharded heads that
+    outnumber them: each rank's output then comes from its own query heads."""
+    for name, pieces in pieces_of.items():
+        for p in pieces:
+            if p.sharded:
+                continue
+            heads = _region_heads([n for n, r in regions.items() if r == regions[name]], pieces_of)
+            if not any(h > (p.heads or 0) for h in heads.sharded):
+                raise ValueError(
+                    f"{block_name}.{name}: its features {p.start}:{p.stop} form {p.heads} head(s) of {p.unit}, fewer "
+                    f"than tp, and no other projection of {block_name}.{regions[name] or '(the block)'} has more "
+                    f"heads that split over the ranks, so replicating them would compute the same output on several "
+                    f"ranks. Fix: use a tp that divides {p.heads}, or implement {_HOOK}."
+                )
+
+
+def _local_attrs(owner: str, obj: object, heads: _Heads, widths: set[int], tp: int,
+                 names: tuple[str, ...] = ()) -> tuple[dict[str, int], dict[str, int]]:
+    """``(global, local)`` values of the head counts and cut widths ``obj`` holds as int attributes: a head count
+    that splits over the ranks (or any other divisible one) is divided by ``tp``; a replicated head count becomes 1
+    (each rank computes one such head); a group ratio (query heads per KV head) becomes the local query heads; a
+    width the region cuts its sharded outputs by is divided, a replicated head's width is kept."""
+    found: dict[str, int] = {}
+    local: dict[str, int] = {}
+    for attr in names or HEAD_ATTRS + WIDTH_ATTRS + GROUP_ATTRS:
+        value = getattr(obj, attr, None)
+        if not isinstance(value, int) or isinstance(value, bool) or attr in found:
+            continue
+        if attr in GROUP_ATTRS + CONFIG_GROUP_ATTRS:
+            ratios = {q // kv: q // tp for q in heads.sharded for kv in heads.replicated if kv and q % kv == 0}
+            if value in ratios:
+                found[attr], local[attr] = value, ratios[value]
+            continue
+        if attr in HEAD_ATTRS + CONFIG_HEAD_ATTRS:
+            if value in heads.replicated and value not in heads.sharded:
+                found[attr], local[attr] = value, 1
+            else:
+                _divisible(owner, attr, value, tp)
+                found[attr], local[attr] = value, value // tp
+        elif attr in WIDTH_ATTRS + CONFIG_WIDTH_ATTRS:
+            if value in widths:
+                _divisible(owner, attr, value, tp)
+                found[attr], local[attr] = value, value // tp
+            elif any(value == h * u for h, u in heads.replicated.items()) and value not in widths:
+                found[attr], local[attr] = value, value // next(h for h, u in heads.replicated.items()
+                                                                 if value == h * u)
+    return found, local
+
+
+def _head_slices(count: int, heads: _Heads, tp: int) -> Optional[list[tuple[int, int]]]:
+    """Per rank, the ``[lo, hi)`` slice of ``count`` per-head entries that rank's heads use (``None`` when ``count``
+    is no head count of the region).
+
+    Example:
+        >>> _head_slices(4, _Heads(sharded={4}, replicated={1: 8}), 2), _head_slices(1, _Heads({4}, {1: 8}), 2)
+        ([(0, 2), (2, 4)], [(0, 1), (0, 1)])
+    """
+    if count in heads.replicated:
+        return [(r * count // tp, r * count // tp + 1) for r in range(tp)]
+    if count in heads.sharded:
+        return [(r * count // tp, (r + 1) * count // tp) for r in range(tp)]
+    return None
+
+
+def _region_params(block_name: str, block: nn.Module, region: str, plan: BlockPlan, heads: _Heads,
+                   trace: Optional[ModelTrace], tp: int) -> list[str]:
+    """Parameters inside a region besides its linears: per-head norms (``q_norm`` over ``head_dim``), per-head
+    module lists (StableLM's ``norms`` zipped with the heads) and per-head parameters (attention sinks) are used
+    per rank on that rank's heads and get their gradients summed over ``tp``; a norm over the full sharded width of
+    one column-parallel projection (OLMo 2's ``q_norm``) becomes a distributed norm. Anything else with
+    parameters is refused, naming it."""
     out: list[str] = []
-    widths = {linear_features(module.get_submodule(n[len(region) + 1:]))[1]
-              for n, k in plan.linears.items() if k == "colwise" and n.startswith(region + ".")}
+    module = block.get_submodule(region)
+    members = {n[len(region) + 1:] for n in plan.linears if n.startswith(region + ".")}
+    widths = {linear_features(module.get_submodule(n))[1] for n in members
+              if plan.linears[f"{region}.{n}"] == "colwise"}
     latent = {linear_features(module.get_submodule(d[len(region) + 1:]))[1] for d in plan.low_rank.values()
               if d.startswith(region + ".")}
+    counts = heads.sharded | set(heads.replicated) | {v for k, v in plan.head_attrs.get(region, {}).items()
+                                                      if k in HEAD_ATTRS and v % tp == 0}
+    known = _Heads(sharded=counts - set(heads.replicated), replicated=heads.replicated)
+    done: list[str] = []  # per-head lists: their members are handled with them
     for sub_name, sub in module.named_modules():
         path = f"{region}.{sub_name}" if sub_name else region
-        if path in plan.linears:
+        if path in plan.linears or any(sub_name.startswith(d + ".") for d in done):
             continue
-        own = [n for n, _ in sub.named_parameters(recurse=False)]
+        if sub_name and isinstance(sub, nn.ModuleList) and len(sub) > 1 and any(
+                True for _ in sub.parameters()):
+            slices = _head_slices(len(sub), known, tp)
+            if slices is None or len({type(m) for m in sub.children()}) != 1:
+                raise ValueError(
+                    f"{block_name}.{path} is a list of {len(sub)} modules with parameters inside the tensor-parallel "
+                    f"region {block_name}.{region}; only a list with one module per head (here "
+                    f"{sorted(counts) or 'no head count'}) can follow the heads over the ranks. Implement {_HOOK} "
+                    f"for this model, or use tp=1."
+                )
+            plan.head_lists[path] = slices
+            out += [f"{path}.{n}" for n, _ in sub.named_parameters()]
+            done.append(sub_name)
+            continue
+        own = dict(sub.named_parameters(recurse=False))
         if not own:
             continue
         size = getattr(sub, "weight", None)
-        size = int(size.shape[-1]) if size is not None and size.dim() >= 1 else None
-        # A per-head norm, or one on a replicated low-rank latent (its width at most the down-projection's).
-        if sub_name and is_norm(sub) and (size not in widths or any(size is not None and size <= w for w in latent)):
-            out += [f"{path}.{n}" for n in own]
+        size = int(size.shape[-1]) if isinstance(size, torch.Tensor) and size.dim() >= 1 else None
+        if sub_name and is_norm(sub):
+            # A per-head norm, or one on a replicated low-rank latent (its width at most the down-projection's).
+            if size not in widths or any(size is not None and size <= w for w in latent):
+                out += [f"{path}.{n}" for n in own]
+                continue
+            plan.dist_norms[path] = _norm_source(block_name, block, path, size, plan, trace)
+            continue
+        per_head = {n: _head_slices(int(p.shape[0]), known, tp) for n, p in own.items() if p.dim() >= 1}
+        if own and all(per_head.get(n) is not None for n in own):
+            for n in own:
+                plan.head_params[f"{path}.{n}"] = per_head[n]  # type: ignore[assignment]
+                out.append(f"{path}.{n}")
             continue
         why = (f"normalises over {size} features, a full width that tensor parallelism splits across ranks"
-               if is_norm(sub) else "is not a linear layer or a per-head norm, so its sharded layout is unknown")
+               if is_norm(sub) else "is not a linear layer, a norm or indexed by head (its first dimension is none "
+               f"of the head counts {sorted(counts)}), so its sharded layout is unknown")
         raise ValueError(
             f"{block_name}.{path} holds parameters ({', '.join(own)}) inside the tensor-parallel region "
             f"{block_name}.{region} and {why}. Implement {_HOOK} for this model, or use tp=1."
@@ -279,12 +573,65 @@ def _region_params(block_name: str, region: str, module: nn.Module, plan: BlockP
     return out
 
 
+def _norm_source(block_name: str, block: nn.Module, path: str, size: Optional[int], plan: BlockPlan,
+                 trace: Optional[ModelTrace]) -> str:
+    """The one column-parallel linear whose whole output a full-width norm normalises (it then runs distributed:
+    statistics all-reduced over ``tp``, weight sharded like the features); raises naming the norm otherwise."""
+    sources = sorted(trace.module_sources.get(path, ())) if trace is not None else []
+    fix = f"Implement {_HOOK} for this model, or use tp=1."
+    if len(sources) != 1:
+        raise ValueError(
+            f"{block_name}.{path} normalises over {size} features, a full width that tensor parallelism splits "
+            f"across ranks, and its input does not come from exactly one column-parallel projection "
+            f"(traced: {sources or 'unknown'}), so it cannot run as a distributed norm. {fix}"
+        )
+    (source,) = sources
+    width = linear_features(block.get_submodule(source))[1] if source in plan.linears else None
+    if source in plan.gathered:
+        raise ValueError(
+            f"{block_name}.{path} normalises over {size} features, the output of {block_name}.{source}, whose heads "
+            f"are fewer than tp and replicated (each rank computes one), so no rank holds the full width to run it as "
+            f"a distributed norm. Fix: use a tp that divides {block_name}.{source}'s number of heads, or implement "
+            f"{_HOOK}."
+        )
+    if plan.linears.get(source) != "colwise" or source in plan.permutations or width != size:
+        why = ("that projection's output is permuted (a fused projection cut into pieces)"
+               if source in plan.permutations else "it is not the column-parallel output of exactly that width")
+        raise ValueError(
+            f"{block_name}.{path} normalises over {size} features, the output of {block_name}.{source}, which "
+            f"tensor parallelism splits across ranks, and cannot run as a distributed norm: {why}. {fix}"
+        )
+    return source
+
+
+def _moe_params(block: nn.Module, plan: BlockPlan, sequence_parallel: bool) -> list[str]:
+    """Under SP a mixture-of-experts layer sees this rank's tokens, so the gradients of its parameters that every
+    rank holds whole are partial sums over ``tp``: all of them when expert parallelism did not take the layer over
+    (Llama 4's every-token experts run as the model's own code), its router and shared experts otherwise
+    (wherever the router sits in the layer: TorchTitan's ``moe.router`` is beside ``moe.routed_experts``).
+    Experts that expert parallelism shards, and the package's own MoE layer, are accounted for by the expert
+    rewrite."""
+    if not sequence_parallel:
+        return []
+    from lightning_4d.expert_parallel.inplace import is_inplace_experts
+    from lightning_4d.expert_parallel.moe import MoE
+
+    out: list[str] = []
+    for name in plan.moe:
+        layer = block.get_submodule(name)
+        if any(isinstance(m, MoE) for m in layer.modules()):
+            continue
+        experts = {id(p) for m in layer.modules() if is_inplace_experts(m) for p in m.parameters()}
+        out += [f"{name}.{n}" for n, p in layer.named_parameters() if id(p) not in experts]
+    return out
+
+
 def _block_params(block_name: str, block: nn.Module, plan: BlockPlan, sequence_parallel: bool) -> list[str]:
-    """Under SP, plain parameters of a block outside its regions and norms see sequence shards: refused
+    """Under SP, plain parameters of a block outside its regions, linears and norms see sequence shards: refused
     (their math along the sequence is unknown)."""
     if not sequence_parallel:
         return []
-    handled = set(plan.regions) | set(plan.norms) | set(plan.moe)
+    handled = set(plan.regions) | set(plan.norms) | set(plan.moe) | set(plan.linears)
     for sub_name, sub in block.named_modules():
         if any(sub_name == h or sub_name.startswith(h + ".") for h in handled):
             continue

@@ -27,8 +27,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from lightning_4d.trace import HiddenArg, first_param_name
 
-__all__ = ["Colwise", "Rowwise", "RegionInput", "install_sequence_boundary", "is_conv1d", "is_linear",
-           "linear_features"]
+__all__ = ["Colwise", "Rowwise", "RegionInput", "GatheredColumns", "DistributedNorm", "install_sequence_boundary",
+           "install_head_slices", "install_head_lists", "fresh_local", "is_conv1d", "is_linear", "linear_features"]
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -49,6 +49,40 @@ def linear_features(module: nn.Module) -> tuple[int, int]:
     return (int(w.shape[0]), int(w.shape[1])) if is_conv1d(module) else (int(w.shape[1]), int(w.shape[0]))
 
 
+class _FreshLocal(torch.autograd.Function):
+    """A DTensor's local tensor as a fresh autograd leaf of the graph (not a view): the model may modify it in
+    place (``mlp_output += attention_output``), which torch forbids on the view ``DTensor.to_local()`` returns."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        ctx.spec = (x.device_mesh, x.placements, x.shape, x.stride())
+        return x.to_local()  # grad mode is off here: the local tensor itself, no view
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        mesh, placements, shape, stride = ctx.spec
+        return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def fresh_local(x: Any) -> Any:
+    """``x.to_local()`` for a DTensor, as a tensor the model may modify in place; anything else unchanged.
+
+    Example:
+        >>> fresh_local(torch.ones(2)).tolist()
+        [1.0, 1.0]
+    """
+    return _FreshLocal.apply(x) if isinstance(x, DTensor) else x
+
+
+def _to_fresh_local(_mod: nn.Module, _inputs: Any, out: Any) -> Any:
+    return fresh_local(out)
+
+
+def _sequence(x: torch.Tensor) -> Shard:
+    """The token dimension of an activation ``(B, T, H)`` or ``(B·T, H)``: the one before the features."""
+    return Shard(max(x.dim() - 2, 0))
+
+
 def _param(module: nn.Module, name: str, tensor: Any) -> None:
     old = getattr(module, name)
     module.register_parameter(name, nn.Parameter(tensor, requires_grad=old.requires_grad))
@@ -61,11 +95,12 @@ class _Sharded(ParallelStyle):
     column = True
 
     def __init__(self, *, permutation: Optional[Sequence[int]] = None, output_layouts: Any = None,
-                 partial_input: bool = False) -> None:
+                 partial_input: bool = False, sequence: bool = False) -> None:
         super().__init__()
         self.permutation = list(permutation) if permutation is not None else None
         self.output_layouts = output_layouts if output_layouts is not None else Replicate()
         self.partial_input = partial_input
+        self.sequence = sequence  # a linear held by the block under SP: tokens sharded (column in, row out)
 
     def _partition(self, _name: str, module: nn.Module, mesh: Any) -> None:
         out_dim, in_dim = (1, 0) if is_conv1d(module) else (0, 1)
@@ -88,7 +123,8 @@ class _Sharded(ParallelStyle):
         if self.column and self.partial_input and not isinstance(x, DTensor):
             x = _ReplicatedKeepPartialGrad.apply(x, mesh)  # (B, T, r) latent; its gradient stays a partial sum
         elif self.column:  # the full input on every rank
-            x = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+            layout = _sequence(x) if self.sequence else Replicate()
+            x = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [layout], run_check=False)
             x = x.redistribute(placements=[Replicate()]) if x.placements != (Replicate(),) else x
         else:  # this rank's slice of the input features
             x = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Shard(-1)], run_check=False)
@@ -96,15 +132,20 @@ class _Sharded(ParallelStyle):
 
     def _outputs(self, _mod: nn.Module, out: Any, _mesh: Any) -> Any:
         if not self.column:  # partial sums: all-reduce, or reduce-scatter along the sequence (SP)
-            out = out.redistribute(placements=[self.output_layouts])
-        return out.to_local()
+            out = out.redistribute(placements=[_sequence(out) if self.sequence else self.output_layouts])
+        return fresh_local(out)
 
     def _torch_style(self) -> ParallelStyle:
-        return ColwiseParallel() if self.column else RowwiseParallel(output_layouts=self.output_layouts)
+        if self.column:
+            return ColwiseParallel(use_local_output=False)
+        return RowwiseParallel(output_layouts=self.output_layouts, use_local_output=False)
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        if isinstance(module, nn.Linear) and self.permutation is None and not self.partial_input:
-            return parallelize_module(module, device_mesh, self._torch_style())
+        if isinstance(module, nn.Linear) and self.permutation is None and not self.partial_input \
+                and not self.sequence:
+            parallelize_module(module, device_mesh, self._torch_style())
+            module.register_forward_hook(_to_fresh_local)  # torch's style would return a view
+            return module
         return distribute_module(module, device_mesh, self._partition, self._inputs, self._outputs)
 
 
@@ -152,7 +193,8 @@ class Colwise(_Sharded):
     """Column parallel (output features split) for ``nn.Linear`` and ``Conv1D``; ``permutation`` reorders the
     output rows first (concatenated fused outputs, see :mod:`lightning_4d.tensor_parallel.layouts`);
     ``partial_input``: the input is a replicated low-rank latent whose gradient must stay a per-rank partial sum
-    (see :class:`LowRankDown`).
+    (see :class:`LowRankDown`); ``sequence``: a linear held by the block itself under SP, whose input is this
+    rank's tokens (gathered here, the module having no region that gathers them).
 
     Example:
         >>> Colwise(permutation=[0, 2, 1, 3]).permutation
@@ -164,7 +206,8 @@ class Colwise(_Sharded):
 
 class Rowwise(_Sharded):
     """Row parallel (input features split, bias replicated) for ``nn.Linear`` and ``Conv1D``; the partial
-    outputs are reduced to ``output_layouts`` (``Replicate()``, or ``Shard(1)`` under SP).
+    outputs are reduced to ``output_layouts`` (``Replicate()``, or ``Shard(1)`` under SP), or with ``sequence``
+    reduce-scattered along the token dimension whatever the output's rank (``(B·T, H)``: ``Shard(0)``).
 
     Example:
         >>> Rowwise().output_layouts == Replicate()
@@ -172,6 +215,179 @@ class Rowwise(_Sharded):
     """
 
     column = False
+
+
+def _replicated_local(x: Any) -> Any:
+    """A region's (replicated) input as this rank's local tensor whose gradient is this rank's partial sum."""
+    if isinstance(x, DTensor):
+        x = x.redistribute(placements=[Replicate()]) if x.placements != (Replicate(),) else x
+        return x.to_local(grad_placements=[Partial()])
+    return x
+
+
+class _Swap:
+    """Replace some parameters of a module by views of them (``{name: fn(param)}``) from its forward pre-hook to its
+    forward hook, through :func:`lightning_4d._compat.swapped_parameters`."""
+
+    def __init__(self, module: nn.Module, views: dict[str, Any]) -> None:
+        import contextlib
+
+        from lightning_4d._compat import swapped_parameters
+
+        self.views, self.stack = views, contextlib.ExitStack()
+        self._swapped = swapped_parameters
+
+    def enter(self, module: nn.Module) -> None:
+        self.stack.close()
+        tensors = {name: fn(getattr(module, name)) for name, fn in self.views.items()}
+        self.stack.enter_context(self._swapped(module, tensors))
+
+    def leave(self) -> None:
+        self.stack.close()
+
+
+class GatheredColumns(ParallelStyle):
+    """A column projection whose output holds heads that cannot be split over the ranks (one KV head of a
+    multi-query model; KV heads fewer than ``tp``): its weight stays whole and replicated, and each rank computes
+    only the output features its heads use (``rows[rank]``: its query heads' slice and the KV head those share).
+    Each rank's gradient is a partial sum over its heads: the input gradient is returned as a ``Partial`` (reduced
+    once with the region's others), the weight's is summed over ``tp`` once per step by the strategy.
+
+    Example:
+        >>> GatheredColumns([[0, 1, 4], [2, 3, 4]]).rows[1]
+        [2, 3, 4]
+    """
+
+    def __init__(self, rows: Sequence[Sequence[int]]) -> None:
+        super().__init__()
+        self.rows = [list(r) for r in rows]
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        idx = torch.tensor(self.rows[device_mesh.get_local_rank()])
+        out_dim = 1 if is_conv1d(module) else 0
+        views = {"weight": lambda p: p.index_select(out_dim, idx.to(p.device))}
+        if getattr(module, "bias", None) is not None:
+            views["bias"] = lambda p: p.index_select(0, idx.to(p.device))
+        swap = _Swap(module, views)
+
+        def pre(mod: nn.Module, args: tuple) -> tuple:
+            swap.enter(mod)
+            return (_replicated_local(args[0]),) + tuple(args[1:])
+
+        def post(_mod: nn.Module, _args: tuple, out: Any) -> Any:
+            swap.leave()
+            return out
+
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
+        return module
+
+
+class DistributedNorm(ParallelStyle):
+    """A norm over the full output width of a column projection (OLMo 2's ``q_norm`` over every head), run on that
+    width split over the ranks: its weight (and bias) are sharded like the features, its input is this rank's
+    features and DTensor computes the statistics over all of them (a sum of squares all-reduced over ``tp``).
+
+    Example:
+        >>> DistributedNorm()  # doctest: +ELLIPSIS
+        <...DistributedNorm object at ...>
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        def partition(_name: str, mod: nn.Module, mesh: Any) -> None:
+            for pname, p in list(mod.named_parameters(recurse=False)):
+                _param(mod, pname, distribute_tensor(p.detach(), mesh, [Shard(0)]))
+
+        def inputs(_mod: nn.Module, args: tuple, mesh: Any) -> tuple:
+            x = args[0]
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, [Shard(x.dim() - 1)], run_check=False)
+            return (x,) + tuple(args[1:])
+
+        def outputs(_mod: nn.Module, out: Any, _mesh: Any) -> Any:
+            if isinstance(out, DTensor):
+                last = Shard(out.dim() - 1)
+                out = out.redistribute(placements=[last]) if out.placements != (last,) else out
+            return fresh_local(out)
+
+        return distribute_module(module, device_mesh, partition, inputs, outputs)
+
+
+def install_head_slices(owner: nn.Module, slices: dict[str, tuple[int, int]]) -> None:
+    """During ``owner``'s forward its parameters named in ``slices`` (indexed by head along dim 0, e.g. attention
+    sinks) are this rank's heads ``param[lo:hi]``; the full parameters stay registered (their gradients, zero
+    outside this rank's heads, are summed over ``tp`` by the strategy).
+
+    Example:
+        >>> attn = nn.Module(); attn.sinks = nn.Parameter(torch.arange(4.0))
+        >>> install_head_slices(attn, {"sinks": (2, 4)})
+    """
+    views = {name: (lambda p, lo=lo, hi=hi: p.narrow(0, lo, hi - lo)) for name, (lo, hi) in slices.items()}
+    swap = _Swap(owner, views)
+    owner.register_forward_pre_hook(lambda mod, _args: swap.enter(mod))
+    owner.register_forward_hook(lambda _mod, _args, _out: swap.leave())
+
+
+class _HeadView:
+    """Mixin swapped into a per-head ``ModuleList`` (see :func:`install_head_lists`): while ``_fourd_view`` is set,
+    iterating, ``len`` and indexing see only this rank's heads."""
+
+    _fourd_view: Optional[tuple[int, int]] = None
+
+    def _fourd_visible(self) -> list[nn.Module]:
+        mods = list(super().__iter__())  # type: ignore[misc]
+        return mods if self._fourd_view is None else mods[self._fourd_view[0]:self._fourd_view[1]]
+
+    def __iter__(self) -> Any:
+        return iter(self._fourd_visible())
+
+    def __len__(self) -> int:
+        return len(self._fourd_visible())
+
+    def __getitem__(self, idx: Any) -> Any:
+        if self._fourd_view is None:
+            return super().__getitem__(idx)  # type: ignore[misc]
+        seen = self._fourd_visible()
+        return nn.ModuleList(seen[idx]) if isinstance(idx, slice) else seen[idx]
+
+
+_HEAD_VIEW_CLASSES: dict[type, type] = {}
+
+
+def install_head_lists(owner: nn.Module, lists: dict[str, tuple[int, int]]) -> None:
+    """During ``owner``'s forward each per-head module list it holds (``lists``: child name -> this rank's heads
+    ``[lo, hi)``; StableLM's ``norms`` zipped with the heads) shows only those heads, so ``zip(self.norms, heads)``
+    pairs every head with its own module. All modules stay registered (same names, replicated); the unused ones get
+    zero gradients, and every gradient is summed over ``tp`` by the strategy.
+
+    Example:
+        >>> owner = nn.Module(); owner.norms = nn.ModuleList(nn.LayerNorm(2) for _ in range(4))
+        >>> install_head_lists(owner, {"norms": (2, 4)})
+    """
+    unused: list[nn.Module] = []  # the other heads' modules (their parameters read at each call: FSDP swaps them)
+    for name, (lo, hi) in lists.items():
+        mods = owner.get_submodule(name)
+        unused += [m for i, m in enumerate(mods) if not lo <= i < hi]
+        cls = type(mods)
+        if cls not in _HEAD_VIEW_CLASSES:
+            _HEAD_VIEW_CLASSES[cls] = type(f"PerHead{cls.__name__}", (_HeadView, cls), {"__module__": cls.__module__})
+        mods.__class__ = _HEAD_VIEW_CLASSES[cls]
+
+    def enter(mod: nn.Module, _args: tuple) -> None:
+        for name, span in lists.items():
+            mod.get_submodule(name)._fourd_view = span
+
+    def leave(mod: nn.Module, _args: tuple, out: Any) -> Any:
+        for name in lists:
+            mod.get_submodule(name)._fourd_view = None
+        params = [p for m in unused for p in m.parameters()]
+        if params and isinstance(out, torch.Tensor) and out.requires_grad:
+            # zero gradients for the other heads' modules, so every rank sums the same tensors over tp
+            out = out + sum(p.reshape(-1)[0] * 0 for p in params).to(out.dtype)
+        return out
+
+    owner.register_forward_pre_hook(enter)
+    owner.register_forward_hook(leave)
 
 
 class RegionInput(ParallelStyle):

@@ -41,7 +41,11 @@ OTHER_KINDS = ("nanogpt-literal", "nanogpt", "titan-sep", "titan")
 HF_MOE_KINDS = ("hf-mixtral", "hf-qwen2moe", "hf-qwen3moe", "hf-dsv3")
 TITAN_MOE_KINDS = ("titan-moe-sig", "titan-moe")
 MOE_KINDS = HF_MOE_KINDS + TITAN_MOE_KINDS
-KINDS = HF_KINDS + OTHER_KINDS + MOE_KINDS
+# More families (Gemma 2/3, Phi-3, OLMo 2, OLMoE, GPT-OSS, StableLM, multi-query, Falcon, Llama 4, OPT, the torchtitan
+# package), weights perturbed as a checkpoint's would be: tests.distributed.byom_zoo.
+from tests.distributed.byom_zoo import ZOO_KINDS  # noqa: E402
+
+KINDS = HF_KINDS + OTHER_KINDS + MOE_KINDS + ZOO_KINDS
 
 
 # ----------------------------------------------------------------------------------------------- Hugging Face
@@ -400,6 +404,10 @@ def build_byom(kind: str) -> nn.Module:
     layers = int(rest) if rest else 2
     if layers < 2:
         raise ValueError(f"{kind!r}: keep at least 2 layers")
+    if base in ZOO_KINDS:
+        from tests.distributed.byom_zoo import build_zoo
+
+        return build_zoo(base, layers)
     if base in HF_KINDS:
         return build_hf(base[len("hf-"):], layers)
     if base in HF_MOE_KINDS:

@@ -173,12 +173,14 @@ def sharded_on_tp(p: Optional[torch.Tensor]) -> Optional[bool]:
 
 def fit_spec(spec: dict[str, Any]) -> dict[str, Any]:
     """Run one training described by ``spec``; return losses, gradients and predictions."""
-    torch.manual_seed(spec.get("seed", 0))
+    # rank_seed: every rank seeds differently (sync_module_states must still give rank 0's weights everywhere).
+    torch.manual_seed(spec.get("seed", 0) + (int(os.environ.get("RANK", 0)) if spec.get("rank_seed") else 0))
     if spec.get("meta"):
-        # Built on the meta device; the strategy materialises full tensors, then shards them.
+        # Built on the meta device: the strategy shards it there and materialises each rank's shards (premat:
+        # materialised whole here first, so the strategy takes the path of a model built for real).
         with torch.device("meta"):
             model = build_model(spec.get("model", "llama"))
-        if spec.get("strategy") is None:
+        if spec.get("strategy") is None or spec.get("premat"):
             from lightning_4d._compat import materialize_meta_module
 
             materialize_meta_module(model, torch.device("cpu"))

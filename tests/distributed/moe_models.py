@@ -41,6 +41,11 @@ class MixtralSparseMoeBlock(nn.Module):
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.experts = nn.ModuleList(MixtralExpert(dim, hidden) for _ in range(num_experts))
 
+    def reset_parameters(self) -> None:
+        """Called by the Llama block's own reset (so the model can also be built on the meta device)."""
+        for lin in [self.gate] + [w for e in self.experts for w in (e.w1, e.w2, e.w3)]:
+            lin.reset_parameters()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, h = x.shape
         flat = x.reshape(-1, h)  # (N, H)

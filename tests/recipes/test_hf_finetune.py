@@ -3,7 +3,8 @@
 checkpoint with ``export-hf``, ``from_pretrained`` the export, and check that
 
 (a) the exported model's ``state_dict`` keys (and shapes) equal the original model's, and the safetensors hold the
-    same names as the original's (tied weights stored once, experts in transformers' on-disk format);
+    same names as the original's (tied weights stored once, experts in transformers' on-disk format; Llama and
+    Mixtral exported in shards with an index, the others in one file);
 (b) its logits on a fixed batch equal the logits the trained, sharded model computed inside the training world
     (``trainer.strategy.predict`` at ``on_train_end``: full logits on every rank, through the pipeline schedule
     under pp, gathered from the vocab-sharded head under tp), within ``TOL`` relative (fp32);
@@ -198,8 +199,9 @@ def test_dense_finetune_export_roundtrip(layout: str, tmp_path: Path, capsys: py
     assert len(got["losses"]) == STEPS and all(math.isfinite(x) for x in got["losses"]), got["losses"]
     exported = tmp_path / "exported"
     if layout == "llama-tp2":  # the command line, config and base directory taken from the checkpoint's record
-        proc = _export_cli(got["checkpoint"], exported)
+        proc = _export_cli(got["checkpoint"], exported, "--max-shard-size", "40KB")
         assert proc.returncode == 0, proc.stderr[-3000:]
+        assert (exported / "model.safetensors.index.json").is_file()  # sharded as save_pretrained shards
     else:  # the Python API with an explicit base
         from lightning_4d.checkpoint import export_hf
 
@@ -221,8 +223,145 @@ def test_moe_finetune_export_roundtrip(layout: str, tmp_path: Path, capsys: pyte
     got = finetune(layout, base, tmp_path / "run", world, parallel)
     from lightning_4d.checkpoint import export_hf
 
-    exported = export_hf(got["checkpoint"], tmp_path / "exported")
+    # Mixtral: sharded (several model-0000k-of-0000n.safetensors + index); Qwen3-MoE: one file.
+    exported = export_hf(got["checkpoint"], tmp_path / "exported", max_shard_size="40KB" if "mixtral" in layout
+                         else "50GB")
+    assert (exported / "model.safetensors.index.json").is_file() == ("mixtral" in layout)
     numbers = check_export(layout, base, exported, got["logits"])
     with capsys.disabled():
         print(f"\n{layout}: max rel logits error {numbers['rel_err']:.2e}, change by training {numbers['change']:.2e}, "
+              f"{time.perf_counter() - start:.1f}s")
+
+
+# ----------------------------------------------------------------------------------------------- chat fine-tuning
+# A local model directory with its own tokenizer and a local chat JSONL (lightning_4d.data.example: a byte-level BPE
+# tokenizer with a ChatML template, a tiny random Qwen3-MoE), fine-tuned by the recipe with data=chat.
+CHAT_STEPS = 12
+CHAT = ["model=hf", "data.seq_len=48", "data.batch_size=8", "data.val_fraction=0.125",
+        f"trainer.max_steps={CHAT_STEPS}", f"trainer.val_check_interval={CHAT_STEPS}", "trainer.log_every_n_steps=1",
+        "callbacks.progress_bar=false", "callbacks.checkpoint=true", "logger.tensorboard=false", "optim.lr=3e-3",
+        "optim.warmup_steps=0", "parallel=none"]
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from lightning_4d.data.example import write_chat_example
+
+    return write_chat_example(tmp_path_factory.mktemp("chat") / "tiny-qwen3-moe", n=128)["model"]
+
+
+def _chat_cfg(base: Path, *overrides: str, data: str = "chat") -> Any:
+    from lightning_4d.recipes import to_train_config
+    from tests.recipes.test_recipes import _compose
+
+    files = [f"data.files=[{base / 'chat.jsonl'}]"] if data == "chat" else []
+    return to_train_config(_compose([*CHAT, f"data={data}", f"model.path={base}", *files, *overrides]))
+
+
+def test_tokenizer_mismatch_refused_before_training(chat_model: Path, tmp_path: Path) -> None:
+    from lightning_4d.data import prepare
+    from lightning_4d.recipes import validate
+    from lightning_4d.recipes.schema import RecipeConfigError
+
+    words = REPO / "tests" / "recipes" / "data" / "tiny_tokenizer"
+    c = validate(_chat_cfg(chat_model, f"data.data_dir={tmp_path / 'd'}"))
+    assert c.data.tokenizer == str(chat_model)  # auto: the model's own
+    with pytest.raises(RecipeConfigError, match=r"data\.tokenizer='.*tiny_tokenizer' was tokenized by "
+                                                r"'hf:tiny_tokenizer' \(38 ids.*but the expected tokenizer is "
+                                                r"'hf:tiny-qwen3-moe' \(\d+ ids.*their vocabularies differ.*"
+                                                r"data\.tokenizer=auto"):
+        validate(_chat_cfg(chat_model, f"data.tokenizer={words}"))
+    prepare(None, tmp_path / "bytes", max_bytes=2000)  # token files of the byte tokenizer
+    with pytest.raises(RecipeConfigError, match=r"data\.data_dir=.* \(train\.bin\) was tokenized by 'byte' .*"
+                                                r"the tokenizers differ.*data=chat"):
+        validate(_chat_cfg(chat_model, f"data.data_dir={tmp_path / 'bytes'}", data="token_dir"))
+    with pytest.raises(RecipeConfigError, match=r"data\.tokenizer='byte' was tokenized by 'byte'.*model\.path="):
+        validate(_chat_cfg(chat_model, data="stdlib"))
+    bare = make_pretrained("llama", tmp_path / "bare")  # a model directory whose tokenizer is missing
+    for f in bare.glob("tokenizer*"):
+        f.unlink()
+    with pytest.raises(RecipeConfigError, match=r"data\.tokenizer=auto: model\.path=.* holds no tokenizer files"):
+        validate(_chat_cfg(bare))
+
+
+class DataReport(L.Callback):
+    """Per rank: whether this rank tokenized (``prepare_data`` ran here) and the labels of the validation data."""
+
+    def __init__(self) -> None:
+        self.report: dict[str, Any] = {}
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        dm = trainer.datamodule
+        self.report = {"prepared": None if dm.prepare_result is None else dm.prepare_result.describe()}
+
+
+def _chat_world(rank: int, overrides: list[str], out: str) -> dict[str, Any]:
+    from hydra import compose, initialize_config_dir
+
+    from lightning_4d.recipes import run
+
+    register_configs()
+    with initialize_config_dir(CONF, version_base=None):
+        cfg = compose("train", overrides)
+    report = DataReport()
+    result = run(cfg, callbacks=[report])
+    return {"checkpoint": result.checkpoint, "losses": result.losses, **report.report,
+            "metrics": {k: v for k, v in result.metrics.items() if k.startswith("val_")}}
+
+
+def _one_process_metrics(model_dir: Path, base: Path, data_dir: Path) -> dict[str, float]:
+    """val_loss / val_ppl / val_acc of the exported model in this process, with torchmetrics' own Perplexity and
+    MulticlassAccuracy on the full logits, over the run's validation batches (the token files it prepared)."""
+    from torchmetrics.classification import MulticlassAccuracy
+    from torchmetrics.text import Perplexity
+
+    from lightning_4d.data import HFDataModule
+
+    model = _load(model_dir).eval()
+    dm = HFDataModule([base / "chat.jsonl"], data_dir, base, data_format="chat", seq_len=48, batch_size=8,
+                      val_fraction=0.125)
+    dm.setup("validate")
+    ppl, acc = Perplexity(ignore_index=-100), MulticlassAccuracy(model.config.vocab_size, average="micro",
+                                                                 ignore_index=-100)
+    with torch.no_grad():
+        for x, y in dm.val_dataloader():
+            logits = model(x).logits.float()
+            ppl.update(logits, y)
+            acc.update(logits.argmax(-1), y)
+    return {"val_ppl": float(ppl.compute()), "val_acc": float(acc.compute())}
+
+
+def test_chat_finetune_with_its_own_tokenizer_tp_pp_ep(chat_model: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    """tp=2 × pp=2 × ep=2 (4 ranks): answer-token loss falls; val metrics equal one process's (torchmetrics on the
+    exported model); tokenized once, on one rank; the export loads with from_pretrained, tokenizer files there."""
+    start = time.perf_counter()
+    data_dir, out = tmp_path / "data", tmp_path / "run"
+    overrides = [*CHAT, "data=chat", f"model.path={chat_model}", f"data.files=[{chat_model / 'chat.jsonl'}]",
+                 f"data.data_dir={data_dir}", "trainer.devices=4", "parallel.tp=2", "parallel.pp=2", "parallel.ep=2",
+                 f"output_dir={out}"]
+    ranks = run_world(_chat_world, 4, overrides, str(out), timeout_s=420, pg_timeout_s=PG_TIMEOUT_S)
+    got = ranks[0]
+    assert all(r["losses"] == got["losses"] and r["metrics"] == got["metrics"] for r in ranks)
+    assert got["prepared"] is not None and "tokenized in" in got["prepared"]  # rank 0 of the node tokenized
+    assert all(r["prepared"] is None for r in ranks[1:])                     # the others did not
+    losses = got["losses"]
+    assert len(losses) == CHAT_STEPS and sum(losses[-3:]) / 3 < 0.7 * sum(losses[:3]) / 3, losses
+    # Export: from_pretrained loads it; the tokenizer (and its chat template) travel with it.
+    from lightning_4d.checkpoint import export_hf
+
+    exported = export_hf(got["checkpoint"], tmp_path / "exported")
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= {p.name for p in exported.iterdir()}
+    tok = transformers.AutoTokenizer.from_pretrained(exported)
+    messages = [{"role": "user", "content": "What colour is the kite?"}]
+    assert tok.apply_chat_template(messages) == transformers.AutoTokenizer.from_pretrained(chat_model) \
+        .apply_chat_template(messages)
+    # The metrics the 4-rank run logged equal torchmetrics' in one process on the same weights.
+    ref = _one_process_metrics(exported, chat_model, data_dir)
+    assert got["metrics"]["val_acc"] == ref["val_acc"], (got["metrics"], ref)
+    assert abs(got["metrics"]["val_ppl"] / ref["val_ppl"] - 1) < 1e-5, (got["metrics"], ref)
+    assert abs(math.log(ref["val_ppl"]) / got["metrics"]["val_loss"] - 1) < 1e-2  # ppl is exp(token-mean loss)
+    with capsys.disabled():
+        print(f"\nchat tp2×pp2×ep2: loss {losses[0]:.3f} -> {losses[-1]:.3f}, val_ppl {got['metrics']['val_ppl']:.4f} "
+              f"(one process {ref['val_ppl']:.4f}), val_acc {got['metrics']['val_acc']:.4f}; {got['prepared']}; "
               f"{time.perf_counter() - start:.1f}s")

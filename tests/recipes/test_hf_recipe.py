@@ -1,6 +1,7 @@
 """``model=hf`` without a process group: config errors name the key, the rule and the fix; the fail-fast check
 reads the Hugging Face config (heads, blocks, experts, exact parameter count); the network is the pretrained
-model; ``export_hf`` strips prefixes, loads strictly, casts, and refuses what does not match."""
+model; ``export_hf`` strips prefixes, checks names, shapes and dtypes against the meta model, casts, streams
+``save_pretrained``'s sharded layout one tensor at a time, and refuses what does not match."""
 
 from __future__ import annotations
 
@@ -73,8 +74,18 @@ def test_data_must_fit_the_model(llama: Path) -> None:
     validate(_cfg(f"model.path={llama}", f"data.vocab_size={MODEL_VOCAB}"))  # equal is fine
     with pytest.raises(RecipeConfigError, match=r"data\.seq_len=128 exceeds max_position_embeddings=64"):
         validate(_cfg(f"model.path={llama}", "data.seq_len=128"))
-    with pytest.raises(RecipeConfigError, match=r"meta_init=true does not apply to model=hf"):
-        validate(_cfg(f"model.path={llama}", "meta_init=true"))
+    validate(_cfg(f"model.path={llama}", "meta_init=true"))  # safetensors: streamed into each rank's shards
+
+
+def test_meta_init_needs_safetensors(llama: Path, tmp_path: Path) -> None:
+    bin_only = tmp_path / "bin_only"
+    bin_only.mkdir()
+    shutil.copy(llama / "config.json", bin_only / "config.json")
+    torch.save({}, bin_only / "pytorch_model.bin")
+    validate(_cfg(f"model.path={bin_only}"))  # meta_init=null: loaded whole on every rank
+    with pytest.raises(RecipeConfigError, match=r"meta_init=true with model\.path=.*holds none \(pytorch_model\*\.bin "
+                                                r"only\)\. Convert it once .* or set meta_init=null"):
+        validate(_cfg(f"model.path={bin_only}", "meta_init=true"))
 
 
 # ----------------------------------------------------------------------------------------------- fail-fast check
@@ -97,11 +108,13 @@ def test_resources_read_the_hf_config(llama: Path, moe: Path) -> None:
     check_resources(_cfg(f"model.path={moe}", "parallel.tp=2", "parallel.ep=2", "trainer.devices=2"), CPU)
 
 
-def test_planner_refuses_hf_clearly(llama: Path) -> None:
-    from lightning_4d.recipes.planning import PlanError, plan_setup
+def test_planner_plans_hf_from_its_config(llama: Path) -> None:
+    """``recipes/plan.py model=hf`` (issue 24; more in tests/recipes/test_plan_hf.py): the planner's count is the
+    model's own."""
+    from lightning_4d.recipes.planning import plan_setup
 
-    with pytest.raises(PlanError, match="cannot plan model=hf yet"):
-        plan_setup(_cfg(f"model.path={llama}"))
+    setup = plan_setup(_cfg(f"model.path={llama}"))
+    assert setup.spec.total_params() == count_params(_cfg(f"model.path={llama}").model).total
 
 
 # ----------------------------------------------------------------------------------------------- the network
@@ -183,6 +196,57 @@ def test_export_refuses_what_does_not_match(llama: Path, tmp_path: Path) -> None
     assert not (tmp_path / "out2").exists() and not (tmp_path / "out3").exists()
     with pytest.raises(FileNotFoundError, match=r"base=.*nowhere: .* does not exist"):
         export_hf(tmp_path / "bare", tmp_path / "out4", base=tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("kind", ["qwen3moe", "qwen3-tied"])
+def test_export_streams_save_pretrained_layout(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sharded like save_pretrained, the same tensors under the same names (experts split per expert, the tied
+    head stored once), one checkpoint tensor in memory at a time, and from_pretrained gives the same logits."""
+    from lightning_4d.checkpoint import export_hf
+    from tests.recipes.test_hf_finetune import make_pretrained
+    from tests.unit.test_export_stream import LiveReads, _load_dir
+
+    base = make_pretrained(kind, tmp_path / "base")
+    want = _checkpoint(base, tmp_path / "ckpt")
+    trained = transformers.AutoModelForCausalLM.from_pretrained(base)
+    trained.load_state_dict(want)
+    trained.save_pretrained(tmp_path / "ref", max_shard_size="40KB")
+    live = LiveReads(monkeypatch)
+    out = export_hf(tmp_path / "ckpt", tmp_path / "out", max_shard_size="40KB")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(files) > 2 and sorted(set(index["weight_map"].values())) == files
+    assert files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert index["metadata"]["total_parameters"] == trained.num_parameters()
+    written, reference = _load_dir(out), _load_dir(tmp_path / "ref")
+    assert written.keys() == reference.keys() == index["weight_map"].keys()
+    assert all(torch.equal(written[k], reference[k]) for k in reference)
+    assert ("lm_head.weight" in written) == (kind != "qwen3-tied")
+    sizes = {k: v.nbytes for k, v in want.items()}
+    assert live.peak == max(sizes.values()) < sum(sizes.values()) / 4  # one tensor at a time, not the model
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    tokens = torch.randint(0, DATA_VOCAB, (2, 8))
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens).logits, trained(tokens).logits)
+    assert json.loads((out / "config.json").read_text())["architectures"] == [type(trained).__name__]
+    assert not (tmp_path / "out.partial").exists()
+
+
+def test_export_refuses_other_dtypes(llama: Path, tmp_path: Path) -> None:
+    from lightning_4d.checkpoint import export_hf, save_sharded
+    from lightning_4d.models import CausalLM, HFLogits
+
+    lm = CausalLM(HFLogits.from_pretrained(llama))
+    state = dict(lm.state_dict())
+    state["model.model.model.norm.weight"] = state["model.model.model.norm.weight"].long()
+    save_sharded({"state_dict": state, "optimizer_states": [], "epoch": 0}, str(tmp_path / "ckpt"),
+                 is_global_zero=True)
+    with pytest.raises(ValueError, match=r"1 dtype mismatches \(checkpoint vs model: model\.norm\.weight torch\.int64 "
+                                         r"vs torch\.float32\); only floating-point weights are cast"):
+        export_hf(tmp_path / "ckpt", tmp_path / "out", base=llama)
+    with pytest.raises(ValueError, match=r"max_shard_size='big' is not a size"):
+        export_hf(tmp_path / "ckpt", tmp_path / "out", base=llama, max_shard_size="big")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
 def test_strip_prefix_and_tied_weights() -> None:

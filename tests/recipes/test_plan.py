@@ -24,7 +24,7 @@ KEYS = ("model", "total_params", "active_params_per_token", "components", "layou
         "bubble", "step", "step_time_s", "mfu", "tokens_per_s", "assumptions", "inputs")
 # A toy cluster: 4 devices of a made-up accelerator (numbers in GB, TFLOP/s, GB/s).
 TOY = ["plan.device=custom", "plan.memory_gb=80", "plan.peak_tflops=10", "plan.nvlink_gb_s=100",
-       "plan.infiniband_gb_s=10", "plan.nodes=1", "plan.gpus_per_node=4"]
+       "plan.infiniband_gb_s=10", "plan.compute_efficiency=0.8", "plan.nodes=1", "plan.gpus_per_node=4"]
 
 
 def _compose(overrides: list[str]) -> Any:
@@ -93,6 +93,23 @@ def test_dp_auto_fills_the_requested_nodes() -> None:
     setup = plan_setup(_compose(["model=tiny_dense", "parallel=tp", "plan.nodes=2", "plan.trace=false"]))
     assert (setup.dims.tp, setup.dims.dp, setup.cluster.world_size) == (2, 8, 16)
     assert setup.train.global_batch_size == 8 * 8 and setup.train.precision == "bf16-mixed"
+
+
+def test_gradient_accumulation_is_more_micro_batches_not_bigger_ones() -> None:
+    """The runtime runs ``trainer.accumulate_grad_batches`` micro-steps of ``data.batch_size`` sequences (each split
+    into the pipeline's micro-batches): the plan's micro-batch stays ``data.batch_size / microbatches``."""
+    one = plan_setup(_compose(["model=tiny_dense", "parallel=tp", "plan.nodes=1", "plan.trace=false"]))
+    acc = plan_setup(_compose(["model=tiny_dense", "parallel=tp", "plan.nodes=1", "plan.trace=false",
+                               "trainer.accumulate_grad_batches=4"]))
+    assert (one.train.microbatches, acc.train.microbatches) == (1, 4)
+    assert acc.train.global_batch_size == 4 * one.train.global_batch_size
+    from lightning_4d.planner.memory import micro_batch_size
+
+    assert micro_batch_size(acc.dims, acc.train) == micro_batch_size(one.dims, one.train) == 8
+    assert any("accumulate_grad_batches=4" in n for n in acc.notes)
+    pipe = plan_setup(_compose(["model=tiny_moe", "parallel=cpu_4d", "plan.trace=false",
+                                "trainer.accumulate_grad_batches=2"]))
+    assert pipe.train.microbatches == 4 * 2 and micro_batch_size(pipe.dims, pipe.train) == 8 // 4
 
 
 @pytest.mark.parametrize("overrides,message", [

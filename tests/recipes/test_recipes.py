@@ -42,6 +42,10 @@ REQUIRED = {
     ("data", "token_dir"): ["data.data_dir=data/books"],
     ("data", "moe_1t"): ["data.data_dir=data/books", "model=moe_1t"],
     ("model", "hf"): [f"model.config={Path(__file__).parent / 'data' / 'tiny_llama_config.json'}"],
+    ("data", "chat"): [f"data.files=[{Path(__file__).parent / 'data' / 'chat.jsonl'}]",
+                       f"data.tokenizer={Path(__file__).parent / 'data' / 'tiny_tokenizer'}"],
+    ("data", "hf_text"): [f"data.files=[{Path(__file__).parent / 'data' / 'chat.jsonl'}]",
+                          f"data.tokenizer={Path(__file__).parent / 'data' / 'tiny_tokenizer'}"],
 }
 # Tiny, fast settings shared by the training tests.
 TINY = [
@@ -77,7 +81,7 @@ def test_groups_have_the_required_options() -> None:
         "model": {"tiny_dense", "tiny_moe", "gpt2_125m", "llama3_8b", "mixtral_8x7b", "deepseek_v3", "moe_1t", "hf"},
         "parallel": {"none", "dp", "tp", "cpu_4d", "moe_1t", "moe_1t_512"},
         "trainer": {"cpu", "gpu"},
-        "data": {"stdlib", "text_file", "synthetic", "token_dir", "moe_1t"},
+        "data": {"stdlib", "text_file", "synthetic", "token_dir", "moe_1t", "chat", "hf_text"},
         "optim": {"adamw"},
     }
     for group, options in want.items():

@@ -123,8 +123,33 @@ def test_full_width_norm_inside_a_region_is_refused_naming_it() -> None:
 
     block = nn.Module()
     block.attn = Attention()
-    with pytest.raises(ValueError, match=r"blocks\.0\.attn\.q_norm holds parameters .* normalises over 8 features"):
+    # Without a trace nothing says which projection it normalises: refused, naming it.
+    with pytest.raises(ValueError, match=r"blocks\.0\.attn\.q_norm normalises over 8 features.*distributed norm"):
         block_plan(block, "blocks.0", tp=2)
+    # With one, it normalises q_proj's whole output: a distributed norm (statistics all-reduced over tp).
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = Attention()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.attn(x)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.blocks = nn.Embedding(16, 8), nn.ModuleList([Block(), Block()])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.emb(x)
+            for b in self.blocks:
+                h = b(h)
+            return h
+
+    net = Net()
+    trace = trace_model(net, "blocks", torch.zeros(1, 4, dtype=torch.long))
+    assert block_plan(net.blocks[0], "blocks.0", 2, trace).dist_norms == {"attn.q_norm": "attn.q_proj"}
 
 
 def test_unknown_parameter_inside_a_region_is_refused() -> None:

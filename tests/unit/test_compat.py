@@ -35,6 +35,22 @@ PRIVATE_SYMBOLS = [
     ("torch.distributed.device_mesh", "DeviceMesh._flatten"),
     ("lightning.pytorch.callbacks", "ModelSummary._summary"),
     ("lightning.pytorch.utilities.model_summary", "ModelSummary._get_summary_data"),
+    # lightning_4d/_compat/modules.py init_calls (a Hugging Face init_weights, module by module) and
+    # dispatch.meta_scalar_mode (tracing on the meta device)
+    ("transformers", "PreTrainedModel._initialize_weights"),
+    ("transformers", "PreTrainedModel.is_custom_code"),
+    ("transformers.initialization", "guard_torch_init_functions"),
+    ("torch", "ops.aten._local_scalar_dense"),
+    # lightning_4d/_compat/hf_saving.py (streamed export-hf: what save_pretrained drops and converts)
+    ("transformers.modeling_utils", "remove_tied_weights_from_state_dict"),
+    ("transformers.core_model_loading", "revert_weight_conversion"),
+    # lightning_4d/_compat/hf_loading.py (pretrained weights streamed into shards: from_pretrained's key conversions)
+    ("transformers.conversion_mapping", "get_model_conversion_mapping"),
+    ("transformers.core_model_loading", "rename_source_key"),
+    ("transformers.core_model_loading", "WeightConverter.add_tensor"),
+    ("transformers.core_model_loading", "WeightConverter.convert"),
+    ("transformers.core_model_loading", "WeightRenaming"),
+    ("transformers.core_model_loading", "dot_natural_key"),
 ]
 
 

@@ -131,7 +131,7 @@ def test_unrecognised_moe_looking_modules_are_listed_with_the_reason() -> None:
             self.experts = Experts()
 
     class OddForward(Experts):
-        def forward(self, x):  # type: ignore[override]
+        def forward(self, x, a, b, c):  # type: ignore[override]  # no contract takes four inputs
             return x
 
     class Mixed(nn.Module):

@@ -120,7 +120,9 @@ def test_memory_hand_computed_sp_fsdp_1f1b():
     dense0 = 2 * layer_tp + V * h // t  # layers 0-1 + vocab-parallel embedding
     dense1 = 2 * layer_tp + h + V * h // t  # layers 2-3 + final norm + head
     sbh = s * b * h
-    per_layer = sbh * (10 + 8 + 4 * 128 / h) / t  # SP: everything / t; flash: no 5as/h term; bf16 bytes
+    # Eager kernels under DTensor SP: the gathered QKV / MLP inputs (4) whole, the rest (norm inputs and dropout masks
+    # 6, q k v 6, the attention output kept twice 4, GeLU 4F/h) / t; flash: no 5as/h term; bf16 bytes.
+    per_layer = sbh * (4 + (6 + 10 + 4 * 128 / h) / t)
     for r, dense, inflight in ((0, dense0, 2), (1, dense1, 1)):
         m = mem[r]
         assert (m.dense_params, m.expert_params, m.micro_batch_size, m.in_flight) == (dense, 0, b, inflight)
@@ -139,15 +141,23 @@ def test_activation_formula_variants():
 
     s, b, h, a, t = 16, 2, 32, 4, 2
     sbh, scores = s * b * h, 5 * a * s / h
-    no_flash = TrainSpec(1, flash_attention=False)
+    no_flash = TrainSpec(1, flash_attention=False, kernels="fused")  # Megatron's kernels: Korthikanti's counts
     assert layer_activation_bytes(TINY, 0, ParallelDims(1), no_flash, b) == sbh * (34 + scores)  # Korthikanti
     tp_only = ParallelDims(2, tp=2, sequence_parallel=False)
     assert layer_activation_bytes(TINY, 0, tp_only, no_flash, b) == sbh * (10 + 24 / t + scores / t)
     assert layer_activation_bytes(TINY, 0, ParallelDims(2, tp=2), no_flash, b) == sbh * (34 + scores) / t
     assert layer_activation_bytes(TINY, 0, ParallelDims(1), no_flash.with_(precision="32-true"), b) == \
         2 * sbh * (34 + scores)
-    full = memory_per_rank(TINY, ParallelDims(1), TrainSpec(2, activation_checkpointing="full"))[0]
+    full = memory_per_rank(TINY, ParallelDims(1), TrainSpec(2, activation_checkpointing="full", kernels="fused"))[0]
     assert full.activations == 4 * 2 * sbh + sbh * 34  # 2sbh per layer stored + one layer's working set
+    # PyTorch's eager kernels (the runtime's): the attention output kept twice (+2), and under SP the gathered
+    # QKV / MLP inputs (4) whole.
+    eager = no_flash.with_(kernels="eager")
+    assert layer_activation_bytes(TINY, 0, ParallelDims(1), eager, b) == sbh * (36 + scores)
+    assert layer_activation_bytes(TINY, 0, ParallelDims(2, tp=2), eager, b) == sbh * (4 + (32 + scores) / t)
+    gqa_glu = TINY.with_(kv_heads=2, gated_mlp=True)  # keys / values repeated to all heads; silu(w1 x) kept too
+    assert layer_activation_bytes(gqa_glu, 0, ParallelDims(1), eager, b) == sbh * (10 + 10 + 8 * 128 / h + scores)
+    assert layer_activation_bytes(gqa_glu, 0, ParallelDims(1), no_flash, b) == sbh * (10 + 6 + 6 * 128 / h + scores)
 
 
 def test_memory_replicate_and_no_pp():

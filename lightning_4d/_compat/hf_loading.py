@@ -1,0 +1,96 @@
+"""transformers' checkpoint-key conversions (``transformers.conversion_mapping`` / ``core_model_loading``), used by
+:mod:`lightning_4d.models.hf_source` to map the keys of a model directory's safetensors files to the model's own
+parameter names exactly as ``from_pretrained`` does (e.g. per-expert ``experts.{i}.gate_proj.weight`` tensors
+fused into transformers 5's 3-D ``experts.gate_up_proj``).
+
+Private transformers names used (pinned by ``tests/unit/test_compat.py``):
+``conversion_mapping.get_model_conversion_mapping``, ``core_model_loading.rename_source_key``,
+``core_model_loading.WeightConverter`` (``add_tensor``, ``convert``), ``core_model_loading.WeightRenaming`` and
+``core_model_loading.dot_natural_key``. A transformers without them (4.x: its modules hold the checkpoint's own
+names) gets no transforms and a local natural sort.
+
+Example:
+    >>> natural_key("layers.10.w") > natural_key("layers.9.w")
+    True
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Optional
+
+from torch import Tensor, nn
+
+__all__ = ["convert_group", "model_transforms", "natural_key", "rename_key"]
+
+
+def model_transforms(model: nn.Module) -> tuple[list[Any], list[Any]]:
+    """``(renamings, converters)``: the key transforms ``from_pretrained`` applies to ``model``'s checkpoints
+    (``get_model_conversion_mapping``); two empty lists where transformers has none.
+
+    Example:
+        >>> model_transforms(nn.Linear(1, 1))
+        ([], [])
+    """
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
+    except ImportError:
+        return [], []
+    if not isinstance(model, PreTrainedModel):
+        return [], []
+    mapping = get_model_conversion_mapping(model)
+    return ([m for m in mapping if isinstance(m, WeightRenaming)],
+            [m for m in mapping if isinstance(m, WeightConverter)])
+
+
+def rename_key(key: str, renamings: list[Any], converters: list[Any], base_model_prefix: Optional[str],
+               model_keys: dict[str, Any]) -> tuple[str, Optional[str]]:
+    """``(model name, converter source pattern or None)`` of checkpoint key ``key``, as ``from_pretrained``
+    renames it (every renaming, then at most one converter; the base-model prefix added or stripped to match
+    ``model_keys``).
+
+    Example:
+        >>> rename_key("w", [], [], None, {"w": None})
+        ('w', None)
+    """
+    try:
+        from transformers.core_model_loading import rename_source_key
+    except ImportError:
+        return key, None
+    renamed, pattern = rename_source_key(key, renamings, converters, base_model_prefix, model_keys)
+    if renamed not in model_keys and key in model_keys:  # as from_pretrained: the key needed only a prefix
+        renamed, pattern = rename_source_key(key, [], [], base_model_prefix, model_keys)
+    return renamed, pattern
+
+
+def convert_group(template: Any, target: str, sources: list[tuple[str, str, Callable[[], Tensor]]],
+                  model: Any, config: Any) -> dict[str, Tensor]:
+    """Run converter ``template`` (a ``WeightConverter`` of :func:`model_transforms`; copied, never changed) on
+    the checkpoint tensors of one model tensor: ``sources`` are ``(source pattern, checkpoint key, loader)`` in
+    checkpoint-key natural order (experts stack in that order); returns ``{model name: tensor}`` (several for a
+    one-to-many converter). ``model`` needs ``get_parameter(name)`` only (for shape-dependent splits).
+
+    Example:
+        >>> convert_group(converter, "model.layers.0.mlp.experts.down_proj", sources, shim, cfg)  # doctest: +SKIP
+    """
+    converter = copy.deepcopy(template)
+    for pattern, key, loader in sources:
+        converter.add_tensor(target, key, pattern, loader)
+    out = converter.convert(target, model=model, config=config)
+    return {name: (value[0] if isinstance(value, list) else value) for name, value in out.items()}
+
+
+def natural_key(key: str) -> Any:
+    """Sort key of a tensor name with numbers compared as numbers (transformers' ``dot_natural_key``).
+
+    Example:
+        >>> sorted(["e.10.w", "e.2.w"], key=natural_key)
+        ['e.2.w', 'e.10.w']
+    """
+    try:
+        from transformers.core_model_loading import dot_natural_key
+    except ImportError:
+        return [(0, int(p)) if p.isdigit() else (1, p) for p in key.split(".")]
+    return dot_natural_key(key)

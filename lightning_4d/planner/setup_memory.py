@@ -1,0 +1,90 @@
+"""Set-up memory per rank: what a rank holds while ``FourDStrategy`` builds its layout, before the first step.
+
+A model built on the meta device (:mod:`lightning_4d.materialize`) never exists whole on a rank. Set-up has
+two phases, one after the other, so its peak is the larger of:
+
+- the value check on a reduced copy (:mod:`lightning_4d.reduced_check`): one block of each kind (dense and MoE
+  layers), at least ``pp · v`` blocks, the vocabulary cut to ``16·tp`` rows, unsharded, plus its rewritten copy
+  (about the same again: FSDP2 shards and TP slices are new tensors);
+- materialisation: the rank's share of the parameters (:func:`lightning_4d.planner.memory.memory_per_rank`'s
+  ``params``) plus the tensors one initialiser call holds in full — at least the largest single tensor of the
+  unsharded model (the embedding, the head, or a stacked ``[E, F, H]`` expert weight), in the parameters'
+  dtype, plus a same-sized index when a tensor is initialised twice (taken as one more largest tensor).
+
+A model built for real instead holds every parameter on every rank first: :func:`setup_peak_bytes` with
+``meta_built=False`` is the whole model (plus one 64 MB broadcast bucket).
+
+Example:
+    >>> from lightning_4d.planner.spec import TransformerSpec
+    >>> spec = TransformerSpec(vocab_size=32000, hidden=768, layers=12, heads=12, ffn_hidden=2048)
+    >>> largest_tensor_params(spec)
+    24576000
+"""
+
+from __future__ import annotations
+
+from lightning_4d.mesh import ParallelDims
+from lightning_4d.planner.spec import TransformerSpec
+
+__all__ = ["largest_tensor_params", "reduced_check_params", "setup_peak_bytes"]
+
+_BUCKET = 64 << 20  # lightning_4d.distributed.broadcast_module_state's bucket
+
+
+def largest_tensor_params(spec: TransformerSpec) -> int:
+    """Elements of the largest single tensor of the unsharded model: the embedding / head ``V × h``, an MLP
+    matrix, or a layer's stacked experts ``E × F × h`` (gated: ``2F``, as fused ``gate_up`` weights hold).
+
+    Example:
+        >>> largest_tensor_params(TransformerSpec(vocab_size=10, hidden=4, layers=1, heads=1, ffn_hidden=64))  # 2·64·4
+        512
+    """
+    ffn = spec.ffn_hidden or 4 * spec.hidden
+    sizes = [spec.vocab_size * spec.hidden, ffn * spec.hidden * (2 if spec.gated_mlp else 1)]
+    if spec.num_experts:
+        sizes.append(spec.num_experts * spec.expert_hidden * spec.hidden * (2 if spec.gated_mlp else 1))
+    return max(sizes)
+
+
+def reduced_check_params(spec: TransformerSpec, dims: ParallelDims) -> int:
+    """Elements of the reduced copy :mod:`lightning_4d.reduced_check` materialises: one block of each kind and
+    at least ``pp · v`` blocks, an embedding (and untied head) of ``16·tp`` rows. 0 without TP and PP.
+
+    Example:
+        >>> spec = TransformerSpec(vocab_size=32000, hidden=64, layers=8, heads=4, ffn_hidden=128)
+        >>> reduced_check_params(spec, ParallelDims.from_world(4, tp=2, pp=2)) < spec.total_params()
+        True
+    """
+    if dims.tp == 1 and dims.pp == 1:
+        return 0
+    kinds: dict[bool, int] = {}
+    for i in range(spec.layers):
+        kinds.setdefault(spec.is_moe_layer(i), i)
+    chosen = list(kinds.values())
+    for i in range(spec.layers):
+        if len(chosen) >= dims.pp * dims.virtual_stages:
+            break
+        if i not in chosen:
+            chosen.append(i)
+    blocks = sum(sum(spec.layer_params(i).values()) for i in chosen)
+    rows = min(16 * dims.tp, spec.vocab_size)
+    ends = rows * spec.hidden * (1 if spec.tied_embeddings else 2) + spec.learned_positions * spec.hidden
+    return blocks + ends
+
+
+def setup_peak_bytes(spec: TransformerSpec, dims: ParallelDims, share_bytes: float, param_bytes: int = 4,
+                     meta_built: bool = True, reduced_copies: float = 2.0) -> float:
+    """Peak bytes one rank holds during set-up (see the module docstring): ``share_bytes`` is the rank's
+    parameters after sharding (``memory_per_rank(...)[r].params``).
+
+    Example:
+        >>> spec = TransformerSpec(vocab_size=1000, hidden=64, layers=4, heads=4, ffn_hidden=128)
+        >>> dims = ParallelDims.from_world(8, tp=2, pp=2)
+        >>> setup_peak_bytes(spec, dims, share_bytes=1e5) < setup_peak_bytes(spec, dims, 1e5, meta_built=False)
+        True
+    """
+    if not meta_built:
+        return spec.total_params() * param_bytes + min(_BUCKET, spec.total_params() * param_bytes)
+    materialise = share_bytes + 2 * largest_tensor_params(spec) * param_bytes
+    check = reduced_copies * reduced_check_params(spec, dims) * param_bytes
+    return max(materialise, check)

@@ -1,0 +1,256 @@
+""""Sharded = unsharded" for a model that no rank holds: the set-up check on a reduced copy.
+
+A model built on the meta device is rewritten and materialised shard by shard
+(:mod:`lightning_4d.materialize`), so the full-size check of :func:`lightning_4d.verify.check_tensor_parallel`
+cannot run (there is no unsharded output to compare with). Instead :func:`check_reduced_model` materialises
+a *reduced copy* of the unsharded model, small enough for one rank, and runs the very same rewrite on it
+(:func:`lightning_4d.parallelize.parallelize_module`, same mesh, same options), whose checks then compare the
+sharded forward with the unsharded one on real values:
+
+- depth: the first block of each distinct structure (:func:`block_signature`: sliding-window and global
+  attention, MoE and dense layers are each represented), then the earliest others up to ``pp ·
+  virtual_stages`` blocks (one per pipeline stage);
+- width: unchanged (head counts, fused projections, norms and the TP styles are what is checked);
+- vocabulary: every ``nn.Embedding`` and every linear layer producing as many features as an embedding has
+  rows (the head) cut to ``16 · tp`` rows, when the model's forward still runs that way (else kept);
+- values: parameters drawn element by element from a fixed seed (:func:`perturb_`: identical initial values —
+  norms of ones, zero biases — cannot hide a rewrite that mixes heads or drops a sum, and the check does not
+  depend on the model's initialisers); buffers (masks, rotary tables) from the model itself when it was built
+  for real, else from its initialisers.
+
+Memory: the copy's embedding, head and ``pp · v`` blocks, before this rank's shards exist (so the set-up peak
+is the larger of the two, not their sum). What is checked at full size instead, on the meta device: the trace,
+the block discovery, the pipeline split and every rewrite's structural rules (divisibility, head counts,
+tied weights, expert placement).
+
+Example:
+    >>> check_reduced_model(skeleton, mesh, FourDConfig(tp=2), "32-true")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from lightning_4d._compat import materialize_meta_module, meta_scalar_mode, to_empty_keeping_ties
+from lightning_4d.comm import internal_comm
+from lightning_4d.config import FourDConfig
+from lightning_4d.discovery import find_blocks
+from lightning_4d.materialize import module_copy
+from lightning_4d.mesh import FourDMesh
+from lightning_4d.parallelize import parallelize_module
+from lightning_4d.trace import _opaque_moe_on_meta as opaque_moe_on_meta
+from lightning_4d.trace import example_tokens
+
+__all__ = ["block_signature", "check_reduced_model", "reduce_depth", "reduce_vocabulary", "perturb_"]
+
+log = logging.getLogger(__name__)
+
+_SEED = 20240917  # the reduced copy's values: fixed, identical on every rank
+
+
+def block_signature(block: nn.Module, ignore: frozenset[str] = frozenset()) -> tuple[Any, ...]:
+    """What makes two blocks rewrite differently: every submodule's name and type, every tensor's name and
+    shape, and the plain (int / float / str / bool) attributes of every submodule (sliding windows, attention
+    types, MoE or dense), as a hashable tuple; attribute keys in ``ignore`` (per-layer indices) left out.
+
+    Example:
+        >>> block_signature(nn.Linear(2, 3)) == block_signature(nn.Linear(2, 3)), block_signature(nn.Linear(2, 4))[0]
+        (True, ('', 'Linear'))
+    """
+    parts: list[Any] = []
+    for name, mod in block.named_modules():
+        parts.append((name, type(mod).__name__))
+        parts += [(f"{name}.{k}", tuple(t.shape)) for k, t in list(mod._parameters.items()) + list(mod._buffers.items())
+                  if t is not None]
+        parts += [(key, v) for key, v in _plain_attributes(name, mod) if key not in ignore]
+    return tuple(parts)
+
+
+def _plain_attributes(name: str, mod: nn.Module) -> list[tuple[str, Any]]:
+    return [(f"{name}.{k}", v) for k, v in sorted(vars(mod).items())
+            if not k.startswith("_") and k != "training" and isinstance(v, (int, float, str, bool))]
+
+
+def _index_attributes(blocks: list[nn.Module]) -> frozenset[str]:
+    """Attribute keys whose value differs in every block (a layer index, a depth-scaled init std): left out of
+    the signatures, or every block would count as distinct."""
+    values: dict[str, set[Any]] = {}
+    for block in blocks:
+        for name, mod in block.named_modules():
+            for key, v in _plain_attributes(name, mod):
+                values.setdefault(key, set()).add(v)
+    return frozenset(k for k, v in values.items() if len(blocks) > 1 and len(v) == len(blocks))
+
+
+def reduce_depth(model: nn.Module, blocks_path: str, keep: int) -> list[int]:
+    """Keep, in place, the first block of every distinct :func:`block_signature` and then the earliest others
+    until ``keep`` blocks remain (fewer when there are fewer), in their original order; returns the kept
+    indices.
+
+    Example:
+        >>> net = nn.Sequential(nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 3), nn.Linear(3, 2)]))
+        >>> reduce_depth(net, "0", 1), len(net[0])
+        ([0, 2, 3], 3)
+    """
+    container = model.get_submodule(blocks_path)
+    blocks = list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
+    chosen: list[int] = []
+    seen: set[tuple[Any, ...]] = set()
+    ignore = _index_attributes(blocks)
+    for i, block in enumerate(blocks):
+        sig = block_signature(block, ignore)
+        if sig not in seen:
+            seen.add(sig)
+            chosen.append(i)
+    for i in range(len(blocks)):
+        if len(chosen) >= keep:
+            break
+        if i not in chosen:
+            chosen.append(i)
+    chosen.sort()
+    if isinstance(container, nn.ModuleDict):
+        keys = list(container.keys())
+        for i, key in enumerate(keys):
+            if i not in chosen:
+                del container[key]
+    else:
+        kept = [blocks[i] for i in chosen]
+        del container[:]
+        container.extend(kept)
+    return chosen
+
+
+def reduce_vocabulary(model: nn.Module, rows: int, blocks_path: str = "") -> int:
+    """Cut every ``nn.Embedding`` with more than ``rows`` rows, and every ``nn.Linear`` outside the blocks (at
+    ``blocks_path``) whose ``out_features`` equals such an embedding's row count (the head), to ``rows`` (meta
+    tensors; ties kept). Returns the original vocabulary size (0 when nothing was cut).
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     net = nn.Sequential(nn.Embedding(100, 4), nn.Linear(4, 100))
+        >>> reduce_vocabulary(net, 8), tuple(net[1].weight.shape)
+        (100, (8, 4))
+    """
+    tables = [m for m in model.modules() if isinstance(m, nn.Embedding) and m.num_embeddings > rows]
+    sizes = {m.num_embeddings for m in tables}
+    if not tables:
+        return 0
+    new: dict[int, nn.Parameter] = {}
+
+    def cut(p: nn.Parameter) -> nn.Parameter:
+        if id(p) not in new:
+            new[id(p)] = nn.Parameter(torch.empty((rows,) + tuple(p.shape[1:]), dtype=p.dtype, device=p.device),
+                                      requires_grad=p.requires_grad)
+        return new[id(p)]
+
+    for m in tables:
+        m.weight = cut(m.weight)
+        m.num_embeddings = rows
+        if m.padding_idx is not None and m.padding_idx >= rows:
+            m.padding_idx = rows - 1
+    inside = f"{blocks_path}." if blocks_path else None
+    for name, m in model.named_modules():
+        if inside is not None and (name + ".").startswith(inside):
+            continue
+        if type(m) is nn.Linear and m.out_features in sizes:
+            m.weight = cut(m.weight)
+            if m.bias is not None:
+                m.bias = cut(m.bias)
+            m.out_features = rows
+    return max(sizes)
+
+
+@torch.no_grad()
+def perturb_(model: nn.Module, generator: torch.Generator) -> None:
+    """Give every floating-point parameter fresh values from ``generator``, element by element: weights
+    ``N(0, 1/fan_in)`` (fan-in: the last dimension), vectors ``1 + 0.2·N(0, 1)`` (norm weights and biases no
+    longer all equal). The check then depends on neither the model's initialisers nor their symmetries.
+
+    Example:
+        >>> net = nn.LayerNorm(4); perturb_(net, torch.Generator().manual_seed(0))
+        >>> bool((net.weight != 1).all()), len(set(net.weight.tolist()))
+        (True, 4)
+    """
+    for p in model.parameters():
+        if not p.is_floating_point() or not p.numel():
+            continue
+        noise = torch.randn(p.shape, generator=generator, dtype=torch.float32)
+        value = 1.0 + 0.2 * noise if p.dim() == 1 else noise / max(p.shape[-1], 1) ** 0.5
+        p.copy_(value.to(p.device, p.dtype))
+
+
+def _fill(model: nn.Module, device: torch.device, buffers: Optional[dict[str, torch.Tensor]]) -> None:
+    """Materialise the reduced copy: buffers from the model built for real (``buffers``) or, for a meta-built
+    one, from its initialisers (masks, rotary tables); parameters drawn by :func:`perturb_` either way."""
+    if buffers is None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_SEED)
+            materialize_meta_module(model, device)
+    else:
+        to_empty_keeping_ties(model, device)
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name in buffers and tuple(buffers[name].shape) == tuple(b.shape):
+                    b.copy_(buffers[name])
+    perturb_(model, torch.Generator().manual_seed(_SEED))
+
+
+def _forward_runs(model: nn.Module, tp: int) -> bool:
+    """Whether ``model`` (on the meta device) still runs a forward on an example: shapes only (MoE layers pass
+    their input through, as in the trace)."""
+    opaque = opaque_moe_on_meta(model)
+    try:
+        with torch.no_grad(), meta_scalar_mode():
+            example = example_tokens(model, tp)
+            model(*(example if isinstance(example, tuple) else (example,)))
+        return True
+    except Exception:  # noqa: BLE001 - any failure means: keep the full vocabulary
+        return False
+    finally:
+        for mod in opaque:
+            del mod.forward
+
+
+def check_reduced_model(skeleton: nn.Module, mesh: FourDMesh, config: FourDConfig, precision: str,
+                        accumulate: int = 1, device: Optional[torch.device] = None,
+                        buffers: Optional[dict[str, torch.Tensor]] = None) -> Optional[str]:
+    """Run the layout's rewrite and its value checks on a reduced, perturbed copy of ``skeleton`` (the unsharded
+    model on the meta device; left unchanged). Collective over the world (every rank calls it). ``buffers``: the
+    values of the model's buffers by name when it was built for real (else its initialisers make them).
+    Returns a one-line description of what was checked, or ``None`` when nothing needed checking (no TP, no PP).
+
+    Raises:
+        ValueError: from the rewrite's checks, naming the module whose sharded forward differs.
+    """
+    dims = mesh.dims
+    if dims.tp == 1 and dims.pp == 1:
+        return None
+    device = device or torch.device("cpu")
+    clone = module_copy(skeleton)
+    path_hook = getattr(clone, "fourd_blocks_path", None)
+    blocks_path, container = find_blocks(clone, path_hook() if callable(path_hook) else None)
+    depth = len(container)
+    keep = max(1, dims.pp * dims.virtual_stages)
+    uses_hooks = any(callable(getattr(clone, h, None)) for h in ("configure_pipeline_split", "pipeline_pre_blocks"))
+    kept = reduce_depth(clone, blocks_path, keep) if not uses_hooks else list(range(depth))
+    vocab_rows = 16 * dims.tp
+    trial = module_copy(clone)
+    vocab = reduce_vocabulary(trial, vocab_rows, blocks_path)
+    if vocab:  # does the forward still run with the cut vocabulary? Shapes only: on the meta device
+        if _forward_runs(trial, dims.tp):
+            reduce_vocabulary(clone, vocab_rows, blocks_path)
+        else:
+            vocab = 0
+    del trial
+    _fill(clone, device, buffers)
+    with internal_comm():  # a set-up check, not the training step's communication
+        parallelize_module(clone, mesh, config, precision, accumulate=accumulate)
+    what = (f"rewrite checked on a reduced copy: blocks {kept} of {depth}"
+            f"{f', vocabulary {vocab_rows} of {vocab}' if vocab else ''}, perturbed weights")
+    log.info("lightning_4d: %s", what)
+    del clone
+    return what

@@ -1,0 +1,228 @@
+"""More third-party families for "bring your own model": tiny ``transformers`` models built from their config
+classes (no downloads) and the real ``torchtitan`` package's models, each written by its own authors.
+
+Every builder returns a plain ``nn.Module`` mapping token ids ``(B, T)`` to logits ``(B, T, V)`` in fp32; the only
+user code is :class:`~tests.distributed.byom_models.HFLogits` (``model(input_ids=...).logits``) for transformers
+models and :class:`TitanLogits` (``model(tokens)``) for TorchTitan's.
+
+Weights are perturbed away from their initial symmetry, as a loaded checkpoint would be: every norm weight (and
+bias), per-head parameter (attention sinks) and MoE router is redrawn, so a rewrite that pairs a head with another
+head's norm, or drops a factor that is 1 at initialisation, changes the output at step 0.
+
+Families (``kind``: what it exercises under tensor parallelism):
+
+- ``hf-stablelm``: per-head LayerNorms kept in an ``nn.ModuleList`` and applied with ``zip(norms, heads)``
+  (``qk_layernorm``), partial rotary, q/k/v biases.
+- ``hf-gemma2`` / ``hf-gemma3``: norms on the attention / MLP *outputs* before the residual add (sandwich norms),
+  ``1 + weight`` RMSNorms, a scaled embedding subclass, soft-capping (Gemma 2, eager attention), per-head q/k norms
+  and sliding windows (Gemma 3).
+- ``hf-phi3``: fused ``qkv_proj`` sliced as ``qkv[..., :n_q]`` with sizes read from ``config``, and a fused
+  ``gate_up_proj`` cut with ``chunk(2)``.
+- ``hf-olmo2``: q/k RMSNorms over the full projection width (all heads).
+- ``hf-olmoe``: OLMo 2's full-width q/k norms in a mixture-of-experts model.
+- ``hf-gptoss``: per-head attention sinks (a parameter indexed by head), biased experts, alternating sliding window.
+- ``hf-bigcode``: GPT-BigCode multi-query attention: one fused ``c_attn`` ``[q | k | v]`` with one KV head.
+- ``hf-falcon``: Falcon's new decoder architecture (interleaved fused ``query_key_value`` by KV group, parallel
+  attention and MLP summed in place: ``mlp_output += attention_output``).
+- ``hf-falcon-mq``: Falcon multi-query (``num_heads + 2`` heads in one fused projection).
+- ``hf-llama4``: Llama 4 text MoE (3-D experts every token visits, a ``Linear`` subclass router, a shared expert).
+- ``hf-opt``: OPT (``fc1`` / ``fc2`` held directly by the decoder layer, learned positions with an offset).
+- ``hf-mq``: a Llama with a single KV head (multi-query): KV projections replicated over ``tp``.
+- ``tt-llama3`` / ``tt-qwen3moe``: the ``torchtitan`` package's own Llama 3 (fused ``wqkv`` interleaved by KV group)
+  and Qwen3 MoE (its ``MoE`` with ``router.gate`` beside ``routed_experts``), with TorchTitan's
+  ``ScaledDotProductAttention`` inner attention (its flex attention compiles kernels).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+VOCAB = 64
+SEQ = 16
+HIDDEN = 32
+FFN = 64
+HEADS = 4
+KV_HEADS = 2
+MOE_EXPERTS = 4
+MOE_FFN = 32
+
+ZOO_KINDS = ("hf-stablelm", "hf-gemma2", "hf-gemma3", "hf-phi3", "hf-olmo2", "hf-olmoe", "hf-gptoss", "hf-bigcode",
+             "hf-falcon-mq", "hf-falcon", "hf-llama4", "hf-opt", "hf-mq", "hf-bloom", "hf-mpt", "tt-llama3",
+             "tt-qwen3moe")
+ZOO_MOE_KINDS = ("hf-olmoe", "hf-gptoss", "hf-llama4", "tt-qwen3moe")
+
+
+def _common(layers: int) -> dict[str, Any]:
+    return dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers, max_position_embeddings=SEQ,
+                use_cache=False, attention_dropout=0.0, bos_token_id=0, eos_token_id=1, pad_token_id=None)
+
+
+def _hf(family: str, layers: int) -> nn.Module:
+    import transformers as tf
+
+    gqa = dict(num_attention_heads=HEADS, num_key_value_heads=KV_HEADS)
+    if family == "stablelm":
+        cfg: Any = tf.StableLmConfig(**_common(layers), **gqa, intermediate_size=FFN, qk_layernorm=True,
+                                     use_qkv_bias=True)
+    elif family == "gemma2":
+        cfg = tf.Gemma2Config(**_common(layers), **gqa, head_dim=HIDDEN // HEADS, intermediate_size=FFN,
+                              sliding_window=6, query_pre_attn_scalar=HIDDEN // HEADS, attn_logit_softcapping=30.0,
+                              final_logit_softcapping=20.0)
+    elif family == "gemma3":
+        cfg = tf.Gemma3TextConfig(**_common(layers), **gqa, head_dim=HIDDEN // HEADS, intermediate_size=FFN,
+                                  sliding_window=6, query_pre_attn_scalar=HIDDEN // HEADS,
+                                  layer_types=["sliding_attention", "full_attention"] * (layers // 2)
+                                  + ["sliding_attention"] * (layers % 2))
+    elif family == "phi3":
+        cfg = tf.Phi3Config(**_common(layers), **gqa, intermediate_size=FFN)
+    elif family == "olmo2":
+        cfg = tf.Olmo2Config(**_common(layers), **gqa, intermediate_size=FFN)
+    elif family == "olmoe":
+        cfg = tf.OlmoeConfig(**_common(layers), **gqa, intermediate_size=MOE_FFN, num_experts=MOE_EXPERTS,
+                             num_experts_per_tok=2)
+    elif family == "gptoss":
+        cfg = tf.GptOssConfig(**_common(layers), **gqa, head_dim=HIDDEN // HEADS, intermediate_size=MOE_FFN,
+                              num_local_experts=MOE_EXPERTS, num_experts_per_tok=2, sliding_window=6,
+                              rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+                              layer_types=["sliding_attention", "full_attention"] * (layers // 2)
+                              + ["sliding_attention"] * (layers % 2))
+    elif family == "bigcode":
+        cfg = tf.GPTBigCodeConfig(vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=layers, n_head=HEADS,
+                                  multi_query=True, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                                  bos_token_id=0, eos_token_id=1)
+    elif family == "falcon":
+        cfg = tf.FalconConfig(**_common(layers), num_attention_heads=HEADS, num_kv_heads=KV_HEADS,
+                              new_decoder_architecture=True, multi_query=False, parallel_attn=True, bias=False,
+                              hidden_dropout=0.0, ffn_hidden_size=FFN)
+    elif family == "falcon-mq":
+        cfg = tf.FalconConfig(**_common(layers), num_attention_heads=HEADS, new_decoder_architecture=False,
+                              multi_query=True, parallel_attn=True, bias=False, hidden_dropout=0.0,
+                              ffn_hidden_size=FFN)
+    elif family == "llama4":
+        cfg = tf.Llama4TextConfig(**_common(layers), **gqa, head_dim=HIDDEN // HEADS, intermediate_size=MOE_FFN,
+                                  intermediate_size_mlp=FFN, num_local_experts=MOE_EXPERTS, num_experts_per_tok=1,
+                                  interleave_moe_layer_step=1, attention_chunk_size=SEQ,
+                                  no_rope_layers=[1] * layers, layer_types=["full_attention"] * layers,
+                                  attn_temperature_tuning=False)
+    elif family == "opt":
+        cfg = tf.OPTConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers, ffn_dim=FFN,
+                           num_attention_heads=HEADS, max_position_embeddings=SEQ, word_embed_proj_dim=HIDDEN,
+                           dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0,
+                           use_cache=False, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    elif family == "bloom":
+        cfg = tf.BloomConfig(vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=layers, n_head=HEADS, use_cache=False,
+                             hidden_dropout=0.0, attention_dropout=0.0, bos_token_id=0, eos_token_id=1)
+    elif family == "mpt":
+        cfg = tf.MptConfig(vocab_size=VOCAB, d_model=HIDDEN, n_layers=layers, n_heads=HEADS, max_seq_len=SEQ,
+                           use_cache=False, attn_config=dict(alibi=True, attn_pdrop=0), resid_pdrop=0.0,
+                           emb_pdrop=0.0)
+    elif family == "mq":
+        cfg = tf.LlamaConfig(**_common(layers), num_attention_heads=HEADS, num_key_value_heads=1,
+                             intermediate_size=FFN)
+    else:
+        raise ValueError(f"unknown family {family!r}")
+    # Soft-capping (Gemma 2) and attention sinks (GPT-OSS) need transformers' eager attention.
+    cfg._attn_implementation = "eager" if family in ("gemma2", "gptoss", "mpt", "bloom") else "sdpa"
+    from tests.distributed.byom_models import HFLogits
+
+    model = tf.AutoModelForCausalLM.from_config(cfg).float()
+    return HFLogits(model)
+
+
+# ----------------------------------------------------------------------------------------------- TorchTitan
+class TitanLogits(nn.Module):
+    """The only user code for a ``torchtitan`` model: ``tokens -> logits`` (TorchTitan's decoders take the tokens
+    and optional positions / masks; SDPA inner attention is causal without a mask)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens)
+
+
+def _titan(family: str, layers: int) -> nn.Module:
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
+
+    head_dim = HIDDEN // HEADS
+    init = {"weight": lambda p: nn.init.trunc_normal_(p, std=0.02), "bias": nn.init.zeros_}
+    ones = {"weight": nn.init.ones_}
+    rope = ComplexRoPE.Config(dim=head_dim, max_seq_len=SEQ, theta=10000.0)
+    norm: Callable[[int], Any] = lambda d: RMSNorm.Config(normalized_shape=d, param_init=ones)  # noqa: E731
+    attention = dict(dim=HIDDEN, n_heads=HEADS, n_kv_heads=KV_HEADS, wqkv_param_init=init, wo_param_init=init,
+                     inner_attention=ScaledDotProductAttention.Config(), rope=rope, fuse_qkv=True)
+    emb = Embedding.Config(num_embeddings=VOCAB, embedding_dim=HIDDEN,
+                           param_init={"weight": lambda p: nn.init.normal_(p, std=1.0)})
+    head = Linear.Config(in_features=HIDDEN, out_features=VOCAB, param_init=init)
+    if family == "llama3":
+        from torchtitan.models.llama3 import Llama3Model, Llama3TransformerBlock
+
+        blocks = [Llama3TransformerBlock.Config(
+            attention_norm=norm(HIDDEN), ffn_norm=norm(HIDDEN), attention=make_gqa_config(**attention),
+            feed_forward=make_ffn_config(dim=HIDDEN, hidden_dim=FFN, w1_param_init=init, w2w3_param_init=init))
+            for _ in range(layers)]
+        cfg: Any = Llama3Model.Config(dim=HIDDEN, vocab_size=VOCAB, tok_embeddings=emb, norm=norm(HIDDEN),
+                                      lm_head=head, layers=blocks)
+    elif family == "qwen3moe":
+        from torchtitan.models.common.config_utils import (
+            make_moe_config,
+            make_routed_experts_config,
+            make_router_config,
+        )
+        from torchtitan.models.qwen3 import Qwen3Model
+        from torchtitan.models.qwen3.model import Qwen3TransformerBlock
+
+        experts_init = {n: (lambda p: nn.init.trunc_normal_(p, std=0.02)) for n in ("w1_EFD", "w2_EDF", "w3_EFD")}
+        blocks = [Qwen3TransformerBlock.Config(
+            attention_norm=norm(HIDDEN), ffn_norm=norm(HIDDEN),
+            attention=make_gqa_config(**attention, head_dim=head_dim, qk_norm=norm(head_dim)),
+            moe=make_moe_config(
+                num_experts=MOE_EXPERTS, load_balance_coeff=None,
+                router=make_router_config(dim=HIDDEN, num_experts=MOE_EXPERTS, gate_param_init=init, top_k=2,
+                                          score_func="softmax", route_norm=True),
+                routed_experts=make_routed_experts_config(dim=HIDDEN, hidden_dim=MOE_FFN, num_experts=MOE_EXPERTS,
+                                                          top_k=2, param_init=experts_init,
+                                                          comm_backend="standard")))
+            for _ in range(layers)]
+        cfg = Qwen3Model.Config(dim=HIDDEN, vocab_size=VOCAB, tok_embeddings=emb, norm=norm(HIDDEN), lm_head=head,
+                                layers=blocks)
+    else:
+        raise ValueError(f"unknown torchtitan family {family!r}")
+    model = cfg.build()
+    model.init_states()
+    return TitanLogits(model)
+
+
+# ----------------------------------------------------------------------------------------------- perturbation
+@torch.no_grad()
+def perturb(model: nn.Module, scale: float = 0.2) -> nn.Module:
+    """Redraw what initialisation leaves symmetric, as a checkpoint would: norm weights (``w + scale·N(0,1)``) and
+    biases, 1-D parameters of attention modules (sinks), router weights (std 0.2). Uses the global RNG (seeded by
+    the caller)."""
+    from lightning_4d.tensor_parallel.plan import is_norm
+
+    for name, mod in model.named_modules():
+        for pname, p in mod.named_parameters(recurse=False):
+            if p.dim() == 1 and (is_norm(mod) or not isinstance(mod, (nn.Linear, nn.Embedding))):
+                p.add_(scale * torch.randn_like(p))
+            elif p.dim() == 2 and p.shape[0] == MOE_EXPERTS and "router" in f"{name}.{pname}" or (
+                    p.dim() == 2 and p.shape[0] == MOE_EXPERTS and name.endswith("gate")):
+                nn.init.normal_(p, std=0.2)
+    return model
+
+
+def build_zoo(kind: str, layers: int = 2) -> nn.Module:
+    """Build ``kind`` (one of :data:`ZOO_KINDS`) with ``layers`` blocks, perturbed (see :func:`perturb`)."""
+    if kind.startswith("hf-"):
+        model = _hf(kind[len("hf-"):], layers)
+    elif kind.startswith("tt-"):
+        model = _titan(kind[len("tt-"):], layers)
+    else:
+        raise ValueError(f"unknown zoo kind {kind!r}")
+    return perturb(model)

@@ -1,0 +1,201 @@
+"""Pure tests of the tensor-parallel plan for what follows the heads (no process group): how the trace sees a
+projection's output features cut and viewed per head, and the plan derived from it — per-head module lists and
+parameters, norms over a sharded width, replicated KV heads, sizes read from ``config``, linears held by the
+block, regions that span modules — and the refusals that name the module, the cause and the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_4d.discovery import find_blocks
+from lightning_4d.tensor_parallel import block_plan
+from lightning_4d.tensor_parallel.layouts import concat_permutation
+from lightning_4d.trace import ColumnLayout, trace_model
+
+pytest.importorskip("transformers")
+
+from tests.distributed.byom_zoo import build_zoo  # noqa: E402
+
+
+def _traced(kind: str, tp: int = 2, sp: bool = True):
+    torch.manual_seed(0)
+    model = build_zoo(kind)
+    path, container = find_blocks(model)
+    trace = trace_model(model, path, torch.randint(0, 64, (2, 8)))
+    block = next(iter(container.children()))
+    return model, trace, block
+
+
+def _plan(kind: str, tp: int = 2, sp: bool = True):
+    _, trace, block = _traced(kind)
+    return block_plan(block, "layers.0", tp, trace, sequence_parallel=sp), trace
+
+
+def test_column_layout_pieces_between_cut_points() -> None:
+    layout = ColumnLayout(12, cuts={(0, 8), (8, 12)}, units={(0, 12): 4})
+    assert layout.pieces() == [(0, 8, 4), (8, 12, 4)]
+    assert ColumnLayout(6).pieces() == [(0, 6, None)]
+
+
+def test_trace_follows_slices_views_and_chunks() -> None:
+    # Phi-3: qkv[..., :n_q] (sizes from config), then .view(..., -1, head_dim); gate_up.chunk(2)
+    _, trace, _ = _traced("hf-phi3")
+    assert trace.columns["self_attn.qkv_proj"].pieces() == [(0, 32, 8), (32, 48, 8), (48, 64, 8)]
+    assert trace.columns["mlp.gate_up_proj"].pieces() == [(0, 64, None), (64, 128, None)]
+    # Falcon multi-query: view(B, T, heads + 2, head_dim), then [..., :-2, :], [..., [-2], :], [..., [-1], :]
+    _, trace, _ = _traced("hf-falcon-mq")
+    assert trace.columns["self_attention.query_key_value"].pieces() == [(0, 32, 8), (32, 40, 8), (40, 48, 8)]
+    # Falcon's new decoder: view(B, T, n_kv, q_per_kv + 2, head_dim): interleaved groups of 32
+    _, trace, _ = _traced("hf-falcon")
+    layout = trace.columns["self_attention.query_key_value"]
+    assert layout.pieces() == [(0, 64, 32)] and layout.groups[(0, 64)]
+    # One KV head viewed as (B, T, 1, head_dim)
+    _, trace, _ = _traced("hf-mq")
+    assert trace.columns["self_attn.k_proj"].pieces() == [(0, 8, 8)]
+
+
+def test_per_head_norm_list_is_sliced_per_rank() -> None:
+    plan, _ = _plan("hf-stablelm")
+    assert plan.head_lists == {"self_attn.q_layernorm.norms": [(0, 2), (2, 4)],
+                               "self_attn.k_layernorm.norms": [(0, 1), (1, 2)]}
+    assert "self_attn.q_layernorm.norms.3.weight" in plan.partial_params
+    # tp=4: two KV heads, one per pair of ranks
+    _, trace, block = _traced("hf-stablelm")
+    plan4 = block_plan(block, "layers.0", 4, trace, sequence_parallel=True)
+    assert plan4.head_lists["self_attn.k_layernorm.norms"] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert plan4.local_attrs["self_attn"]["num_key_value_heads"] == 1
+
+
+def test_attention_sinks_are_per_head_parameters() -> None:
+    plan, _ = _plan("hf-gptoss")
+    assert plan.head_params == {"self_attn.sinks": [(0, 2), (2, 4)]}
+    assert "self_attn.sinks" in plan.partial_params
+
+
+def test_full_width_qk_norms_become_distributed_norms() -> None:
+    plan, _ = _plan("hf-olmo2")
+    assert plan.dist_norms == {"self_attn.q_norm": "self_attn.q_proj", "self_attn.k_norm": "self_attn.k_proj"}
+    # With fewer KV heads than tp no rank holds the full key width: refused, naming the norm, cause and fix.
+    _, trace, block = _traced("hf-olmo2")
+    with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.k_norm normalises over 16 features.*fewer than tp "
+                                         r"and replicated.*use a tp that divides.*fourd_tp_plan"):
+        block_plan(block, "layers.0", 4, trace, sequence_parallel=True)
+
+
+def test_one_kv_head_is_replicated_and_its_counts_become_per_rank() -> None:
+    plan, _ = _plan("hf-mq")
+    assert plan.gathered["self_attn.k_proj"] == [list(range(8)), list(range(8))]
+    assert "self_attn.k_proj.weight" in plan.partial_params and "self_attn.q_proj" not in plan.gathered
+    assert plan.local_attrs["self_attn"]["num_key_value_groups"] == 2  # 2 local query heads per (1) KV head
+    # GPT-BigCode: one fused [q | k | v] with one KV head: each rank computes its query heads, k and v.
+    plan, _ = _plan("hf-bigcode")
+    rows = plan.gathered["attn.c_attn"]
+    assert rows[0] == list(range(16)) + list(range(32, 48)) and rows[1] == list(range(16, 48))
+    assert plan.local_attrs["attn"]["embed_dim"] == 16 and plan.local_attrs["attn"]["kv_dim"] == 8
+
+
+def test_sizes_read_from_config_are_per_rank_in_a_copy() -> None:
+    plan, _ = _plan("hf-phi3")
+    assert plan.permutations["self_attn.qkv_proj"] == concat_permutation([32, 16, 16], 2)
+    assert plan.permutations["mlp.gate_up_proj"] == concat_permutation([64, 64], 2)
+    assert plan.config_attrs["self_attn"]["num_attention_heads"] == 2
+    assert plan.config_attrs["self_attn"]["num_key_value_heads"] == 1
+
+
+def test_regions_span_the_projections_that_feed_each_other() -> None:
+    pytest.importorskip("torchtitan.models.llama3")
+    # TorchTitan keeps wqkv one level below the attention (attention.qkv_linear.wqkv) and wo beside it.
+    plan, _ = _plan("tt-llama3")
+    assert plan.regions == ["attention", "feed_forward"]
+    assert plan.linears["attention.qkv_linear.wqkv"] == "colwise" and plan.linears["attention.wo"] == "rowwise"
+
+
+def test_linears_held_by_the_block_and_norms_on_flattened_tokens() -> None:
+    # OPT: fc1 / fc2 are attributes of the decoder layer, which flattens (B, T, H) to (B·T, H) before them.
+    plan, _ = _plan("hf-opt")
+    assert plan.direct == ["fc1", "fc2"] and plan.regions == ["self_attn"]
+    assert plan.local_norms == ["final_layer_norm"]  # its input is (B·T, H): it runs on local tokens
+
+
+def test_interleaved_groups_fewer_than_tp_are_refused() -> None:
+    _, trace, block = _traced("hf-falcon")
+    with pytest.raises(ValueError, match=r"query_key_value: its features 0:64 form 2 interleaved groups of 32.*"
+                                         r"tp=4.*use a tp that divides 2"):
+        block_plan(block, "layers.0", 4, trace, sequence_parallel=True)
+
+
+def test_a_module_list_that_is_not_per_head_is_refused() -> None:
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.num_heads = 4
+            self.q_proj, self.o_proj = nn.Linear(8, 8), nn.Linear(8, 8)
+            self.scales = nn.ModuleList(nn.LayerNorm(2) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.o_proj(self.q_proj(x))
+
+    block = nn.Module()
+    block.attn = Attention()
+    with pytest.raises(ValueError, match=r"blocks\.0\.attn\.scales is a list of 3 modules.*one module per head.*"
+                                         r"fourd_tp_plan"):
+        block_plan(block, "blocks.0", 2)
+
+
+def test_llama4_every_token_experts_are_recognised() -> None:
+    # Llama 4's experts take (E·N, H): every expert on every token, scores applied by the layer before them.
+    from lightning_4d.expert_parallel.inplace import find_expert_modules, verify_experts
+
+    torch.manual_seed(0)
+    model = build_zoo("hf-llama4")
+    specs, rejected = find_expert_modules(model)
+    assert not rejected and [s.contract for s in specs] == ["dense", "dense"] and specs[0].router == "router"
+    verify_experts(model.get_submodule(specs[0].name), specs[0], parts=2)  # the grouped replay reproduces it
+
+
+def test_a_one_input_forward_is_not_taken_for_experts_unless_named_so() -> None:
+    from lightning_4d.expert_parallel.inplace import inspect_experts
+
+    class Mixer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(4, 8, 8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    layer = nn.Module()
+    layer.gate, layer.mixer = nn.Linear(8, 4), Mixer()
+    assert "forward takes neither" in inspect_experts(layer.mixer, "mixer", layer)
+
+
+def test_torchtitan_router_is_found_around_its_experts() -> None:
+    pytest.importorskip("torchtitan.models.qwen3")
+    from lightning_4d.expert_parallel.inplace import find_expert_modules
+
+    torch.manual_seed(0)
+    specs, rejected = find_expert_modules(build_zoo("tt-qwen3moe"))
+    assert not rejected and [s.name for s in specs] == [f"model.layers.{i}.moe.routed_experts.inner_experts"
+                                                        for i in range(2)]
+    assert specs[0].contract == "grouped" and specs[0].router == "../router.gate"
+
+
+def test_a_linear_subclass_that_computes_something_else_is_refused() -> None:
+    class Scaled(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * super().forward(x)
+
+    class Same(nn.Linear):  # its own forward, the same math: sharded like a linear
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+
+    block = nn.Module()
+    block.mlp = nn.Module()
+    block.mlp.up_proj, block.mlp.down_proj = Same(8, 16), Same(16, 8)
+    assert block_plan(block, "blocks.0", 2).linears == {"mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}
+    block.mlp.up_proj = Scaled(8, 16)
+    with pytest.raises(ValueError, match=r"blocks\.0\.mlp\.up_proj \(Scaled\) subclasses nn\.Linear with its own "
+                                         r"forward.*fourd_tp_plan"):
+        block_plan(block, "blocks.0", 2)
