@@ -166,14 +166,14 @@ def local_slice(target: Tensor, full: Tensor, perm: Optional[tuple[list[int], in
         >>> local_slice(torch.zeros(2), torch.arange(2.0)).tolist()
         [0.0, 1.0]
     """
-    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+    from torch.distributed.tensor import distribute_tensor
 
-    perm_dim = perm[1] if perm is not None and full.dim() > perm[1] and full.shape[perm[1]] == len(perm[0]) else None
-    placements = list(target.placements) if isinstance(target, DTensor) else []
-    if not all(p.is_replicate() or getattr(p, "dim", None) is not None for p in placements):  # e.g. Partial
+    if not _shards_only(target):  # e.g. Partial: torch slices it (the rare case; one copy per placement)
+        perm_dim = perm[1] if perm is not None and full.dim() > perm[1] and full.shape[perm[1]] == len(perm[0]) \
+            else None
         if perm_dim is not None:
             full = full.index_select(perm_dim, torch.tensor(perm[0], device=full.device))
-        return distribute_tensor(full, target.device_mesh, placements, src_data_rank=None).to_local()
+        return distribute_tensor(full, target.device_mesh, list(target.placements), src_data_rank=None).to_local()
     local = full
     for dim, index in _selections(target, full.shape, perm, full.device):
         local = local.index_select(dim, index)

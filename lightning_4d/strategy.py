@@ -294,7 +294,7 @@ class FourDStrategy(ParallelStrategy):
         """Rewrite the model for the mesh. A model built on the meta device stays there through the rewrite
         (pipeline pruning, EP, TP/SP, data parallelism) and only this rank's shards are then allocated and
         initialised (:func:`~lightning_4d.materialize.materialize_local_shards`), so no rank ever holds the
-        whole model; a model built for real is (optionally) synchronised from rank 0 tensor by tensor, then
+        whole model; a model built for real is (optionally) synchronised from rank 0 in 64 MB buckets, then
         rewritten."""
         assert self.model is not None
         meta = is_meta_built(self.model)
