@@ -15,12 +15,19 @@ cannot be reset). Printed per rank:
 - ``set-up``: peak RSS growth over the baseline up to ``on_fit_start`` (model build, ``strategy.setup``);
 - ``step``: peak RSS growth over the baseline during the training steps (peak counter reset at
   ``on_fit_start``; FSDP lazy init, activations, gradients, the optimizer states of the first step);
-- ``plan``: the planner's per-rank estimate for the same run (``planner.memory.memory_per_rank``: weights +
-  gradients + optimizer states + gathered FSDP copies + activations + logits, with the CPU device's allocator
-  slack). The planner has **no set-up term**: its estimate is compared with the step peak only;
+- ``plan``: the planner's per-rank estimate of the training step for the same run (``planner.memory.memory_per_rank``:
+  weights + gradients + optimizer states + gathered FSDP copies + activations + logits, with the CPU device's
+  allocator slack), compared with the step peak;
+- ``plan set-up``: the planner's set-up term for the same run and path (``RankMemory.setup_total``:
+  ``lightning_4d.planner.setup_memory``: share + largest tensor, or the reduced check when larger and within its
+  budget; the whole model when built for real; plus the CPU runtime bytes), compared with the set-up peak;
 - ``target``: the issue's bound on the set-up peak, ``1.5 · share + largest tensor`` (the largest single
   tensor of the whole model, e.g. the ``32000 × dim`` embedding);
 - set-up seconds (model build + Trainer + ``fit`` until ``on_fit_start``).
+
+``--warm-up``: each rank first trains a tiny model of the same kind under the same layout and path, then takes its
+baseline, so what every process pays once whatever the model (Lightning's and gloo's set-up, BLAS buffers, sharding
+caches: ~40 MB here) is not counted as the model's set-up (``bench_hf_load_memory.py`` always does this).
 
 ``--phases`` also prints the peak RSS growth of each set-up phase (the strategy's own steps, timed by wrapping
 the functions ``lightning_4d.strategy`` calls) and of each training step's forward + backward and optimizer
@@ -30,7 +37,7 @@ freed tensors then go back to the OS at once, so the difference to a default run
 heap that it rarely returns).
 
 Run: OMP_NUM_THREADS=1 python bench/bench_setup_memory.py [--sizes small,151m,moe] [--paths meta,cpu]
-     [--steps 3] [--phases] [--pin-mmap-threshold] [--json out.json]
+     [--steps 3] [--phases] [--pin-mmap-threshold] [--warm-up] [--json out.json]
 (about 5 minutes for the default sizes on 2 cores)
 """
 
@@ -52,6 +59,12 @@ SIZES: dict[str, dict[str, Any]] = {
     # ≈55 M parameters (211 MB fp32), every block MoE with 8 experts of hidden 768 (ep=2 inside tp·dp)
     "moe": dict(kind="moe", vocab_size=32000, dim=384, n_layers=4, n_heads=6, ffn_hidden=1024, num_experts=8,
                 top_k=2, expert_hidden=768),
+}
+# warm-up runs (``--warm-up``): the same layout and path on a tiny model of the same kind, first, in each rank
+WARM_UP: dict[str, dict[str, Any]] = {
+    "llama": dict(kind="llama", vocab_size=256, dim=64, n_layers=4, n_heads=4, ffn_hidden=128),
+    "moe": dict(kind="moe", vocab_size=256, dim=64, n_layers=4, n_heads=4, ffn_hidden=128, num_experts=4, top_k=2,
+                expert_hidden=64),
 }
 WORLD, TP, PP = 8, 2, 2
 SEQ, GLOBAL_BATCH = 64, 8
@@ -155,7 +168,7 @@ def full_sizes(size: dict[str, Any]) -> tuple[int, int, int]:
             max(p.numel() * p.element_size() for p in params))
 
 
-def planner_estimate(size: dict[str, Any], ep: int) -> tuple[list[dict[str, float]], str]:
+def planner_estimate(size: dict[str, Any], ep: int, meta_built: bool = True) -> tuple[list[dict[str, float]], str]:
     """The planner's memory per pp rank for this run (fp32, FSDP, 1F1B, the strategy's default micro-batches),
     with the planner's CPU device constants where it has them (allocator slack, runtime bytes); and a line
     saying which were used. Each row has ``total`` and ``allocated`` (tensors only)."""
@@ -172,7 +185,8 @@ def planner_estimate(size: dict[str, Any], ep: int) -> tuple[list[dict[str, floa
     spec = TransformerSpec.from_model(model, seq_len=SEQ)
     assert spec.total_params() == sum(p.numel() for p in model.parameters()), "planner spec != model"
     dims = ParallelDims.from_world(WORLD, tp=TP, pp=PP, ep=ep)
-    train = TrainSpec(global_batch_size=GLOBAL_BATCH, seq_len=SEQ, precision="32-true", flash_attention=True)
+    train = TrainSpec(global_batch_size=GLOBAL_BATCH, seq_len=SEQ, precision="32-true", flash_attention=True,
+                      meta_built=meta_built)
     kwargs: dict[str, float] = {}
     try:
         from lightning_4d.planner import hardware
@@ -237,7 +251,8 @@ class _Phases:
         return restore
 
 
-def _rank(rank: int, size_name: str, path: str, steps: int, phases: bool, pin: bool) -> dict[str, Any]:
+def _rank(rank: int, size_name: str, path: str, steps: int, phases: bool, pin: bool,
+          warm_up: bool = False) -> dict[str, Any]:
     import gc
 
     import lightning as L
@@ -245,9 +260,12 @@ def _rank(rank: int, size_name: str, path: str, steps: int, phases: bool, pin: b
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_4d import FourDStrategy
+    from lightning_4d._compat import release_freed_host_memory
     from lightning_4d.models import CausalLM
 
-    size = SIZES[size_name]
+    size = SIZES[size_name] if size_name in SIZES else WARM_UP[size_name]
+    if warm_up:  # imports, process groups, kernels' and sharding caches: resident before the baseline
+        _rank(rank, size["kind"], path, 1, False, pin)
     ep = 2 if size["kind"] == "moe" else 1
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, size["vocab_size"], (GLOBAL_BATCH * steps, SEQ + 1), generator=gen)
@@ -288,6 +306,7 @@ def _rank(rank: int, size_name: str, path: str, steps: int, phases: bool, pin: b
     out["pinned"] = pin and pin_mmap_threshold()
     torch.manual_seed(0)
     gc.collect()
+    release_freed_host_memory()  # what a warm-up freed is returned, not reused unseen by the measured run
     baseline = rss()
     resettable = reset_peak()
     tracker = _Phases(baseline) if phases else None
@@ -324,11 +343,12 @@ def _mb(x: float) -> str:
     return f"{x / 2**20:.0f}"
 
 
-def run(size_name: str, path: str, steps: int, phases: bool, pin: bool = False) -> list[dict[str, Any]]:
+def run(size_name: str, path: str, steps: int, phases: bool, pin: bool = False,
+        warm_up: bool = False) -> list[dict[str, Any]]:
     """Every rank's numbers for one model size and path, in a fresh 8-rank world."""
     from lightning_4d.testing import run_world
 
-    return run_world(_rank, WORLD, size_name, path, steps, phases, pin, timeout_s=3600)
+    return run_world(_rank, WORLD, size_name, path, steps, phases, pin, warm_up, timeout_s=3600)
 
 
 def main() -> None:
@@ -340,6 +360,9 @@ def main() -> None:
     parser.add_argument("--pin-mmap-threshold", action="store_true",
                         help="glibc mallopt(M_MMAP_THRESHOLD, 128 KiB) in every rank: freed tensors go back to the OS "
                              "at once, so the numbers show live memory without the heap's retention")
+    parser.add_argument("--warm-up", action="store_true",
+                        help="each rank first trains a tiny model of the same kind under the same layout and path, so "
+                             "the process's one-time costs are in its baseline (as bench_hf_load_memory.py does)")
     parser.add_argument("--json", default=None, help="write every rank's numbers to this file")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -349,10 +372,10 @@ def main() -> None:
     for size_name in args.sizes.split(","):
         size = SIZES[size_name]
         n_params, full, largest = full_sizes(size)
-        plan, plan_note = planner_estimate(size, ep=2 if size["kind"] == "moe" else 1)
         for path in args.paths.split(","):
+            plan, plan_note = planner_estimate(size, ep=2 if size["kind"] == "moe" else 1, meta_built=path == "meta")
             start = time.perf_counter()
-            ranks = run(size_name, path, args.steps, args.phases, args.pin_mmap_threshold)
+            ranks = run(size_name, path, args.steps, args.phases, args.pin_mmap_threshold, args.warm_up)
             wall = time.perf_counter() - start
             everything[f"{size_name}/{path}"] = {"ranks": ranks, "planner": plan, "params": n_params, "full": full,
                                                 "largest": largest}
@@ -360,21 +383,26 @@ def main() -> None:
                   f"{_mb(largest)} MB; path {path}; tp={TP} pp={PP} dp={WORLD // (TP * PP)} on {WORLD} ranks "
                   f"({wall:.0f} s wall)")
             print(f"   {plan_note}; 'tensors' is its live-tensor part alone")
+            if args.warm_up:
+                print("   (warmed up: baseline taken after a tiny model's run of the same layout and path)")
             if ranks[0]["pinned"]:
                 print("   (glibc mmap threshold pinned at 128 KiB: no heap retention of freed tensors)")
             if not ranks[0]["resettable"]:
                 print("   (peak counter not resettable here: ru_maxrss / VmHWM since the process started)")
             print(f"{'rank':>4} {'share':>6} {'set-up':>7} {'/share':>7} {'target':>7} {'ok':>3} {'after':>6} "
-                  f"{'step':>6} {'plan':>6} {'tensors':>7} {'step/plan':>9} {'init call':>9} {'set-up s':>8}   (MB)")
+                  f"{'step':>6} {'plan':>6} {'tensors':>7} {'step/plan':>9} {'plan s-u':>8} {'s-u/plan':>8} "
+                  f"{'init call':>9} {'set-up s':>8}   (MB)")
             for r in ranks:
                 pp_rank = r["rank"] // (WORLD // PP)
                 est, tensors = plan[pp_rank]["total"], plan[pp_rank]["allocated"]
+                plan_setup = plan[pp_rank]["setup_total"]
                 target = 1.5 * r["share"] + largest
-                r.update(plan=est, plan_tensors=tensors, target=target, pp_rank=pp_rank)
+                r.update(plan=est, plan_tensors=tensors, plan_setup=plan_setup, target=target, pp_rank=pp_rank)
                 print(f"{r['rank']:>4} {_mb(r['share']):>6} {_mb(r['setup_peak']):>7} "
                       f"{r['setup_peak'] / r['share']:>7.1f} {_mb(target):>7} "
                       f"{'yes' if r['setup_peak'] <= target else 'NO':>3} {_mb(r['rss_after_setup']):>6} "
                       f"{_mb(r['step_peak']):>6} {_mb(est):>6} {_mb(tensors):>7} {r['step_peak'] / est:>9.2f} "
+                      f"{_mb(plan_setup):>8} {r['setup_peak'] / plan_setup:>8.2f} "
                       f"{_mb(r['largest_call']) if 'largest_call' in r else '-':>9} {r['setup_s']:>8.1f}")
             if args.phases:
                 names = [p[0] for p in ranks[0]["phases"]]
@@ -386,26 +414,30 @@ def main() -> None:
             worst = max(ranks, key=lambda r: r["setup_peak"] / r["target"])
             summary.append(dict(
                 size=size_name, params=n_params, full=full, largest=largest,
-                path=path + (" (mmap threshold pinned)" if ranks[0]["pinned"] else ""),
+                path=path + (" (mmap threshold pinned)" if ranks[0]["pinned"] else "")
+                + (" (warmed up)" if args.warm_up else ""),
                 share=max(r["share"] for r in ranks), setup=max(r["setup_peak"] for r in ranks),
                 setup_share=max(r["setup_peak"] / r["share"] for r in ranks),
                 setup_target=worst["setup_peak"] / worst["target"],
                 step=max(r["step_peak"] for r in ranks), plan=max(r["plan"] for r in ranks),
                 plan_tensors=max(r["plan_tensors"] for r in ranks),
                 step_plan=[f(r["step_peak"] / r["plan"] for r in ranks) for f in (min, max)],
+                plan_setup=max(r["plan_setup"] for r in ranks),
+                setup_plan=[f(r["setup_peak"] / r["plan_setup"] for r in ranks) for f in (min, max)],
                 setup_s=max(r["setup_s"] for r in ranks),
             ))
 
     print("\n## Summary (max over the 8 ranks; MB = 2^20 bytes; growth over each rank's baseline)\n")
     print("| model | path | share | set-up peak | set-up / share | set-up / (1.5·share + largest) | step peak "
-          "| planner (no set-up term) | planner, tensors only | step / planner (min–max over ranks) | set-up s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| planner (step) | planner, tensors only | step / planner (min–max over ranks) | planner (set-up) "
+          "| set-up / planner | set-up s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for s in summary:
         print(f"| {s['size']} ({s['params'] / 1e6:.0f} M, largest {_mb(s['largest'])}) | {s['path']} "
               f"| {_mb(s['share'])} "
               f"| {_mb(s['setup'])} | {s['setup_share']:.1f}× | {s['setup_target']:.2f} | {_mb(s['step'])} "
               f"| {_mb(s['plan'])} | {_mb(s['plan_tensors'])} | {s['step_plan'][0]:.2f}–{s['step_plan'][1]:.2f} "
-              f"| {s['setup_s']:.1f} |")
+              f"| {_mb(s['plan_setup'])} | {s['setup_plan'][0]:.2f}–{s['setup_plan'][1]:.2f} | {s['setup_s']:.1f} |")
     by = {(s["size"], s["path"].split()[0]): s for s in summary}
     for size_name in args.sizes.split(","):
         if (size_name, "meta") in by and (size_name, "cpu") in by:

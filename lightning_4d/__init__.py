@@ -3,6 +3,7 @@
 Example:
     >>> import lightning as L
     >>> from lightning_4d import FourDStrategy
+    >>> # not run: needs a Trainer
     >>> trainer = L.Trainer(strategy=FourDStrategy(tp=2, pp=2), devices=8)  # doctest: +SKIP
 """
 

@@ -9,10 +9,12 @@ the bytes this rank sends by :func:`wire_bytes`, the one copy of the ring formul
 the rank keeps (``(n−1)/n·S`` for even splits), send / recv ``S``. The planner's formulas
 (:func:`lightning_4d.planner.comm.collective_bytes`) use the same function; the fake-world recorder
 (:class:`lightning_4d.planner.fake_world.CollectiveRecorder`) and the callbacks' timed recorder
-(:class:`lightning_4d.callbacks.CommRecorder`) subclass this one and only name axes (and time calls) their way.
+(:class:`lightning_4d.callbacks.CommRecorder`) subclass this one; every one names a call's process group with
+:func:`axis_of_group` (mesh axes from :func:`mesh_axis_groups`, ties broken by :func:`name_axis`).
 
 Example:
-    >>> with CommCounter(axis_names={}) as counter:  # doctest: +SKIP
+    >>> # not run: needs a process group
+    >>> with CommCounter(mesh_axis_groups(mesh)) as counter:  # doctest: +SKIP
     ...     loss = model(x).sum(); loss.backward()
     >>> counter.totals()[("tp", "all_reduce")]  # doctest: +SKIP
 """
@@ -24,13 +26,14 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 
 from lightning_4d import _compat
 
-__all__ = ["internal_comm", "is_internal_comm", "CommCounter", "CommRecord", "KIND_OF_OP", "wire_bytes", "full_bytes", "op_bytes", "axis_names_for"]
+__all__ = ["internal_comm", "is_internal_comm", "CommCounter", "CommRecord", "KIND_OF_OP", "wire_bytes", "full_bytes", "op_bytes", "AXIS_ORDER",
+           "axis_of_group", "mesh_axis_groups", "name_axis"]
 
 #: Collective op name (namespaces ``c10d``, ``_c10d_functional``, ``_dtensor``) → kind.
 KIND_OF_OP: dict[str, str] = {
@@ -162,33 +165,102 @@ class CommRecord:
     op: str = ""
 
 
-def axis_names_for(mesh: Any) -> dict[str, str]:
-    """Map process-group names to mesh axis names for a ``FourDMesh``.
+#: Which of several mesh axes spanning the same ranks (one process group) names a collective on it: an all-to-all
+#: is expert traffic and takes ``ep``, then ``edp``; any other kind the first of :data:`AXIS_ORDER` (dense axes
+#: before expert ones). Every recorder and the dry run's formulas name groups with :func:`name_axis`.
+AXIS_ORDER = ("tp", "dp", "dp_shard", "dp_replicate", "pp", "ep", "edp")
+_PREFERRED_BY_KIND = {"all_to_all": ("ep", "edp")}
+
+
+def name_axis(axes: Sequence[str], kind: Optional[str] = None) -> str:
+    """The one tie-break: the axis that names a ``kind`` collective on a group that ``axes`` all span.
 
     Example:
-        >>> axis_names_for(None)
+        >>> name_axis(("tp", "ep"), "all_reduce"), name_axis(("tp", "ep"), "all_to_all"), name_axis(("edp", "dp"))
+        ('tp', 'ep', 'dp')
+    """
+    for preferred in _PREFERRED_BY_KIND.get(kind or "", ()):
+        if preferred in axes:
+            return preferred
+    return min(axes, key=lambda a: AXIS_ORDER.index(a) if a in AXIS_ORDER else len(AXIS_ORDER))
+
+
+def _named_meshes(mesh: Any) -> list[tuple[str, Any]]:
+    """``(axis, 1-D mesh)`` of a ``FourDMesh`` (HSDP's flattened ``dp`` too), a ``DeviceMesh`` or a dict of them."""
+    if mesh is None:
+        return []
+    if isinstance(mesh, Mapping):
+        return [pair for m in mesh.values() for pair in _named_meshes(m)]
+    if hasattr(mesh, "dense") and hasattr(mesh, "expert"):  # a lightning_4d FourDMesh
+        flat = [("dp", mesh.flat_dp)] if getattr(mesh, "flat_dp", None) is not None else []
+        return flat + _named_meshes(mesh.dense) + _named_meshes(mesh.expert)
+    return [(dim, mesh[dim]) for dim in (mesh.mesh_dim_names or ())]
+
+
+def _ranks(pg: Any) -> Optional[tuple[int, ...]]:
+    import torch.distributed as dist
+
+    try:
+        return tuple(dist.get_process_group_ranks(pg))
+    except Exception:  # noqa: BLE001 - a group this process does not know by ranks: matched by name only
+        return None
+
+
+def mesh_axis_groups(mesh: Any) -> dict[Any, tuple[str, ...]]:
+    """Mesh axes per process group, keyed by group name and, for groups of several ranks, by the tuple of their
+    global ranks (torch may hand DTensor an equal group under another name: ``DeviceMesh`` caches sub-meshes).
+    ``mesh``: a ``FourDMesh``, a ``DeviceMesh``, a dict of them, or ``None``.
+
+    Example:
+        >>> mesh_axis_groups(None)
         {}
     """
-    if mesh is None:
-        return {}
-    names: dict[str, str] = {}
-    # Axes over identical ranks may share one group: the dense axis name wins.
-    for axis in ("tp", "dp", "pp", "ep", "edp"):
-        try:
-            names.setdefault(mesh[axis].get_group().group_name, axis)
-        except Exception:  # noqa: BLE001 - an axis of size 1 may have no group
-            continue
-    return names
+    out: dict[Any, list[str]] = defaultdict(list)
+    for axis, sub in _named_meshes(mesh):
+        group = sub.get_group()
+        keys = [group.group_name]
+        ranks = _ranks(group) if sub.size() > 1 else None
+        keys += [ranks] if ranks is not None else []
+        for key in keys:
+            if axis not in out[key]:
+                out[key].append(axis)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def axis_of_group(pg: Any, kind: str, groups: Mapping[Any, Sequence[str]]) -> str:
+    """The mesh axis a ``kind`` collective on process group ``pg`` is counted under (``groups``:
+    :func:`mesh_axis_groups`): :func:`name_axis` of the axes spanning it, else ``"world"`` for the default
+    group and ``"other"``.
+
+    Example:
+        >>> axis_of_group(None, "all_reduce", {})
+        'other'
+    """
+    import torch.distributed as dist
+
+    if pg is None:
+        return "other"
+    axes = groups.get(pg.group_name)
+    if not axes and groups:
+        axes = groups.get(_ranks(pg))
+    if axes:
+        return name_axis(axes, kind)
+    try:
+        if dist.is_initialized() and pg.group_name == dist.group.WORLD.group_name:
+            return "world"
+    except Exception:  # noqa: BLE001 - no default group to compare with
+        pass
+    return "other"
 
 
 class CommCounter(_compat.dispatch_mode_base()):  # type: ignore[misc]
     """Records every collective issued while active (forward and backward) as :class:`CommRecord`.
 
     Args:
-        axis_names: process-group name → axis name (see :func:`axis_names_for`); other groups keep their name.
+        groups: process-group name or ranks → mesh axes (:func:`mesh_axis_groups`); a call is counted under
+            :func:`axis_of_group` (the package's one namer).
 
-    Subclasses name axes their way (:meth:`axis`), skip calls (:meth:`skip`) or follow the call's handle
-    (:meth:`issued`).
+    Subclasses skip calls (:meth:`skip`) or follow the call's handle (:meth:`issued`).
 
     Example:
         >>> with CommCounter({}) as counter:
@@ -197,17 +269,21 @@ class CommCounter(_compat.dispatch_mode_base()):  # type: ignore[misc]
         ([], {})
     """
 
-    def __init__(self, axis_names: Optional[Mapping[str, str]] = None) -> None:
+    def __init__(self, groups: Optional[Mapping[Any, Sequence[str]]] = None) -> None:
         super().__init__()
-        self.axis_names = dict(axis_names or {})
+        self.groups = dict(groups or {})
         self.records: list[CommRecord] = []
         self._groups: dict[str, Any] = {}  # group name argument → ProcessGroup
+        self._axes: dict[tuple[str, str], str] = {}  # (group name, kind) → axis
 
     def axis(self, pg: Any, kind: str) -> tuple[str, int]:
-        """Axis name and group size of a call on process group ``pg`` (``None``: no group found)."""
+        """Axis name (:func:`axis_of_group`) and group size of a call on process group ``pg`` (``None``: none)."""
         if pg is None:
-            return "?", 1
-        return self.axis_names.get(pg.group_name, pg.group_name), int(pg.size())
+            return axis_of_group(None, kind, self.groups), 1
+        key = (pg.group_name, kind)
+        if key not in self._axes:
+            self._axes[key] = axis_of_group(pg, kind, self.groups)
+        return self._axes[key], int(pg.size())
 
     def skip(self) -> bool:
         """Whether to leave the current call unrecorded."""

@@ -14,10 +14,71 @@ from typing import Literal, Optional, Union
 from lightning_4d.mesh import ParallelDims, _check_degree
 
 __all__ = ["FourDConfig", "SCHEDULES", "MULTI_STAGE_SCHEDULES", "ACTIVATION_CHECKPOINTING", "DATA_PARALLEL",
-           "check_data_parallel"]
+           "SCHEDULE_SHAPES", "ScheduleShape", "check_data_parallel", "default_virtual_stages", "stage_style"]
 
+
+@dataclass(frozen=True)
+class ScheduleShape:
+    """Where a pipeline schedule puts its stages: the one table of schedule shapes.
+
+    Attributes:
+        style: stage ↔ rank placement, ``"loop"`` (rank ``r`` holds ``r, r + pp, …``) or ``"v"`` (the stages
+            zig-zag: rank 0 holds the first and the last; :mod:`lightning_4d.pipeline.partition`).
+        virtual_stages: stages per rank the schedule requires; ``None``: any ``>= 2`` (default 2).
+
+    Example:
+        >>> SCHEDULE_SHAPES["zbv"]
+        ScheduleShape(style='v', virtual_stages=2)
+    """
+
+    style: str
+    virtual_stages: Optional[int]
+
+
+#: Every torch schedule the package knows (:data:`lightning_4d.pipeline.schedules.SCHEDULES` adds torch's
+#: class names); the planner, the config and the runtime read "V-shaped" and "stages per rank" here.
+SCHEDULE_SHAPES: dict[str, ScheduleShape] = {
+    "gpipe": ScheduleShape("loop", 1),
+    "1f1b": ScheduleShape("loop", 1),
+    "interleaved_1f1b": ScheduleShape("loop", None),
+    "looped_bfs": ScheduleShape("loop", None),
+    "interleaved_zb": ScheduleShape("loop", None),
+    "zbv": ScheduleShape("v", 2),
+    "dualpipev": ScheduleShape("v", 2),
+}
+#: The schedules ``FourDStrategy`` runs.
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev")
-MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zbv", "dualpipev")
+MULTI_STAGE_SCHEDULES = tuple(s for s in SCHEDULES if SCHEDULE_SHAPES[s].virtual_stages != 1)
+
+
+def _shape(schedule: str) -> ScheduleShape:
+    if schedule not in SCHEDULE_SHAPES:
+        raise ValueError(f"schedule={schedule!r} is not known. Choose one of {', '.join(SCHEDULE_SHAPES)}.")
+    return SCHEDULE_SHAPES[schedule]
+
+
+def default_virtual_stages(schedule: str, pp: int) -> int:
+    """Stages per rank when ``virtual_stages`` is not given: 1 without pipelining or for one-stage schedules,
+    the required number for V schedules, else 2.
+
+    Example:
+        >>> default_virtual_stages("zbv", 4), default_virtual_stages("1f1b", 4), default_virtual_stages("zbv", 1)
+        (2, 1, 1)
+    """
+    if pp == 1:
+        return 1
+    return _shape(schedule).virtual_stages or 2
+
+
+def stage_style(schedule: str, pp: int) -> str:
+    """Stage placement of ``schedule`` on ``pp`` ranks: ``"v"`` for V-shaped schedules with a pipeline, else
+    ``"loop"`` (one rank has nothing to zig-zag).
+
+    Example:
+        >>> stage_style("dualpipev", 4), stage_style("dualpipev", 1), stage_style("interleaved_1f1b", 4)
+        ('v', 'loop', 'loop')
+    """
+    return _shape(schedule).style if pp > 1 else "loop"
 ACTIVATION_CHECKPOINTING = (None, "selective", "full")
 DATA_PARALLEL = ("fsdp", "replicate", "hsdp")
 
@@ -95,12 +156,13 @@ class FourDConfig:
                 f"schedule={self.schedule!r} runs several stages per rank, but virtual_stages=1. Leave "
                 f"virtual_stages unset (default 2) or pick schedule='1f1b' / 'gpipe'."
             )
-        if self.schedule in ("zbv", "dualpipev") and self.virtual_stages not in (None, 2):
+        shape = SCHEDULE_SHAPES[self.schedule]
+        if shape.style == "v" and self.virtual_stages not in (None, shape.virtual_stages):
             raise ValueError(
                 f"schedule={self.schedule!r} places exactly 2 stages per rank in a V shape, but "
                 f"virtual_stages={self.virtual_stages}. Leave virtual_stages unset or set it to 2."
             )
-        if self.schedule in ("gpipe", "1f1b") and self.virtual_stages not in (None, 1):
+        if shape.virtual_stages == 1 and self.virtual_stages not in (None, 1):
             raise ValueError(
                 f"schedule={self.schedule!r} runs one stage per rank, but virtual_stages={self.virtual_stages}. "
                 f"Use schedule='interleaved_1f1b' for several stages per rank."
@@ -112,7 +174,7 @@ class FourDConfig:
             return 1
         if self.virtual_stages is not None:
             return self.virtual_stages
-        return 2 if self.schedule in MULTI_STAGE_SCHEDULES else 1
+        return default_virtual_stages(self.schedule, self.pp)
 
     def resolve(self, world_size: int) -> ParallelDims:
         """Validate against the world size and return the degrees (pure).

@@ -7,6 +7,7 @@ their mesh. Gradient sync can be switched off for the non-stepping micro-steps o
 accumulation.
 
 Example:
+    >>> # not run: needs a process group
     >>> apply_data_parallel(model, mesh["dp"], blocks=list(model.layers), mode="fsdp")  # doctest: +SKIP
 """
 
@@ -16,8 +17,10 @@ from typing import Any, Iterable, Literal, Optional
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_4d import _compat
+from lightning_4d.precision import precision_info
 
 __all__ = ["DataParallelMode", "apply_data_parallel", "mixed_precision_policy", "set_gradient_sync", "wrap_mode"]
 
@@ -36,7 +39,8 @@ def wrap_mode(data_parallel: str, experts: bool = False) -> DataParallelMode:
 
 
 def mixed_precision_policy(precision: str) -> Optional[Any]:
-    """FSDP2 mixed-precision policy for a Lightning precision string (``None`` = full fp32).
+    """FSDP2 mixed-precision policy for a Lightning precision string (``None``: none; the table's
+    ``fsdp_param_dtype``, :data:`lightning_4d.precision.PRECISIONS`).
 
     Example:
         >>> mixed_precision_policy("32-true") is None
@@ -44,12 +48,13 @@ def mixed_precision_policy(precision: str) -> Optional[Any]:
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if precision in ("bf16-mixed",):
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    param_dtype = precision_info(precision).fsdp_param_dtype
+    if param_dtype is not None:
+        return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     return None
 
 
-def _wrap(module: nn.Module, mesh: Any, mode: str, mp_policy: Optional[Any], reshard: bool,
+def _wrap(module: nn.Module, mesh: DeviceMesh, mode: str, mp_policy: Optional[Any], reshard: bool,
           ignored: Optional[set] = None) -> None:
     ignored = {p for p in (ignored or set()) if any(p is q for q in module.parameters())} or None
     if mode == "fsdp":
@@ -65,7 +70,7 @@ def _wrap(module: nn.Module, mesh: Any, mode: str, mp_policy: Optional[Any], res
 
 def apply_data_parallel(
     root: nn.Module,
-    mesh: Any,
+    mesh: DeviceMesh,
     *,
     blocks: Iterable[nn.Module] = (),
     mode: str = "fsdp",
@@ -88,6 +93,7 @@ def apply_data_parallel(
     not followed at once by their backward).
 
     Example:
+        >>> # not run: needs a process group
         >>> apply_data_parallel(model, mesh["dp"], blocks=model.layers, mode="replicate")  # doctest: +SKIP
     """
     if mode not in ("fsdp", "replicate"):

@@ -13,6 +13,8 @@ from typing import Optional
 
 from torch import nn
 
+from lightning_4d.hooks import BLOCKS_PATH, hook_call
+
 __all__ = ["find_blocks", "top_level_modules", "num_params"]
 
 
@@ -62,7 +64,7 @@ def find_blocks(root: nn.Module, path: Optional[str] = None) -> tuple[str, nn.Mo
         raise ValueError(
             f"No repeated blocks (an nn.ModuleList or nn.ModuleDict of identical modules holding parameters) were "
             f"found in {type(root).__name__}. Keep the transformer blocks in a ModuleList, or implement "
-            f"`fourd_blocks_path(self) -> str` on your FourDModule to name them."
+            f"{hook_call(BLOCKS_PATH)} (returning the dotted path) on your FourDModule to name them."
         )
     return best
 

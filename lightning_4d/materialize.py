@@ -36,42 +36,19 @@ import hashlib
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Optional, Protocol, runtime_checkable
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_4d._compat import init_calls, to_empty_keeping_ties
+from lightning_4d._compat import init_calls, release_freed_host_memory, returnable_host_empty, to_empty_keeping_ties
 from lightning_4d._compat.dispatch import dispatch_mode_base
+from lightning_4d.hooks import WEIGHT_SOURCE, WeightSource, weight_source
 from lightning_4d.tensor_parallel.layouts import permutations_of
 
 __all__ = ["MaterializeReport", "UninitializedError", "WeightSource", "module_copy", "materialize_local_shards", "meta_skeleton", "is_meta_built",
            "local_slice", "read_local", "write_full"]
-
-
-@runtime_checkable
-class WeightSource(Protocol):
-    """Pretrained weights streamed into the local shards, one full tensor at a time. A module of the model that
-    has an attribute ``fourd_weight_source`` holding one (e.g. :meth:`lightning_4d.models.HFLogits.from_pretrained`
-    built on the meta device) gets its tensors from it instead of its initialisers; ``names()`` are the
-    tensor names relative to that module (``module.named_parameters()`` / ``named_buffers()`` names).
-
-    Example:
-        >>> class Zeros:
-        ...     def names(self): return ["weight"]
-        ...     def get(self, name): return torch.zeros(2, 2)
-        >>> isinstance(Zeros(), WeightSource)
-        True
-    """
-
-    def names(self) -> Iterable[str]:
-        """The tensor names this source provides."""
-        ...
-
-    def get(self, name: str) -> Tensor:
-        """The full tensor ``name`` in the module's own layout (read now; the caller frees it)."""
-        ...
 
 
 class UninitializedError(ValueError):
@@ -174,10 +151,37 @@ def local_slice(target: Tensor, full: Tensor, perm: Optional[tuple[list[int], in
         if perm_dim is not None:
             full = full.index_select(perm_dim, torch.tensor(perm[0], device=full.device))
         return distribute_tensor(full, target.device_mesh, list(target.placements), src_data_rank=None).to_local()
+    return _select(full, _selections(target, full.shape, perm, full.device))
+
+
+def _select(full: Tensor, selections: list[tuple[int, Tensor]]) -> Tensor:
+    """``full`` restricted to ``selections`` in turn; a contiguous block (a plain shard) is a view, not a copy."""
     local = full
-    for dim, index in _selections(target, full.shape, perm, full.device):
-        local = local.index_select(dim, index)
+    for dim, index in selections:
+        start = int(index[0]) if index.numel() else 0
+        if index.numel() and int(index[-1]) - start + 1 == index.numel() and bool((index.diff() == 1).all()):
+            local = local.narrow(dim, start, index.numel())
+        else:
+            local = local.index_select(dim, index)
     return local
+
+
+def _stacked_row(target: Tensor, perm: Optional[tuple[list[int], int]], index: int, full_shape: Any,
+                 device: torch.device) -> Optional[tuple[Optional[int], list[tuple[int, Tensor]]]]:
+    """Where slice ``index`` of a stacked tensor (experts stacked on dim 0 by the rewrite) lives in this rank's
+    local tensor, from per-dimension indices (never a whole-tensor index): ``(local row or None when another
+    rank holds it, the selections of the slice's own dimensions)``; ``None`` when the placements are not plain
+    shards (then :func:`_positions` is used)."""
+    if not _shards_only(target) or tuple(full_shape) != tuple(target.shape[1:]):
+        return None
+    selections = _selections(target, tuple(target.shape), perm, device)
+    rows = dict(selections).get(0)
+    if rows is None:
+        row: Optional[int] = index
+    else:
+        hits = (rows == index).nonzero()
+        row = int(hits[0, 0]) if hits.numel() else None
+    return row, [(dim - 1, idx) for dim, idx in selections if dim != 0]
 
 
 def _selections(target: Tensor, shape: Any, perm: Optional[tuple[list[int], int]],
@@ -266,6 +270,15 @@ def read_local(target: Tensor, full: Tensor, perm: Optional[tuple[list[int], int
             expected[dim] = idx.numel()
         _scatter(full, selections, local.reshape(expected))
         return
+    stacked = _stacked_row(target, perm, index, full.shape, full.device) if index is not None else None
+    if stacked is not None:
+        row, rest = stacked
+        if row is not None:
+            expected = list(full.shape)
+            for dim, idx in rest:
+                expected[dim] = idx.numel()
+            _scatter(full, rest, _local_of(target)[row].to(full.device, full.dtype).reshape(expected))
+        return
     local = _local_of(target).reshape(-1)
     positions = _positions(target, perm)
     if index is not None:
@@ -288,9 +301,17 @@ def write_full(target: Tensor, full: Tensor, perm: Optional[tuple[list[int], int
     """
     local = _local_of(target)
     if index is None:
-        local.copy_(local_slice(target, full.to(local.device, local.dtype), perm).view(local.shape))
+        part = local_slice(target, full.to(local.device, local.dtype), perm)
+        local.copy_(part if part.shape == local.shape else part.reshape(local.shape))
         return
-    # A slice of a stacked tensor: find which of this rank's elements come from row ``index``.
+    stacked = _stacked_row(target, perm, index, full.shape, local.device)
+    if stacked is not None:  # this rank's row of the stack (if any), sliced along the slice's own dimensions
+        row, rest = stacked
+        if row is not None:
+            part = _select(full.to(local.device, local.dtype), rest)
+            local[row].copy_(part if part.shape == local[row].shape else part.reshape(local[row].shape))
+        return
+    # Other placements (e.g. Partial): find which of this rank's elements come from row ``index``.
     per = full.numel()
     positions = _positions(target, perm)
     mask = (positions >= index * per) & (positions < (index + 1) * per)
@@ -479,6 +500,7 @@ class _Realiser:
         self.live: dict[int, tuple[Tensor, Tensor]] = {}  # entry id -> (full tensor, value in the slots), oldest first
         self.live_bytes = 0
         self.call_peak = 0
+        self.untrimmed = 0  # bytes of full tensors released since the heap was last trimmed
 
     def realise(self, key: int) -> Tensor:
         entry = self.entries[key]
@@ -488,7 +510,8 @@ class _Realiser:
                 if self.live_bytes + nbytes <= self.budget:
                     break
                 self.release(old)
-        full = torch.empty(entry.meta.shape, dtype=entry.meta.dtype, device=self.device)
+        full = returnable_host_empty(entry.meta.shape, entry.meta.dtype) if self.device.type == "cpu" \
+            else torch.empty(entry.meta.shape, dtype=entry.meta.dtype, device=self.device)
         _fill_unwritten(full)  # NaN / the smallest integer: tells an untouched tensor from a written one
         where = self.placed(entry) if entry.written else None
         if where is not None:
@@ -514,6 +537,12 @@ class _Realiser:
             dict.__setitem__(mod._parameters if is_param else mod._buffers, attr, entry.meta)
         if now is not None and not now.is_meta and (entry.written or _was_written(now, full)):
             self.write(entry, now.detach())
+        del now, full
+        if self.device.type == "cpu":  # the writes' transients left at the C heap's top, before the next big tensor
+            self.untrimmed += entry.meta.numel() * entry.meta.element_size()
+            if self.untrimmed >= _TRIM_EVERY_BYTES:
+                release_freed_host_memory()
+                self.untrimmed = 0
 
     def flush(self) -> None:
         while self.live:
@@ -588,17 +617,18 @@ def _run_calls(skeleton: nn.Module, entries: dict[int, _Entry], device: torch.de
             write(entry, entry.meta.detach())
 
 
+_TRIM_EVERY_BYTES = 8 << 20  # trim the C heap after this many bytes of full tensors were released (CPU only)
 _MIN_BUDGET = 0  # full tensors kept alive together during one initialiser call beyond the largest one
 
 
 def _weight_sources(skeleton: nn.Module) -> Iterator[tuple[str, WeightSource]]:
     """``(name prefix, source)`` of every ``fourd_weight_source`` in ``skeleton``."""
     for prefix, mod in skeleton.named_modules():
-        source = getattr(mod, "fourd_weight_source", None)
+        source = weight_source(mod)
         if source is None:
             continue
         if not isinstance(source, WeightSource):
-            raise TypeError(f"{prefix or type(mod).__name__}.fourd_weight_source must have names() and get(name); "
+            raise TypeError(f"{prefix or type(mod).__name__}.{WEIGHT_SOURCE} must have names() and get(name); "
                             f"got {type(source).__name__}.")
         yield (f"{prefix}." if prefix else ""), source
 
@@ -661,6 +691,8 @@ def _was_written(now: Tensor, full: Tensor) -> bool:
         return True  # the call assigned a new tensor
     if not now.numel() or now.dtype == torch.bool:
         return True  # nothing to tell apart: trust the call
-    if now.is_floating_point() or now.is_complex():
-        return not bool(torch.isnan(now).all())
-    return not bool((now == torch.iinfo(now.dtype).min).all())
+    flat = now.reshape(-1)
+    unwritten = (lambda part: torch.isnan(part).all()) if now.is_floating_point() or now.is_complex() \
+        else (lambda part: (part == torch.iinfo(now.dtype).min).all())
+    step = 1 << 20  # chunks: no whole-tensor mask; the first written chunk ends the scan
+    return not all(bool(unwritten(flat[i:i + step])) for i in range(0, flat.numel(), step))

@@ -1,7 +1,7 @@
 """Parallel degrees (pure validation) and the 4D device mesh.
 
 Rank order is ``(pp, dp, tp)`` with ``tp`` innermost (fastest varying), so a TP group stays
-inside one node's fast interconnect and pipeline stages span nodes, as in the seed's table.
+inside one node's fast interconnect and pipeline stages span nodes.
 Experts use a second view over the same ``dp × tp`` ranks of one stage: ``(pp, edp, ep)``
 with ``ep`` innermost ("MoE parallel folding").
 
@@ -195,6 +195,7 @@ class FourDMesh:
     """The dense mesh ``(pp, dp, tp)`` and the expert view ``(pp, edp, ep)`` over the same ranks.
 
     Example:
+        >>> # not run: needs a process group
         >>> mesh = build_mesh(ParallelDims.from_world(1), "cpu")  # doctest: +SKIP
         >>> mesh["tp"].size()  # doctest: +SKIP
         1
@@ -232,6 +233,7 @@ def build_mesh(
     """Build the dense and expert device meshes. Needs an initialised default process group.
 
     Example:
+        >>> # not run: needs a process group
         >>> mesh = build_mesh(ParallelDims.from_world(8, tp=2, pp=2, ep=2), "cpu")  # doctest: +SKIP
     """
     import torch

@@ -14,7 +14,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import Tensor
@@ -23,13 +23,16 @@ from lightning_4d import _compat
 from lightning_4d.loss import count_targets
 from lightning_4d.mesh import Axis
 
+if TYPE_CHECKING:
+    from lightning_4d.strategy import FourDStrategy
+
 __all__ = ["FourDModule"]
 
 _INPUT_KEYS = ("inputs", "input_ids", "tokens", "x")
 _TARGET_KEYS = ("targets", "labels", "y")
 
 
-def _last_stage_rank(strategy: Any) -> int:
+def _last_stage_rank(strategy: FourDStrategy) -> int:
     """The pp rank of the last pipeline stage, placed as the pipeline runner places it (``stage_to_rank``)."""
     from lightning_4d.pipeline.partition import stage_to_rank
     from lightning_4d.pipeline.schedules import get_schedule_info
@@ -114,7 +117,18 @@ class FourDModule:
         """The global-batch loss of ``batch`` (differentiable in training).
 
         Example:
-            >>> loss = module.fourd_loss((inputs, targets))  # doctest: +SKIP
+            >>> import lightning as L, torch.nn.functional as F
+            >>> class Net(FourDModule, L.LightningModule):
+            ...     def __init__(self):
+            ...         super().__init__()
+            ...         self.lin = torch.nn.Linear(4, 3)
+            ...     def forward(self, x):
+            ...         return self.lin(x)
+            ...     def loss_fn(self, out, y):
+            ...         return F.cross_entropy(out, y)
+            >>> net, x, y = Net(), torch.ones(2, 4), torch.tensor([0, 2])
+            >>> bool(net.fourd_loss((x, y)) == F.cross_entropy(net(x), y))  # no FourDStrategy: the plain loss
+            True
         """
         inputs, targets = self.split_batch(batch)
         strategy = self._fourd_strategy()
@@ -175,7 +189,7 @@ class FourDModule:
             return True
         return strategy.mesh.rank(Axis.PP) == _last_stage_rank(strategy)
 
-    def _check_metric_group(self, name: str, metric: Any, strategy: Any) -> None:
+    def _check_metric_group(self, name: str, metric: Any, strategy: FourDStrategy) -> None:
         import torch.distributed as dist
 
         if strategy.dims.world_size == strategy.dims.dp:
@@ -207,6 +221,7 @@ class FourDModule:
                 data-parallel group (e.g. ``process_group`` left at the world).
 
         Example:
+            >>> # not run: needs a Trainer
             >>> self.fourd_log_metric("val_acc", self.val_acc, prog_bar=True)  # doctest: +SKIP
             tensor(0.4375)
         """

@@ -4,6 +4,7 @@ The order follows TorchTitan: split into stages first (on full tensors), then te
 parallelism on each stage, then data parallelism around everything.
 
 Example:
+    >>> # not run: needs a process group
     >>> plan = parallelize_module(lightning_module, mesh, FourDConfig(tp=2), "32-true")  # doctest: +SKIP
 """
 
@@ -32,12 +33,12 @@ from lightning_4d.expert_parallel.parallel import (
 )
 from lightning_4d.expert_parallel.rewrite import find_moe_modules
 from lightning_4d.mesh import Axis, FourDMesh
-from lightning_4d.pipeline.glue import build_runner, prepare_pipeline, split_pipeline
+from lightning_4d.hooks import BLOCKS_PATH, TP_PLAN, user_hook
+from lightning_4d.pipeline.glue import build_runner, check_after_tensor_parallel, prepare_pipeline, split_pipeline
 from lightning_4d.pipeline.runner import PipelineRunner
 from lightning_4d.pipeline.schedules import get_schedule_info
 from lightning_4d.tensor_parallel import apply_tensor_parallel, plan_tensor_parallel
 from lightning_4d.trace import example_tokens, trace_model
-from lightning_4d.verify import check_tensor_parallel
 
 __all__ = ["LayoutRow", "ParallelPlan", "describe_layout", "parallelize_module", "reduce_tp_partial_grads"]
 
@@ -137,11 +138,6 @@ def check_tied_across_v_stages(module: nn.Module, blocks_path: str, schedule: st
         )
 
 
-def _hook(module: nn.Module, name: str) -> Any:
-    fn = getattr(module, name, None)
-    return fn if callable(fn) else None
-
-
 def parallelize_module(
     module: nn.Module, mesh: FourDMesh, config: FourDConfig, precision: str, accumulate: int = 1,
     device: Optional[torch.device] = None,
@@ -155,11 +151,12 @@ def parallelize_module(
     pipeline stages will run once materialised (default: where its parameters are).
 
     Example:
+        >>> # not run: needs a process group
         >>> parallelize_module(lm, mesh, FourDConfig(), "32-true").blocks_path  # doctest: +SKIP
         'model.layers'
     """
     dims = mesh.dims
-    path_hook = _hook(module, "fourd_blocks_path")
+    path_hook = user_hook(module, BLOCKS_PATH)
     blocks_path, container = find_blocks(module, path_hook() if path_hook else None)
     plan = ParallelPlan(blocks_path=blocks_path, blocks=_blocks_of(container))
 
@@ -184,14 +181,14 @@ def parallelize_module(
 
     if dims.tp > 1:
         apply_tensor_parallel(module, mesh, plan, plan_tensor_parallel(module, mesh, trace))
-        if dims.ep > 1 and callable(_hook(module, "fourd_tp_plan")):
+        if dims.ep > 1 and user_hook(module, TP_PLAN) is not None:
             # A user's plan must give the expert layers sequence shards; the automatic plan does by construction.
             # In-place experts get the routed tokens themselves; the package's MoE layer gets them (its experts not).
             names = [n if is_inplace_experts(module.get_submodule(n)) else n.rpartition(".")[0]
                      for n in plan.expert_modules]
             install_token_shard_check({n: module.get_submodule(n) for n in names}, mesh[Axis.TP].get_group())
         if not plan.expert_modules:
-            check_tensor_parallel(module, split, example, trace.output)
+            check_after_tensor_parallel(module, split, example, trace.output)
 
     parts = None
     if dims.pp > 1:
@@ -229,7 +226,7 @@ def parallelize_module(
                                 ignored_params=unwrapped_experts, reshard_after_forward=parts is None)
 
     if parts is not None:
-        plan.pipeline = build_runner(module, mesh, config, parts, device=device)
+        plan.pipeline = build_runner(module, mesh, config, parts, split, device=device)
         plan.pipeline_tied = list(parts.tied)
     return plan
 

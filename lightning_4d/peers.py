@@ -24,7 +24,7 @@ from typing import Callable, Optional, Sequence
 
 import torch.distributed as dist
 
-__all__ = ["Peer", "gather_peers", "describe_peer_failure", "is_comm_failure", "pid_alive"]
+__all__ = ["Peer", "gather_peers", "describe_peer_failure", "is_comm_failure", "pid_alive", "process_state"]
 
 _COMM_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe", "econnreset",
                  "timed out", "timeout", "nccl", "gloo", "socket", "connection refused", "closed by remote")
@@ -43,6 +43,7 @@ def gather_peers() -> list[Peer]:
     """Every rank's :class:`Peer` (a collective on the default group; ``[]`` without one).
 
     Example:
+        >>> # not run: needs a process group
         >>> gather_peers()  # doctest: +SKIP
         [Peer(rank=0, host='node-a', pid=4242), Peer(rank=1, host='node-a', pid=4243)]
     """
@@ -54,6 +55,21 @@ def gather_peers() -> list[Peer]:
     return [p for p in everyone if p is not None]
 
 
+def process_state(pid: int) -> Optional[str]:
+    """The state letter of process ``pid`` on this host from ``/proc`` (``R`` running, ``S`` sleeping, ``T``
+    stopped, ``t`` held by a debugger, ``Z`` exited but not reaped, ...); ``None`` if it is gone or unknown.
+
+    Example:
+        >>> process_state(os.getpid()) in ("R", "S")
+        True
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` on this host is running (a zombie — exited, not yet reaped — counts as gone)."""
     try:
@@ -62,11 +78,7 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return True
+    return process_state(pid) != "Z"
 
 
 def is_comm_failure(err: BaseException) -> bool:

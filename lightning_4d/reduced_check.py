@@ -18,12 +18,17 @@ sharded forward with the unsharded one on real values:
   depend on the model's initialisers); buffers (masks, rotary tables) from the model itself when it was built
   for real, else from its initialisers.
 
-Memory: the copy's embedding, head and ``pp · v`` blocks, before this rank's shards exist (so the set-up peak
-is the larger of the two, not their sum). What is checked at full size instead, on the meta device: the trace,
+Memory: the copy's embedding, head and ``pp · v`` blocks, unsharded, plus its rewritten copy, before this rank's
+shards exist (so the set-up peak is the larger of the two, not their sum). The copy runs only if that fits a
+budget (:func:`check_budget_bytes`: by default what materialisation needs anyway, this rank's share plus the
+largest tensor, at least 256 MiB), so the check never raises the set-up peak: a model whose blocks are too wide
+for it (``pp · v`` unsharded blocks of a 100 B+ model) is checked structurally only, with a warning saying so and
+how to force the value check (``FourDStrategy(reduced_check_budget=...)``). What is checked at full size instead, on the meta device: the trace,
 the block discovery, the pipeline split and every rewrite's structural rules (divisibility, head counts,
 tied weights, expert placement).
 
 Example:
+    >>> # not run: needs a process group
     >>> check_reduced_model(skeleton, mesh, FourDConfig(tp=2), "32-true")  # doctest: +SKIP
 """
 
@@ -39,17 +44,43 @@ from lightning_4d._compat import materialize_meta_module, meta_scalar_mode, to_e
 from lightning_4d.comm import internal_comm
 from lightning_4d.config import FourDConfig
 from lightning_4d.discovery import find_blocks
+from lightning_4d.hooks import BLOCKS_PATH, PIPELINE_PRE, PIPELINE_SPLIT, user_hook
 from lightning_4d.materialize import module_copy
 from lightning_4d.mesh import FourDMesh
 from lightning_4d.parallelize import parallelize_module
 from lightning_4d.trace import _opaque_moe_on_meta as opaque_moe_on_meta
 from lightning_4d.trace import example_tokens
 
-__all__ = ["block_signature", "check_reduced_model", "reduce_depth", "reduce_vocabulary", "perturb_"]
+__all__ = ["CHECK_FLOOR_BYTES", "block_signature", "check_budget_bytes", "check_reduced_model", "reduce_depth",
+           "reduce_vocabulary", "perturb_", "reduced_copy_bytes"]
 
 log = logging.getLogger(__name__)
 
 _SEED = 20240917  # the reduced copy's values: fixed, identical on every rank
+CHECK_FLOOR_BYTES = 256 << 20  # the reduced check may always use this much (small models: always checked)
+
+
+def check_budget_bytes(share_bytes: float, largest_bytes: float) -> float:
+    """Bytes the reduced check may hold by default: what materialisation holds anyway (this rank's share plus the
+    largest single tensor in full), at least :data:`CHECK_FLOOR_BYTES`; the one rule the runtime and the planner
+    (:mod:`lightning_4d.planner.setup_memory`) both use.
+
+    Example:
+        >>> check_budget_bytes(1e9, 5e8) == 1.5e9, check_budget_bytes(0, 0) == CHECK_FLOOR_BYTES
+        (True, True)
+    """
+    return max(float(CHECK_FLOOR_BYTES), share_bytes + largest_bytes)
+
+
+def reduced_copy_bytes(model_bytes: float) -> float:
+    """Bytes the check holds for a reduced copy of ``model_bytes`` (parameters and buffers): the unsharded copy
+    and its rewritten one.
+
+    Example:
+        >>> reduced_copy_bytes(100.0)
+        200.0
+    """
+    return 2.0 * model_bytes
 
 
 def block_signature(block: nn.Module, ignore: frozenset[str] = frozenset()) -> tuple[Any, ...]:
@@ -217,11 +248,14 @@ def _forward_runs(model: nn.Module, tp: int) -> bool:
 
 def check_reduced_model(skeleton: nn.Module, mesh: FourDMesh, config: FourDConfig, precision: str,
                         accumulate: int = 1, device: Optional[torch.device] = None,
-                        buffers: Optional[dict[str, torch.Tensor]] = None) -> Optional[str]:
+                        buffers: Optional[dict[str, torch.Tensor]] = None,
+                        budget_bytes: Optional[float] = None) -> Optional[str]:
     """Run the layout's rewrite and its value checks on a reduced, perturbed copy of ``skeleton`` (the unsharded
     model on the meta device; left unchanged). Collective over the world (every rank calls it). ``buffers``: the
     values of the model's buffers by name when it was built for real (else its initialisers make them).
     Returns a one-line description of what was checked, or ``None`` when nothing needed checking (no TP, no PP).
+    ``budget_bytes``: skip the value check (with a warning) when the reduced copy would hold more
+    (:func:`reduced_copy_bytes`); ``None``: no limit.
 
     Raises:
         ValueError: from the rewrite's checks, naming the module whose sharded forward differs.
@@ -231,11 +265,11 @@ def check_reduced_model(skeleton: nn.Module, mesh: FourDMesh, config: FourDConfi
         return None
     device = device or torch.device("cpu")
     clone = module_copy(skeleton)
-    path_hook = getattr(clone, "fourd_blocks_path", None)
-    blocks_path, container = find_blocks(clone, path_hook() if callable(path_hook) else None)
+    path_hook = user_hook(clone, BLOCKS_PATH)
+    blocks_path, container = find_blocks(clone, path_hook() if path_hook else None)
     depth = len(container)
     keep = max(1, dims.pp * dims.virtual_stages)
-    uses_hooks = any(callable(getattr(clone, h, None)) for h in ("configure_pipeline_split", "pipeline_pre_blocks"))
+    uses_hooks = any(user_hook(clone, h) for h in (PIPELINE_SPLIT, PIPELINE_PRE))
     kept = reduce_depth(clone, blocks_path, keep) if not uses_hooks else list(range(depth))
     vocab_rows = 16 * dims.tp
     trial = module_copy(clone)
@@ -246,6 +280,16 @@ def check_reduced_model(skeleton: nn.Module, mesh: FourDMesh, config: FourDConfi
         else:
             vocab = 0
     del trial
+    tensors = {id(t): t for t in [*clone.parameters(), *clone.buffers()]}.values()
+    need = reduced_copy_bytes(sum(t.numel() * t.element_size() for t in tensors))
+    if budget_bytes is not None and need > budget_bytes:
+        what = (f"rewrite checked structurally only (trace, block discovery, pipeline split, every rewrite's "
+                f"shape rules on the meta device): the value check on a reduced copy (blocks {kept} of {depth}) "
+                f"would hold {need / 2**20:.0f} MiB, over its budget of {budget_bytes / 2**20:.0f} MiB")
+        log.warning("lightning_4d: %s. To check values anyway, pass FourDStrategy(reduced_check_budget=<bytes>) "
+                    "with room for it, or run the same layout once on a model with the same block types and "
+                    "fewer layers.", what)
+        return what
     _fill(clone, device, buffers)
     with internal_comm():  # a set-up check, not the training step's communication
         parallelize_module(clone, mesh, config, precision, accumulate=accumulate)

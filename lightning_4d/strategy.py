@@ -3,12 +3,14 @@
 Example:
     >>> import lightning as L
     >>> from lightning_4d import FourDStrategy
+    >>> # not run: needs a Trainer
     >>> trainer = L.Trainer(strategy=FourDStrategy(tp=2), devices=4, accelerator="cpu")  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import shutil
 import sys
@@ -26,6 +28,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from typing_extensions import override
 
@@ -38,15 +41,19 @@ from lightning_4d.data_parallel import set_gradient_sync
 from lightning_4d.distributed import all_reduce_sum, broadcast_module_state, global_grad_norm, to_full
 from lightning_4d.expert_parallel import update_expert_bias
 from lightning_4d.expert_parallel.rewrite import source_names
+from lightning_4d.heartbeat import DEFAULT_TIMEOUT as DEFAULT_HEARTBEAT_TIMEOUT
 from lightning_4d.heartbeat import Heartbeat
+from lightning_4d.hooks import TP_PLAN, hook_call
 from lightning_4d.loss import check_inputs, check_targets, weighted_global_loss
 from lightning_4d.materialize import MaterializeReport, is_meta_built, materialize_local_shards, meta_skeleton
 from lightning_4d.mesh import Axis, FourDMesh, ParallelDims, build_mesh
 from lightning_4d.nonfinite import NONFINITE_MODES, NonFiniteError, SkipStep, check_step
-from lightning_4d.parallelize import LayoutRow, describe_layout, parallelize_module, reduce_tp_partial_grads
+from lightning_4d.parallelize import (
+    LayoutRow, ParallelPlan, describe_layout, parallelize_module, reduce_tp_partial_grads,
+)
 from lightning_4d.peers import describe_peer_failure, gather_peers
 from lightning_4d.pipeline.glue import pipeline_eval, pipeline_train_loss, sync_tied
-from lightning_4d.reduced_check import check_reduced_model
+from lightning_4d.reduced_check import check_budget_bytes, check_reduced_model
 from lightning_4d.preemption import DEFAULT_SIGNALS, PreemptionSaver, resolve_signals
 from lightning_4d.tensor_parallel.replicas import replica_mismatches
 
@@ -101,8 +108,14 @@ class FourDStrategy(ParallelStrategy):
             Lightning.
         preemption_requeue: after such a save under SLURM, run ``scontrol requeue`` (rank 0).
         heartbeat_timeout: a rank whose heartbeat (a thread, see :mod:`lightning_4d.heartbeat`) is silent this
-            long — stopped, frozen, deadlocked — ends the others with a message naming it, instead of the
-            process-group ``timeout``; ``None`` (default) disables; e.g. ``timedelta(seconds=60)``.
+            long — stopped (SIGSTOP), frozen, deadlocked holding the GIL — ends the run: every other rank prints
+            a line naming it (rank, pid, host) and exits with code 1, and a silent rank on the same host is
+            killed, instead of everyone waiting for the process-group ``timeout``. Default 60 s (a frozen rank
+            ends the run within about 80 s); ``None`` disables it (e.g. to pause a rank in a debugger).
+        reduced_check_budget: bytes the set-up value check on a reduced, perturbed copy of the model
+            (:mod:`lightning_4d.reduced_check`) may hold; over it, the rewrite is checked structurally only, with a
+            warning. ``None`` (default): what materialising this rank's shards holds anyway (the largest rank's
+            share plus the largest tensor, at least 256 MiB), so the check never raises the set-up peak.
 
     Example:
         >>> strategy = FourDStrategy(tp=2, pp=2, ep=2)
@@ -131,8 +144,9 @@ class FourDStrategy(ParallelStrategy):
         checkpoint_checksums: bool = True,
         preemption_signals: Optional[Sequence[Union[str, int]]] = DEFAULT_SIGNALS,
         preemption_requeue: bool = False,
-        heartbeat_timeout: Optional[timedelta] = None,
+        heartbeat_timeout: Optional[timedelta] = DEFAULT_HEARTBEAT_TIMEOUT,
         dp_shard: Optional[int] = None,
+        reduced_check_budget: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -146,6 +160,12 @@ class FourDStrategy(ParallelStrategy):
         self._timeout = timeout
         self._process_group_backend = process_group_backend
         self._sync_module_states = sync_module_states
+        if reduced_check_budget is not None and (isinstance(reduced_check_budget, bool)
+                                                 or not isinstance(reduced_check_budget, (int, float))
+                                                 or reduced_check_budget < 0):
+            raise ValueError(f"reduced_check_budget={reduced_check_budget!r} must be a number of bytes >= 0 (0: "
+                             f"never run the value check on a reduced copy) or None (automatic).")
+        self._reduced_check_budget = reduced_check_budget
 
         if nonfinite not in NONFINITE_MODES:
             raise ValueError(f"nonfinite={nonfinite!r} must be one of {', '.join(map(repr, NONFINITE_MODES))}.")
@@ -158,7 +178,7 @@ class FourDStrategy(ParallelStrategy):
         self.preemption = PreemptionSaver(signals, requeue=bool(preemption_requeue)) if signals else None
         self._num_nodes = 1
         self._mesh: Optional[FourDMesh] = None
-        self._plan: Any = None
+        self._plan: Optional[ParallelPlan] = None
         self._grads_stale = True
         self._replicas_checked = False  # replicated TP parameters are compared after the first step
         self._resume_loops: Optional[dict[str, Any]] = None
@@ -168,7 +188,7 @@ class FourDStrategy(ParallelStrategy):
             raise ValueError(f"heartbeat_timeout={heartbeat_timeout!r} must be a positive datetime.timedelta "
                              f"(e.g. timedelta(seconds=60)) or None to disable the heartbeat.")
         self._heartbeat_timeout = heartbeat_timeout
-        self._heartbeat: Any = None
+        self._heartbeat: Optional[Heartbeat] = None
         self._failed = False
         self.materialize_report: Optional[MaterializeReport] = None  # set when the model was built on meta
 
@@ -317,8 +337,10 @@ class FourDStrategy(ParallelStrategy):
         # a real one's full-size check compares initial weights, which symmetric values such as norms of ones
         # can fool). First, so its memory is gone before this rank's shards exist.
         check_reduced_model(skeleton, self.mesh, self.config, self.precision_plugin.precision,
-                            accumulate=trainer.accumulate_grad_batches, device=self.root_device, buffers=buffers)
+                            accumulate=trainer.accumulate_grad_batches, device=self.root_device, buffers=buffers,
+                            budget_bytes=self._check_budget(skeleton, meta))
         del buffers
+        gc.collect()  # the reduced copy's rewrite leaves reference cycles (hooks, closures) holding its tensors
         if self.root_device.type == "cpu":
             _compat.release_freed_host_memory()  # the reduced copy's memory, before the shards are allocated
         if meta:
@@ -327,6 +349,7 @@ class FourDStrategy(ParallelStrategy):
                                               sync_module_states=self._sync_module_states,
                                               source_names=source_names(self.model))
             del skeleton
+            gc.collect()
             if self.root_device.type == "cpu":
                 _compat.release_freed_host_memory()  # the freed full tensors of the initialisation
             self.materialize_report = report
@@ -335,6 +358,24 @@ class FourDStrategy(ParallelStrategy):
                      report.largest_call, report.largest_call_bytes / 2**20,
                      "; random states differed: rank 0's were used" if report.broadcast else "")
         return plan
+
+    def _check_budget(self, skeleton: torch.nn.Module, meta: bool) -> float:
+        """Bytes the reduced check may hold, the same on every rank: the option, else what set-up holds anyway —
+        for a meta-built model the largest rank's share (one all-reduce of a number) plus the largest tensor, for
+        one built for real the whole model (every rank held it)."""
+        if self._reduced_check_budget is not None:
+            return float(self._reduced_check_budget)
+        tensors = {id(t): t for t in [*skeleton.parameters(), *skeleton.buffers()]}.values()
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        if not meta:
+            return check_budget_bytes(float(sum(sizes)), 0.0)
+        local = {id(t): t for t in [*self.model.parameters(), *self.model.buffers()]}.values()
+        share = torch.tensor(float(sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size()
+                                       for t in local)), dtype=torch.float64, device=self.root_device)
+        if dist.is_initialized() and self.world_size > 1:
+            with internal_comm():
+                dist.all_reduce(share, op=dist.ReduceOp.MAX)
+        return check_budget_bytes(float(share), float(max(sizes, default=0)))
 
     def _start_heartbeat(self) -> None:
         if self._heartbeat is not None:
@@ -369,7 +410,7 @@ class FourDStrategy(ParallelStrategy):
                 rank_zero_warn("FourDStrategy: not in the main thread, so preemption signals are not caught.")
 
     @property
-    def plan(self) -> Any:
+    def plan(self) -> Optional[ParallelPlan]:
         """What was applied to the model (set in ``setup``)."""
         return self._plan
 
@@ -378,6 +419,7 @@ class FourDStrategy(ParallelStrategy):
         ``DEBUG`` during set-up.
 
         Example:
+            >>> # not run: needs a Trainer
             >>> print(*trainer.strategy.layout()[:1])  # doctest: +SKIP
             model.layers.0.attention.wk.weight [16, 32] -> [4, 32] [dp:StridedShard(0), tp:S(0)]
         """
@@ -429,7 +471,7 @@ class FourDStrategy(ParallelStrategy):
                 f"After the first optimizer step these parameters differ across the {self.dims.tp} tensor-parallel "
                 f"ranks although each rank holds them whole: {', '.join(bad[:8])}{' …' if len(bad) > 8 else ''}. "
                 f"They see sharded activations whose gradients were not summed, so training would go on wrong. "
-                f"Implement `fourd_tp_plan(self, tp_mesh, sequence_parallel)` to shard them, or use tp=1."
+                f"Implement {hook_call(TP_PLAN)} to shard them, or use tp=1."
             )
 
     def _reduce_tp_partial_grads(self) -> None:
@@ -493,6 +535,7 @@ class FourDStrategy(ParallelStrategy):
         """The global-batch loss for the mixin's steps (see :mod:`lightning_4d.loss`).
 
         Example:
+            >>> # not run: needs a Trainer
             >>> loss = trainer.strategy.compute_loss(module, inputs, targets)  # doctest: +SKIP
         """
         check_inputs(inputs, self._plan.input_shape if self._plan is not None else None)
@@ -544,6 +587,7 @@ class FourDStrategy(ParallelStrategy):
         """Clip gradients by the global norm across every tp / pp / ep / dp shard.
 
         Example:
+            >>> # not run: needs a Trainer
             >>> trainer.strategy.clip_grad_norm_(model.parameters(), 1.0)  # doctest: +SKIP
         """
         params = [p for p in parameters if p.grad is not None]

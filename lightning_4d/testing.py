@@ -10,6 +10,7 @@ Example:
     >>> def fn(rank):
     ...     import torch.distributed as dist
     ...     return dist.get_world_size()
+    >>> # not run: needs a process group (spawns one process per rank)
     >>> run_world(fn, 2)  # doctest: +SKIP
     [2, 2]
 """
@@ -103,6 +104,7 @@ def run_world(
             per-rank result dicts ``{"ok", "value" | "error", "traceback"}``.
 
     Example:
+        >>> # not run: needs a process group (spawns one process per rank)
         >>> run_world(my_check, 4, "layout-a")  # doctest: +SKIP
     """
     import multiprocessing as mp

@@ -38,6 +38,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_4d._compat import child_modules, registered_submodule
+from lightning_4d.head_bias import ArgKey, ScoreBiases
+from lightning_4d.hooks import PIPELINE_HOOKS, PIPELINE_POST, PIPELINE_PRE, PIPELINE_SPLIT, hook_call
+from lightning_4d.layer_kinds import holds_routed_experts, is_linear, is_norm
 
 __all__ = ["ColumnLayout", "Consumer", "HiddenArg", "ModelTrace", "trace_model", "example_tokens", "first_param_name",
            "SPLIT_OPS"]
@@ -106,6 +109,8 @@ class ModelTrace:
         input_ndim: for every module inside the first block, the number of dimensions of its main input.
         columns: for each linear inside the first block, how the model cuts and reshapes its output features
             (:class:`ColumnLayout`: ``split`` / slices along the features, per-head ``view`` widths).
+        score_biases: for modules inside the first block, the tensor arguments added to attention scores along the
+            heads (ALiBi; :mod:`lightning_4d.head_bias`): ``{module: {argument: (shape, batch)}}``.
         output: the model's output.
     """
 
@@ -123,6 +128,7 @@ class ModelTrace:
     module_sources: dict[str, frozenset[str]] = field(default_factory=dict)
     input_ndim: dict[str, int] = field(default_factory=dict)
     columns: dict[str, "ColumnLayout"] = field(default_factory=dict)
+    score_biases: dict[str, dict[ArgKey, tuple[tuple[int, ...], int]]] = field(default_factory=dict)
     output: Any = None
 
     @property
@@ -147,7 +153,8 @@ class ModelTrace:
 
 
 def example_tokens(module: nn.Module, tp: int = 1) -> torch.Tensor:
-    """Tiny token ids valid for every ``nn.Embedding`` of ``module`` (``example_input_array`` wins).
+    """Tiny token ids valid for every ``nn.Embedding`` of ``module`` (``example_input_array`` wins): the package's
+    one example input (the trace, the reduced check and the pipeline's sequential check use it).
 
     Example:
         >>> example_tokens(nn.Sequential(nn.Embedding(5, 2))).shape
@@ -176,18 +183,6 @@ def first_param_name(module: nn.Module) -> Optional[str]:
         return None
     named = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     return named[0].name if named else None
-
-
-def _is_norm(module: nn.Module) -> bool:
-    from lightning_4d.tensor_parallel.plan import is_norm
-
-    return is_norm(module)
-
-
-def _is_linear(module: nn.Module) -> bool:
-    from lightning_4d.tensor_parallel.styles import is_linear
-
-    return is_linear(module)
 
 
 _INSPECTIONS = ("__get__", "size", "dim", "numel", "__len__", "is_floating_point", "__format__", "__repr__")
@@ -438,6 +433,7 @@ class _Consumers(TorchFunctionMode):
         self.seen: dict[str, Consumer] = {}
         self.origin: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}  # id -> (tensor kept alive, linears)
         self.columns = _Columns()
+        self.biases = ScoreBiases()
 
     def origin_of(self, value: Any) -> frozenset[str]:
         """The linears ``value`` (a tensor, or a nest of them) derives from."""
@@ -468,6 +464,8 @@ class _Consumers(TorchFunctionMode):
             origin = self.origin_of((args, kwargs))
             if origin:
                 self.tag(out, origin | self.origin_of(out))  # in-place ops keep what the target had
+        if name not in _INSPECTIONS:
+            self.biases.follow(name, args, kwargs, out, lambda t: bool(self.origin_of(t)))
         return out
 
 
@@ -519,20 +517,21 @@ def trace_model(root: nn.Module, blocks_path: str, example: Any) -> ModelTrace:
             if isinstance(main, torch.Tensor):
                 parent_inputs.setdefault(rel, id(main))
                 trace.input_ndim.setdefault(rel, main.dim())
-                if _is_linear(mod):
+                if is_linear(mod):
                     inputs.setdefault(rel, id(main))
                     trace.sources.setdefault(rel, mode.origin_of(main))
                 else:
                     trace.module_sources.setdefault(rel, mode.origin_of(main))
                     module_inputs[id(mod)] = main
+                mode.biases.label_call(rel, args, kwargs, main)
 
     def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         main = module_inputs.pop(id(mod), None)
-        if main is not None and isinstance(out, torch.Tensor) and out.shape == main.shape and _is_norm(mod):
+        if main is not None and isinstance(out, torch.Tensor) and out.shape == main.shape and is_norm(mod):
             mode.columns.same(main, out)  # a norm keeps the features where they are
         if id(mod) in block_ids:
             block_calls.append((block_ids[id(mod)], args, kwargs, out))
-        if id(mod) in in_first and len(block_calls) == 0 and _is_linear(mod) and isinstance(out, torch.Tensor):
+        if id(mod) in in_first and len(block_calls) == 0 and is_linear(mod) and isinstance(out, torch.Tensor):
             rel = in_first[id(mod)]
             mode.watch[id(out)] = (rel, out)
             mode.tag(out, frozenset({rel}))
@@ -559,6 +558,7 @@ def trace_model(root: nn.Module, blocks_path: str, example: Any) -> ModelTrace:
         root.train(was_training)
     trace.consumers = dict(mode.seen)
     trace.columns = dict(mode.columns.layouts)
+    trace.score_biases = dict(mode.biases.found)
     trace.last_linear = last_linear
     for rel, tid in inputs.items():
         parent = rel.rpartition(".")[0]
@@ -572,11 +572,9 @@ def trace_model(root: nn.Module, blocks_path: str, example: Any) -> ModelTrace:
 def _opaque_moe_on_meta(root: nn.Module) -> list[nn.Module]:
     """On the meta device (a planner dry run) routing has no data: MoE layers pass their input through
     during the trace (their structure is not needed; shapes are kept)."""
-    from lightning_4d.tensor_parallel.plan import is_moe
-
     if not any(p.is_meta for p in root.parameters()):
         return []
-    layers = [m for m in root.modules() if is_moe(m) and any(True for _ in m.parameters())]
+    layers = [m for m in root.modules() if holds_routed_experts(m) and any(True for _ in m.parameters())]
     for mod in layers:
         mod.forward = lambda x, *args, **kwargs: x  # (B, T, H) -> (B, T, H)
     return layers
@@ -589,7 +587,7 @@ def _analyse_blocks(trace: ModelTrace, root: nn.Module, blocks: dict[str, nn.Mod
         raise ValueError(
             f"{cls}: the blocks of {trace.blocks_path} ran in the order {list(keys)} during one forward; pipeline "
             f"and sequence parallelism need each block called once, in order ({list(blocks)}). Implement "
-            f"`configure_pipeline_split(self)` / `pipeline_pre_blocks(self, inputs)` / `pipeline_post_blocks(self, h)`."
+            f"{' / '.join(hook_call(h) for h in PIPELINE_HOOKS)}."
         )
     trace.block_order = keys
     _, args0, kwargs0, out0 = calls[0]
@@ -609,7 +607,7 @@ def _analyse_blocks(trace: ModelTrace, root: nn.Module, blocks: dict[str, nn.Mod
         raise ValueError(
             f"{cls}: block {trace.blocks_path}.{keys[min(1, len(keys) - 1)]} does not receive the previous block's "
             f"output as an argument, so the hidden state cannot be followed from block to block. Implement "
-            f"`configure_pipeline_split(self)` with `pipeline_pre_blocks(self, inputs)` / `pipeline_post_blocks(self, h)`."
+            f"{hook_call(PIPELINE_SPLIT)} with {hook_call(PIPELINE_PRE)} / {hook_call(PIPELINE_POST)}."
         )
     trace.hidden = HiddenArg(position=position, keyword=keyword, tuple_out=tuple_out)
 

@@ -1,7 +1,7 @@
 """Plan a lightning_4d training run without any GPU: memory per rank, bytes per collective and mesh axis,
 pipeline bubble, step time and MFU — and a dry run of the real rewriting on a fake process group.
 
-    python recipes/plan.py model=moe_1t parallel=moe_1t                  # the seed's 1T MoE, 64 × 8 H100
+    python recipes/plan.py model=moe_1t parallel=moe_1t                  # the reference 1T MoE, 64 × 8 H100
     python recipes/plan.py model=moe_1t parallel=moe_1t plan.device=H200 plan.search=true
     python recipes/plan.py model=llama3_8b parallel=tp plan.nodes=2      # dp=auto fills 2 × 8 GPUs
     python recipes/plan.py model=tiny_moe parallel=cpu_4d plan.trace_ranks=[0,5]

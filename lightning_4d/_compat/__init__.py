@@ -70,6 +70,7 @@ from lightning_4d._compat.modules import (  # noqa: E402
     materialize_meta_module,
     registered_submodule,
     release_freed_host_memory,
+    returnable_host_empty,
     replace_batch_sampler,
     swapped_parameters,
     to_empty_keeping_ties,

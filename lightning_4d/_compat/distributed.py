@@ -58,6 +58,7 @@ def flatten_mesh(mesh: Any, dims: tuple[str, ...], name: str, backend_override: 
     the private ``DeviceMesh._flatten`` (torch has no public flatten yet).
 
     Example:
+        >>> # not run: needs a process group
         >>> flatten_mesh(mesh, ("dp_replicate", "dp_shard"), "dp")  # doctest: +SKIP
     """
     kwargs = {"backend_override": backend_override} if backend_override is not None else {}

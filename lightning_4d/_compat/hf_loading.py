@@ -73,6 +73,7 @@ def convert_group(template: Any, target: str, sources: list[tuple[str, str, Call
     one-to-many converter). ``model`` needs ``get_parameter(name)`` only (for shape-dependent splits).
 
     Example:
+        >>> # not run: needs files (a checkpoint's tensors, a transformers converter)
         >>> convert_group(converter, "model.layers.0.mlp.experts.down_proj", sources, shim, cfg)  # doctest: +SKIP
     """
     converter = copy.deepcopy(template)

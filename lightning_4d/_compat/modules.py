@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
-__all__ = ["InitCall", "callable_without_arguments", "release_freed_host_memory", "child_modules", "init_calls", "to_empty_keeping_ties", "is_loss_module",
+__all__ = ["InitCall", "callable_without_arguments", "release_freed_host_memory", "returnable_host_empty", "child_modules", "init_calls", "to_empty_keeping_ties", "is_loss_module",
            "materialize_meta_module", "registered_submodule",
            "replace_batch_sampler", "swapped_parameters"]
 
@@ -210,6 +210,31 @@ def init_calls(root: nn.Module) -> list[InitCall]:
         else:
             calls.append(InitCall(init, sub, True, f"{name or type(sub).__name__}.init_weights()"))
     return calls
+
+
+_RETURNABLE_MIN_BYTES = 1 << 20  # below this, the heap's reuse is cheaper than a mapping of its own
+
+
+def returnable_host_empty(shape: "tuple[int, ...] | torch.Size", dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor whose memory goes back to the operating system the moment it is freed: large
+    ones get an anonymous memory mapping of their own (Python's ``mmap``, wrapped by ``torch.frombuffer``) instead
+    of a block of the C heap, which glibc keeps resident after a free once its adaptive ``mmap`` threshold has
+    grown (so a sequence of transient full tensors at set-up would leave the process's resident memory at their
+    sum). Small ones (< 1 MiB) come from ``torch.empty``.
+
+    Example:
+        >>> t = returnable_host_empty((1024, 512), torch.float32)
+        >>> t.shape, t.dtype
+        (torch.Size([1024, 512]), torch.float32)
+    """
+    import math
+    import mmap
+
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes < _RETURNABLE_MIN_BYTES:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=numel).view(shape)  # keeps the map alive
 
 
 def release_freed_host_memory() -> bool:

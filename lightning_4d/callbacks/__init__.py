@@ -16,6 +16,7 @@ rank (one packed all-gather per recorded step, not one ``sync_dist`` reduction p
 Example:
     >>> from lightning_4d.callbacks import CommunicationMonitor, ExpertLoadMonitor
     >>> callbacks = [CommunicationMonitor(), ExpertLoadMonitor()]
+    >>> # not run: needs a Trainer
     >>> trainer = L.Trainer(strategy=FourDStrategy(tp=2, ep=2), callbacks=callbacks)  # doctest: +SKIP
 """
 

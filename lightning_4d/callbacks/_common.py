@@ -26,6 +26,10 @@ from lightning_4d.comm import internal_comm, is_internal_comm
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+    from lightning_4d.config import FourDConfig
+    from lightning_4d.mesh import FourDMesh
+    from lightning_4d.parallelize import ParallelPlan
+
 __all__ = [
     "RunContext",
     "every_n",
@@ -67,9 +71,9 @@ class RunContext:
         dp: ranks that see different samples (``dims.dp`` under ``FourDStrategy``, else the world).
     """
 
-    mesh: Any
-    plan: Any
-    config: Any
+    mesh: Optional[FourDMesh]
+    plan: Optional[ParallelPlan]
+    config: Optional[FourDConfig]
     world_size: int
     rank: int
     dp: int
@@ -79,6 +83,7 @@ class RunContext:
         """Read the context from ``trainer.strategy`` (any strategy; the 4D parts from ``FourDStrategy``).
 
         Example:
+            >>> # not run: needs a Trainer
             >>> RunContext.from_trainer(trainer).dp  # doctest: +SKIP
             2
         """
@@ -146,6 +151,7 @@ def log_metrics(pl_module: "pl.LightningModule", metrics: Mapping[str, float]) -
     ``trainer.callback_metrics`` with or without a logger.
 
     Example:
+        >>> # not run: needs a Trainer
         >>> log_metrics(pl_module, {"comm/tp/all_reduce_count": 10.0})  # doctest: +SKIP
     """
     if not metrics:
@@ -172,8 +178,8 @@ def new_figure(**kwargs: Any) -> Any:
     ``None`` (warned once) when matplotlib is missing.
 
     Example:
-        >>> fig = new_figure(figsize=(4, 2))  # doctest: +SKIP
-        >>> fig.savefig("out.png")  # doctest: +SKIP
+        >>> new_figure(figsize=(4, 2)).get_size_inches().tolist()  # then fig.savefig("out.png")
+        [4.0, 2.0]
     """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg

@@ -24,6 +24,7 @@ used only through :mod:`lightning_4d._compat`.
 
 Example:
     >>> from lightning_4d.callbacks import CommunicationMonitor
+    >>> # not run: needs a Trainer
     >>> trainer = L.Trainer(strategy=FourDStrategy(tp=2), callbacks=[CommunicationMonitor()])  # doctest: +SKIP
     >>> trainer.fit(model, data)  # doctest: +SKIP
     >>> trainer.callback_metrics["comm/tp/all_reduce_count"]  # doctest: +SKIP
@@ -42,7 +43,8 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_4d import _compat
-from lightning_4d.comm import CommCounter, CommRecord
+from lightning_4d.comm import AXIS_ORDER, CommCounter, CommRecord, mesh_axis_groups
+from lightning_4d.precision import PRECISION_NAMES, precision_info
 from lightning_4d.callbacks._common import (
     RunContext,
     every_n,
@@ -55,49 +57,20 @@ from lightning_4d.callbacks._common import (
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["AXES", "KINDS", "CommEvent", "CommRecorder", "CommunicationMonitor", "axis_groups", "analytic_comm_bytes"]
+__all__ = ["AXES", "KINDS", "CommEvent", "CommRecorder", "CommunicationMonitor", "analytic_comm_bytes"]
 
-AXES = ("tp", "dp", "pp", "ep", "edp", "world", "other")
+AXES = AXIS_ORDER + ("world", "other")  # every name :func:`lightning_4d.comm.axis_of_group` gives
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "recv", "broadcast")
 
 CommEvent = CommRecord  # one collective seen by :class:`CommRecorder` (the package's one record type)
-
-
-def axis_groups(mesh: Any) -> dict[Any, tuple[str, ...]]:
-    """Mesh axes per process group, keyed by group name and by the tuple of its global ranks (several
-    axes when they span the same ranks, e.g. ``tp`` and ``ep`` folded onto one node).
-
-    Matching by ranks too keeps the attribution right when torch hands DTensor an equal group under
-    another name (``DeviceMesh`` caches sub-meshes of equal meshes, e.g. across Trainers in one process).
-
-    Example:
-        >>> axis_groups(None)
-        {}
-    """
-    import torch.distributed as dist
-
-    out: dict[Any, list[str]] = defaultdict(list)
-    if mesh is None:
-        return {}
-    for axis in ("tp", "dp", "pp", "ep", "edp"):
-        try:
-            sub = mesh[axis]
-            if sub.size() == 1:
-                continue
-            group = sub.get_group()
-            out[group.group_name].append(axis)
-            out[tuple(dist.get_process_group_ranks(group))].append(axis)
-        except Exception:  # noqa: BLE001 - an axis of size 1 may have no group
-            continue
-    return {k: tuple(v) for k, v in out.items()}
 
 
 class CommRecorder(CommCounter):
     """:class:`lightning_4d.comm.CommCounter` naming axes by mesh group and timing each call and its wait.
 
     Args:
-        groups: process-group name or ranks → mesh axes (:func:`axis_groups`); other groups are
-            ``"world"`` (the default group) or ``"other"``; all-to-alls prefer ``ep`` / ``edp`` when groups coincide.
+        groups: process-group name or ranks → mesh axes (:func:`lightning_4d.comm.mesh_axis_groups`), named by
+            the package's one namer (:func:`lightning_4d.comm.axis_of_group`).
         sync_cuda: synchronise the device at the end of each timed call / wait (device-inclusive times).
 
     Collectives issued inside :func:`~lightning_4d.callbacks._common.internal_comm` (the monitors' own
@@ -111,12 +84,10 @@ class CommRecorder(CommCounter):
     """
 
     def __init__(self, groups: Optional[Mapping[Any, tuple[str, ...]]] = None, sync_cuda: bool = False) -> None:
-        super().__init__()
-        self.groups = dict(groups or {})
+        super().__init__(groups)
         self.sync_cuda = sync_cuda
         self._pending_works: dict[int, tuple[CommRecord, Any]] = {}
         self._pending_tensors: dict[int, tuple[CommRecord, torch.Tensor]] = {}
-        self._axes: dict[tuple[str, str], str] = {}
         self._patch: Optional[contextlib.AbstractContextManager] = None
 
     # -- context ---------------------------------------------------------------------------------
@@ -152,36 +123,6 @@ class CommRecorder(CommCounter):
 
     def skip(self) -> bool:
         return is_internal_comm()
-
-    def axis(self, pg: Any, kind: str) -> tuple[str, int]:
-        if pg is None:
-            return "other", 1
-        key = (pg.group_name, kind)
-        if key not in self._axes:
-            self._axes[key] = self._name(pg, kind)
-        return self._axes[key], int(pg.size())
-
-    def _name(self, pg: Any, kind: str) -> str:
-        import torch.distributed as dist
-
-        axes = self.groups.get(pg.group_name)
-        if not axes:
-            try:
-                axes = self.groups.get(tuple(dist.get_process_group_ranks(pg)))
-            except Exception:  # noqa: BLE001
-                axes = None
-        if axes:
-            if kind == "all_to_all":  # expert traffic: prefer the expert axes when groups coincide
-                for preferred in ("ep", "edp"):
-                    if preferred in axes:
-                        return preferred
-            return axes[0]
-        try:
-            if dist.is_initialized() and pg.group_name == dist.group.WORLD.group_name:
-                return "world"
-        except Exception:  # noqa: BLE001
-            pass
-        return "other"
 
     def issued(self, record: CommRecord, namespace: str, out: Any) -> None:
         if namespace == "c10d":
@@ -244,14 +185,15 @@ def analytic_comm_bytes(
     the precision is not modelled or there is no 4D mesh.
 
     Example:
-        >>> analytic_comm_bytes(module, RunContext(None, None, None, 1, 0, 1), 4, 16, "32-true")  # doctest: +SKIP
+        >>> analytic_comm_bytes(torch.nn.Linear(2, 2), RunContext(None, None, None, 1, 0, 1), 4, 16, "32-true")
         {}
     """
     if ctx.mesh is None or ctx.config is None:
         return {}
-    precision = {"32": "32-true", "32-true": "32-true", "bf16-mixed": "bf16-mixed"}.get(str(precision))
-    if precision is None:
-        return {}
+    known = precision_info(precision) if str(precision) in PRECISION_NAMES else None
+    if known is None or not known.modelled_exactly:
+        return {}  # the planner's formulas do not hold for it
+    precision = known.name
     spec = _find_spec(pl_module, seq_len)
     if spec is None:
         return {}
@@ -308,6 +250,7 @@ class CommunicationMonitor(Callback):
 
     Example:
         >>> monitor = CommunicationMonitor(every_n_steps=1)
+        >>> # not run: needs a Trainer
         >>> trainer = L.Trainer(strategy=FourDStrategy(tp=2, ep=2), callbacks=[monitor])  # doctest: +SKIP
         >>> trainer.fit(lm, data)  # doctest: +SKIP
         >>> float(trainer.callback_metrics["comm/ep/all_to_all_bytes"])  # doctest: +SKIP
@@ -339,7 +282,7 @@ class CommunicationMonitor(Callback):
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         self._ctx = RunContext.from_trainer(trainer)
-        self._groups = axis_groups(self._ctx.mesh)
+        self._groups = mesh_axis_groups(self._ctx.mesh)
         self._every = resolve_every_n(self.every_n_steps, trainer)
 
     def _stop(self) -> Optional[CommRecorder]:

@@ -79,6 +79,7 @@ def plot_expert_heatmap(tokens: torch.Tensor, layers: Sequence[str], path: str, 
     ``None`` without matplotlib.
 
     Example:
+        >>> # not run: needs files (writes a PNG)
         >>> plot_expert_heatmap(torch.ones(2, 4), ["layer0", "layer1"], "experts.png")  # doctest: +SKIP
         'experts.png'
     """
@@ -138,6 +139,7 @@ class ExpertLoadMonitor(Callback):
 
     Example:
         >>> monitor = ExpertLoadMonitor(every_n_steps=1)
+        >>> # not run: needs a Trainer
         >>> trainer = L.Trainer(strategy=FourDStrategy(ep=2), callbacks=[monitor])  # doctest: +SKIP
         >>> trainer.fit(moe_lm, data)  # doctest: +SKIP
         >>> float(trainer.callback_metrics["moe/layer0/imbalance"])  # doctest: +SKIP

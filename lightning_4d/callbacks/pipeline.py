@@ -49,6 +49,8 @@ from lightning_4d.pipeline.instrument import COMPUTE_KINDS, PipelineEvent, Pipel
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+    from lightning_4d.pipeline.runner import PipelineRunner
+
 __all__ = ["BubbleStats", "PipelineBubbleMonitor", "bubble_stats", "chrome_trace", "idle_intervals",
            "plot_timeline", "write_trace"]
 
@@ -166,6 +168,7 @@ def write_trace(events: Sequence[PipelineEvent], path: str, makespan: Makespan =
     """Write :func:`chrome_trace` as JSON to ``path`` (directories created); returns ``path``.
 
     Example:
+        >>> # not run: needs files (writes a trace)
         >>> write_trace(events, "trace.json")  # doctest: +SKIP
         'trace.json'
     """
@@ -180,6 +183,7 @@ def plot_timeline(events: Sequence[PipelineEvent], path: str, title: str = "") -
     (I / W lighter), idle blank, micro-batch numbers on wide bars. ``None`` without matplotlib.
 
     Example:
+        >>> # not run: needs files (writes a PNG)
         >>> plot_timeline(events, "timeline.png", "1F1B p=4 m=8")  # doctest: +SKIP
         'timeline.png'
     """
@@ -293,6 +297,7 @@ class PipelineBubbleMonitor(Callback):
 
     Example:
         >>> monitor = PipelineBubbleMonitor(every_n_steps=10, trace_every_n_steps=100)
+        >>> # not run: needs a Trainer
         >>> trainer = L.Trainer(strategy=FourDStrategy(pp=4, microbatches=8), callbacks=[monitor])  # doctest: +SKIP
         >>> trainer.fit(lm, data)  # doctest: +SKIP
         >>> float(trainer.callback_metrics["pp/bubble_fraction"])  # doctest: +SKIP
@@ -316,7 +321,7 @@ class PipelineBubbleMonitor(Callback):
         self.last: Optional[BubbleStats] = None
         self.written: list[str] = []
         self.instrument: Optional[PipelineInstrument] = None
-        self._runner: Any = None
+        self._runner: Optional[PipelineRunner] = None
         self._ctx: Optional[RunContext] = None
         self._every = 1
         self._mode: Makespan = "global"
@@ -355,7 +360,7 @@ class PipelineBubbleMonitor(Callback):
             return
         self.attach(runner)
 
-    def attach(self, runner: Any) -> None:
+    def attach(self, runner: PipelineRunner) -> None:
         """Instrument a :class:`~lightning_4d.pipeline.runner.PipelineRunner` (done in ``on_train_start``)."""
         self.detach()
         self._runner = runner
@@ -408,6 +413,7 @@ class PipelineBubbleMonitor(Callback):
         """Aggregate this rank's events of one step over all ranks and log the metrics (collective).
 
         Example:
+            >>> # not run: needs a Trainer
             >>> monitor.record(pl_module, instrument.events)  # doctest: +SKIP
         """
         runner, ctx = self._runner, self._ctx

@@ -34,6 +34,7 @@ class FourDModelSummary(ModelSummary):
         **summarize_kwargs: passed to the table printer.
 
     Example:
+        >>> # not run: needs a Trainer
         >>> trainer = L.Trainer(strategy=FourDStrategy(pp=2), callbacks=[FourDModelSummary()])  # doctest: +SKIP
     """
 
@@ -72,6 +73,7 @@ def use_whole_model_summary(trainer: "pl.Trainer") -> None:
     with the same depth; a user's subclass is left alone.
 
     Example:
+        >>> # not run: needs a Trainer
         >>> use_whole_model_summary(trainer)  # doctest: +SKIP
     """
     for i, cb in enumerate(trainer.callbacks):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import resource
 import sys
 import time
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -29,13 +30,13 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_4d.callbacks._common import RunContext, every_n, gather_rows, log_metrics, resolve_every_n
+from lightning_4d.precision import precision_info
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["FourDThroughputMonitor", "mfu", "peak_memory_bytes", "find_flops_per_token"]
 
-_COMPUTE_DTYPE = {"bf16": torch.bfloat16, "16": torch.float16, "64": torch.float64}  # else float32
 
 
 def mfu(flops_per_token: float, tokens_per_second: float, peak_flops: float, devices: int) -> float:
@@ -116,6 +117,7 @@ class FourDThroughputMonitor(Callback):
 
     Example:
         >>> monitor = FourDThroughputMonitor(peak_flops_per_device=989e12, every_n_steps=10)
+        >>> # not run: needs a Trainer
         >>> trainer = L.Trainer(strategy=FourDStrategy(tp=8, pp=4), callbacks=[monitor])  # doctest: +SKIP
         >>> trainer.fit(lm, data)  # doctest: +SKIP
         >>> float(trainer.callback_metrics["perf/mfu"])  # doctest: +SKIP
@@ -142,6 +144,7 @@ class FourDThroughputMonitor(Callback):
         self._t_last: Optional[float] = None
         self._tokens = self._batches = self._seq = self._seen = 0
         self._total = [0.0, 0, 0.0]  # replica totals fed to Throughput: seconds, batches, tokens
+        self._warned = False  # the tokens of a batch could not be counted (said once)
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -152,7 +155,11 @@ class FourDThroughputMonitor(Callback):
         self._fpt = self.flops_per_token or _frozen_linear(find_flops_per_token(pl_module))
         peak = self.peak_flops_per_device
         if peak is None:
-            dtype = _COMPUTE_DTYPE.get(str(trainer.precision).split("-")[0], torch.float32)
+            try:
+                dtype = precision_info(trainer.precision).compute_dtype
+            except ValueError as err:
+                raise ValueError(f"FourDThroughputMonitor: the peak FLOP/s for MFU depends on the compute dtype: "
+                                 f"{err} Or pass peak_flops_per_device (0: no MFU).") from err
             peak = get_available_flops(trainer.strategy.root_device, dtype) or 0.0
         devices_per_replica = self._ctx.world_size / self._ctx.dp
         self._throughput = Throughput(available_flops=peak * devices_per_replica, world_size=self._ctx.dp,
@@ -173,11 +180,21 @@ class FourDThroughputMonitor(Callback):
         split = getattr(pl_module, "split_batch", None)
         try:
             inputs = split(batch)[0] if callable(split) else (batch[0] if isinstance(batch, (tuple, list)) else batch)
-        except Exception:  # noqa: BLE001 - an unusual batch: count nothing
+        except Exception as err:  # noqa: BLE001 - an unusual batch: said once, then no token rates
+            self._cannot_count(f"`split_batch` / `batch[0]` raised {type(err).__name__}: {err}")
             return 0, self._seq
         if isinstance(inputs, torch.Tensor):
             return int(inputs.numel()), int(inputs.shape[1]) if inputs.dim() >= 2 else int(inputs.numel())
+        self._cannot_count(f"the batch's inputs are a {type(inputs).__name__}, not a tensor of token ids")
         return 0, self._seq
+
+    def _cannot_count(self, cause: str) -> None:
+        """Warn once that this rank's tokens cannot be counted (tokens/s and MFU are then not logged)."""
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"FourDThroughputMonitor cannot count the tokens of a batch: {cause}; "
+                          f"perf/tokens_per_second and perf/mfu are not logged. Fix: pass "
+                          f"`FourDThroughputMonitor(tokens_fn=lambda batch: <tokens on this rank>)`.", stacklevel=2)
 
     def _now(self, pl_module: Any) -> float:
         device = getattr(pl_module, "device", None)

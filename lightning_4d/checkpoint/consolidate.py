@@ -8,6 +8,7 @@ style names (``...experts.{i}.w1.weight``). Importing stacks them back when the 
 experts stacked, so a consolidated file can seed a run under any layout.
 
 Example:
+    >>> # not run: needs files (a checkpoint)
     >>> export_consolidated("ckpts/step=10.ckpt", "model.safetensors")  # doctest: +SKIP
     >>> import_consolidated(lightning_module, "model.safetensors")  # doctest: +SKIP
 """
@@ -83,6 +84,7 @@ def open_checkpoint(checkpoint: str | os.PathLike, verify: bool = True) -> Check
     damaged one raises :class:`~lightning_4d.checkpoint.state.CheckpointIntegrityError` naming it.
 
     Example:
+        >>> # not run: needs files (a checkpoint)
         >>> reader = open_checkpoint("ckpts/last.ckpt")  # doctest: +SKIP
         >>> sorted(reader.specs)[:1]  # doctest: +SKIP
         ['model.layers.0.attention.wk.weight']
@@ -107,6 +109,7 @@ def read_model_state(checkpoint: str | os.PathLike, verify: bool = True) -> dict
     Files are verified as by :func:`open_checkpoint`.
 
     Example:
+        >>> # not run: needs files (a checkpoint)
         >>> sorted(read_model_state("ckpts/last.ckpt"))[:1]  # doctest: +SKIP
         ['model.layers.0.attention.wk.weight']
     """
@@ -141,6 +144,7 @@ def export_consolidated(checkpoint: str | os.PathLike, out: str | os.PathLike, v
     every tensor is written and every file's header read back.
 
     Example:
+        >>> # not run: needs files (a checkpoint)
         >>> export_consolidated("ckpts/last.ckpt", "model.safetensors")  # doctest: +SKIP
         PosixPath('model.safetensors')
         >>> export_consolidated("ckpts/last.ckpt", "exported", max_shard_size="5GB")  # doctest: +SKIP
@@ -217,6 +221,7 @@ def import_consolidated(module: nn.Module, path: str | os.PathLike, strict: bool
     Raises ``ValueError`` naming the keys when names or shapes do not match the module.
 
     Example:
+        >>> # not run: needs files (a checkpoint)
         >>> import_consolidated(lightning_module, "model.safetensors")  # doctest: +SKIP
     """
     from safetensors.torch import load_file

@@ -15,6 +15,7 @@ Where the config comes from: ``base`` (a model directory) when given; otherwise 
 checkpoint (the config JSON and the directory it was loaded from).
 
 Example:
+    >>> # not run: needs files (a checkpoint, a model directory)
     >>> export_hf("outputs/run/checkpoints/step=100.ckpt", "my-finetuned-llama")  # doctest: +SKIP
     PosixPath('my-finetuned-llama')
 """
@@ -307,6 +308,7 @@ def export_hf(checkpoint: PathLike, out: PathLike, base: Optional[PathLike] = No
             keys), no config is recorded and no ``base`` given, or ``out`` is not empty.
 
     Example:
+        >>> # not run: needs files (a checkpoint, a model directory)
         >>> export_hf("ckpts/last.ckpt", "exported", base="pretrained/llama", max_shard_size="5GB")  # doctest: +SKIP
         PosixPath('exported')
     """

@@ -13,6 +13,7 @@ complete one back at ``<path>``; every save and every load calls it first, and a
 leftover ``.partial`` / ``.old``.
 
 Example:
+    >>> # not run: needs files (a checkpoint)
     >>> save_sharded(checkpoint, "ckpts/step=10.ckpt", is_global_zero=True)  # doctest: +SKIP
 """
 
@@ -287,6 +288,7 @@ def verify_checkpoint(path: str | os.PathLike, checksums: bool = True, share: tu
     (ranks split the reading).
 
     Example:
+        >>> # not run: needs files (a checkpoint)
         >>> verify_checkpoint("ckpts/last.ckpt")  # doctest: +SKIP
         7
     """
@@ -398,10 +400,6 @@ def _checkpoint_model_shapes(path: str) -> dict[str, Optional[tuple[int, ...]]]:
             size = getattr(meta, "size", None)
             out[key[len("model."):]] = tuple(size) if size is not None else None
     return out
-
-
-def _checkpoint_model_keys(path: str) -> set[str]:
-    return set(_checkpoint_model_shapes(path))
 
 
 def _shape_mismatches(saved: dict[str, Optional[tuple[int, ...]]], live: dict[str, Any]) -> list[str]:

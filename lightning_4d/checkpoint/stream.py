@@ -13,6 +13,7 @@ file's header is written first, each tensor goes to its offset as it arrives, in
 and reads every header back.
 
 Example:
+    >>> # not run: needs files (a checkpoint, an output directory)
     >>> reader = CheckpointReader("ckpts/last.ckpt")  # doctest: +SKIP
     >>> layout = plan_shards(reader.specs, "5GB")  # doctest: +SKIP
     >>> with SafetensorsWriter("out", layout) as writer:  # doctest: +SKIP
@@ -162,6 +163,7 @@ def write_index(directory: PathLike, layout: Mapping[str, Mapping[str, TensorSpe
 
     Example:
         >>> layout = {"model-00001-of-00001.safetensors": {"w": TensorSpec((2,), torch.float32)}}
+        >>> # not run: needs files (a checkpoint, an output directory)
         >>> write_index("out", layout)  # doctest: +SKIP
         PosixPath('out/model.safetensors.index.json')
     """
@@ -228,6 +230,7 @@ class SafetensorsWriter:
 
     Example:
         >>> layout = {"model.safetensors": {"w": TensorSpec((2,), torch.float32)}}
+        >>> # not run: needs files (a checkpoint, an output directory)
         >>> with SafetensorsWriter("out", layout) as writer:  # doctest: +SKIP
         ...     writer.write("w", torch.ones(2))
     """
@@ -248,6 +251,7 @@ class SafetensorsWriter:
         """Write ``tensor`` (CPU) as ``name`` at its place in its file.
 
         Example:
+            >>> # not run: needs files (a checkpoint, an output directory)
             >>> writer.write("model.norm.weight", torch.ones(64))  # doctest: +SKIP
         """
         if name not in self.where:
@@ -274,6 +278,7 @@ class SafetensorsWriter:
         """Finish every file and check it; return the files written.
 
         Example:
+            >>> # not run: needs files (a checkpoint, an output directory)
             >>> writer.close()  # doctest: +SKIP
             [PosixPath('out/model.safetensors')]
         """
@@ -334,6 +339,7 @@ class CheckpointReader:
     cover it is refused when the reader is made.
 
     Example:
+        >>> # not run: needs files (a checkpoint, an output directory)
         >>> reader = CheckpointReader("ckpts/last.ckpt")  # doctest: +SKIP
         >>> reader.read("model.layers.0.attention.wq.weight").shape  # doctest: +SKIP
         torch.Size([32, 32])
@@ -366,6 +372,7 @@ class CheckpointReader:
         """The full tensor ``name`` (CPU, its saved dtype).
 
         Example:
+            >>> # not run: needs files (a checkpoint, an output directory)
             >>> reader.read("model.norm.weight")  # doctest: +SKIP
             tensor([1., 1., ...])
         """
@@ -404,6 +411,7 @@ def atomic_directory(out: PathLike) -> Iterator[Path]:
     without an error, removed when it raises. ``out`` must not exist or be an empty directory.
 
     Example:
+        >>> # not run: needs files (a checkpoint, an output directory)
         >>> with atomic_directory("exported") as tmp:  # doctest: +SKIP
         ...     (tmp / "config.json").write_text("{}")
     """

@@ -17,6 +17,7 @@ How the answer tokens are found:
   drops the reasoning of past answers, say) is refused with a clear error.
 
 Example:
+    >>> # not run: needs files (a tokenizer with a chat template)
     >>> ids, mask = encode_chat(tokenizer, [{"role": "user", "content": "hi"},
     ...                                     {"role": "assistant", "content": "hello"}])  # doctest: +SKIP
     >>> ids == tokenizer.apply_chat_template(messages)["input_ids"]  # doctest: +SKIP
@@ -127,6 +128,7 @@ def encode_chats(tokenizer: Any, conversations: Sequence[Sequence[Message]],
     """:func:`encode_chat` of many conversations, tokenized in one batched call.
 
     Example:
+        >>> # not run: needs files (a tokenizer with a chat template)
         >>> [ids for ids, _ in encode_chats(tok, [conversation_a, conversation_b])]  # doctest: +SKIP
         [[1, 87, ...], [1, 92, ...]]
     """
@@ -168,6 +170,7 @@ def encode_chat(tokenizer: Any, messages: Sequence[Message], mask_prompt: bool =
         ChatTemplateError: no chat template; no assistant turn; a template that rewrites earlier turns.
 
     Example:
+        >>> # not run: needs files (a tokenizer with a chat template)
         >>> ids, mask = encode_chat(tok, [{"role": "user", "content": "hi"},
         ...                               {"role": "assistant", "content": "yo"}])  # doctest: +SKIP
         >>> tok.decode([i for i, m in zip(ids, mask) if m])  # doctest: +SKIP
@@ -182,8 +185,10 @@ def encode_texts(tokenizer: Any, texts: Sequence[str], eos_id: int) -> list[list
     itself).
 
     Example:
-        >>> encode_texts(tok, ["hello", "hi"], eos_id=2)  # doctest: +SKIP
-        [[1, 345, 2], [1, 87, 2]]
+        >>> def tok(texts, add_special_tokens):  # a stand-in: BOS 1, then one id per character
+        ...     return {"input_ids": [[1, *map(ord, t)] for t in texts]}
+        >>> encode_texts(tok, ["hi", "yo"], eos_id=2)
+        [[1, 104, 105, 2], [1, 121, 111, 2]]
     """
     out = []
     for ids in tokenizer(list(texts), add_special_tokens=True)["input_ids"]:

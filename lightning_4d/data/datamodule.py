@@ -578,6 +578,7 @@ class HFDataModule(L.LightningDataModule):
             ``text_sample_by`` (see :func:`~lightning_4d.data.prepared.prepare_dataset`).
 
     Example:
+        >>> # not run: needs files (data files, a tokenizer)
         >>> dm = HFDataModule(["chat.jsonl"], "data/chat", "my-model", data_format="chat", seq_len=64)  # doctest: +SKIP
         >>> dm.prepare_data(); dm.setup("fit")  # doctest: +SKIP
         >>> x, y = next(iter(dm.train_dataloader()))  # doctest: +SKIP

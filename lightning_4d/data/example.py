@@ -100,6 +100,7 @@ def write_chat_example(out: Union[str, "os.PathLike[str]"], model: str = "qwen3_
         ``{"model": out, "data": out/chat.jsonl}``.
 
     Example:
+        >>> # not run: needs files (writes a model directory)
         >>> paths = write_chat_example("tiny-qwen3-moe")  # doctest: +SKIP
         >>> sorted(p.name for p in paths["model"].iterdir())  # doctest: +SKIP
         ['chat.jsonl', 'chat_template.jinja', 'config.json', 'generation_config.json', 'model.safetensors', ...]

@@ -24,6 +24,7 @@ into place, sidecar last, so concurrent writers (one per node) and readers are s
 per node while the other ranks wait.
 
 Example:
+    >>> # not run: needs files (data files, a tokenizer)
     >>> r = prepare_dataset(["chat.jsonl"], "data/chat", "my-model", data_format="chat")  # doctest: +SKIP
     >>> r.cached, r.train.num_tokens, r.tokens_per_second  # doctest: +SKIP
     (False, 18234, 41000.0)
@@ -136,6 +137,7 @@ def load_rows(files: Sequence[Path], cache_dir: PathLike, text_sample_by: str = 
     (``document``: a whole file; ``paragraph``; ``line``).
 
     Example:
+        >>> # not run: needs files (data files, a tokenizer)
         >>> load_rows(dataset_files(["chat.jsonl"]), "/tmp/cache").column_names  # doctest: +SKIP
         ['messages']
     """
@@ -473,6 +475,7 @@ def prepare_dataset(
             EOS (text) or chat template (chat) the format needs.
 
     Example:
+        >>> # not run: needs files (data files, a tokenizer)
         >>> prepare_dataset("notes/", "data/notes", "my-model", data_format="text").cached  # doctest: +SKIP
         False
     """
@@ -544,6 +547,7 @@ def open_split(out_dir: PathLike, split: str) -> tuple[TokenFile, Optional[np.nd
     offsets with the end appended (``int64``, chat), both memory-mapped; ``None`` for text.
 
     Example:
+        >>> # not run: needs files (data files, a tokenizer)
         >>> tokens, mask, docs = open_split("data/chat", "train")  # doctest: +SKIP
         >>> int(mask.sum()), len(docs) - 1  # doctest: +SKIP
         (5120, 64)

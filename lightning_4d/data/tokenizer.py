@@ -182,6 +182,7 @@ class TiktokenTokenizer:
         name: a tiktoken encoding name (``gpt2``, ``cl100k_base``, ...) or model name.
 
     Example:
+        >>> # not run: needs files (a tokenizer directory or a tiktoken download)
         >>> tok = TiktokenTokenizer("gpt2")  # doctest: +SKIP
         >>> tok.vocab_size, tok.eot_id  # doctest: +SKIP
         (50257, 50256)
@@ -266,6 +267,7 @@ class HFTokenizer:
         ImportError: ``transformers`` is not installed.
 
     Example:
+        >>> # not run: needs files (a tokenizer directory or a tiktoken download)
         >>> tok = HFTokenizer("my-model")  # doctest: +SKIP
         >>> tok.decode(tok.encode("hello")), tok.eot_id  # doctest: +SKIP
         ('hello', 2)
@@ -431,6 +433,7 @@ def get_tokenizer(name: Union[str, "os.PathLike[str]", Tokenizer] = "byte") -> T
     Example:
         >>> get_tokenizer("byte").vocab_size
         256
+        >>> # not run: needs files (a tokenizer directory or a tiktoken download)
         >>> get_tokenizer("my-model-dir").name  # doctest: +SKIP
         'hf:my-model-dir'
         >>> get_tokenizer("gpt2").vocab_size  # doctest: +SKIP

@@ -9,7 +9,8 @@ Traffic is counted by the package's one recorder, :class:`lightning_4d.comm.Comm
 that sees these ``c10d`` all-to-alls like every other collective); the names are re-exported here.
 
 Example:
-    >>> with CommCounter(axis_names_for(mesh)) as counter:  # doctest: +SKIP
+    >>> # not run: needs a process group
+    >>> with CommCounter(mesh_axis_groups(mesh)) as counter:  # doctest: +SKIP
     ...     recv, info = dispatch(xs, plan.tokens_per_expert, ep_group)   # (R, H)
     ...     back = combine(experts(recv), info)                           # (M, H)
     >>> counter.counts()["ep"]  # doctest: +SKIP
@@ -67,6 +68,7 @@ def all_to_all(
         group: the process group.
 
     Example:
+        >>> # not run: needs a process group
         >>> y = all_to_all(x, [2, 1], [1, 2], group)  # doctest: +SKIP
     """
     return _AllToAll.apply(x, list(output_splits), list(input_splits), group)
@@ -76,6 +78,7 @@ def all_reduce_(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """In-place SUM all-reduce without autograd (nothing over one rank).
 
     Example:
+        >>> # not run: needs a process group
         >>> all_reduce_(counts, ep_group)  # doctest: +SKIP
     """
     if dist.get_world_size(group) > 1:
@@ -122,6 +125,7 @@ def dispatch(
         ``(recv, info)``: ``recv`` is ``(R, H)`` sorted by local expert; ``info`` feeds :func:`combine`.
 
     Example:
+        >>> # not run: needs a process group
         >>> recv, info = dispatch(xs, plan.tokens_per_expert, mesh["ep"].get_group())  # doctest: +SKIP
     """
     ep = dist.get_world_size(group)
@@ -148,6 +152,7 @@ def combine(y: torch.Tensor, info: DispatchInfo) -> torch.Tensor:
     order the rows had before :func:`dispatch`. One all-to-all.
 
     Example:
+        >>> # not run: needs a process group
         >>> back = combine(recv * 2, info)  # doctest: +SKIP
     """
     y_src = y.index_select(0, inverse_permutation(info.perm))  # (R, H) source-major

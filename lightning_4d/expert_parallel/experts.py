@@ -206,6 +206,7 @@ class GroupedExperts(nn.Module):
         """Keep experts ``[r·E/ep, (r+1)·E/ep)`` on ep rank ``r`` as DTensors ``Shard(0)``. No collective.
 
         Example:
+            >>> # not run: needs a process group
             >>> experts.shard(mesh["ep"])  # doctest: +SKIP
         """
         from torch.distributed.tensor import DTensor, Shard

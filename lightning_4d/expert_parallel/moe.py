@@ -139,6 +139,7 @@ class MoE(nn.Module):
         Issues no collective.
 
         Example:
+            >>> # not run: needs a process group
             >>> moe.shard_experts(mesh["ep"], grad_scale=expert_grad_scale(dims))  # doctest: +SKIP
         """
         if ep_mesh.ndim != 1:

@@ -34,6 +34,7 @@ from torch import nn
 
 from lightning_4d.expert_parallel.moe import MoE
 from lightning_4d.expert_parallel.router import check_routing
+from lightning_4d.hooks import TP_PLAN, hook_call
 from lightning_4d.mesh import Axis
 
 if TYPE_CHECKING:
@@ -118,6 +119,7 @@ def apply_expert_parallel(
             or ``ep``.
 
     Example:
+        >>> # not run: needs a process group
         >>> mesh = build_mesh(ParallelDims.from_world(4, tp=2, ep=2), "cpu")  # doctest: +SKIP
         >>> model = apply_expert_parallel(model, mesh)  # doctest: +SKIP
     """
@@ -178,8 +180,15 @@ def apply_inplace_expert_parallel(model: nn.Module, ep_mesh: Optional["DeviceMes
             f"ep={ep}: {len(rejected)} module(s) of {type(model).__name__} look like mixture-of-experts weights "
             f"(parameters with 3+ dimensions) but were not recognised, so their experts cannot be sharded: "
             f"{listed}. Recognised: an experts module whose parameters are all [E, ...] (at least one 3-D), next to "
-            f"a router holding an (E, hidden) weight, with forward(hidden_states, top_k_index, top_k_weights) or "
-            f"forward(x, num_tokens_per_expert). Fix: adapt the module, or use lightning_4d.expert_parallel.MoE.")
+            f"a router holding an (E, hidden) weight (in its layer or the module around it), whose forward is one of "
+            f"three contracts: forward(hidden_states, top_k_index, top_k_weights), the weighted sum over each "
+            f"token's k experts (transformers); forward(x, num_tokens_per_expert), rows sorted by expert "
+            f"(TorchTitan); or forward(x) of every-token experts (Llama 4; a module whose name contains 'expert'), which "
+            f"assumes x is (E·N, hidden) expert-major with the router's scores already applied by the layer, and "
+            f"that rows i·N to (i+1)·N go through expert i's weights alone, each row on its own (no sum or mixing "
+            f"across rows or experts), so each block of rows can run on the rank holding its expert. The rewrite "
+            f"replays that in one process at set-up and refuses a forward it does not reproduce. Fix: adapt the "
+            f"module, or use lightning_4d.expert_parallel.MoE.")
     specs = [s for s in specs if not is_inplace_experts(model.get_submodule(s.name))]
     for spec in specs:
         check_expert_parallel(spec.num_experts, 1, ep, spec.name)
@@ -199,6 +208,7 @@ def install_token_shard_check(layers: dict[str, nn.Module], tp_group: dist.Proce
     a DTensor input is rejected too. One small all-gather per layer, once.
 
     Example:
+        >>> # not run: needs a process group
         >>> install_token_shard_check({"layers.1.feed_forward": moe}, mesh["tp"].get_group())  # doctest: +SKIP
     """
     import torch
@@ -215,7 +225,7 @@ def install_token_shard_check(layers: dict[str, nn.Module], tp_group: dist.Proce
             if hasattr(x, "to_local"):
                 raise ValueError(
                     f"MoE layer '{name}' receives a DTensor ({x.placements}); expert parallelism needs this rank's "
-                    f"tokens as a plain tensor. Fix: in `fourd_tp_plan`, give it PrepareModuleInput(input_layouts="
+                    f"tokens as a plain tensor. Fix: in {hook_call(TP_PLAN)}, give it PrepareModuleInput(input_layouts="
                     f"(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True).")
             x64 = x.detach().double()
             mine = torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64), x64.sum().cpu(),
@@ -227,10 +237,10 @@ def install_token_shard_check(layers: dict[str, nn.Module], tp_group: dist.Proce
             if all(torch.equal(e, every[0]) for e in every):
                 raise ValueError(
                     f"MoE layer '{name}' sees the same tokens ({tuple(x.shape)}) on all {size} TP ranks: the tensor-"
-                    f"parallel plan (`fourd_tp_plan`) does not split the sequence before it, so under ep>1 every "
+                    f"parallel plan ({hook_call(TP_PLAN)}) does not split the sequence before it, so under ep>1 every "
                     f"token would be routed {size} times and the expert gradients scaled by {size}. Fix: shard the "
                     f"sequence into the MoE layer (SequenceParallel() on the norm before it and PrepareModuleInput("
                     f"input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True) on the "
-                    f"layer), drop `fourd_tp_plan` to use the automatic plan, or use ep=1.")
+                    f"layer), drop {hook_call(TP_PLAN)} to use the automatic plan, or use ep=1.")
 
         handles.append(layer.register_forward_pre_hook(check, with_kwargs=True))

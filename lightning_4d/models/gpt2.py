@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_4d.models.flops import training_flops_per_token
 from lightning_4d.models.llama import _config_error, _iter_blocks, seeded
 
 __all__ = ["GPT2", "GPT2Config", "GPT2Embeddings", "Block", "CausalSelfAttention", "MLP", "interleave_qkv"]
@@ -265,7 +266,7 @@ class GPT2(nn.Module):
         return n
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token: ``6 * num_params(exclude_embeddings=True) + 12 * n_layer * n_embd * seq_len``
-        (same convention as :meth:`Llama.flops_per_token`)."""
+        """Training FLOPs per token: :func:`~lightning_4d.models.flops.training_flops_per_token` of
+        ``num_params(exclude_embeddings=True)``, ``n_layer`` layers and ``n_embd`` attention width."""
         c = self.config
-        return 6 * self.num_params(exclude_embeddings=True) + 12 * c.n_layer * c.n_embd * seq_len
+        return training_flops_per_token(self.num_params(exclude_embeddings=True), c.n_layer, c.n_embd, seq_len)

@@ -205,6 +205,7 @@ class HFLogits(nn.Module):
                 keys transformers cannot map), found from the files' headers before anything is allocated.
 
         Example:
+            >>> # not run: needs files (a model directory)
             >>> net = HFLogits.from_pretrained("my-llama", dtype="bfloat16")  # doctest: +SKIP
             >>> with torch.device("meta"):
             ...     net = HFLogits.from_pretrained("my-llama")  # doctest: +SKIP
@@ -263,7 +264,11 @@ class HFLogits(nn.Module):
         config ``.json`` file; for tests and training from scratch.
 
         Example:
-            >>> net = HFLogits.from_config("my-llama/config.json")  # doctest: +SKIP
+            >>> from transformers import LlamaConfig
+            >>> net = HFLogits.from_config(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+            ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+            >>> type(net.model).__name__, net(torch.zeros(1, 4, dtype=torch.long)).shape
+            ('LlamaForCausalLM', torch.Size([1, 4, 32]))
         """
         from transformers import AutoModelForCausalLM
 

@@ -27,6 +27,7 @@ What it does, with no tensor data read until :meth:`~HFWeightSource.get`:
 
 Example:
     >>> import torch, transformers
+    >>> # not run: needs files (a model directory)
     >>> with torch.device("meta"):
     ...     net = transformers.AutoModelForCausalLM.from_config(cfg)  # doctest: +SKIP
     >>> net.fourd_weight_source = HFWeightSource("my-llama", net)  # doctest: +SKIP
@@ -124,6 +125,7 @@ def safetensors_dtype(directory: PathLike) -> Optional[torch.dtype]:
     ``from_pretrained(dtype="auto")`` falls back to when ``config.json`` names none); ``None``: no such tensor.
 
     Example:
+        >>> # not run: needs files (a model directory)
         >>> safetensors_dtype("my-llama")  # doctest: +SKIP
         torch.bfloat16
     """
@@ -179,6 +181,7 @@ class HFWeightSource:
             nothing while model parameters have no key (both named).
 
     Example:
+        >>> # not run: needs files (a model directory)
         >>> src = HFWeightSource("my-qwen3-moe", meta_model)  # doctest: +SKIP
         >>> src.get("model.layers.0.mlp.experts.gate_up_proj").shape  # doctest: +SKIP
         torch.Size([4, 64, 64])
@@ -232,6 +235,7 @@ class HFWeightSource:
         """The model tensor names the files provide, in checkpoint order.
 
         Example:
+            >>> # not run: needs files (a model directory)
             >>> "model.embed_tokens.weight" in src.names()  # doctest: +SKIP
             True
         """
@@ -245,6 +249,7 @@ class HFWeightSource:
             KeyError: ``name`` is not one of :meth:`names`.
 
         Example:
+            >>> # not run: needs files (a model directory)
             >>> src.get("lm_head.weight").dtype  # doctest: +SKIP
             torch.float32
         """
@@ -267,6 +272,7 @@ class HFWeightSource:
         """One line on what the files hold compared with the model (for logs).
 
         Example:
+            >>> # not run: needs files (a model directory)
             >>> src.describe()  # doctest: +SKIP
             'my-llama: 26 tensors of LlamaForCausalLM from 1 file(s); all model parameters present'
         """
@@ -302,6 +308,7 @@ class HFWeightSource:
         read only.
 
         Example:
+            >>> # not run: needs files (a model directory)
             >>> src.read("model.norm.weight").shape  # doctest: +SKIP
             torch.Size([64])
         """
@@ -441,6 +448,7 @@ def materialize_pretrained(module: nn.Module, device: Union[str, torch.device] =
     the single-process path (and the reference the sharded load is tested against). Returns ``module``.
 
     Example:
+        >>> # not run: needs files (a model directory)
         >>> with torch.device("meta"):
         ...     net = HFLogits.from_pretrained("my-llama")  # doctest: +SKIP
         >>> materialize_pretrained(net)(tokens).shape  # doctest: +SKIP

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_4d.models.flops import training_flops_per_token
 from lightning_4d.models.llama import _config_error, _iter_blocks, apply_rope, rope_cos_sin, seeded
 
 __all__ = ["HFStyleAttention", "HFStyleConfig", "HFStyleDecoderLayer", "HFStyleLM", "HFStyleMLP"]
@@ -232,6 +233,7 @@ class HFStyleLM(nn.Module):
         return n
 
     def flops_per_token(self, seq_len: int) -> int:
-        """``6 * num_params(exclude_embeddings=True) + 12 * layers * hidden_size * seq_len`` (as Llama)."""
+        """:func:`~lightning_4d.models.flops.training_flops_per_token` of ``num_params(exclude_embeddings=True)``."""
         c = self.config
-        return 6 * self.num_params(exclude_embeddings=True) + 12 * c.num_hidden_layers * c.hidden_size * seq_len
+        return training_flops_per_token(self.num_params(exclude_embeddings=True), c.num_hidden_layers,
+                                        c.num_attention_heads * c.head_dim, seq_len)

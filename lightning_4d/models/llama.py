@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_4d.models.flops import training_flops_per_token
+
 __all__ = [
     "Attention", "FeedForward", "Llama", "LlamaConfig", "TransformerBlock", "apply_rope", "rope_cos_sin", "seeded",
 ]
@@ -324,12 +326,12 @@ class Llama(nn.Module):
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token (forward + backward): ``6 * N + 12 * L * H * hd * seq_len``.
 
-        ``N`` is ``num_params(exclude_embeddings=True)`` (each matmul weight costs 2 FLOPs forward,
-        4 backward); the second term is the ``QK^T`` and ``AV`` matmuls (no causal halving),
-        as in PaLM / TorchTitan.
+        ``N`` is ``num_params(exclude_embeddings=True)``; the formula is
+        :func:`lightning_4d.models.flops.training_flops_per_token`.
 
         >>> Llama(LlamaConfig(vocab_size=8, dim=4, n_layers=1, n_heads=1, ffn_hidden=4)).flops_per_token(2)
         1032
         """
         c = self.config
-        return 6 * self.num_params(exclude_embeddings=True) + 12 * c.n_layers * c.n_heads * c.head_dim * seq_len
+        return training_flops_per_token(self.num_params(exclude_embeddings=True), c.n_layers, c.n_heads * c.head_dim,
+                                        seq_len)

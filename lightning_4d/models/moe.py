@@ -27,6 +27,7 @@ from torch import nn
 
 from lightning_4d.expert_parallel.moe import MoE
 from lightning_4d.expert_parallel.router import check_routing
+from lightning_4d.models.flops import training_flops_per_token
 from lightning_4d.models.llama import Llama, LlamaConfig, TransformerBlock
 
 __all__ = ["MoEConfig", "MoETransformer", "is_moe_layer"]
@@ -140,7 +141,7 @@ class MoETransformer(Llama):
         True
         """
         c = self.config
-        return 6 * self.num_active_params(True) + 12 * c.n_layers * c.n_heads * c.head_dim * seq_len
+        return training_flops_per_token(self.num_active_params(True), c.n_layers, c.n_heads * c.head_dim, seq_len)
 
 
 def _blocks(layers: nn.Module) -> list[TransformerBlock]:

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Union
 
 from lightning_4d import _compat
-from lightning_4d.pipeline.partition import stage_to_rank
 from lightning_4d.pipeline.schedules import ScheduleInfo, get_schedule_info, validate_microbatches
 
 __all__ = ["DEFAULT_COSTS", "Action", "SimulationResult", "schedule_actions", "simulate_actions",
@@ -209,10 +208,3 @@ def bubble_from_actions(
     acts = schedule_actions(info, pp, virtual_stages, microbatches)
     return simulate_actions(acts, pp * virtual_stages, costs).bubble
 
-
-def _check_placement(info: ScheduleInfo, pp: int, virtual_stages: int, microbatches: int) -> None:
-    """Debug helper: the action table puts every stage on the rank :func:`stage_to_rank` predicts."""
-    for rank, acts in schedule_actions(info, pp, virtual_stages, microbatches).items():
-        for a in acts:
-            if stage_to_rank(a.stage, pp, info.style) != rank:
-                raise AssertionError(f"{info.name}: stage {a.stage} runs on rank {rank}")

@@ -22,18 +22,16 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from lightning_4d._compat import child_modules, pytree, registered_submodule
+from lightning_4d._compat import child_modules, registered_submodule
 from lightning_4d.pipeline.stages import HOOK_HINT, PipelineSplit, StageModule, find_pipeline_split
+from lightning_4d.precision import allowed_difference, max_difference
 
 __all__ = ["check_sequential"]
 
 
 def _diff(a: Any, b: Any) -> float:
-    ta = [t for t in pytree.tree_leaves(a) if isinstance(t, torch.Tensor)]
-    tb = [t for t in pytree.tree_leaves(b) if isinstance(t, torch.Tensor)]
-    if len(ta) != len(tb) or any(x.shape != y.shape for x, y in zip(ta, tb)):
-        return float("inf")
-    return max((float((x.float() - y.float()).abs().max()) for x, y in zip(ta, tb) if x.numel()), default=0.0)
+    compared = max_difference(a, b)
+    return compared[0] if compared is not None else 0.0
 
 
 def check_sequential(
@@ -44,13 +42,12 @@ def check_sequential(
     blocks_path: Optional[str] = None,
     pre_fn: Optional[Callable[..., Any]] = None,
     post_fn: Optional[Callable[[Any], Any]] = None,
-    atol: float = 1e-5,
-    rtol: float = 1e-4,
 ) -> None:
     """Check, before splitting and in one process, that the stage composition equals ``model(sample_input)``.
 
     Runs pre-modules (or ``pre_fn``) → every block → post-modules (or ``post_fn``) on a tiny input in
-    eval mode without grad, and compares against the model's forward. The first block's input and
+    eval mode without grad, and compares against the model's forward (within
+    :func:`lightning_4d.precision.allowed_difference`). The first block's input and
     the last block's output are captured from the real forward to tell which side differs.
 
     Raises:
@@ -97,20 +94,19 @@ def check_sequential(
                     f"Pipeline stages run that composition, so its forward must "
                     f"be a plain chain; otherwise {HOOK_HINT}."
                 ) from err
-            err = _diff(got, expected)
-            scale = max((float(t.abs().max()) for t in pytree.tree_leaves(expected)
-                         if isinstance(t, torch.Tensor) and t.numel()), default=0.0)
-            if err > atol + rtol * scale:
+            err, scale = max_difference(got, expected) or (0.0, 0.0)
+            allowed = allowed_difference(expected, scale)
+            if err > allowed:
                 side = "the modules after the blocks (post) or the blocks themselves"
                 if "in" in seen:
                     pre_out = whole.pre_fn(*args) if whole.pre_fn else _chain(model, split.pre, args)
                     block_in = seen["in"][0] if len(seen["in"]) == 1 else seen["in"]
-                    if _diff(pre_out, block_in) > atol + rtol * scale:
+                    if _diff(pre_out, block_in) > allowed:
                         side = "the modules before the blocks (pre)"
                     elif "out" in seen:
                         last_out = seen["out"]
                         post_out = whole.post_fn(last_out) if whole.post_fn else _chain(model, split.post, (last_out,))
-                        if _diff(post_out, expected) > atol + rtol * scale:
+                        if _diff(post_out, expected) > allowed:
                             side = "the modules after the blocks (post)"
                         else:
                             side = "the blocks (they are not called in order on one tensor)"

@@ -13,68 +13,62 @@ returned and logged is ``Σ_dp Σ_i mean_i · n_i / N`` on every rank.
 The functions take what they use (runner, groups, degrees), not the strategy.
 
 Example:
+    >>> # not run: needs a process group
     >>> loss = pipeline_train_loss(runner, lm, x, y, dp_group, dp, 1, strategy.loss_context)  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, Optional, Sequence
+from typing import Any, Callable, ContextManager, Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_4d.config import FourDConfig
 from lightning_4d.distributed import all_reduce_sum, to_full
-from lightning_4d.mesh import Axis
+from lightning_4d.hooks import PIPELINE_HOOKS, PIPELINE_POST, PIPELINE_PRE, PIPELINE_SPLIT, user_hook
+from lightning_4d.mesh import Axis, FourDMesh
 from lightning_4d.pipeline.checks import check_sequential
-from lightning_4d.pipeline.partition import stage_ids_for_rank
+from lightning_4d.pipeline.partition import PipelineSplit, stage_ids_for_rank
 from lightning_4d.pipeline.runner import PipelineRunner
 from lightning_4d.pipeline.schedules import get_schedule_info
-from lightning_4d.pipeline.staged import StagedBlocks, StagedForward, check_staged, prepare_staged, prune_staged
-from lightning_4d.pipeline.stages import build_pipeline_stages, find_pipeline_split
+from lightning_4d.pipeline.staged import StagedForward, check_staged, prepare_staged, prune_staged
+from lightning_4d.pipeline.stages import PipelineParts, build_pipeline_stages, find_pipeline_split
 from lightning_4d.pipeline.tied import sync_tied_grads
+from lightning_4d.trace import ModelTrace, example_tokens
+from lightning_4d.verify import check_tensor_parallel
 
-__all__ = ["check_pipeline_model", "prepare_pipeline", "split_pipeline", "build_runner", "pipeline_train_loss",
-           "pipeline_eval", "example_input", "sync_tied", "uses_pipeline_hooks"]
+__all__ = ["ModelSplit", "check_after_tensor_parallel", "check_pipeline_model", "prepare_pipeline", "split_pipeline",
+           "build_runner", "pipeline_train_loss", "pipeline_eval", "staged_forward", "sync_tied",
+           "uses_pipeline_hooks"]
 
-_HOOKS = ("configure_pipeline_split", "pipeline_pre_blocks", "pipeline_post_blocks")
-
-
-def _user_hook(module: nn.Module, name: str) -> Any:
-    fn = getattr(module, name, None)
-    return fn if callable(fn) else None
+# How a model is cut into pipeline stages: its own forward run stage by stage (no hooks), or the chain
+# pre → blocks → post that the user's pipeline hooks name. :func:`staged_forward` tells them apart.
+ModelSplit = Union[StagedForward, PipelineSplit]
 
 
-def example_input(module: nn.Module, split: Any) -> Any:
-    """A tiny input for the sequential check: ``example_input_array``, or tokens for the first embedding.
+def staged_forward(split: ModelSplit) -> Optional[StagedForward]:
+    """The one place the two pipeline mechanisms are told apart: the :class:`StagedForward` when the stages run
+    the model's own forward, ``None`` when they chain what the pipeline hooks name.
 
     Example:
-        >>> example_input(lm, split).shape  # doctest: +SKIP
-        torch.Size([2, 8])
+        >>> staged_forward(PipelineSplit("layers", ("0", "1"))) is None
+        True
     """
-    sample = getattr(module, "example_input_array", None)
-    if sample is not None:
-        return sample
-    for path in split.pre:
-        sub = module.get_submodule(path)
-        for m in sub.modules():
-            if isinstance(m, nn.Embedding):
-                device = m.weight.device
-                return torch.randint(0, m.num_embeddings, (2, 8), generator=torch.Generator().manual_seed(0)).to(device)
-    raise ValueError(
-        f"Cannot build an example input for {type(module).__name__} to check that its forward is the sequential "
-        f"composition the pipeline stages assume. Set `self.example_input_array` on the module."
-    )
+    return split if isinstance(split, StagedForward) else None
 
 
-def check_pipeline_model(module: nn.Module, blocks_path: str) -> Any:
-    """Find the split and check on a tiny input that pre → blocks → post equals ``module(inputs)``.
+def check_pipeline_model(module: nn.Module, blocks_path: str) -> PipelineSplit:
+    """Find the split and check on a tiny input (:func:`~lightning_4d.trace.example_tokens`, the one builder of
+    example inputs) that pre → blocks → post equals ``module(inputs)``.
 
     Runs on the full (unsharded) model on every rank before any collective; a mismatch raises a
     ``ValueError`` naming the hooks ``pipeline_pre_blocks`` / ``pipeline_post_blocks`` /
     ``configure_pipeline_split``. On the meta device (a planner dry run) there is no data to compare:
     the split only, as :func:`~lightning_4d.pipeline.staged.check_staged` does.
     """
-    hook = _user_hook(module, "configure_pipeline_split")
+    hook = user_hook(module, PIPELINE_SPLIT)
     split = hook() if hook else find_pipeline_split(module, blocks_path)
     if isinstance(split, str):
         split = find_pipeline_split(module, split)
@@ -84,9 +78,8 @@ def check_pipeline_model(module: nn.Module, blocks_path: str) -> Any:
         was_training = module.training
         module.eval()  # dropout off for the comparison
         try:
-            check_sequential(module, example_input(module, split), split=split,
-                             pre_fn=_user_hook(module, "pipeline_pre_blocks"),
-                             post_fn=_user_hook(module, "pipeline_post_blocks"))
+            check_sequential(module, example_tokens(module), split=split,
+                             pre_fn=user_hook(module, PIPELINE_PRE), post_fn=user_hook(module, PIPELINE_POST))
         finally:
             module.train(was_training)
     return split
@@ -94,10 +87,11 @@ def check_pipeline_model(module: nn.Module, blocks_path: str) -> Any:
 
 def uses_pipeline_hooks(module: nn.Module) -> bool:
     """Whether the user split the model by hand (then stages chain pre → blocks → post as told)."""
-    return any(_user_hook(module, name) for name in _HOOKS)
+    return any(user_hook(module, name) for name in PIPELINE_HOOKS)
 
 
-def prepare_pipeline(module: nn.Module, mesh: Any, config: Any, trace: Any, example: Any) -> Any:
+def prepare_pipeline(module: nn.Module, mesh: FourDMesh, config: FourDConfig, trace: ModelTrace,
+                     example: Any) -> ModelSplit:
     """Decide the split on the full model, before anything is sharded, and check it on ``example``.
 
     Without user hooks: stages run the model's own forward (:mod:`lightning_4d.pipeline.staged`), and
@@ -113,28 +107,52 @@ def prepare_pipeline(module: nn.Module, mesh: Any, config: Any, trace: Any, exam
     return staged
 
 
-def split_pipeline(module: nn.Module, mesh: Any, config: Any, split: Any) -> Any:
+def check_after_tensor_parallel(module: nn.Module, split: Optional[ModelSplit], example: Any, expected: Any) -> None:
+    """After the tensor-parallel rewrite, the sharded model against the unsharded output on the traced input:
+    the plain forward without a pipeline (:func:`~lightning_4d.verify.check_tensor_parallel`), the stages in
+    order when they run the model's own forward; a chain the pipeline hooks name was checked before sharding
+    (:func:`check_pipeline_model`).
+
+    Example:
+        >>> lin, x = nn.Linear(2, 2), torch.ones(1, 2)
+        >>> check_after_tensor_parallel(lin, None, x, lin(x).detach())  # the same forward: passes
+    """
+    if split is None:
+        check_tensor_parallel(module, example, expected)
+        return
+    staged = staged_forward(split)
+    if staged is None:
+        return
+    try:
+        check_staged(staged, example, expected)
+    except ValueError as err:
+        raise ValueError(f"With tensor parallelism: {err}") from err
+
+
+def split_pipeline(module: nn.Module, mesh: FourDMesh, config: FourDConfig, split: ModelSplit) -> PipelineParts:
     """Prune ``module`` in place to this rank's stages (original parameter names kept)."""
     dims = mesh.dims
     info = get_schedule_info(config.schedule)
-    if isinstance(split, StagedForward):
-        return prune_staged(split, stage_ids_for_rank(mesh.rank(Axis.PP), dims.pp, dims.virtual_stages, info.style))
+    staged = staged_forward(split)
+    if staged is not None:
+        return prune_staged(staged, stage_ids_for_rank(mesh.rank(Axis.PP), dims.pp, dims.virtual_stages, info.style))
+    assert isinstance(split, PipelineSplit)
     return build_pipeline_stages(
         module, mesh.rank(Axis.PP), dims.pp, dims.virtual_stages, info.style, split=split,
-        pre_fn=_user_hook(module, "pipeline_pre_blocks"), post_fn=_user_hook(module, "pipeline_post_blocks"),
+        pre_fn=user_hook(module, PIPELINE_PRE), post_fn=user_hook(module, PIPELINE_POST),
     )
 
 
-def build_runner(module: nn.Module, mesh: Any, config: Any, parts: Any,
+def build_runner(module: nn.Module, mesh: FourDMesh, config: FourDConfig, parts: PipelineParts, split: ModelSplit,
                  device: Optional[torch.device] = None) -> PipelineRunner:
     """The torch schedule over this rank's (already TP/DP-wrapped) stage modules, on ``device`` (default: the
-    stages' parameters' device; a model still on the meta device passes the device it will be materialised on)."""
+    stages' parameters' device; a model still on the meta device passes the device it will be materialised on).
+    Stages that run the model's own forward get the micro-batch's inputs on every stage."""
     ignore = getattr(module, "ignore_index", -100)
     count = getattr(module, "count_targets", None)
-    staged = isinstance(module.get_submodule(parts.split.blocks_path), StagedBlocks)
     return PipelineRunner(
         parts.modules, mesh[Axis.PP], module.loss_fn, schedule=config.schedule, microbatches=config.microbatches,
-        inputs_to_every_stage=staged,
+        inputs_to_every_stage=staged_forward(split) is not None,
         ignore_index=-100 if ignore is None else ignore,
         token_count_fn=(lambda t: int(count(t))) if callable(count) else None,
         model=module,  # tied weights are synchronised by the strategy once per optimizer step
@@ -142,23 +160,25 @@ def build_runner(module: nn.Module, mesh: Any, config: Any, parts: Any,
     )
 
 
-def sync_tied(model: nn.Module, runner: "PipelineRunner", tied: Sequence[tuple[str, str]]) -> None:
+def sync_tied(model: nn.Module, runner: PipelineRunner, tied: Sequence[tuple[str, str]]) -> None:
     """Sum the gradients of weights tied between the first and last stage (once per optimizer step).
 
     Example:
+        >>> # not run: needs a process group
         >>> sync_tied(strategy.model, plan.pipeline, plan.pipeline_tied)  # doctest: +SKIP
     """
     if tied:
         sync_tied_grads(model, list(tied), runner.group, runner.first_rank, runner.last_rank)
 
 
-def _token_total(module: Any, targets: Tensor, dp_group: Any) -> float:
+def _token_total(module: nn.Module, targets: Tensor, dp_group: dist.ProcessGroup) -> float:
     n = module.count_targets(targets).to(torch.float64).reshape(1).clone()
     return float(all_reduce_sum(n, dp_group)[0])
 
 
-def pipeline_train_loss(runner: "PipelineRunner", module: Any, inputs: Any, targets: Tensor, dp_group: Any,
-                        dp: int, accumulate: int, loss_context: Callable[[], ContextManager[Any]]) -> Tensor:
+def pipeline_train_loss(runner: PipelineRunner, module: nn.Module, inputs: Any, targets: Tensor,
+                        dp_group: dist.ProcessGroup, dp: int, accumulate: int,
+                        loss_context: Callable[[], ContextManager[Any]]) -> Tensor:
     """Run forward + backward of the local batch through the schedule; return the global loss.
 
     ``dp_group`` is always the dp group (size 1 when ``dp == 1``): ``None`` would mean the whole world,
@@ -166,6 +186,7 @@ def pipeline_train_loss(runner: "PipelineRunner", module: Any, inputs: Any, targ
     before the first micro-step of the accumulation window (the caller's job).
 
     Example:
+        >>> # not run: needs a process group
         >>> loss = pipeline_train_loss(runner, lm, x, y, mesh["dp"].get_group(), 2, 1, nullcontext)  # doctest: +SKIP
     """
     total = _token_total(module, targets, dp_group)
@@ -174,11 +195,12 @@ def pipeline_train_loss(runner: "PipelineRunner", module: Any, inputs: Any, targ
     return all_reduce_sum(local.detach().to(torch.float64).reshape(1).clone(), dp_group)[0].float()
 
 
-def pipeline_eval(runner: "PipelineRunner", module: Any, inputs: Any, targets: Optional[Tensor], dp_group: Any,
-                  loss_context: Callable[[], ContextManager[Any]]) -> Any:
+def pipeline_eval(runner: PipelineRunner, module: nn.Module, inputs: Any, targets: Optional[Tensor],
+                  dp_group: dist.ProcessGroup, loss_context: Callable[[], ContextManager[Any]]) -> Any:
     """Forward-only through the schedule: the global loss (with targets) or the full outputs (without).
 
     Example:
+        >>> # not run: needs a process group
         >>> out = pipeline_eval(runner, lm, x, None, mesh["dp"].get_group(), nullcontext)  # doctest: +SKIP
     """
     if targets is None:

@@ -13,6 +13,7 @@ rank or per stage, averaged over steps. Timestamps use ``time.perf_counter`` (``
 shared by processes of one host); across hosts use ``makespan="rank"`` (each rank's own step span).
 
 Example:
+    >>> # not run: needs a process group
     >>> inst = PipelineInstrument.attach_to(runner)  # doctest: +SKIP
     >>> runner.train_step(x, y)  # doctest: +SKIP
     >>> bubble_share(inst.gather(runner.group), by="rank")  # doctest: +SKIP
@@ -25,9 +26,12 @@ import contextlib
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 from lightning_4d import _compat
+
+if TYPE_CHECKING:
+    from lightning_4d.pipeline.runner import PipelineRunner
 
 __all__ = ["PipelineEvent", "PipelineInstrument", "bubble_share", "COMPUTE_KINDS"]
 
@@ -68,6 +72,7 @@ class PipelineInstrument:
     restores the original methods. Events accumulate in :attr:`events` until :meth:`clear`.
 
     Example:
+        >>> # not run: needs a process group
         >>> inst = PipelineInstrument(runner.stages, runner.schedule)  # doctest: +SKIP
     """
 
@@ -81,7 +86,7 @@ class PipelineInstrument:
         self._attach()
 
     @classmethod
-    def attach_to(cls, runner: Any) -> "PipelineInstrument":
+    def attach_to(cls, runner: PipelineRunner) -> PipelineInstrument:
         """Instrument a :class:`~lightning_4d.pipeline.runner.PipelineRunner` (its ``stages`` and ``schedule``)."""
         return cls(runner.stages, runner.schedule)
 
@@ -119,6 +124,7 @@ class PipelineInstrument:
         """All pp ranks' events (``all_gather_object`` over ``group``); every rank gets the full list.
 
         Example:
+            >>> # not run: needs a process group
             >>> events = inst.gather(runner.group)  # doctest: +SKIP
         """
         import torch.distributed as dist

@@ -23,7 +23,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal, Optional
 
-__all__ = ["StageStyle", "partition_blocks", "stage_ids_for_rank", "stage_to_rank", "partition_costs"]
+from lightning_4d.hooks import PipelineSplit
+
+__all__ = ["PipelineSplit", "StageStyle", "partition_blocks", "stage_ids_for_rank", "stage_to_rank", "partition_costs"]
 
 StageStyle = Literal["loop", "v"]
 

@@ -14,6 +14,7 @@ The loss returned by :meth:`PipelineRunner.train_step` is the local-batch loss (
 undone), broadcast from the last stage over the pp group, so every pp rank returns the same value.
 
 Example:
+    >>> # not run: needs a process group
     >>> parts = build_pipeline_stages(model, pp_rank, pp)  # doctest: +SKIP
     >>> runner = PipelineRunner(parts.modules, mesh["pp"], F.cross_entropy, schedule="1f1b")  # doctest: +SKIP
     >>> loss = runner.train_step(tokens, targets)  # doctest: +SKIP
@@ -93,6 +94,7 @@ class PipelineRunner:
             ``fourd_inputs`` (stages that run the model's own forward need them).
 
     Example:
+        >>> # not run: needs a process group
         >>> runner = PipelineRunner(parts.modules, pp_group, loss_fn, schedule="zbv")  # doctest: +SKIP
     """
 
@@ -221,6 +223,7 @@ class PipelineRunner:
             The local-batch loss as a 0-dim tensor, identical on every pp rank.
 
         Example:
+            >>> # not run: needs a process group
             >>> loss = runner.train_step(tokens, targets)  # doctest: +SKIP
         """
         self._check_batch(inputs, targets)
@@ -250,6 +253,7 @@ class PipelineRunner:
         else ``None`` off the last stage) and, if ``targets`` are given, the token-weighted loss on every rank.
 
         Example:
+            >>> # not run: needs a process group
             >>> logits, loss = runner.eval_step(tokens, targets)  # doctest: +SKIP
         """
         size = self._check_batch(inputs, targets)

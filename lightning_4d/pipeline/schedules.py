@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from lightning_4d.config import SCHEDULE_SHAPES
 from lightning_4d.pipeline.partition import StageStyle
 
 __all__ = [
@@ -42,10 +43,10 @@ class ScheduleInfo:
     Attributes:
         name: registry name (``"1f1b"``, ...).
         torch_name: class name in ``torch.distributed.pipelining``.
-        multi_stage: whether it takes a list of stages per rank (``PipelineScheduleMulti``).
-        style: stage ↔ rank placement, ``"loop"`` or ``"v"``.
-        virtual_stages: required stages per rank (``None``: any ``>= 2`` for multi-stage, 1 otherwise).
         split_backward: whether it splits the backward into input (I) and weight (W) passes.
+
+    Its shape (``style``, ``virtual_stages``, ``multi_stage``) is read from the one table of schedule
+    shapes, :data:`lightning_4d.config.SCHEDULE_SHAPES`.
 
     Example:
         >>> get_schedule_info("zbv").style
@@ -54,10 +55,22 @@ class ScheduleInfo:
 
     name: str
     torch_name: str
-    multi_stage: bool
-    style: StageStyle
-    virtual_stages: Optional[int]
     split_backward: bool
+
+    @property
+    def style(self) -> StageStyle:
+        """Stage ↔ rank placement, ``"loop"`` or ``"v"``."""
+        return SCHEDULE_SHAPES[self.name].style  # type: ignore[return-value]
+
+    @property
+    def virtual_stages(self) -> Optional[int]:
+        """Required stages per rank (``None``: any ``>= 2``)."""
+        return SCHEDULE_SHAPES[self.name].virtual_stages
+
+    @property
+    def multi_stage(self) -> bool:
+        """Whether torch's class takes a list of stages per rank (``PipelineScheduleMulti``)."""
+        return self.virtual_stages != 1
 
     @property
     def torch_class(self) -> type:
@@ -94,13 +107,13 @@ class ScheduleInfo:
 SCHEDULES: dict[str, ScheduleInfo] = {
     info.name: info
     for info in (
-        ScheduleInfo("gpipe", "ScheduleGPipe", False, "loop", 1, False),
-        ScheduleInfo("1f1b", "Schedule1F1B", False, "loop", 1, False),
-        ScheduleInfo("interleaved_1f1b", "ScheduleInterleaved1F1B", True, "loop", None, False),
-        ScheduleInfo("looped_bfs", "ScheduleLoopedBFS", True, "loop", None, False),
-        ScheduleInfo("interleaved_zb", "ScheduleInterleavedZeroBubble", True, "loop", None, True),
-        ScheduleInfo("zbv", "ScheduleZBVZeroBubble", True, "v", 2, True),
-        ScheduleInfo("dualpipev", "ScheduleDualPipeV", True, "v", 2, True),
+        ScheduleInfo("gpipe", "ScheduleGPipe", False),
+        ScheduleInfo("1f1b", "Schedule1F1B", False),
+        ScheduleInfo("interleaved_1f1b", "ScheduleInterleaved1F1B", False),
+        ScheduleInfo("looped_bfs", "ScheduleLoopedBFS", False),
+        ScheduleInfo("interleaved_zb", "ScheduleInterleavedZeroBubble", True),
+        ScheduleInfo("zbv", "ScheduleZBVZeroBubble", True),
+        ScheduleInfo("dualpipev", "ScheduleDualPipeV", True),
     )
 }
 _ALIASES = {"1F1B": "1f1b", "interleaved": "interleaved_1f1b", "interleaved1f1b": "interleaved_1f1b",
@@ -240,7 +253,9 @@ def validate_microbatches(
 def bubble_theory(schedule: Union[str, type, ScheduleInfo], p: int, m: int, v: int = 1) -> float:
     """Closed-form bubble share of wall time for uniform stages, equal to the replay of torch's own
     action table (:func:`lightning_4d.pipeline.bubble.bubble_from_actions`, costs ``F = I = W = 1``,
-    ``B = 2`` per stage chunk). This is the one closed form of the package; the planner imports it.
+    ``B = 2`` per stage chunk; ``tests/unit/test_planner.py`` checks the two agree on a grid). This is the
+    package's one bubble formula: the planner (:mod:`lightning_4d.planner.roofline`, ``report``) and the
+    ``PipelineMonitor``'s theory value import it.
 
     With ``T`` the forward + backward cost of one micro-batch through one stage chunk, a rank works
     ``v·m·T`` and the makespan ``M`` (in units of ``T``) is:
@@ -268,6 +283,8 @@ def bubble_theory(schedule: Union[str, type, ScheduleInfo], p: int, m: int, v: i
     info = get_schedule_info(schedule)
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"p={p}, m={m}, v={v} must all be >= 1.")
+    if p > 1:
+        info.check_virtual_stages(v)
     if info.name in ("gpipe", "1f1b"):
         return (p - 1) / (m + p - 1)
     if info.name in ("interleaved_1f1b", "looped_bfs"):

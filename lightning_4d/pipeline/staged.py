@@ -21,7 +21,14 @@ Which argument carries the hidden state, and what runs before/after the blocks, 
 tiny input and compares with the plain forward before anything is split.
 
 Example:
-    >>> staged = StagedForward(lm, trace, {0: ["0"], 1: ["1"]})  # doctest: +SKIP
+    >>> from lightning_4d.models import Llama, LlamaConfig
+    >>> from lightning_4d.trace import trace_model
+    >>> lm = Llama(LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, ffn_hidden=32, max_seq_len=8))
+    >>> tokens = torch.randint(0, 32, (2, 8))
+    >>> trace = trace_model(lm, "layers", tokens)
+    >>> staged = StagedForward(lm, trace, {0: ["0"], 1: ["1"]})  # stage 0 runs block 0, stage 1 block 1
+    >>> staged.num_stages, staged.order
+    (2, ('0', '1'))
 """
 
 from __future__ import annotations
@@ -39,8 +46,8 @@ from lightning_4d.distributed import to_full
 from lightning_4d.pipeline.partition import partition_blocks
 from lightning_4d.pipeline.stages import HOOK_HINT, PipelineParts, PipelineSplit, StageModule
 from lightning_4d.pipeline.tied import find_tied_parameters
+from lightning_4d.precision import allowed_difference, max_difference
 from lightning_4d.trace import ModelTrace
-from lightning_4d.verify import max_difference
 
 __all__ = ["INPUTS_KW", "ShapeStub", "StageDone", "StagedBlocks", "StagedForward", "check_staged", "prepare_staged",
            "prune_staged"]
@@ -60,20 +67,49 @@ class ShapeStub(nn.Module):
     """Stands in for a module with parameters on stages that do not own it: returns zeros shaped like
     its output (computed on a meta-device copy), so code that only needs shapes keeps working.
 
+    The stand-in answers what forward code reads off the module besides calling it: a parameter or buffer
+    (``self.embed_tokens.weight.device`` in Llama 4) is a zero tensor of its shape and dtype on the running
+    stage's device that holds one element (an expanded scalar: no memory however large the weight), a
+    submodule is a stand-in too, and plain values (``padding_idx``, ``embed_scale``) are the module's own.
+    Methods are not answered: they would compute with weights this stage does not hold. What the stand-in
+    gets wrong shows in :func:`check_staged`, which compares the stages with the plain forward.
+
     Example:
-        >>> ShapeStub(nn.Embedding(10, 4))(torch.zeros(2, 3, dtype=torch.long)).shape
-        torch.Size([2, 3, 4])
+        >>> stub = ShapeStub(nn.Embedding(10, 4))
+        >>> stub(torch.zeros(2, 3, dtype=torch.long)).shape, stub.weight.shape, stub.padding_idx
+        (torch.Size([2, 3, 4]), torch.Size([10, 4]), None)
     """
     fourd_stub = True
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, device: Optional[torch.device] = None) -> None:
         super().__init__()
         meta = copy.deepcopy(module).to("meta")
+        if device is None:
+            device = next((t.device for t in module.parameters() if not t.is_meta), torch.device("cpu"))
         object.__setattr__(self, "_meta", meta)  # not registered: no parameters on this stage
+        object.__setattr__(self, "device", device)  # set by StagedForward.run to the micro-batch's device
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("_") or "_meta" not in self.__dict__:
+                raise
+        value = getattr(self._meta, name)  # an AttributeError names the module's class
+        if isinstance(value, torch.Tensor):
+            return torch.zeros((), dtype=value.dtype, device=self.device).expand(value.shape)
+        if isinstance(value, nn.Module):
+            return ShapeStub(value, self.device)
+        if callable(value):  # an AttributeError, so that hasattr() says False (initialisers, hooks)
+            raise AttributeError(  # noqa: TRY004
+                f"{type(self._meta).__name__}.{name}: a pipeline stage that does not own this module (it runs "
+                f"before the blocks) has only a shape stand-in for it, whose methods cannot run; {HOOK_HINT}"
+            )
+        return value
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         device = next((t.device for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)),
-                      torch.device("cpu"))
+                      self.device)
         to_meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
         with torch.no_grad():
             out = self._meta(*pytree.tree_map(to_meta, args), **pytree.tree_map(to_meta, kwargs))
@@ -217,6 +253,9 @@ class StagedForward:
         activation = None if is_first else (args[0] if len(args) == 1 else args)
         model_inputs = args if is_first else (inputs if isinstance(inputs, tuple) else (inputs,))
         self.stage = _Stage(index, keys, min(positions), max(positions), is_first, activation)
+        device = next((t.device for t in pytree.tree_leaves((args, inputs)) if isinstance(t, torch.Tensor)), None)
+        for stub in self.stubs.values() if device is not None else ():
+            object.__setattr__(stub, "device", device)  # the stand-ins' tensors live where the micro-batch is
         try:
             with self._swap_pre(is_first):
                 out = self.root(*model_inputs)
@@ -232,12 +271,18 @@ class StagedForward:
         return out
 
 
-def check_staged(staged: StagedForward, example: Any, expected: Any, atol: float = 1e-5, rtol: float = 1e-4) -> None:
+def check_staged(staged: StagedForward, example: Any, expected: Any) -> None:
     """Run every stage in order in one process on ``example`` and compare with ``expected`` (the plain
-    forward's output). Raises a ``ValueError`` naming the model and the hooks when they differ.
+    forward's output) within :func:`lightning_4d.precision.allowed_difference`. Raises a ``ValueError``
+    naming the model and the hooks when they differ.
 
     Example:
-        >>> check_staged(staged, tokens, lm(tokens))  # doctest: +SKIP
+        >>> from lightning_4d.models import Llama, LlamaConfig
+        >>> from lightning_4d.trace import trace_model
+        >>> lm = Llama(LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, ffn_hidden=32, max_seq_len=8))
+        >>> tokens = torch.randint(0, 32, (2, 8))
+        >>> trace = trace_model(lm, "layers", tokens)
+        >>> check_staged(prepare_staged(lm, trace, num_stages=2), tokens, trace.output)  # equal: passes
     """
     cls = type(staged.root).__name__
     if any(p.is_meta for p in staged.root.parameters()):
@@ -263,7 +308,7 @@ def check_staged(staged: StagedForward, example: Any, expected: Any, atol: float
     if compared is None:
         return  # a dry run on the meta device: shapes only
     diff, scale = compared
-    if diff > atol + rtol * scale:
+    if diff > allowed_difference(expected, scale):
         raise ValueError(
             f"{cls}: its forward run stage by stage differs from the plain forward (max abs difference {diff:.3g}). "
             f"Later stages compute what the blocks receive (masks, rotary tables) with the modules before the "
@@ -277,7 +322,14 @@ def prepare_staged(root: nn.Module, trace: ModelTrace, num_stages: int) -> Stage
     container on the full model (nothing is removed yet; :func:`prune_staged` does that).
 
     Example:
-        >>> staged = prepare_staged(lm, trace, num_stages=4)  # doctest: +SKIP
+        >>> from lightning_4d.models import Llama, LlamaConfig
+        >>> from lightning_4d.trace import trace_model
+        >>> lm = Llama(LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, ffn_hidden=32, max_seq_len=8))
+        >>> tokens = torch.randint(0, 32, (2, 8))
+        >>> trace = trace_model(lm, "layers", tokens)
+        >>> staged = prepare_staged(lm, trace, num_stages=2)
+        >>> staged.stage_keys, list(staged.stubs)  # later stages get a stand-in for the embedding
+        ({0: ('0',), 1: ('1',)}, ['tok_embeddings'])
     """
     shared = [p for p in trace.elsewhere
               if (m := registered_submodule(root, p)) is not None and any(True for _ in m.parameters())]
@@ -300,7 +352,14 @@ def prune_staged(staged: StagedForward, stage_ids: list[int]) -> Any:
     :class:`~lightning_4d.pipeline.stages.PipelineParts` (stage modules keep the original parameter names).
 
     Example:
-        >>> parts = prune_staged(staged, [0])  # doctest: +SKIP
+        >>> from lightning_4d.models import Llama, LlamaConfig
+        >>> from lightning_4d.trace import trace_model
+        >>> lm = Llama(LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, ffn_hidden=32, max_seq_len=8))
+        >>> tokens = torch.randint(0, 32, (2, 8))
+        >>> trace = trace_model(lm, "layers", tokens)
+        >>> parts = prune_staged(prepare_staged(lm, trace, num_stages=2), [0])  # this rank runs stage 0
+        >>> parts.stage_ids, parts.parts, sorted(n for n in lm.state_dict() if not n.startswith("layers"))
+        ([0], [[0], [1]], ['tok_embeddings.weight'])
     """
     root, trace = staged.root, staged.trace
 

@@ -48,37 +48,18 @@ import torch  # noqa: F401  (the doctests use it)
 from torch import nn
 
 from lightning_4d._compat import child_modules, is_loss_module, registered_submodule
-from lightning_4d.pipeline.partition import StageStyle, partition_blocks, stage_ids_for_rank
+from lightning_4d.hooks import PIPELINE_POST, PIPELINE_PRE, PIPELINE_SPLIT, hook_call
+from lightning_4d.pipeline.partition import PipelineSplit, StageStyle, partition_blocks, stage_ids_for_rank
 from lightning_4d.pipeline.tied import find_tied_parameters
 
 __all__ = ["PipelineSplit", "StageModule", "PipelineParts", "find_pipeline_split", "build_pipeline_stages", "HOOK_HINT"]
 
 HOOK_HINT = (
-    "implement `pipeline_pre_blocks(self, inputs)` (what runs before the blocks, on the first stage) and/or "
-    "`pipeline_post_blocks(self, h)` (what runs after them, on the last stage) on the LightningModule (or pass "
-    "pre_fn / post_fn), or `configure_pipeline_split(self)` to name the blocks container and the modules "
-    "before/after it"
+    f"implement {hook_call(PIPELINE_PRE)} (what runs before the blocks, on the first stage) and/or "
+    f"{hook_call(PIPELINE_POST)} (what runs after them, on the last stage) on the LightningModule (or pass "
+    f"pre_fn / post_fn), or {hook_call(PIPELINE_SPLIT)} to name the blocks container and the modules "
+    f"before/after it"
 )
-
-
-@dataclass(frozen=True)
-class PipelineSplit:
-    """Where a model splits: the blocks container and the modules before / after it (dotted paths).
-
-    Example:
-        >>> PipelineSplit("layers", ("0", "1"), pre=("tok_embeddings",), post=("norm", "output")).num_blocks
-        2
-    """
-
-    blocks_path: str
-    block_keys: tuple[str, ...]
-    pre: tuple[str, ...] = ()
-    post: tuple[str, ...] = ()
-
-    @property
-    def num_blocks(self) -> int:
-        """Number of repeated blocks."""
-        return len(self.block_keys)
 
 
 def _set(root: nn.Module, path: str, value: Optional[nn.Module]) -> None:
@@ -125,7 +106,7 @@ def find_pipeline_split(root: nn.Module, blocks_path: Optional[str] = None) -> P
             raise ValueError(
                 f"{cls}: no container of repeated blocks (an nn.ModuleList / nn.ModuleDict of identical modules "
                 f"holding parameters) was found to split into pipeline stages. Pass blocks_path, or implement "
-                f"`configure_pipeline_split(self)` on the LightningModule."
+                f"{hook_call(PIPELINE_SPLIT)} on the LightningModule."
             ) from err
     container = registered_submodule(root, blocks_path)
     if not isinstance(container, (nn.ModuleList, nn.ModuleDict)):
@@ -148,7 +129,7 @@ def find_pipeline_split(root: nn.Module, blocks_path: Optional[str] = None) -> P
             raise ValueError(
                 f"{cls}: parameter(s) {[f'{prefix}.{n}'.lstrip('.') for n in own]} sit directly on an ancestor of the "
                 f"blocks container {blocks_path!r}, so no pipeline stage owns them. Move them into a submodule, or "
-                f"implement `configure_pipeline_split(self)`."
+                f"implement {hook_call(PIPELINE_SPLIT)}."
             )
         pre_levels.append([f"{prefix}.{n}".lstrip(".") for n in names[:idx]])
         post_levels.append([f"{prefix}.{n}".lstrip(".") for n in names[idx + 1:]])

@@ -8,14 +8,14 @@ The layers of the planner:
   cross nodes;
 - :mod:`.memory` — model states, FSDP buffers and activations (Korthikanti et al. 2022) per pp rank;
 - :mod:`.comm` — bytes per collective kind and axis per step;
-- :mod:`.bubble` — the bubble of the exact schedule (closed form = replay of torch's table) and in-flight
-  micro-batches;
+- :mod:`.bubble` — in-flight micro-batches and the cached replay of torch's table; the bubble's one
+  formula is :func:`lightning_4d.pipeline.schedules.bubble_theory`;
 - :mod:`.compute` — GEMM-shape-dependent compute time, memory-bound kernels, optimizer step;
 - :mod:`.dp_modes` — states and traffic of fsdp, replicate, hsdp, zero1, zero2;
 - :mod:`.roofline` — step time and MFU;
 - :mod:`.calibrate` — published figures and the ratio table (``docs/planner_calibration.md``, planned through
   ``recipes/plan.py``'s path by :mod:`lightning_4d.recipes.calibration`);
-- :mod:`.moe_1t` — the seed's 1T MoE on 512 / 1024 GPUs (``docs/moe_1t_plan.md``);
+- :mod:`.moe_1t` — the reference 1T MoE (``conf/model/moe_1t.yaml``) on 512 / 1024 GPUs (``docs/moe_1t_plan.md``);
 - :mod:`.search` — enumerate, filter by memory, rank by time;
 - :mod:`.report` — ``make_plan`` / ``format_table`` / ``write_plan``;
 - :mod:`.fake_world` — one-process dry runs on torch's ``fake`` process group (traced collectives);
@@ -29,7 +29,7 @@ Example:
     True
 """
 
-from lightning_4d.planner.bubble import bubble_fraction, in_flight_microbatches, replayed_bubble
+from lightning_4d.planner.bubble import in_flight_microbatches, replayed_bubble
 from lightning_4d.planner.comm import Collective, collective_bytes, comm_per_rank, summarize
 from lightning_4d.planner.hardware import (
     A100,
@@ -56,7 +56,7 @@ from lightning_4d.planner.spec import TrainSpec, TransformerSpec, seed_moe_1t
 __all__ = [
     "A100", "CPU", "CPU_TOY", "DEVICES", "FAMILIES", "H100", "H100_HBM2E_500W", "H200", "Candidate", "ClusterSpec",
     "Collective", "DeviceFamily", "DeviceSpec", "NoLayoutFits", "custom_device", "device_by_name",
-    "RankMemory", "StepEstimate", "TrainSpec", "TransformerSpec", "axes_crossing_nodes", "bubble_fraction",
+    "RankMemory", "StepEstimate", "TrainSpec", "TransformerSpec", "axes_crossing_nodes",
     "collective_bytes", "comm_per_rank", "estimate_step", "format_table", "in_flight_microbatches", "make_plan",
     "memory_per_rank", "replayed_bubble", "search", "seed_moe_1t", "summarize", "write_plan",
 ]

@@ -57,6 +57,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from lightning_4d.comm import wire_bytes
+from lightning_4d.config import stage_style
 from lightning_4d.mesh import ParallelDims
 from lightning_4d.planner.memory import local_params, micro_batch_size, resolve_microbatches, stage_layout
 from lightning_4d.planner.spec import TrainSpec, TransformerSpec
@@ -305,7 +306,7 @@ def _dp_shard(dims: ParallelDims, train: TrainSpec) -> int:
 def expert_padding(spec: TransformerSpec, dims: ParallelDims) -> float:
     """Factor FSDP2's dim-0 padding puts on the expert units: the ``E/ep`` local experts of each weight are
     sharded over ``edp`` ranks in chunks of ``ceil(E/ep / edp)``, so fewer local experts than ``edp``
-    ranks are padded to ``edp`` rows (e.g. the seed's 8 local experts over edp = 16: factor 2).
+    ranks are padded to ``edp`` rows (e.g. the 1T MoE's 8 local experts over edp = 16: factor 2).
 
     Example:
         >>> from lightning_4d.planner.spec import seed_moe_1t
@@ -333,7 +334,7 @@ def comm_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
     layout = layout if layout is not None else stage_layout(spec, dims, train.schedule)
     s, h, c, t = train.seq(spec), spec.hidden, train.act_bytes, dims.tp
     act = float(b * s * h * c)
-    style_v = train.schedule in ("zbv", "dualpipev") and dims.pp > 1
+    style = stage_style(train.schedule, dims.pp)
     num_stages = dims.num_stages
     # Checkpointed blocks run their forward again in backward; its collectives with it (the package's
     # "selective" policy saves matmul outputs only, so collectives are recomputed there too).
@@ -343,11 +344,10 @@ def comm_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
 
     out = []
     for r, layers in enumerate(layout):
-        first, last = r == 0, r == (0 if style_v else dims.pp - 1)
+        first, last = r == 0, r == stage_to_rank(num_stages - 1, dims.pp, style)
         fsdp_ranks = {"fsdp": dims.dp, "hsdp": _dp_shard(dims, train)}.get(train.data_parallel, 1)
         recs = _tp(spec, dims, layers, first, last, m, act, b * s, c, recompute, fsdp_ranks)
         if dims.pp > 1:
-            style = "v" if style_v else "loop"
             stages = stage_ids_for_rank(r, dims.pp, dims.virtual_stages, style)
             fwd = sum(1 for st in stages if st < num_stages - 1 and stage_to_rank(st + 1, dims.pp, style) != r)
             bwd = sum(1 for st in stages if st > 0 and stage_to_rank(st - 1, dims.pp, style) != r)

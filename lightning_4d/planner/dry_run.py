@@ -44,7 +44,7 @@ What the cross-check found (and :mod:`~lightning_4d.planner.comm` now models): F
 reshard after forward under pipelining; expert units never reshard after forward
 (``lightning_4d.parallelize`` wraps them as roots; the planner's default assumes they do, so the dry run
 compares with what it finds and says so); FSDP2 pads the ``E/ep`` local experts to a multiple of
-``edp`` (the seed's 8 experts over edp = 16: twice the expert bytes); without SP the tp-replicated
+``edp`` (the 1T MoE's 8 local experts over edp = 16: twice the expert bytes); without SP the tp-replicated
 parameters need no reduction; with SP and dp = 1 the norms' gradients stay ``Partial`` through
 backward (AdamW would all-reduce them on each of its 3 reads; the strategy now resolves them once per
 step); row-parallel biases need none; router and shared-expert
@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -89,12 +90,14 @@ from lightning_4d._compat import (
     is_item_op,
     unset_fake,
 )
-from lightning_4d.comm import CommRecord
+from lightning_4d.comm import CommRecord, mesh_axis_groups, name_axis
 from lightning_4d.expert_parallel.permute import FIXED_ROUTING, FixedRouting
-from lightning_4d.mesh import ParallelDims, rank_coordinates
+from lightning_4d.config import FourDConfig
+from lightning_4d.mesh import FourDMesh, ParallelDims, rank_coordinates
 from lightning_4d.planner.comm import comm_per_rank, summarize
 from lightning_4d.planner.memory import micro_batch_size, stage_layout
 from lightning_4d.planner.spec import TrainSpec, TransformerSpec
+from lightning_4d.precision import precision_info
 
 __all__ = ["RankTrace", "DryRunResult", "dry_run", "representative_ranks", "uniform_experts", "uniform_routing",
            "DRY_RUN_ASSUMPTIONS"]
@@ -109,7 +112,7 @@ DRY_RUN_ASSUMPTIONS = [
     "pipeline's sequential check is skipped on meta",
 ]
 
-_AXES = ("pp", "dp", "tp", "edp", "ep")  # naming precedence of a group shared by several axes (dense first)
+_AXES = ("pp", "dp", "tp", "edp", "ep")  # the axes the formulas name, in the order reports list them
 
 
 # ---------------------------------------------------------------------------------------------- results
@@ -345,25 +348,26 @@ def _measured_send(t: torch.Tensor) -> CommRecord:
     return CommRecord("send", "pp", 2, nbytes, nbytes, op="boundary (measured)")
 
 
-def _group_names(mesh: Any) -> dict[str, str]:
-    return {axis: mesh[axis].get_group().group_name for axis in _AXES}
+def _shared_axes(mesh: FourDMesh) -> dict[str, tuple[str, ...]]:
+    """Each axis the formulas name → every mesh axis spanning its process group (as the recorder sees them)."""
+    groups = mesh_axis_groups(mesh)
+    return {axis: groups.get(mesh[axis].get_group().group_name, (axis,)) for axis in _AXES}
 
 
-def _merge_shared_axes(summary: dict[str, dict[str, float]], names: dict[str, str]) -> dict[str, dict[str, float]]:
-    """Fold axes that share one process group into the first one's name (as the recorder labels them)."""
-    first: dict[str, str] = {}
-    for axis in _AXES:
-        first.setdefault(names[axis], axis)
+def _merge_shared_axes(summary: dict[str, dict[str, float]], shared: dict[str, tuple[str, ...]]
+                       ) -> dict[str, dict[str, float]]:
+    """Name the formulas' traffic on a group several axes span as the recorder names it (the package's one
+    namer, :func:`lightning_4d.comm.name_axis`)."""
     out: dict[str, dict[str, float]] = {}
     for axis, kinds in summary.items():
-        target = first.get(names.get(axis, ""), axis)
         for kind, v in kinds.items():
+            target = name_axis(shared.get(axis, (axis,)), kind)
             out.setdefault(target, {})[kind] = out.get(target, {}).get(kind, 0) + v
     return out
 
 
 def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
-                config: Any, rank: int, b: int, boundary: dict, optimizer_step: bool = True) -> RankTrace:
+                config: FourDConfig, rank: int, b: int, boundary: dict) -> RankTrace:
     import torch.distributed as dist
     from torch.distributed.tensor.parallel import loss_parallel
 
@@ -373,8 +377,9 @@ def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Par
     from lightning_4d.pipeline.staged import INPUTS_KW
     from lightning_4d.planner.fake_world import CollectiveRecorder, fake_world
 
-    def autocast() -> Any:  # what Lightning's bf16-mixed plugin wraps the training step in
-        return torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext()
+    def autocast() -> Any:  # what Lightning's mixed-precision plugin wraps the training step in
+        info = precision_info(precision)
+        return torch.autocast("cpu", dtype=info.compute_dtype) if info.mixed else contextlib.nullcontext()
 
     start = time.perf_counter()
     s = train.seq(spec)
@@ -393,7 +398,7 @@ def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Par
         stages = [st.submod for st in runner.stages] if runner is not None else [module]
         stage_ids = list(runner.stage_ids) if runner is not None else [0]
         num_stages = runner.num_stages if runner is not None else 1
-        names = _group_names(mesh)
+        names = _shared_axes(mesh)
         fake_mode = fake_tensor_mode()
         with fake_mode:
             module.to_empty(device="cpu")
@@ -410,7 +415,7 @@ def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Par
                     shape, dtype = boundary.get("shape"), boundary.get("dtype")
                     if shape is None:  # no first stage traced: the formula's sequence shard
                         shape = (b, s // dims.tp if dims.sp else s, spec.hidden)
-                        dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
+                        dtype = precision_info(precision).compute_dtype
                     x = torch.randn(*shape, dtype=dtype, requires_grad=True)
                 with autocast():
                     out = stage(x, **kwargs)
@@ -432,7 +437,7 @@ def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Par
                 if sid > 0 and stage_to_rank(sid - 1, dims.pp, style) != coords["pp"]:
                     sends.append(_measured_send(x))  # the boundary input's gradient
             reduce_tp_partial_grads(plan, mesh, module)
-            skipped = _optimizer_step(module) if optimizer_step else "optimizer step not traced"
+            skipped = _optimizer_step(module)
         traced_records = rec.records + sends
     clear_dtensor_caches()
     assert not dist.is_initialized()
@@ -477,13 +482,16 @@ def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Par
                      expert_raf.copy().pop() if len(expert_raf) == 1 else None)
 
 
+_UNTRACED_STEP = "optimizer step not traced"
+
+
 def _optimizer_step(module: nn.Module) -> Optional[str]:
     """One step of the module's own optimizer (``configure_optimizers``) on the fake gradients: DTensor gradients
     still ``Partial`` after backward (sequence-parallel norms outside any data-parallel wrapper) are reduced here."""
     try:
         configured = module.configure_optimizers() if hasattr(module, "configure_optimizers") else None
     except Exception as err:  # noqa: BLE001 - e.g. an optimizer that needs a Trainer: the step is left out
-        return f"optimizer step not traced ({type(err).__name__}: {err})"
+        return f"{_UNTRACED_STEP} (configure_optimizers raised {type(err).__name__}: {err})"
     if isinstance(configured, dict):
         configured = configured.get("optimizer")
     if isinstance(configured, (list, tuple)):
@@ -491,15 +499,26 @@ def _optimizer_step(module: nn.Module) -> Optional[str]:
     if isinstance(configured, dict):
         configured = configured.get("optimizer")
     if configured is None:
-        return "optimizer step not traced (configure_optimizers gave no optimizer)"
+        return f"{_UNTRACED_STEP} (configure_optimizers gave no optimizer)"
     configured.step()
     return None
 
 
-# ---------------------------------------------------------------------------------------------- entry point
-def _config_for(dims: ParallelDims, train: TrainSpec) -> Any:
-    from lightning_4d.config import FourDConfig
+def _warn_untraced_step(result: DryRunResult) -> None:
+    """One warning per dry run when a traced rank could not run the module's optimizer step: its collectives (the
+    reductions of ``Partial`` gradients AdamW's step triggers) and its optimizer state are then missing from the
+    traced figures, which may differ from a real step's."""
+    causes = list(dict.fromkeys(n for r in result.ranks for n in r.notes if n.startswith(_UNTRACED_STEP)))
+    if causes:
+        ranks = [r.rank for r in result.ranks if any(n.startswith(_UNTRACED_STEP) for n in r.notes)]
+        warnings.warn(
+            f"lightning_4d.planner.dry_run: the optimizer step was not traced on ranks {ranks} — "
+            f"{'; '.join(causes)}. The step's collectives and optimizer state are missing from the traced figures. "
+            f"Fix: make `configure_optimizers()` return an optimizer without a Trainer attached.", stacklevel=3)
 
+
+# ---------------------------------------------------------------------------------------------- entry point
+def _config_for(dims: ParallelDims, train: TrainSpec) -> FourDConfig:
     return FourDConfig(
         tp=dims.tp, pp=dims.pp, ep=dims.ep, dp=dims.dp, sequence_parallel=dims.sequence_parallel,
         microbatches=train.microbatches, schedule=train.schedule if dims.pp > 1 else "1f1b",
@@ -509,7 +528,7 @@ def _config_for(dims: ParallelDims, train: TrainSpec) -> Any:
 
 
 def dry_run(build: Callable[[], nn.Module], spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
-            ranks: Optional[Sequence[int]] = None, config: Any = None) -> DryRunResult:
+            ranks: Optional[Sequence[int]] = None, config: Optional[FourDConfig] = None) -> DryRunResult:
     """Trace one micro-batch of the real layout for each role and compare with the formulas (module docstring).
 
     Args:
@@ -530,6 +549,7 @@ def dry_run(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Paralle
         RuntimeError: a process group is already initialised in this process.
 
     Example:
+        >>> # not run: needs a process group (a fake one per traced rank)
         >>> dry_run(build, spec, ParallelDims.from_world(512, tp=8, pp=4, ep=8), train).ok  # doctest: +SKIP
         True
     """
@@ -555,5 +575,6 @@ def dry_run(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Paralle
     for i in order:
         result.ranks.append(_trace_rank(build, spec, dims, train, config, ranks[i], b, boundary))
     result.ranks.sort(key=lambda t: t.rank)
+    _warn_untraced_step(result)
     result.seconds = time.perf_counter() - start
     return result

@@ -27,6 +27,7 @@ The private torch APIs this needs (``FakeStore``, which registers the ``fake`` b
 script-object argument) are reached through :mod:`lightning_4d._compat`.
 
 Example:
+    >>> # not run: needs a process group (a fake one)
     >>> with fake_world(256, rank=3):  # doctest: +SKIP
     ...     mesh = init_device_mesh("cpu", (4, 8, 8), mesh_dim_names=("pp", "dp", "tp"))
     ...     with CollectiveRecorder(mesh) as rec:
@@ -43,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_4d._compat import fake_store, fake_tensor_mode
-from lightning_4d.comm import CommCounter
+from lightning_4d.comm import CommCounter, mesh_axis_groups
 
 __all__ = ["fake_world", "CollectiveRecorder", "fake_forward_backward"]
 
@@ -75,8 +76,9 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
 class CollectiveRecorder(CommCounter):
     """:class:`lightning_4d.comm.CommCounter` naming groups after the axes of ``mesh``.
 
-    ``mesh`` (a ``DeviceMesh`` with dim names, a dict of them, or a ``FourDMesh``) names the groups;
-    others are labelled ``"group<N>"``. A group shared by several axes is named after the first.
+    ``mesh`` (a ``DeviceMesh`` with dim names, a dict of them, or a ``FourDMesh``) names the groups through
+    the package's one namer (:func:`lightning_4d.comm.axis_of_group`): a group several axes span is named by
+    :func:`lightning_4d.comm.name_axis`; the default group is ``"world"``, others ``"other"``.
 
     Example:
         >>> with fake_world(4):
@@ -87,29 +89,7 @@ class CollectiveRecorder(CommCounter):
     """
 
     def __init__(self, mesh: Any = None) -> None:
-        super().__init__()
-        self._names: dict[str, tuple[str, int]] = {}
-        if isinstance(mesh, dict):
-            meshes = list(mesh.values())
-        elif hasattr(mesh, "dense") and hasattr(mesh, "expert"):  # a lightning_4d FourDMesh
-            meshes = [mesh.dense, mesh.expert]
-            if getattr(mesh, "flat_dp", None) is not None:  # HSDP: dp is dp_replicate × dp_shard flattened
-                self._names[mesh.flat_dp.get_group().group_name] = ("dp", mesh.flat_dp.size())
-        else:
-            meshes = [mesh] if mesh is not None else []
-        # A group shared by several axes (e.g. an axis spanning the whole world reuses the default group)
-        # keeps the first name: dense axes before expert ones.
-        for msh in meshes:
-            for dim in msh.mesh_dim_names or ():
-                sub = msh[dim]
-                self._names.setdefault(sub.get_group().group_name, (dim, sub.size()))
-        if dist.is_initialized():
-            world = dist.group.WORLD
-            self._names.setdefault(world.group_name, ("world", world.size()))
-
-    def axis(self, pg: Any, kind: str) -> tuple[str, int]:
-        name, size = (pg.group_name, pg.size()) if pg is not None else ("", 1)
-        return self._names.get(name, (f"group{name}", size))
+        super().__init__(mesh_axis_groups(mesh))
 
 
 def fake_forward_backward(model: torch.nn.Module, inputs: torch.Tensor,
@@ -119,6 +99,7 @@ def fake_forward_backward(model: torch.nn.Module, inputs: torch.Tensor,
     output (a fake tensor). Run it inside :func:`fake_world` and, to trace, a :class:`CollectiveRecorder`.
 
     Example:
+        >>> # not run: needs a process group (a fake one)
         >>> fake_forward_backward(meta_model, torch.randint(0, 1024, (2, 256)))  # doctest: +SKIP
     """
     with fake_tensor_mode():

@@ -37,7 +37,7 @@ from lightning_4d.mesh import ParallelDims
 __all__ = ["DeviceFamily", "DeviceSpec", "ClusterSpec", "FAMILIES", "DEVICES", "DEVICE_ALIASES", "device_by_name",
            "device_names", "custom_device", "A100", "A100_40GB", "H100", "H100_PCIE", "H100_NVL", "H100_HBM2E_500W",
            "H200", "H800", "CPU", "CPU_TOY", "HOPPER_GEMM_EFFICIENCY", "AMPERE_GEMM_EFFICIENCY", "axis_group",
-           "axes_crossing_nodes", "axis_bandwidth"]
+           "axes_crossing_nodes"]
 
 
 @dataclass(frozen=True)
@@ -438,15 +438,3 @@ def axes_crossing_nodes(dims: ParallelDims, cluster: ClusterSpec) -> dict[str, b
                 out[axis] = True
                 break
     return out
-
-
-def axis_bandwidth(dims: ParallelDims, cluster: ClusterSpec) -> dict[str, float]:
-    """Bytes/s per direction each axis's messages get: NVLink inside a node, the NIC across nodes.
-
-    Example:
-        >>> axis_bandwidth(ParallelDims.from_world(16, tp=8, pp=2), ClusterSpec(2, 8, H100))["pp"] / 1e9
-        50.0
-    """
-    cross = axes_crossing_nodes(dims, cluster)
-    d = cluster.device
-    return {a: (d.inter_node_bw if c else d.intra_node_bw) for a, c in cross.items()}

@@ -58,14 +58,18 @@ Example:
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from typing import Optional
 
+from lightning_4d.config import stage_style
 from lightning_4d.data_parallel import wrap_mode
 from lightning_4d.mesh import ParallelDims
+from lightning_4d.pipeline.partition import stage_to_rank
 from lightning_4d.planner.bubble import in_flight_microbatches
+from lightning_4d.planner.setup_memory import setup_peak_bytes
 from lightning_4d.planner.spec import TrainSpec, TransformerSpec
+from lightning_4d.precision import precision_info
 
 __all__ = ["RankMemory", "check_layout", "activation_coefficients", "layer_activation_bytes", "memory_per_rank",
            "micro_batch_size",
@@ -119,8 +123,7 @@ def stage_layout(spec: TransformerSpec, dims: ParallelDims, schedule: str) -> li
         ...              virtual_stages=2), "zbv")
         [[0, 1, 6, 7], [2, 3, 4, 5]]
     """
-    style = "v" if schedule in ("zbv", "dualpipev") and dims.pp > 1 else "loop"
-    return [list(x) for x in _layout(spec.layers, dims.pp, dims.virtual_stages, style)]
+    return [list(x) for x in _layout(spec.layers, dims.pp, dims.virtual_stages, stage_style(schedule, dims.pp))]
 
 
 @lru_cache(maxsize=4096)
@@ -224,7 +227,9 @@ class RankMemory:
     """Peak memory of the ranks of pipeline rank ``pp_rank`` (bytes). ``total`` is the sum of
     ``params + grads + optimizer + unsharded + activations + logits + allocator + runtime`` (``allocator``: the
     caching allocator's reserved-but-unused bytes, ``DeviceSpec.allocator_overhead`` of the rest; ``runtime``:
-    what a CPU rank's process adds besides tensors, ``DeviceSpec.runtime_bytes``, 0 on GPUs)."""
+    what a CPU rank's process adds besides tensors, ``DeviceSpec.runtime_bytes``, 0 on GPUs). ``setup``: the
+    tensors held at the set-up peak (:func:`lightning_4d.planner.setup_memory.setup_peak_bytes`); ``peak`` is the
+    larger of the two peaks."""
 
     pp_rank: int
     layers: list[int]
@@ -240,6 +245,7 @@ class RankMemory:
     micro_batch_size: int
     allocator: float = 0.0
     runtime: float = 0.0
+    setup: float = 0.0
 
     @property
     def allocated(self) -> float:
@@ -248,12 +254,23 @@ class RankMemory:
 
     @property
     def total(self) -> float:
-        """Reserved bytes at the peak: ``allocated + allocator + runtime``."""
+        """Reserved bytes at the training step's peak: ``allocated + allocator + runtime``."""
         return self.allocated + self.allocator + self.runtime
+
+    @property
+    def setup_total(self) -> float:
+        """Bytes at the set-up peak, before the first step: ``setup + runtime`` (the full tensors of set-up come
+        and go one at a time: no allocator slack)."""
+        return self.setup + self.runtime
+
+    @property
+    def peak(self) -> float:
+        """The rank's peak over set-up and training: ``max(total, setup_total)``; what must fit the device."""
+        return max(self.total, self.setup_total)
 
     def as_dict(self) -> dict:
         """Plain dict (with ``total``) for JSON."""
-        return {**asdict(self), "total": self.total}
+        return {**asdict(self), "total": self.total, "setup_total": self.setup_total, "peak": self.peak}
 
 
 def memory_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
@@ -275,12 +292,13 @@ def memory_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
     b = micro_batch_size(dims, train)
     layout = layout if layout is not None else stage_layout(spec, dims, train.schedule)
     cbytes, mode = train.act_bytes, train.data_parallel
+    param_bytes = precision_info(train.precision).param_dtype.itemsize
     gathers = gathers_params(mode)
     shard, eshard = _shard_groups(dims, train)
     out = []
     for r, layers in enumerate(layout):
         first = r == 0
-        last = r == (0 if train.schedule in ("zbv", "dualpipev") and dims.pp > 1 else dims.pp - 1)
+        last = r == stage_to_rank(dims.num_stages - 1, dims.pp, stage_style(train.schedule, dims.pp))
         lp = local_params(spec, dims, layers, first, last)
         dense, experts = lp["dense"], lp["experts"]
         st = {k: a + e for (k, a), e in zip(
@@ -316,7 +334,9 @@ def memory_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
         out.append(RankMemory(r, list(layers), dense, experts, st["params"], st["grads"], st["optimizer"],
                               float(unsharded), float(acts), float(logits), inflight, b,
                               float(allocator_overhead * allocated), float(runtime_bytes)))
-    return out
+    largest_share = max(r.params for r in out)  # the reduced check's budget is the same on every rank
+    return [replace(r, setup=float(setup_peak_bytes(spec, dims, r.params, param_bytes, train.meta_built,
+                                                    largest_share))) for r in out]
 
 
 def _shard_groups(dims: ParallelDims, train: TrainSpec) -> tuple[Optional[int], Optional[int]]:

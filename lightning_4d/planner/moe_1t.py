@@ -1,8 +1,8 @@
-"""The seed's 1T MoE on 512 and 1024 GPUs: what fits on 80 GB and 141 GB devices and the best layouts.
+"""The reference 1T MoE (``conf/model/moe_1t.yaml``) on 512 and 1024 GPUs: what fits on 80 GB and 141 GB devices and the best layouts.
 
 Sequence 4096 and a global batch of 1024 sequences (4.2 M tokens per step). Two parts:
 
-1. **The seed's layout** (TP = 8 with SP and EP = 8 inside a node, PP stages across nodes, DP copies):
+1. **The reference layout** (``conf/parallel/moe_1t.yaml``: TP = 8 with SP and EP = 8 inside a node, PP stages across nodes, DP copies):
    for every pipeline depth, schedule, checkpointing and data-parallel mode the runtime accepts, the
    peak memory per GPU and whether it fits, and the fastest fitting variant.
 2. **The best layout** from :func:`lightning_4d.planner.search` (ranked by step time with the replayed
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Optional, Sequence
 
+from lightning_4d.config import default_virtual_stages
 from lightning_4d.planner.hardware import H100, H200, ClusterSpec, DeviceSpec
 from lightning_4d.planner.memory import memory_per_rank, stage_layout
 from lightning_4d.planner.roofline import estimate_step
@@ -40,7 +41,7 @@ def seed_layout_rows(world: int, device: DeviceSpec, pps: Sequence[int] = (4, 8,
                      acs: Sequence[Optional[str]] = ("selective", "full"),
                      modes: Sequence[str] = ("fsdp", "hsdp"), microbatches: Sequence[int] = (16, 32, 64),
                      eps: Sequence[int] = (8,)) -> list[dict[str, Any]]:
-    """The seed's layout family (tp = 8 + SP, ep = 8 by default) on ``world`` GPUs: one row per variant the
+    """The reference layout family (tp = 8 + SP, ep = 8 by default) on ``world`` GPUs: one row per variant the
     runtime accepts, with peak memory, fit and (when it fits) the estimate."""
     spec = seed_moe_1t(SEQ_LEN)
     cluster = ClusterSpec(world // 8, 8, device)
@@ -50,7 +51,7 @@ def seed_layout_rows(world: int, device: DeviceSpec, pps: Sequence[int] = (4, 8,
         if (dp * 8) % ep:
             continue
         for schedule in schedules:
-            v = 2 if schedule in ("interleaved_1f1b", "zbv") else 1
+            v = default_virtual_stages(schedule, pp)
             for mode in modes:
                 shard = 1 if mode == "hsdp" else None  # tp = 8 fills a node: one dp rank per node
                 for ac in acs:
@@ -64,10 +65,10 @@ def seed_layout_rows(world: int, device: DeviceSpec, pps: Sequence[int] = (4, 8,
                                           data_parallel=mode, dp_shard=shard, activation_checkpointing=ac)
                         layout = stage_layout(spec, dims, schedule)
                         mem = memory_per_rank(spec, dims, train, layout, device.allocator_overhead)
-                        peak = max(r.total for r in mem)
+                        peak = max(r.peak for r in mem)
                         row = {"pp": pp, "ep": ep, "dp": dp, "schedule": schedule, "m": m, "b": mem[0].micro_batch_size,
                                "mode": mode, "ac": ac or "none", "peak_gb": peak / _GB,
-                               "fits": peak <= device.usable_bytes, "parts": max(mem, key=lambda r: r.total)}
+                               "fits": peak <= device.usable_bytes, "parts": max(mem, key=lambda r: r.peak)}
                         if row["fits"]:
                             est = estimate_step(spec, dims, train, cluster, layout=layout)
                             row.update(step_s=est.step_s, mfu=est.mfu, bubble=est.bubble,
@@ -77,7 +78,7 @@ def seed_layout_rows(world: int, device: DeviceSpec, pps: Sequence[int] = (4, 8,
 
 
 def best_layouts(world: int, device: DeviceSpec, top: int = 3) -> list[Any]:
-    """The search's fastest layouts of the seed's model on ``world`` GPUs (tp ≤ 8 inside a node)."""
+    """The search's fastest layouts of the 1T MoE on ``world`` GPUs (tp ≤ 8 inside a node)."""
     spec = seed_moe_1t(SEQ_LEN)
     return search(spec, ClusterSpec(world // 8, 8, device), TrainSpec(GLOBAL_BATCH, seq_len=SEQ_LEN), top=top,
                   schedules=("1f1b", "interleaved_1f1b", "zbv"), activation_checkpointing=("selective", "full"),
@@ -107,7 +108,7 @@ def report() -> str:
             wide = seed_layout_rows(world, device, eps=(64,))
             fit = [r for r in rows if r["fits"]]
             out += [f"## {world} × {device.name} (usable {device.usable_bytes / _GB:.0f} GB)", "",
-                    "### The seed's layout (TP 8 + SP, EP 8, PP across nodes)", ""]
+                    "### The reference layout (TP 8 + SP, EP 8, PP across nodes)", ""]
             smallest = min(rows, key=lambda r: r["peak_gb"]) if rows else None
             if fit:
                 best = min(fit, key=lambda r: r["step_s"])

@@ -25,7 +25,8 @@ import os
 from typing import Any, Union
 
 from lightning_4d.mesh import ParallelDims
-from lightning_4d.planner.bubble import bubble_fraction
+from lightning_4d.pipeline.schedules import bubble_theory
+from lightning_4d.planner.bubble import replayed_bubble
 from lightning_4d.planner.comm import ROUTING_ASSUMPTION, comm_per_rank, summarize
 from lightning_4d.planner.hardware import ClusterSpec, axes_crossing_nodes
 from lightning_4d.planner.memory import memory_per_rank, micro_batch_size, resolve_microbatches, stage_layout
@@ -42,9 +43,7 @@ def _replay_bubble(schedule: str, dims: ParallelDims, m: int) -> Union[float, No
     if dims.pp == 1:
         return 0.0
     try:
-        from lightning_4d.pipeline.bubble import bubble_from_actions
-
-        return float(bubble_from_actions(schedule, dims.pp, dims.virtual_stages, m))
+        return replayed_bubble(schedule, dims.pp, m, dims.virtual_stages)
     except Exception as err:  # noqa: BLE001 - the replay is optional extra information
         return f"unavailable: {err}"
 
@@ -68,9 +67,9 @@ def make_plan(spec: TransformerSpec, dims: ParallelDims, cluster: ClusterSpec, t
     est = estimate_step(spec, dims, train, cluster, records, layout, crossing)
     per_role = [summarize(r) for r in records]
     busiest = max(range(len(records)), key=lambda r: sum(x.bytes_sent for x in records[r]))
-    peak = max(r.total for r in mem)
+    peak = max(r.peak for r in mem)  # training step or set-up, whichever is higher
     schedule = train.schedule if dims.pp > 1 else "none"
-    bubble = {"theory": bubble_fraction(train.schedule if dims.pp > 1 else "1f1b", dims.pp, m, dims.virtual_stages)}
+    bubble = {"theory": bubble_theory(train.schedule if dims.pp > 1 else "1f1b", dims.pp, m, dims.virtual_stages)}
     if replay_bubble:
         bubble["replay"] = _replay_bubble(train.schedule, dims, m)
     assumptions = [
@@ -144,8 +143,11 @@ def format_table(plan: dict[str, Any]) -> str:
     """A plain-text report of :func:`make_plan`'s dict (model, memory per role, bytes per axis, time).
 
     Example:
-        >>> print(format_table(plan).splitlines()[0])  # doctest: +SKIP
-        model toy: 57.5 k params, 57.5 k active per token
+        >>> from lightning_4d.planner.hardware import CPU_TOY
+        >>> spec = TransformerSpec(vocab_size=64, hidden=32, layers=2, heads=4, seq_len=16, name="toy")
+        >>> plan = make_plan(spec, ParallelDims.from_world(2, tp=2), ClusterSpec(1, 2, CPU_TOY), TrainSpec(2))
+        >>> print(format_table(plan).splitlines()[0])
+        model toy: 37 k params, 37 k active per token
     """
     lay, mem, st = plan["layout"], plan["memory"], plan["step"]
 
@@ -164,14 +166,15 @@ def format_table(plan: dict[str, Any]) -> str:
              "axes across nodes: " + (", ".join(a for a, x in lay["axes_crossing_nodes"].items() if x) or "none"),
              "",
              f"{'role':>6} {'layers':>11} {'params':>10} {'grads':>10} {'optim':>10} {'unshard':>10} "
-             f"{'activ':>10} {'logits':>10} {'alloc+rt':>10} {'total':>10}"]
+             f"{'activ':>10} {'logits':>10} {'alloc+rt':>10} {'total':>10} {'set-up':>10}"]
     for r in mem["per_role"]:
         span = _ranges(r["layers"])
         other = r.get("allocator", 0.0) + r.get("runtime", 0.0)  # allocator slack and a CPU rank's runtime
         lines.append(f"{'pp' + str(r['pp_rank']):>6} {span:>11} " + " ".join(
             f"{_fmt_bytes(v):>10}" for v in [*(r[k] for k in ("params", "grads", "optimizer", "unsharded",
-                                                              "activations", "logits")), other, r["total"]]))
-    lines += [f"peak {_fmt_bytes(mem['peak'])} of {_fmt_bytes(mem['usable'])} usable: "
+                                                              "activations", "logits")), other, r["total"],
+                                              r.get("setup_total", 0.0)]))
+    lines += [f"peak (training step or set-up) {_fmt_bytes(mem['peak'])} of {_fmt_bytes(mem['usable'])} usable: "
               f"{'fits' if mem['fits'] else 'DOES NOT FIT'}", "",
               f"bytes sent per step by the busiest rank (role pp{plan['communication']['busiest_role']}):"]
     for axis, kinds in plan["communication"]["busiest_rank"].items():
@@ -196,6 +199,7 @@ def write_plan(plan: dict[str, Any], path: Union[str, os.PathLike] = "plan.json"
     """Write the plan as JSON (directories created); return the path.
 
     Example:
+        >>> # not run: needs files (writes a plan)
         >>> write_plan({"mfu": 0.5}, tmp_path / "plan.json")  # doctest: +SKIP
     """
     path = os.fspath(path)

@@ -8,12 +8,12 @@ Per pipeline rank (the slowest one sets the pace):
   share of the step's FLOPs: its layers' ``6·N_active + 12·a·d·s`` per token, experts
   ``6·k·N_expert·ι`` for the busiest ep rank, the head on the last stage) is reported alongside.
 - ``comm[axis] = Σ bytes_sent / bandwidth(axis) + calls · latency(axis)``, with NVLink bandwidth for
-  axes inside a node and the NIC's across nodes (:func:`~lightning_4d.planner.hardware.axis_bandwidth`).
+  axes inside a node and the NIC's across nodes (:func:`~lightning_4d.planner.hardware.axes_crossing_nodes`).
 - tp, ep and pp traffic sit on the critical path; FSDP / replicate traffic overlaps with compute
   and only its excess shows: ``dp_exposed = max(0, comm_dp + comm_edp − compute)``.
 - ``step = (compute + comm_tp + comm_ep + comm_pp) / (1 − bubble) + dp_exposed + optimizer`` with the
-  bubble of the exact schedule (:mod:`~lightning_4d.planner.bubble`: the closed form equal to the replay
-  of torch's action table) and the AdamW step at the HBM bandwidth. HSDP / ZeRO traffic comes from
+  bubble of the exact schedule (:func:`~lightning_4d.pipeline.schedules.bubble_theory`: the closed form
+  equal to the replay of torch's action table) and the AdamW step at the HBM bandwidth. HSDP / ZeRO traffic comes from
   :mod:`~lightning_4d.planner.dp_modes`.
 - ``MFU = 6·N_active·tokens + attention (model FLOPs, no recomputation) / (world · peak · step)``.
 - CPU ranks sharing fewer cores than ranks (``DeviceSpec.cores``): the step is at least the node's ranks' own
@@ -38,8 +38,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from lightning_4d.config import stage_style
 from lightning_4d.mesh import ParallelDims
-from lightning_4d.planner.bubble import bubble_fraction, replayed_bubble
+from lightning_4d.models.flops import training_flops_per_token
+from lightning_4d.pipeline.partition import stage_to_rank
+from lightning_4d.pipeline.schedules import bubble_theory
+from lightning_4d.planner.bubble import replayed_bubble
 from lightning_4d.planner.comm import Collective, comm_per_rank
 from lightning_4d.planner.hardware import ClusterSpec, axes_crossing_nodes
 from lightning_4d.planner.compute import optimizer_seconds, rank_compute_time
@@ -94,23 +98,22 @@ def rank_flops(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec, laye
     """
     s, h = train.seq(spec), spec.hidden
     tokens = train.global_batch_size * s / (dims.dp * dims.tp)
-    attn = 12 * spec.heads * spec.head_dim * s
-    per_token = 0.0
-    matmul = 0.0
+    active = 0.0  # matmul parameters a token goes through on this rank
     for i in layers:
         lp = spec.layer_params(i)
         dense = lp["attention"] + lp["dense_mlp"] + lp["router"] + lp["shared_experts"]
         experts = spec.top_k * spec.expert_params() * train.expert_imbalance if spec.is_moe_layer(i) else 0
-        matmul += 6 * (dense + lp["norms"] + experts)
-        per_token += attn
+        active += dense + lp["norms"] + experts
     if last:
-        matmul += 6 * (h * spec.vocab_size + spec.norm_params)
-    extra = 0.0
+        active += h * spec.vocab_size + spec.norm_params
+    width = spec.heads * spec.head_dim
+    per_token = training_flops_per_token(active, len(layers), width, s)
+    extra = 0.0  # forwards run again in backward: a third of forward + backward
     if recompute and train.activation_checkpointing == "full":
-        extra = matmul / 3 + len(layers) * attn / 3
+        extra = per_token / 3
     elif recompute and train.activation_checkpointing == "selective":
-        extra = len(layers) * attn / 3
-    return tokens * (matmul + per_token + extra)
+        extra = training_flops_per_token(0.0, len(layers), width, s) / 3
+    return tokens * (per_token + extra)
 
 
 def comm_seconds(records: list[Collective], dims: ParallelDims, cluster: ClusterSpec,
@@ -196,9 +199,9 @@ def estimate_step(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec, c
     m = resolve_microbatches(dims, train)
     b = micro_batch_size(dims, train)
     schedule = train.schedule if dims.pp > 1 else "1f1b"
-    bubble = (replayed_bubble if replay else bubble_fraction)(schedule, dims.pp, m, dims.virtual_stages)
+    bubble = (replayed_bubble if replay else bubble_theory)(schedule, dims.pp, m, dims.virtual_stages)
     peak = cluster.device.peak_flops
-    v_last = 0 if train.schedule in ("zbv", "dualpipev") and dims.pp > 1 else dims.pp - 1
+    v_last = stage_to_rank(dims.num_stages - 1, dims.pp, stage_style(train.schedule, dims.pp))  # holds the head
     best = None
     work = []  # per pp rank: seconds of its own (compute + optimizer) and of its critical communication
     for r, layers in enumerate(layout):

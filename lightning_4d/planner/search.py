@@ -32,9 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterator, Optional, Sequence
 
+from lightning_4d.config import default_virtual_stages
 from lightning_4d.mesh import ParallelDims, _divisors
 from lightning_4d.pipeline.schedules import get_schedule_info
-from lightning_4d.planner.bubble import stages_per_rank
 from lightning_4d.planner.comm import comm_per_rank
 from lightning_4d.planner.hardware import ClusterSpec, axes_crossing_nodes
 from lightning_4d.planner.memory import check_layout, memory_per_rank, stage_layout
@@ -152,7 +152,7 @@ def enumerate_layouts(spec: TransformerSpec, cluster: ClusterSpec, train: TrainS
             local = train.global_batch_size // dp
             eps = [e for e in _divisors(dp * tp) if spec.num_experts % e == 0] if spec.is_moe else [1]
             for schedule in (schedules if pp > 1 else ("1f1b",)):
-                v = stages_per_rank(schedule, pp)
+                v = default_virtual_stages(schedule, pp)
                 if pp * v > spec.layers:
                     continue
                 for ep in eps:
@@ -246,7 +246,7 @@ def search(spec: TransformerSpec, cluster: ClusterSpec, train: TrainSpec, top: i
         count += 1
         layout = stage_layout(spec, dims, tr.schedule)
         try:
-            peak = max(r.total for r in memory_per_rank(spec, dims, tr, layout, overhead,
+            peak = max(r.peak for r in memory_per_rank(spec, dims, tr, layout, overhead,
                                                          cluster.device.runtime_bytes))
         except ValueError:  # e.g. an HSDP shard group that does not divide dp
             continue

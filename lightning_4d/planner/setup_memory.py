@@ -7,9 +7,9 @@ two phases, one after the other, so its peak is the larger of:
   layers), at least ``pp · v`` blocks, the vocabulary cut to ``16·tp`` rows, unsharded, plus its rewritten copy
   (about the same again: FSDP2 shards and TP slices are new tensors);
 - materialisation: the rank's share of the parameters (:func:`lightning_4d.planner.memory.memory_per_rank`'s
-  ``params``) plus the tensors one initialiser call holds in full — at least the largest single tensor of the
+  ``params``) plus the tensors one initialiser call holds in full — the largest single tensor of the
   unsharded model (the embedding, the head, or a stacked ``[E, F, H]`` expert weight), in the parameters'
-  dtype, plus a same-sized index when a tensor is initialised twice (taken as one more largest tensor).
+  dtype (the rank's slice is a view of it; written in place, no index temporaries).
 
 A model built for real instead holds every parameter on every rank first: :func:`setup_peak_bytes` with
 ``meta_built=False`` is the whole model (plus one 64 MB broadcast bucket).
@@ -23,7 +23,10 @@ Example:
 
 from __future__ import annotations
 
+from typing import Optional
+
 from lightning_4d.mesh import ParallelDims
+from lightning_4d.reduced_check import check_budget_bytes, reduced_copy_bytes
 from lightning_4d.planner.spec import TransformerSpec
 
 __all__ = ["largest_tensor_params", "reduced_check_params", "setup_peak_bytes"]
@@ -73,9 +76,12 @@ def reduced_check_params(spec: TransformerSpec, dims: ParallelDims) -> int:
 
 
 def setup_peak_bytes(spec: TransformerSpec, dims: ParallelDims, share_bytes: float, param_bytes: int = 4,
-                     meta_built: bool = True, reduced_copies: float = 2.0) -> float:
+                     meta_built: bool = True, largest_share_bytes: Optional[float] = None) -> float:
     """Peak bytes one rank holds during set-up (see the module docstring): ``share_bytes`` is the rank's
-    parameters after sharding (``memory_per_rank(...)[r].params``).
+    parameters after sharding (``memory_per_rank(...)[r].params``), ``largest_share_bytes`` the largest rank's
+    (default: this one's), which sets the reduced check's budget as at run time
+    (:func:`lightning_4d.reduced_check.check_budget_bytes`: a check over it is skipped, so it never raises the peak
+    beyond materialisation or 256 MiB).
 
     Example:
         >>> spec = TransformerSpec(vocab_size=1000, hidden=64, layers=4, heads=4, ffn_hidden=128)
@@ -83,8 +89,12 @@ def setup_peak_bytes(spec: TransformerSpec, dims: ParallelDims, share_bytes: flo
         >>> setup_peak_bytes(spec, dims, share_bytes=1e5) < setup_peak_bytes(spec, dims, 1e5, meta_built=False)
         True
     """
+    whole = spec.total_params() * param_bytes
+    largest = largest_tensor_params(spec) * param_bytes
+    check = reduced_copy_bytes(reduced_check_params(spec, dims) * param_bytes)
     if not meta_built:
-        return spec.total_params() * param_bytes + min(_BUCKET, spec.total_params() * param_bytes)
-    materialise = share_bytes + 2 * largest_tensor_params(spec) * param_bytes
-    check = reduced_copies * reduced_check_params(spec, dims) * param_bytes
-    return max(materialise, check)
+        held = whole + min(_BUCKET, whole)
+        return max(held, check if check <= check_budget_bytes(whole, 0.0) else 0.0)
+    materialise = share_bytes + largest
+    budget = check_budget_bytes(share_bytes if largest_share_bytes is None else largest_share_bytes, largest)
+    return max(materialise, check if check <= budget else 0.0)

@@ -30,12 +30,13 @@ from functools import cached_property
 from typing import Any, Optional
 
 from lightning_4d.config import DATA_PARALLEL
+from lightning_4d.models.flops import training_flops_per_token
 from lightning_4d.models.moe import is_moe_layer
+from lightning_4d.precision import PLANNER_PRECISIONS, precision_info
 
-__all__ = ["TransformerSpec", "TrainSpec", "seed_moe_1t", "planner_only", "PRECISIONS", "DATA_PARALLEL_MODES",
+__all__ = ["TransformerSpec", "TrainSpec", "seed_moe_1t", "planner_only", "DATA_PARALLEL_MODES",
            "SELECTIVE_POLICIES", "RUNTIME_SELECTIVE_POLICY", "KERNELS"]
 
-PRECISIONS = ("bf16-mixed", "32-true")
 #: Data-parallel modes the planner models (:mod:`lightning_4d.planner.dp_modes`): the runtime's
 #: (``lightning_4d.config.DATA_PARALLEL``) plus ZeRO-1/2, which only the planner models.
 DATA_PARALLEL_MODES = (*DATA_PARALLEL, "zero1", "zero2")
@@ -272,15 +273,15 @@ class TransformerSpec:
         return n
 
     def flops_per_token(self, seq_len: Optional[int] = None) -> int:
-        """Training FLOPs per token, ``6·N_active + 12·L·a·d·s`` (PaLM / the package's models' convention:
-        ``N_active`` without lookup tables; the second term is ``QKᵀ`` and ``AV`` without causal halving).
+        """Training FLOPs per token, ``6·N_active + 12·L·a·d·s``: the package's one formula,
+        :func:`lightning_4d.models.flops.training_flops_per_token`, with this spec's counts.
 
         Example:
             >>> TransformerSpec(vocab_size=8, hidden=4, layers=1, heads=1, ffn_hidden=4).flops_per_token(2)
             1032
         """
         s = self.seq_len if seq_len is None else seq_len
-        return 6 * self.active_params_per_token(True) + 12 * self.layers * self.heads * self.head_dim * s
+        return training_flops_per_token(self.active_params_per_token(True), self.layers, self.heads * self.head_dim, s)
 
     # ----------------------------------------------------------------- constructors
     @classmethod
@@ -335,12 +336,12 @@ class TransformerSpec:
 
 
 def seed_moe_1t(seq_len: int = 8192) -> TransformerSpec:
-    """The seed's "1T MoE" with the shape of ``conf/model/moe_1t.yaml`` (≈1.04 T parameters, ≈40 B active).
+    """The reference "1T MoE" with the shape of ``conf/model/moe_1t.yaml`` (≈1.04 T parameters, ≈40 B active).
 
-    hidden 8192, 40 blocks (4 pipeline stages of 10, the seed's "Layer 0-9 (PP Stage 0)"), 64 query /
+    hidden 8192, 40 blocks (4 pipeline stages of 10: layers 0-9 on stage 0, ...), 64 query /
     8 kv heads, every block MoE with 64 routed experts of hidden 16384 and top-2 routing, vocab 128256.
-    The seed only names the layout (TP=8 + SP and EP=8 in a node, PP across nodes, DP copies); the
-    widths are this project's (keep them equal to the YAML; ``tests/unit/test_planner.py`` checks).
+    Its reference layout is TP=8 + SP and EP=8 inside a node, PP across nodes, DP copies
+    (``conf/parallel/moe_1t.yaml``); keep the widths equal to the YAML (``tests/unit/test_planner.py`` checks).
 
     Example:
         >>> spec = seed_moe_1t()
@@ -384,6 +385,9 @@ class TrainSpec:
         float8: the linear layers' GEMMs (not the attention core nor the head) run in Float8 with dynamic
             scaling, as TorchTitan's ``float8`` converter (:mod:`lightning_4d.planner.compute`).
         kernels: what the kernels keep for backward (:data:`KERNELS`): ``"eager"`` (the runtime's) or ``"fused"``.
+        meta_built: the model is built on the meta device, so set-up holds only this rank's shards plus one
+            full tensor (:mod:`lightning_4d.planner.setup_memory`); ``False``: built for real, every rank holds
+            the whole model at set-up.
 
     Example:
         >>> TrainSpec(global_batch_size=8).act_bytes
@@ -407,13 +411,14 @@ class TrainSpec:
     selective_policy: str = "matmuls"
     float8: bool = False
     kernels: str = "eager"
+    meta_built: bool = True
 
     def __post_init__(self) -> None:
         _positive("global_batch_size", self.global_batch_size)
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels={self.kernels!r} must be one of {KERNELS}.")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision={self.precision!r} is not modelled; use one of {PRECISIONS}.")
+        if self.precision not in PLANNER_PRECISIONS:
+            raise ValueError(f"precision={self.precision!r} is not modelled; use one of {PLANNER_PRECISIONS}.")
         if self.data_parallel not in DATA_PARALLEL_MODES:
             raise ValueError(f"data_parallel={self.data_parallel!r} must be one of {DATA_PARALLEL_MODES}.")
         if self.dp_shard is not None:
@@ -429,7 +434,7 @@ class TrainSpec:
     @property
     def act_bytes(self) -> int:
         """Bytes of one activation / compute-parameter element (2 for bf16, 4 for fp32)."""
-        return 2 if self.precision == "bf16-mixed" else 4
+        return precision_info(self.precision).compute_bytes
 
     def seq(self, spec: TransformerSpec) -> int:
         """Sequence length used (this spec's, else the model's)."""

@@ -11,6 +11,7 @@ Example:
     >>> with initialize_config_dir(str(conf_dir()), version_base=None):
     ...     cfg = compose("train", ["model=tiny_dense", "parallel=none", "trainer.devices=1",
     ...                             "data=synthetic", "trainer.max_steps=2"])
+    >>> # not run: needs a Trainer (and the recipe's config files)
     >>> result = run(cfg)  # doctest: +SKIP
     >>> result.losses[-1] < result.losses[0]  # doctest: +SKIP
     True
@@ -452,6 +453,7 @@ def build_trainer(cfg: Config, root: Optional[Path] = None, extra_callbacks: Seq
     ``extra_callbacks`` (before the loss history).
 
     Example:
+        >>> # not run: needs a Trainer (and the recipe's config files)
         >>> trainer = build_trainer(TrainConfig(model=LlamaModelConfig()), Path("/tmp/x"))  # doctest: +SKIP
         >>> type(trainer.strategy).__name__  # doctest: +SKIP
         'FourDStrategy'
@@ -555,6 +557,7 @@ def run(cfg: Config, callbacks: Sequence[Any] = ()) -> RunResult:
     ``callbacks``: extra Lightning callbacks for this run (when calling ``run`` from Python).
 
     Example:
+        >>> # not run: needs a Trainer (and the recipe's config files)
         >>> result = run(cfg)  # doctest: +SKIP
         >>> result.losses[0] > result.losses[-1]  # doctest: +SKIP
         True

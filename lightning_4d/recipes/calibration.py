@@ -108,6 +108,7 @@ def store_cpu_measurements(results: dict[str, dict[str, Any]]) -> None:
     """Write measurements (``bench/calibrate_planner_cpu.py --measure ... --write``) into the packaged JSON.
 
     Example:
+        >>> # not run: needs files (the calibration data)
         >>> store_cpu_measurements({})  # doctest: +SKIP
     """
     import json
@@ -314,6 +315,7 @@ def calibration_markdown(rows: Optional[list[dict[str, Any]]] = None,
     """The whole of ``docs/planner_calibration.md``: notes, the published-run tables, the devices and the CPU table.
 
     Example:
+        >>> # not run: needs files (the calibration data)
         >>> calibration_markdown().startswith("# Planner calibration")  # doctest: +SKIP
         True
     """

@@ -8,6 +8,7 @@ meta device), so the fail-fast checks of :mod:`lightning_4d.recipes.build` and
 
 Example:
     >>> from lightning_4d.recipes.schema import HFModelConfig
+    >>> # not run: needs files (a model directory or config file)
     >>> hf_shape(HFModelConfig(path="my-llama")).num_hidden_layers  # doctest: +SKIP
     32
 """
@@ -20,6 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Optional
 
+from lightning_4d.recipes.counts import ParamCount
 from lightning_4d.recipes.schema import HFModelConfig, RecipeConfigError
 
 __all__ = ["HFShape", "build_hf", "hf_config", "hf_config_with_layers", "hf_param_count", "hf_shape", "hf_spec",
@@ -89,6 +91,7 @@ def hf_shape(model: HFModelConfig) -> HFShape:
     """Vocabulary, positions, heads, blocks and experts of ``model``'s config.
 
     Example:
+        >>> # not run: needs files (a model directory or config file)
         >>> hf_shape(HFModelConfig(config="my-qwen3-moe/config.json")).num_experts  # doctest: +SKIP
         8
     """
@@ -172,6 +175,7 @@ def hf_spec(model: HFModelConfig) -> Any:
     is approximated), or ``None`` when the config does not describe a decoder-only transformer block.
 
     Example:
+        >>> # not run: needs files (a model directory or config file)
         >>> hf_spec(HFModelConfig(path="my-llama")).layers  # doctest: +SKIP
         32
     """
@@ -190,6 +194,7 @@ def hf_spec_notes(model: HFModelConfig) -> list[str]:
     """What :func:`hf_spec` approximates for ``model``'s config (empty when the spec is exact by construction).
 
     Example:
+        >>> # not run: needs files (a model directory or config file)
         >>> hf_spec_notes(HFModelConfig(config="my-deepseek-v3/config.json"))  # doctest: +SKIP
         ['multi-head latent attention is planned as full-width heads (its low-rank projections are not modelled)']
     """
@@ -206,6 +211,7 @@ def hf_config_with_layers(model: HFModelConfig, layers: int, directory: Path) ->
     MoE models keep a dense prefix when they have one): what the planner's dry run traces.
 
     Example:
+        >>> # not run: needs files (a model directory or config file)
         >>> hf_config_with_layers(HFModelConfig(path="my-llama"), 4, tmp_path).config  # doctest: +SKIP
         '/tmp/.../config.json'
     """
@@ -236,6 +242,7 @@ def build_hf(model: HFModelConfig) -> Any:
     straight from the files; elsewhere the whole model is loaded.
 
     Example:
+        >>> # not run: needs files (a model directory or config file)
         >>> type(build_hf(HFModelConfig(config="my-llama/config.json"))).__name__  # doctest: +SKIP
         'HFLogits'
     """
@@ -248,19 +255,18 @@ def build_hf(model: HFModelConfig) -> Any:
     return load(Path(model.source).absolute(), **options)
 
 
-def hf_param_count(model: HFModelConfig) -> Any:
-    """Exact parameters of ``model`` (a :class:`~lightning_4d.recipes.resources.ParamCount`) from a build
+def hf_param_count(model: HFModelConfig) -> ParamCount:
+    """Exact parameters of ``model`` (a :class:`~lightning_4d.recipes.counts.ParamCount`) from a build
     on the meta device (no memory); tied weights count once, routed experts (``…experts…`` parameters) as
     ``expert`` and ``top_k / num_experts`` of them as active.
 
     Example:
+        >>> # not run: needs files (a model directory or config file)
         >>> hf_param_count(HFModelConfig(path="my-llama")).expert  # doctest: +SKIP
         0
     """
     import torch
     from transformers import AutoModelForCausalLM
-
-    from lightning_4d.recipes.resources import ParamCount
 
     shape = hf_shape(model)
     with torch.device("meta"):

@@ -33,6 +33,7 @@ from typing import Any, Optional, Union
 from omegaconf import DictConfig
 
 from lightning_4d.pipeline.schedules import validate_microbatches
+from lightning_4d.precision import PLANNER_PRECISIONS, precision_info
 from lightning_4d.planner import ClusterSpec, DeviceSpec, NoLayoutFits, TrainSpec, format_table, make_plan, search, write_plan
 from lightning_4d.planner.dry_run import dry_run
 from lightning_4d.planner.hardware import custom_device, device_by_name
@@ -105,14 +106,16 @@ def _plan_section(c: TrainConfig) -> PlanConfig:
 
 def _precision(trainer_precision: str) -> tuple[str, Optional[str]]:
     p = str(trainer_precision)
-    if p in ("32-true", "32"):
-        return "32-true", None
-    if p == "bf16-mixed":
-        return "bf16-mixed", None
-    if p in ("16-mixed", "bf16-true", "16-true", "bf16", "16"):
-        return "bf16-mixed", (f"trainer.precision={p} is modelled as bf16-mixed (16-bit compute, fp32 weights, "
-                              f"gradients and AdamW states)")
-    raise PlanError(f"trainer.precision={p} is not modelled by the planner; use 32-true or bf16-mixed.")
+    try:
+        info = precision_info(p)
+    except ValueError as err:
+        raise PlanError(f"trainer.precision: {err}") from err
+    if info.planner is None:
+        raise PlanError(f"trainer.precision={p} is not modelled by the planner; use one of {PLANNER_PRECISIONS}.")
+    if info.modelled_exactly:
+        return info.planner, None
+    return info.planner, (f"trainer.precision={p} is modelled as {info.planner} (16-bit compute, fp32 weights, "
+                          f"gradients and AdamW states)")
 
 
 def plan_device(plan: PlanConfig) -> DeviceSpec:
@@ -172,6 +175,7 @@ def plan_setup(cfg: Union[DictConfig, TrainConfig]) -> PlanSetup:
         PlanError: the layout does not fit the model or the cluster, or the batch does not split.
 
     Example:
+        >>> # not run: needs files (the recipe's config files)
         >>> setup = plan_setup(cfg)  # doctest: +SKIP
     """
     c = validate(cfg)
@@ -301,6 +305,7 @@ def trace_blocks(setup: PlanSetup) -> int:
     as a multiple of the pipeline stages (at least one block per stage).
 
     Example:
+        >>> # not run: needs files (the recipe's config files)
         >>> trace_blocks(setup)  # doctest: +SKIP
         40
     """
@@ -319,6 +324,7 @@ def run_dry_run(setup: PlanSetup) -> Any:
     initialised on the meta device: no weights are read), cut in a temporary ``config.json``.
 
     Example:
+        >>> # not run: needs files (the recipe's config files)
         >>> run_dry_run(plan_setup(cfg)).ok  # doctest: +SKIP
         True
     """
@@ -368,6 +374,7 @@ def run_plan(cfg: Union[DictConfig, TrainConfig], out_dir: Optional[Union[str, P
         PlanError: the request is impossible (see :func:`plan_setup`), or ``plan.search`` finds no layout.
 
     Example:
+        >>> # not run: needs files (the recipe's config files)
         >>> outcome = run_plan(cfg, tmp_path)  # doctest: +SKIP
         >>> outcome.plan["total_params"]  # doctest: +SKIP
         1038954930176

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from lightning_4d.pipeline.schedules import validate_microbatches
 from lightning_4d.planner import TrainSpec, TransformerSpec
 from lightning_4d.planner.memory import check_layout, memory_per_rank
+from lightning_4d.recipes.counts import ParamCount, format_count
 from lightning_4d.recipes.schema import HFModelConfig, TrainConfig, owned
 from lightning_4d.tensor_parallel.plan import check_divisible
 
@@ -55,46 +56,6 @@ class ResourceError(RuntimeError):
         >>> isinstance(ResourceError("needs 512 GPUs"), RuntimeError)
         True
     """
-
-
-def format_count(n: float) -> str:
-    """``1.04T``, ``8.03B``, ``125M``, ``4.1K``.
-
-    Example:
-        >>> format_count(1_038_000_000_000), format_count(124_439_808), format_count(188)
-        ('1.04T', '124M', '188')
-    """
-    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.3g}{unit}"
-    return f"{int(n)}"
-
-
-# ---------------------------------------------------------------------------------------------- params
-@dataclass(frozen=True)
-class ParamCount:
-    """Parameters of a model config: ``dense`` (replicated over ep; split by tp/pp), ``expert`` (routed
-    expert weights; split by ep/pp) and ``active`` (used per token: dense + ``top_k`` experts).
-
-    Example:
-        >>> ParamCount(dense=10, expert=40, active=20).total
-        50
-    """
-    dense: int
-    expert: int
-    active: int
-
-    @property
-    def total(self) -> int:
-        """All parameters."""
-        return self.dense + self.expert
-
-    def describe(self) -> str:
-        """One line, e.g. ``1.04T parameters (8.15B dense, 1.03T in experts; 40.4B active per token)``."""
-        if not self.expert:
-            return f"{format_count(self.total)} parameters (dense)"
-        return (f"{format_count(self.total)} parameters ({format_count(self.dense)} dense, "
-                f"{format_count(self.expert)} in experts; {format_count(self.active)} active per token)")
 
 
 def model_spec(model: Any) -> Optional["TransformerSpec"]:

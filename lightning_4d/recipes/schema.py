@@ -51,6 +51,7 @@ from lightning_4d._compat.omegaconf import owner_of, structured_schema
 from lightning_4d.config import FourDConfig
 from lightning_4d.models import GPT2Config, LlamaConfig
 from lightning_4d.models.moe import MoEConfig
+from lightning_4d.precision import PRECISION_NAMES
 
 __all__ = [
     "CallbacksConfig",
@@ -75,7 +76,6 @@ __all__ = [
     "to_train_config",
 ]
 
-_PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true")
 _ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
 
 
@@ -209,7 +209,7 @@ class TrainerConfig:
         if self.devices != "auto":
             _positive("trainer.devices", self.devices)
         _positive("trainer.num_nodes", self.num_nodes)
-        _one_of("trainer.precision", str(self.precision), _PRECISIONS)
+        _one_of("trainer.precision", str(self.precision), PRECISION_NAMES)
         if self.max_steps != -1:
             _positive("trainer.max_steps", self.max_steps)
         _positive("trainer.max_epochs", self.max_epochs, allow_none=True)

@@ -7,6 +7,7 @@ by ``tp`` so ``view`` / ``split`` calls stay right. Sequence parallelism lives b
 code around them (embedding sums, rotary tables, masks, final norm, head) sees the full sequence.
 
 Example:
+    >>> # not run: needs a process group
     >>> apply_tensor_parallel(lightning_module, mesh, plan)  # doctest: +SKIP
 """
 
@@ -19,7 +20,10 @@ from typing import Any, Optional
 from torch import nn
 
 from lightning_4d._compat import registered_submodule
-from lightning_4d.mesh import Axis
+from lightning_4d.head_bias import ArgKey, install_head_inputs
+from lightning_4d.hooks import LOSS_PARALLEL, TP_PLAN, hook_call, user_hook
+from lightning_4d.layer_kinds import is_conv1d
+from lightning_4d.mesh import Axis, FourDMesh
 from lightning_4d.tensor_parallel.layouts import register_permutation
 from lightning_4d.tensor_parallel.plan import block_plan, model_plan
 from lightning_4d.tensor_parallel.rng import ShardedRNG, install_sharded_rng, sharded_dropout_modules
@@ -33,7 +37,6 @@ from lightning_4d.tensor_parallel.styles import (
     install_head_lists,
     install_head_slices,
     install_sequence_boundary,
-    is_conv1d,
 )
 from lightning_4d.trace import HiddenArg, ModelTrace
 
@@ -61,7 +64,7 @@ def _retie(root: nn.Module, groups: list[list[str]]) -> None:
                 raise ValueError(
                     f"Tied parameters {names[0]} and {other} get different tensor-parallel layouts "
                     f"({getattr(param, 'placements', None)} vs {getattr(current, 'placements', None)}). Untie them "
-                    f"or give an explicit plan with `fourd_tp_plan`."
+                    f"or give an explicit plan with {hook_call(TP_PLAN)}."
                 )
             setattr(mod, attr, param)
 
@@ -81,6 +84,8 @@ class TPLayout:
     configs: dict[str, dict[str, int]] = field(default_factory=dict)  # region -> {config attr: per-rank value}
     head_lists: dict[str, dict[str, list[tuple[int, int]]]] = field(default_factory=dict)  # owner -> {list: slices}
     head_params: dict[str, dict[str, list[tuple[int, int]]]] = field(default_factory=dict)  # owner -> {param: slices}
+    # region -> {argument: (heads, slices)}: the per-head score biases (ALiBi) it receives
+    head_inputs: dict[str, dict[ArgKey, tuple[int, list[tuple[int, int]]]]] = field(default_factory=dict)
     regions: dict[str, list[str]] = field(default_factory=dict)  # block -> TP regions (attention, MLP)
     loss_parallel: bool = False
     permutations: dict[str, tuple[list[int], int]] = field(default_factory=dict)  # param fqn -> (rows, dim)
@@ -93,7 +98,15 @@ def tp_styles(root: nn.Module, trace: ModelTrace, tp: int, sp: bool) -> TPLayout
     """Plan the whole model: styles per module, head attributes to divide, regions, loss parallel.
 
     Example:
-        >>> layout = tp_styles(model, trace_model(model, "layers", tokens), 2, True)  # doctest: +SKIP
+        >>> import torch
+        >>> from lightning_4d.models import Llama, LlamaConfig
+        >>> from lightning_4d.trace import trace_model
+        >>> lm = Llama(LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, ffn_hidden=32, max_seq_len=8))
+        >>> tokens = torch.randint(0, 32, (2, 8))
+        >>> trace = trace_model(lm, "layers", tokens)
+        >>> layout = tp_styles(lm, trace, 2, True)
+        >>> [type(layout.styles[f"layers.0.attention.{n}"]).__name__ for n in ("wq", "wo")], layout.loss_parallel
+        (['Colwise', 'Rowwise'], True)
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
@@ -116,7 +129,7 @@ def tp_styles(root: nn.Module, trace: ModelTrace, tp: int, sp: bool) -> TPLayout
                     raise ValueError(
                         f"{fqn} computes replicated heads and is held directly by the block, where sequence "
                         f"parallelism gives it only this rank's tokens. Set sequence_parallel=False or implement "
-                        f"`fourd_tp_plan(self, tp_mesh, sequence_parallel)`."
+                        f"{hook_call(TP_PLAN)}."
                     )
                 styles[fqn] = GatheredColumns(plan.gathered[name])
             elif kind == "colwise":
@@ -157,11 +170,13 @@ def tp_styles(root: nn.Module, trace: ModelTrace, tp: int, sp: bool) -> TPLayout
         for path, slices in plan.head_params.items():
             owner, _, pname = path.rpartition(".")
             layout.head_params.setdefault(f"{block_name}.{owner}" if owner else block_name, {})[pname] = slices
+        for region, inputs in plan.head_inputs.items():
+            layout.head_inputs[f"{block_name}.{region}"] = inputs
         layout.partial_params += [f"{block_name}.{n}" for n in plan.partial_params]
     if not styles:
         raise ValueError(
             f"tp={tp} but no block of {trace.blocks_path} has a linear layer to shard: tensor parallelism would "
-            f"change nothing. Use tp=1, or implement `fourd_tp_plan(self, tp_mesh, sequence_parallel)`."
+            f"change nothing. Use tp=1, or implement {hook_call(TP_PLAN)}."
         )
     if sp:
         layout.boundary = (blocks[0][0], blocks[-1][0])
@@ -175,21 +190,22 @@ def tp_styles(root: nn.Module, trace: ModelTrace, tp: int, sp: bool) -> TPLayout
     return layout
 
 
-def plan_tensor_parallel(module: nn.Module, mesh: Any, trace: ModelTrace) -> TPLayout:
+def plan_tensor_parallel(module: nn.Module, mesh: FourDMesh, trace: ModelTrace) -> TPLayout:
     """Plan TP/SP for the full model (pure; validates divisibility before anything changes).
 
     Example:
+        >>> # not run: needs a process group
         >>> layout = plan_tensor_parallel(lm, mesh, trace)  # doctest: +SKIP
     """
     dims = mesh.dims
-    hook = getattr(module, "fourd_tp_plan", None)
-    if callable(hook):
+    hook = user_hook(module, TP_PLAN)
+    if hook is not None:
         return TPLayout(styles=dict(hook(mesh[Axis.TP], dims.sp)),
-                        loss_parallel=bool(getattr(module, "fourd_loss_parallel", False)))
+                        loss_parallel=bool(getattr(module, LOSS_PARALLEL, False)))
     return tp_styles(module, trace, dims.tp, dims.sp)
 
 
-def apply_tensor_parallel(module: nn.Module, mesh: Any, plan: Any, layout: TPLayout) -> None:
+def apply_tensor_parallel(module: nn.Module, mesh: FourDMesh, plan: Any, layout: TPLayout) -> None:
     """Rewrite ``module`` in place for the ``tp`` axis of ``mesh``; records into ``plan``.
 
     ``layout`` comes from :func:`plan_tensor_parallel` on the full model; entries for modules a pipeline
@@ -198,6 +214,7 @@ def apply_tensor_parallel(module: nn.Module, mesh: Any, plan: Any, layout: TPLay
     ``self.fourd_loss_parallel`` if the output is vocab-sharded).
 
     Example:
+        >>> # not run: needs a process group
         >>> apply_tensor_parallel(lm, mesh, ParallelPlan(blocks_path="model.layers"), layout)  # doctest: +SKIP
     """
     from torch.distributed.tensor.parallel import parallelize_module
@@ -233,6 +250,9 @@ def apply_tensor_parallel(module: nn.Module, mesh: Any, plan: Any, layout: TPLay
     for owner, params in layout.head_params.items():
         if present(owner):
             install_head_slices(module.get_submodule(owner), {name: s[rank] for name, s in params.items()})
+    for owner, inputs in layout.head_inputs.items():
+        if present(owner):
+            install_head_inputs(module.get_submodule(owner), {k: (h, s[rank]) for k, (h, s) in inputs.items()})
     _retie(module, groups)
     for fqn, (perm, dim) in layout.permutations.items():
         if present(fqn.rpartition(".")[0]):

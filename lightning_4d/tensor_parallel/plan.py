@@ -1,6 +1,6 @@
 r"""Automatic tensor/sequence-parallel plans from module names (pure: no process group).
 
-What is recognised (DESIGN.md), by name where a convention exists and by dataflow otherwise (the
+What is recognised, by name where a convention exists and by dataflow otherwise (the
 :class:`~lightning_4d.trace.ModelTrace` of one forward):
 
 - column-parallel (output features split): ``wq wk wv`` / ``q_proj k_proj v_proj`` / ``c_attn`` / ``wqkv``,
@@ -47,8 +47,12 @@ from typing import Optional
 import torch
 from torch import nn
 
+from lightning_4d.head_bias import ArgKey
+from lightning_4d.hooks import TP_PLAN, hook_call
+from lightning_4d.layer_kinds import holds_routed_experts, is_linear, is_norm
+from lightning_4d.precision import allowed_difference, max_difference
 from lightning_4d.tensor_parallel.layouts import concat_permutation
-from lightning_4d.tensor_parallel.styles import is_linear, linear_features
+from lightning_4d.tensor_parallel.styles import linear_features
 from lightning_4d.trace import ModelTrace
 
 __all__ = [
@@ -62,8 +66,6 @@ __all__ = [
     "ModelPlan",
     "block_plan",
     "model_plan",
-    "is_norm",
-    "is_moe",
     "check_divisible",
     "low_rank_pairs",
 ]
@@ -85,17 +87,7 @@ CONFIG_HEAD_ATTRS = ("num_attention_heads", "num_key_value_heads", "n_head", "nu
 CONFIG_WIDTH_ATTRS = ("hidden_size", "intermediate_size", "n_embd", "ffn_hidden_size", "n_inner")
 CONFIG_GROUP_ATTRS: tuple[str, ...] = ()
 
-_HOOK = "`fourd_tp_plan(self, tp_mesh, sequence_parallel)` on your FourDModule (returns {module path: ParallelStyle})"
-
-
-def is_norm(module: nn.Module) -> bool:
-    """LayerNorm / RMSNorm (or a user class whose name ends in ``Norm``)."""
-    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("Norm")
-
-
-def is_moe(module: nn.Module) -> bool:
-    """A mixture-of-experts module: has an ``experts`` container (Mixtral style or the package's layer)."""
-    return hasattr(module, "experts") or type(module).__name__ in ("MoE", "MoELayer")
+_HOOK = f"{hook_call(TP_PLAN)} on your FourDModule (returns {{module path: ParallelStyle}})"
 
 
 @dataclass
@@ -123,6 +115,8 @@ class BlockPlan:
     head_params: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # per-head parameter -> slices
     dist_norms: dict[str, str] = field(default_factory=dict)  # full-width norm -> the linear it normalises
     local_norms: list[str] = field(default_factory=list)  # SP norms on non-(B, T, H) inputs: local, grads summed
+    # region -> {argument: (heads, per-rank [lo, hi))}: per-head score biases it receives (ALiBi), cut with its heads
+    head_inputs: dict[str, dict[ArgKey, tuple[int, list[tuple[int, int]]]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -286,8 +280,8 @@ def _check_linear_forward(where: str, module: nn.Module) -> None:
     with torch.no_grad():
         got = module(x)
         want = torch.nn.functional.linear(x, w, module.bias)
-    if not isinstance(got, torch.Tensor) or got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4,
-                                                                                           atol=1e-6):
+    diff, scale = max_difference(got, want) or (0.0, 0.0)
+    if not isinstance(got, torch.Tensor) or diff > allowed_difference(want, scale):
         raise ValueError(
             f"{where} ({type(module).__name__}) subclasses nn.Linear with its own forward, which does not compute "
             f"x @ weight.T + bias on a test input, so it cannot be sharded as a column- or row-parallel linear. "
@@ -358,7 +352,7 @@ def block_plan(block: nn.Module, block_name: str, tp: int, trace: Optional[Model
             continue
         if any(name == p or name.startswith(p + ".") for p in moe_prefixes):
             continue  # expert weights are never treated as dense layers
-        if is_moe(module):
+        if holds_routed_experts(module):
             moe_prefixes.append(name)
             plan.moe.append(name)
             continue
@@ -411,6 +405,9 @@ def block_plan(block: nn.Module, block_name: str, tp: int, trace: Optional[Model
             if conf_local:
                 plan.config_attrs[region] = conf_local
         plan.partial_params += _region_params(block_name, block, region, plan, heads, trace, tp)
+        biases = _score_bias_heads(trace.score_biases.get(region, {}) if trace is not None else {}, heads, tp)
+        if biases:
+            plan.head_inputs[region] = biases
     plan.partial_params += _moe_params(block, plan, sequence_parallel)
     if sequence_parallel:
         ndim = trace.input_ndim if trace is not None else {}
@@ -509,6 +506,27 @@ def _head_slices(count: int, heads: _Heads, tp: int) -> Optional[list[tuple[int,
     return None
 
 
+def _score_bias_heads(found: dict[ArgKey, tuple[tuple[int, ...], int]], heads: _Heads,
+                      tp: int) -> dict[ArgKey, tuple[int, list[tuple[int, int]]]]:
+    """The traced score biases of a region (:mod:`lightning_4d.head_bias`) whose dimension ``-3`` holds one of its
+    sharded head counts, directly ``(..., H, Q, K)`` or folded with the batch ``(B·H, Q, K)``: ``{argument: (heads,
+    per-rank slices)}``. Others are left whole (the set-up comparison shows whether that is right).
+
+    Example:
+        >>> _score_bias_heads({"alibi": ((8, 1, 8), 2)}, _Heads(sharded={4}), 2)
+        {'alibi': (4, [(0, 2), (2, 4)])}
+    """
+    out: dict[ArgKey, tuple[int, list[tuple[int, int]]]] = {}
+    for key, (shape, batch) in found.items():
+        size = shape[-3]
+        count = size if size in heads.sharded else size // batch if batch and size % batch == 0 else None
+        if count in heads.sharded:
+            slices = _head_slices(count, heads, tp)
+            assert slices is not None
+            out[key] = (count, slices)
+    return out
+
+
 def _region_params(block_name: str, block: nn.Module, region: str, plan: BlockPlan, heads: _Heads,
                    trace: Optional[ModelTrace], tp: int) -> list[str]:
     """Parameters inside a region besides its linears: per-head norms (``q_norm`` over ``head_dim``), per-head
@@ -563,12 +581,18 @@ def _region_params(block_name: str, block: nn.Module, region: str, plan: BlockPl
                 plan.head_params[f"{path}.{n}"] = per_head[n]  # type: ignore[assignment]
                 out.append(f"{path}.{n}")
             continue
+        firsts = sorted({int(p.shape[0]) for p in own.values() if p.dim() >= 1})
         why = (f"normalises over {size} features, a full width that tensor parallelism splits across ranks"
-               if is_norm(sub) else "is not a linear layer, a norm or indexed by head (its first dimension is none "
-               f"of the head counts {sorted(counts)}), so its sharded layout is unknown")
+               if is_norm(sub) else f"is not a linear layer or a norm, and is not indexed by the heads the region's "
+               f"projections are viewed in: per-head parameters follow those heads over the ranks, but these have "
+               f"{' / '.join(map(str, firsts)) or 'no'} entries along their first dimension and the projections' "
+               f"head counts are {sorted(counts) or 'unknown'} (a linear-attention or state-space mixer's per-head "
+               f"`dt_bias` / `A_log` count heads inside a fused, grouped projection that the trace does not cut), so "
+               f"which rank's heads they belong to is unknown")
         raise ValueError(
             f"{block_name}.{path} holds parameters ({', '.join(own)}) inside the tensor-parallel region "
-            f"{block_name}.{region} and {why}. Implement {_HOOK} for this model, or use tp=1."
+            f"{block_name}.{region} and {why}. Use tp=1 for this model (pipeline, data and expert parallelism do "
+            f"not cut heads), or implement {_HOOK}."
         )
     return out
 

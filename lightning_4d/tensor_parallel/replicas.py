@@ -7,6 +7,7 @@ compares a checksum of every such parameter across the ``tp`` group (one all-gat
 numbers per parameter); the strategy runs it after the first optimizer step and fails loudly.
 
 Example:
+    >>> # not run: needs a process group
     >>> replica_mismatches(lightning_module, mesh["tp"].get_group())  # doctest: +SKIP
     []
 """
@@ -54,6 +55,7 @@ def replica_mismatches(module: nn.Module, tp_group: Any, rtol: float = 1e-6) -> 
     every rank of the group, same module structure).
 
     Example:
+        >>> # not run: needs a process group
         >>> replica_mismatches(lm, mesh["tp"].get_group())  # doctest: +SKIP
         []
     """

@@ -12,8 +12,8 @@
 
 Example:
     >>> from torch import nn
-    >>> is_linear(nn.Linear(2, 3)), linear_features(nn.Linear(2, 3))
-    (True, (2, 3))
+    >>> linear_features(nn.Linear(2, 3))
+    (2, 3)
 """
 
 from __future__ import annotations
@@ -25,22 +25,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
+from lightning_4d.hooks import TP_PLAN, hook_call
+from lightning_4d.layer_kinds import is_conv1d
 from lightning_4d.trace import HiddenArg, first_param_name
 
 __all__ = ["Colwise", "Rowwise", "RegionInput", "GatheredColumns", "DistributedNorm", "install_sequence_boundary",
-           "install_head_slices", "install_head_lists", "fresh_local", "is_conv1d", "is_linear", "linear_features"]
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    """transformers' ``Conv1D``: ``y = x @ weight + bias`` with ``weight`` of shape ``[in, out]``."""
-    w = getattr(module, "weight", None)
-    return (type(module).__name__ == "Conv1D" and isinstance(w, torch.Tensor) and w.dim() == 2
-            and hasattr(module, "nf"))
-
-
-def is_linear(module: nn.Module) -> bool:
-    """An ``nn.Linear`` or a transformers ``Conv1D``."""
-    return isinstance(module, nn.Linear) or is_conv1d(module)
+           "install_head_slices", "install_head_lists", "fresh_local", "linear_features"]
 
 
 def linear_features(module: nn.Module) -> tuple[int, int]:
@@ -425,7 +415,7 @@ class RegionInput(ParallelStyle):
                 return args, {**kwargs, keyword: to_replicated(kwargs[keyword])}
             raise ValueError(
                 f"tensor-parallel region {type(module).__name__} was called without its input "
-                f"({keyword!r}); implement `fourd_tp_plan(self, tp_mesh, sequence_parallel)` for this model."
+                f"({keyword!r}); implement {hook_call(TP_PLAN)} for this model."
             )
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
@@ -440,6 +430,7 @@ def install_sequence_boundary(first: Optional[nn.Module], last: Optional[nn.Modu
     Either may be ``None`` (not on this pipeline stage).
 
     Example:
+        >>> # not run: needs a process group
         >>> install_sequence_boundary(model.layers[0], model.layers[-1], HiddenArg(), mesh["tp"])  # doctest: +SKIP
     """
 

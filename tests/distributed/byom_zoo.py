@@ -28,6 +28,11 @@ Families (``kind``: what it exercises under tensor parallelism):
 - ``hf-llama4``: Llama 4 text MoE (3-D experts every token visits, a ``Linear`` subclass router, a shared expert).
 - ``hf-opt``: OPT (``fc1`` / ``fc2`` held directly by the decoder layer, learned positions with an offset).
 - ``hf-mq``: a Llama with a single KV head (multi-query): KV projections replicated over ``tp``.
+- ``hf-bloom`` / ``hf-mpt``: ALiBi: per-head biases built outside the blocks from the whole head count and passed
+  into the attention (Bloom's ``alibi`` ``(B·H, 1, K)`` into ``baddbmm``, MPT's ``position_bias`` ``(H, 1, K)``).
+- ``hf-qwen3next``: Qwen3-Next, linear attention (gated delta net: per-value-head ``dt_bias`` / ``A_log``, a fused
+  ``in_proj_qkvz`` viewed per key-head group, a depthwise conv) alternating with gated full attention, MoE with a
+  shared expert; transformers' PyTorch fallbacks of its kernels run on the CPU.
 - ``tt-llama3`` / ``tt-qwen3moe``: the ``torchtitan`` package's own Llama 3 (fused ``wqkv`` interleaved by KV group)
   and Qwen3 MoE (its ``MoE`` with ``router.gate`` beside ``routed_experts``), with TorchTitan's
   ``ScaledDotProductAttention`` inner attention (its flex attention compiles kernels).
@@ -50,9 +55,9 @@ MOE_EXPERTS = 4
 MOE_FFN = 32
 
 ZOO_KINDS = ("hf-stablelm", "hf-gemma2", "hf-gemma3", "hf-phi3", "hf-olmo2", "hf-olmoe", "hf-gptoss", "hf-bigcode",
-             "hf-falcon-mq", "hf-falcon", "hf-llama4", "hf-opt", "hf-mq", "hf-bloom", "hf-mpt", "tt-llama3",
-             "tt-qwen3moe")
-ZOO_MOE_KINDS = ("hf-olmoe", "hf-gptoss", "hf-llama4", "tt-qwen3moe")
+             "hf-falcon-mq", "hf-falcon", "hf-llama4", "hf-opt", "hf-mq", "hf-bloom", "hf-mpt", "hf-qwen3next",
+             "tt-llama3", "tt-qwen3moe")
+ZOO_MOE_KINDS = ("hf-olmoe", "hf-gptoss", "hf-llama4", "hf-qwen3next", "tt-qwen3moe")
 
 
 def _common(layers: int) -> dict[str, Any]:
@@ -119,6 +124,15 @@ def _hf(family: str, layers: int) -> nn.Module:
         cfg = tf.MptConfig(vocab_size=VOCAB, d_model=HIDDEN, n_layers=layers, n_heads=HEADS, max_seq_len=SEQ,
                            use_cache=False, attn_config=dict(alibi=True, attn_pdrop=0), resid_pdrop=0.0,
                            emb_pdrop=0.0)
+    elif family == "qwen3next":
+        cfg = tf.Qwen3NextConfig(**_common(layers), **gqa, head_dim=HIDDEN // HEADS, intermediate_size=FFN,
+                                 moe_intermediate_size=MOE_FFN, shared_expert_intermediate_size=MOE_FFN,
+                                 num_experts=MOE_EXPERTS, num_experts_per_tok=2, decoder_sparse_step=1,
+                                 mlp_only_layers=[], linear_num_value_heads=HEADS, linear_num_key_heads=KV_HEADS,
+                                 linear_key_head_dim=HIDDEN // HEADS, linear_value_head_dim=HIDDEN // HEADS,
+                                 linear_conv_kernel_dim=4,
+                                 layer_types=["linear_attention", "full_attention"] * (layers // 2)
+                                 + ["linear_attention"] * (layers % 2))
     elif family == "mq":
         cfg = tf.LlamaConfig(**_common(layers), num_attention_heads=HEADS, num_key_value_heads=1,
                              intermediate_size=FFN)
@@ -205,7 +219,7 @@ def perturb(model: nn.Module, scale: float = 0.2) -> nn.Module:
     """Redraw what initialisation leaves symmetric, as a checkpoint would: norm weights (``w + scale·N(0,1)``) and
     biases, 1-D parameters of attention modules (sinks), router weights (std 0.2). Uses the global RNG (seeded by
     the caller)."""
-    from lightning_4d.tensor_parallel.plan import is_norm
+    from lightning_4d.layer_kinds import is_norm
 
     for name, mod in model.named_modules():
         for pname, p in mod.named_parameters(recurse=False):

@@ -4,8 +4,11 @@ Families (:mod:`tests.distributed.byom_zoo`, weights perturbed as a checkpoint's
 list), Gemma 2 / 3 (norms on the attention and MLP outputs), Phi-3 (fused ``qkv_proj`` sliced with sizes from
 ``config``, ``gate_up_proj`` chunked), OLMo 2 / OLMoE (q/k norms over every head), GPT-OSS (attention sinks),
 GPT-BigCode and Falcon multi-query (one KV head in a fused projection), Falcon's new decoder (in-place residual add
-on a projection's output), a one-KV-head Llama, Llama 4 text MoE, OPT (linears held by the decoder layer) and the
-``torchtitan`` package's Llama 3 and Qwen3 MoE.
+on a projection's output), a one-KV-head Llama, Llama 4 text MoE (its forward reads the embedding's weight on every
+pipeline stage), OPT (linears held by the decoder layer), Bloom and MPT (ALiBi biases cut with the heads),
+Qwen3-Next (linear attention: refused under tp, naming the module) and the ``torchtitan`` package's Llama 3 and
+Qwen3 MoE. Each family runs under tp=2 with and without sequence parallelism and tp=2 × pp=2, each MoE family under
+ep=2 (and tp=2 × ep=2), or is refused at set-up (:data:`REFUSED`).
 
 Every family × layout must match the single-process reference: per-step global losses and the final raw
 gradients within 1e-5 relative (fp32, lr=1e-4 as in test_byom), each gradient relative to its own norm or, for a
@@ -15,8 +18,8 @@ largest). TorchTitan's grouped experts compute in bf16 by design, so every gradi
 bf16 rounding noise: it is held to 10× its noise floor, measured in the same world as the error of plain data
 parallelism (which changes only how the batch is split, not the math). ``fit_spec`` also checks under tp>1 that every parameter the TP ranks hold whole is identical on each.
 
-Layouts run many families in one world (a world costs seconds to start); the worst relative error per family ×
-layout is printed at the end of the module (the README's table).
+Layouts run many families in one world (a world costs seconds to start; an expected set-up refusal does not end it);
+the worst relative error per family × layout is printed at the end of the module (the README's table).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any], int]] = {
     "tp2": (2, dict(tp=2), 2),
     "tp2-nosp": (2, dict(tp=2, sequence_parallel=False), 2),
     "dp2": (2, dict(), 2),
+    "pp2": (2, dict(pp=2), 4),
+    "dp4": (4, dict(), 4),
     "ep2": (2, dict(ep=2), 2),
     "tp2-ep2": (2, dict(tp=2, ep=2), 2),
     "tp2-pp2": (4, dict(tp=2, pp=2), 4),
@@ -67,6 +72,9 @@ SHARDED: dict[str, list[str]] = {
     "tt-llama3": [f"model.model.layers.0.{n}.weight" for n in ("attention.qkv_linear.wqkv", "attention.wo",
                                                                "feed_forward.w2")],
     "tt-qwen3moe": [f"model.model.layers.0.{n}.weight" for n in ("attention.qkv_linear.wqkv", "attention.wo")],
+    "hf-bloom": [f"model.model.transformer.h.0.{n}.weight" for n in ("self_attention.query_key_value",
+                                                                     "self_attention.dense", "mlp.dense_4h_to_h")],
+    "hf-mpt": [f"model.model.transformer.blocks.0.{n}.weight" for n in ("attn.Wqkv", "attn.out_proj", "ffn.up_proj")],
 }
 # Parameters a layout must leave whole and replicated (the projections computing KV heads fewer than tp): by family,
 # then by (family, layout) where it depends on tp.
@@ -80,9 +88,15 @@ REPLICATED: dict[Any, list[str]] = {
 # Models that compute part of their forward in bf16 by design (TorchTitan's grouped experts): every gradient
 # downstream of that rounding is held to 10x the noise floor of plain data parallelism, measured in the same world.
 BF16_MODELS = ("tt-qwen3moe",)
-# Expected refusals at set-up: (family, layout) -> what the error must name. ALiBi biases are built per head
-# outside the attention and not split by head: the set-up comparison refuses, naming the attention module.
-REFUSED: dict[tuple[str, str], str] = {("hf-bloom", "tp2"): "transformer.h.0.self_attention"}
+# Expected refusals at set-up: (family, layout) -> what the error must name (the cause and the fix are checked by
+# tests/unit/test_tp_heads_plan.py). Qwen3-Next's linear attention keeps dt_bias / A_log per value head inside a
+# fused projection viewed per key-head group; tp=4 with 2 KV groups interleaved in TorchTitan's fused wqkv.
+_QWEN3NEXT_TP = "layers.0.linear_attn holds parameters (dt_bias, A_log) inside the tensor-parallel region"
+REFUSED: dict[tuple[str, str], str] = {
+    ("hf-qwen3next", "tp2"): _QWEN3NEXT_TP, ("hf-qwen3next", "tp2-nosp"): _QWEN3NEXT_TP,
+    ("hf-qwen3next", "tp2-ep2"): _QWEN3NEXT_TP, ("hf-qwen3next", "tp2-pp2"): _QWEN3NEXT_TP,
+    ("tt-llama3", "tp4"): "attention.qkv_linear.wqkv: its features 0:64 form 2 interleaved groups",
+}
 
 ERRORS: dict[str, str] = {}  # "family layout" -> worst relative error, or the refusal
 
@@ -94,7 +108,7 @@ def _kind(family: str, layers: int) -> str:
 def _spec(family: str, layout: str) -> dict[str, Any]:
     world, strategy, layers = LAYOUTS[layout]
     spec = dict(BASE, model=_kind(family, layers), world=world, strategy=dict(strategy, timeout_s=PG_TIMEOUT_S),
-                label=f"{family} {layout}", placements=True)
+                label=f"{family} {layout}", placements=True, refusal=(family, layout) in REFUSED)
     if strategy.get("tp", 1) > 1:
         spec["check_sharded"] = sorted(set(SHARDED.get(family, [])) | set(_replicated(family, layout)))
     return spec
@@ -106,20 +120,23 @@ def _replicated(family: str, layout: str) -> list[str]:
 
 def _zoo_world(rank: int, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Worker: every spec in turn; a failing spec is reported (the same error on every rank: set-up refusals are
-    decided before any collective) and ends the world's run, the rest marked not run."""
+    decided before any collective). An unexpected failure ends the world's run, the rest marked not run; an expected
+    set-up refusal (``refusal``) does not, as no rank has started a collective of it."""
     os.environ.setdefault("PL_DISABLE_FORK", "1")
     import warnings
 
     warnings.filterwarnings("ignore")
     out: list[dict[str, Any]] = []
+    stopped = False
     for spec in specs:
-        if out and "error" in out[-1]:
+        if stopped:
             out.append({"error": "not run (an earlier family failed in this world)"})
             continue
         try:
-            out.append(fit_spec({k: v for k, v in spec.items() if k != "label"}))
+            out.append(fit_spec({k: v for k, v in spec.items() if k not in ("label", "refusal")}))
         except Exception as err:  # noqa: BLE001 - reported per family
             out.append({"error": f"{type(err).__name__}: {err}"})
+            stopped = not spec["refusal"]
     return out
 
 
@@ -193,16 +210,17 @@ def _check(family: str, layout: str, got: dict[str, Any], ref: dict[str, Any], f
 
 def _run(cases: list[tuple[str, str]], references: _References) -> list[str]:
     """Run every (family, layout) of one world size in one world; the problems found (see :func:`_check`).
-    A BF16 model's floor comes from its ``dp2`` case, which must come first."""
+    A BF16 model's floor comes from its plain data-parallel case (``dp2``, ``dp4``), which must come first."""
     specs = [_spec(f, lay) for f, lay in cases]
-    refs = [references[s["model"]] for s in specs]  # single-process references, before the world starts
+    # single-process references, before the world starts (none for an expected refusal)
+    refs = [{} if s["refusal"] else references[s["model"]] for s in specs]
     results = merge_ranks(run_world(_zoo_world, specs[0]["world"], specs, timeout_s=900, pg_timeout_s=PG_TIMEOUT_S))
     floors: dict[str, float] = {}
     problems: list[str] = []
     for (family, layout), got, ref in zip(cases, results, refs):
-        if family in BF16_MODELS and layout == "dp2" and "error" not in got:
+        if family in BF16_MODELS and layout.startswith("dp") and "error" not in got:
             floors[family] = max(_errors(got, ref).values())
-            ERRORS[f"{family} dp2 (noise floor)"] = f"{floors[family]:.1e}"
+            ERRORS[f"{family} {layout} (noise floor)"] = f"{floors[family]:.1e}"
             continue
         problems += _check(family, layout, got, ref, floors.get(family, 0.0))
     return problems
@@ -218,15 +236,20 @@ def test_per_head_norm_list_shards_with_its_heads(references: _References) -> No
     assert not problems, "\n".join(problems)
 
 
-TP2 = ["hf-gemma2", "hf-gemma3", "hf-phi3", "hf-olmo2", "hf-gptoss", "hf-bigcode", "hf-falcon-mq", "hf-falcon",
-       "hf-opt", "hf-mq", "hf-llama4", "hf-olmoe", "tt-llama3"]
-NOSP = ["hf-gemma3", "hf-falcon", "hf-opt", "hf-llama4"]
-EP = [("tt-qwen3moe", "dp2"), ("tt-qwen3moe", "ep2"), ("tt-qwen3moe", "tp2-ep2"), ("hf-olmoe", "tp2-ep2"),
-      ("hf-gptoss", "ep2"), ("hf-gptoss", "tp2-ep2"), ("hf-llama4", "ep2"), ("hf-llama4", "tp2-ep2")]
-PP = ["hf-stablelm", "hf-gemma3", "hf-phi3", "hf-olmo2", "tt-llama3"]
+# Every family under tp=2 with and without SP and tp=2 x pp=2; TorchTitan's Qwen3 MoE (bf16 experts) in the expert
+# world, after its noise floor.
+DENSE_TP = ["hf-gemma2", "hf-gemma3", "hf-phi3", "hf-olmo2", "hf-gptoss", "hf-bigcode", "hf-falcon-mq", "hf-falcon",
+            "hf-opt", "hf-mq", "hf-llama4", "hf-olmoe", "hf-bloom", "hf-mpt", "tt-llama3"]
+EP = [("tt-qwen3moe", "dp2"), ("tt-qwen3moe", "ep2"), ("tt-qwen3moe", "tp2-ep2"), ("tt-qwen3moe", "tp2"),
+      ("tt-qwen3moe", "tp2-nosp"), ("hf-olmoe", "ep2"), ("hf-olmoe", "tp2-ep2"), ("hf-gptoss", "ep2"),
+      ("hf-gptoss", "tp2-ep2"), ("hf-llama4", "ep2"), ("hf-llama4", "tp2-ep2"), ("hf-qwen3next", "ep2")]
+# Pipeline alone where tensor parallelism is not the point: Llama 4 reads its embedding's weight on every stage
+# (a shape-only stand-in on later ones); Qwen3-Next, whose linear attention refuses tp.
+PP = ["hf-llama4", "hf-qwen3next"]
+PP_TP = ["hf-stablelm"] + DENSE_TP + ["tt-qwen3moe"]
 # tp=4 with 2 KV heads (StableLM: its per-KV-head norm list too; Phi-3: replicated KV pieces of a fused projection)
-# and 1 KV head (hf-mq): each rank computes the KV head its query heads use.
-TP4 = ["hf-mq", "hf-stablelm", "hf-phi3"]
+# and 1 KV head (hf-mq): each rank computes the KV head its query heads use; GPT-OSS: sinks over 4 ranks.
+TP4 = ["hf-mq", "hf-stablelm", "hf-phi3", "hf-gptoss"]
 FSDP = ["hf-stablelm", "hf-gptoss"]
 
 
@@ -244,17 +267,31 @@ def _available(cases: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return [(f, lay) for f, lay in cases if titan or not f.startswith("tt-")]
 
 
-def test_two_rank_layouts(references: _References) -> None:
-    # tp=2 with sequence parallelism for every family, without it where SP changes the rewrite (output-side norms,
-    # linears held by the block, in-place residual adds, experts that see sequence shards), and expert parallelism.
-    cases = [(f, "tp2") for f in TP2] + [(f, "tp2-nosp") for f in NOSP] + EP + list(REFUSED)  # refusals last
+def _refusals(world: int) -> list[tuple[str, str]]:
+    return [case for case in REFUSED if LAYOUTS[case[1]][0] == world]
+
+
+def test_tensor_parallel_with_and_without_sequence_parallelism(references: _References) -> None:
+    # tp=2 for every family, with sequence parallelism (norms on region outputs, linears held by the block, in-place
+    # residual adds, experts that see sequence shards, ALiBi biases cut with the heads) and without it.
+    cases = [(f, "tp2") for f in DENSE_TP] + [(f, "tp2-nosp") for f in DENSE_TP]
+    problems = _run(_available(cases), references)
+    assert not problems, "\n".join(problems)
+
+
+def test_expert_and_pipeline_layouts_and_refusals(references: _References) -> None:
+    # Expert parallelism for every MoE family (with tp where it applies), pipeline parallelism alone, and the
+    # families refused at set-up: each refusal names the module, and the world goes on after it.
+    cases = EP + [(f, "pp2") for f in PP] + _refusals(2)
     problems = _run(_available(cases), references)
     assert not problems, "\n".join(problems)
 
 
 def test_four_rank_layouts(references: _References) -> None:
-    # FSDP2 over dp swaps the parameters a per-head list or a per-head parameter is read from: tp2-dp2 checks
-    # that each rank still uses (and gives zero gradients to) the right ones.
-    cases = [(f, "tp2-pp2") for f in PP] + [(f, "tp4") for f in TP4] + [(f, "tp2-dp2") for f in FSDP]
+    # tp=2 x pp=2 for every family (TorchTitan's Qwen3 MoE after its noise floor over 4 ranks); FSDP2 over dp swaps
+    # the parameters a per-head list or a per-head parameter is read from: tp2-dp2 checks that each rank still uses
+    # (and gives zero gradients to) the right ones.
+    cases = ([("tt-qwen3moe", "dp4")] + [(f, "tp2-pp2") for f in PP_TP] + [(f, "tp4") for f in TP4]
+             + [(f, "tp2-dp2") for f in FSDP] + _refusals(4))
     problems = _run(_available(cases), references)
     assert not problems, "\n".join(problems)

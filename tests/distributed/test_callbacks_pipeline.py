@@ -171,7 +171,7 @@ def _p2p_counts(rank: int, m: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from lightning_4d.callbacks import CommRecorder
-    from lightning_4d.callbacks.communication import axis_groups
+    from lightning_4d.comm import mesh_axis_groups
     from lightning_4d.mesh import ParallelDims, build_mesh
 
     mesh = build_mesh(ParallelDims.from_world(P, pp=P), "cpu")
@@ -182,7 +182,7 @@ def _p2p_counts(rank: int, m: int) -> dict[str, Any]:
                             num_stages=P)
     x, y = _batch()
     runner.train_step(x, y)  # shape inference
-    with CommRecorder(axis_groups(mesh)) as rec:
+    with CommRecorder(mesh_axis_groups(mesh)) as rec:
         runner.train_step(x, y)
     dist.barrier()
     return {k: v for k, v in rec.totals().items()}

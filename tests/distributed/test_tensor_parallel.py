@@ -72,7 +72,7 @@ def _count_comm(rank: int, model: str, sp: bool) -> dict[str, Any]:
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from lightning_4d.comm import CommCounter, axis_names_for
+    from lightning_4d.comm import CommCounter, mesh_axis_groups
     from lightning_4d.mesh import ParallelDims, build_mesh
     from lightning_4d.models import CausalLM
     torch.manual_seed(0)
@@ -81,7 +81,7 @@ def _count_comm(rank: int, model: str, sp: bool) -> dict[str, Any]:
     path = "model.layers" if model != "gpt2" else "model.h"
     _tensor_parallel(lm, mesh, path)
     x, y = make_dataset(4)[:4]
-    debug, counter = CommDebugMode(), CommCounter(axis_names_for(mesh))
+    debug, counter = CommDebugMode(), CommCounter(mesh_axis_groups(mesh))
     blocks = [f"CausalLM.{path}.{i}" for i in range(2)]
     with debug, loss_parallel():
         with counter:
@@ -100,7 +100,7 @@ def test_communication_is_megatron_exact(model: str) -> None:
     no_sp = run_world(_count_comm, 2, model, False)[0]
     sp = run_world(_count_comm, 2, model, True)[0]
     # Without SP: one all-reduce per attention and one per MLP in each block's forward, and the matching
-    # two in backward (the seed's "one AllReduce per MLP forward").
+    # two in backward (Megatron-LM: one all-reduce per MLP forward).
     for block in no_sp["block"]:
         assert block == {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 2}}
     # With SP each all-reduce becomes an all-gather + a reduce-scatter. The sequence is split between the

@@ -1,5 +1,5 @@
 """``recipes/plan.py``: the dry-run planner composed from the training recipe's config groups — plan.json for a
-tiny model and for the seed's 1T MoE (with a dry run of the real rewriting), impossible requests, the layout
+tiny model and for the reference 1T MoE (with a dry run of the real rewriting), impossible requests, the layout
 search, and the command line."""
 
 from __future__ import annotations

@@ -231,7 +231,7 @@ def test_layout_must_fit_the_model() -> None:
     c = to_train_config(_compose(["model=tiny_moe", "parallel=tp", "parallel.tp=8"]))
     with pytest.raises(ResourceError, match=r"tp=8 does not divide heads=8 and kv_heads=4"):
         check_resources(c, cpu)
-    c = to_train_config(_compose(["parallel.tp=4", "trainer.max_steps=20"]))  # the brief's override example
+    c = to_train_config(_compose(["parallel.tp=4", "trainer.max_steps=20"]))  # the override example of recipes/README.md
     assert check_resources(c, cpu).dims.dp == 1
 
 

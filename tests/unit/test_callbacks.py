@@ -23,7 +23,7 @@ from lightning_4d.callbacks import (
     peak_memory_bytes,
 )
 from lightning_4d.callbacks._common import every_n, internal_comm, is_internal_comm, resolve_every_n
-from lightning_4d.callbacks.communication import axis_groups
+from lightning_4d.comm import mesh_axis_groups
 from lightning_4d.comm import op_bytes
 from lightning_4d.callbacks.experts import layer_labels, plot_expert_heatmap
 from lightning_4d.callbacks.pipeline import _local_row, _stats_from_rows, idle_intervals, plot_timeline, write_trace
@@ -64,7 +64,7 @@ def test_recorder_outside_collectives_records_nothing_and_restores_work_wait() -
         assert dist.Work.wait is not original
     assert dist.Work.wait is original
     assert outer.records == inner.records == [] and outer.totals() == {}
-    assert axis_groups(None) == {}
+    assert mesh_axis_groups(None) == {}
 
 
 def test_internal_comm_and_cadence() -> None:
@@ -239,3 +239,21 @@ def _has_matplotlib() -> bool:
     except ImportError:
         return False
     return True
+
+
+def test_throughput_tokens_it_cannot_count_warn_once_with_the_cause() -> None:
+    monitor = FourDThroughputMonitor(peak_flops_per_device=1e12)
+
+    class Splits(torch.nn.Module):
+        def split_batch(self, batch: Any) -> Any:
+            raise KeyError("input_ids")
+
+    assert monitor._local_tokens(torch.nn.Linear(2, 2), (torch.zeros(3, 5), None))[0] == 15
+    with pytest.warns(UserWarning, match=r"split_batch.*KeyError.*tokens_fn") as record:
+        assert monitor._local_tokens(Splits(), {"input_ids": torch.zeros(2, 4)})[0] == 0
+        assert monitor._local_tokens(Splits(), {"input_ids": torch.zeros(2, 4)})[0] == 0
+    assert len(record) == 1
+    with pytest.warns(UserWarning, match="inputs are a dict, not a tensor of token ids"):
+        FourDThroughputMonitor()._local_tokens(torch.nn.Linear(2, 2), {"input_ids": torch.zeros(2, 4)})
+    counted = FourDThroughputMonitor(tokens_fn=lambda batch: int(batch["input_ids"].numel()))
+    assert counted._local_tokens(torch.nn.Linear(2, 2), {"input_ids": torch.zeros(2, 4)})[0] == 8

@@ -1,11 +1,18 @@
-"""Pins every private torch / Lightning name ``lightning_4d._compat`` relies on to the installed versions.
+"""Pins every private torch / Lightning / transformers name ``lightning_4d._compat`` relies on to the installed
+versions.
 
-An upgrade that renames or removes one fails here, naming the symbol, instead of inside a training run.
+An upgrade that renames or removes one fails here, naming the symbol, instead of inside a training run. The list
+of names is read from ``_compat``'s own source (imports, attribute accesses, ``getattr`` names and state keys that
+start with ``_``): a private name added there without a line here fails :func:`test_every_private_name_is_pinned`.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
+import re
+from pathlib import Path
+from typing import Any, Callable
 
 import lightning as L
 import pytest
@@ -13,6 +20,63 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_4d import _compat
+
+COMPAT = Path(_compat.__file__).parent
+THIRD_PARTY = ("torch", "lightning", "transformers")
+_PRIVATE = re.compile(r"_[A-Za-z]\w*")
+
+
+def _is_private(name: str) -> bool:
+    return bool(_PRIVATE.fullmatch(name)) and not name.startswith("__")
+
+
+def _code_nodes(tree: ast.Module) -> list[ast.AST]:
+    """Every node of ``tree`` but docstrings."""
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
+            and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    return [n for n in ast.walk(tree) if id(n) not in docs]
+
+
+def _compat_sources() -> list[tuple[str, ast.Module]]:
+    return [(path.name, ast.parse(path.read_text())) for path in sorted(COMPAT.glob("*.py"))]
+
+
+def private_names_used() -> dict[str, list[str]]:
+    """``{private name: ["file:line", ...]}`` for every ``_``-prefixed, non-dunder name ``_compat``'s code uses from
+    torch / Lightning / transformers: a component of an imported module, an imported name, an attribute read or
+    written, a string constant (``getattr`` names, checkpoint keys). ``_compat``'s own names are left out."""
+    own = {n.name for _, tree in _compat_sources() for n in ast.walk(tree)
+           if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and _is_private(n.name)}
+    found: dict[str, list[str]] = {}
+    for file, tree in _compat_sources():
+        for node in _code_nodes(tree):
+            names: list[str] = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in THIRD_PARTY:
+                names = node.module.split(".") + [a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [part for a in node.names if a.name.split(".")[0] in THIRD_PARTY for part in a.name.split(".")]
+            elif isinstance(node, ast.Attribute):
+                names = [node.attr]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                names = [node.value]
+            for name in names:
+                if _is_private(name) and name not in own:
+                    found.setdefault(name, []).append(f"{file}:{node.lineno}")
+    return found
+
+
+def private_imports() -> list[tuple[str, str]]:
+    """``(module, name)`` of every ``from module import name`` in ``_compat`` where either is private."""
+    out = []
+    for _, tree in _compat_sources():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in THIRD_PARTY:
+                for alias in node.names:
+                    if any(_is_private(p) for p in node.module.split(".")) or _is_private(alias.name):
+                        out.append((node.module, alias.name))
+    return sorted(set(out))
+
 
 # (module, attribute path) of each private symbol used in lightning_4d/_compat.
 PRIVATE_SYMBOLS = [
@@ -26,21 +90,36 @@ PRIVATE_SYMBOLS = [
     ("torch.distributed.pipelining.stage", "_PipelineStageBase.backward_weight_one_chunk"),
     ("torch", "_foreach_norm"),
     ("torch", "_grouped_mm"),
+    ("torch", "_C._current_graph_task_id"),
+    ("torch", "_ops.HigherOrderOperator"),
+    ("torch", "ops.aten._local_scalar_dense"),
+    ("torch", "ops.aten._scaled_dot_product_flash_attention_for_cpu"),
+    ("torch", "ops.aten._scaled_dot_product_efficient_attention"),
+    ("torch", "ops.aten._scaled_dot_product_flash_attention"),
+    ("torch", "ops.aten.mm.default._overloadpacket"),
+    ("torch.nn.modules.loss", "_Loss"),
+    ("torch.utils._pytree", "tree_flatten"),
     ("torch._subclasses.fake_tensor", "FakeTensorMode"),
     ("torch.utils._python_dispatch", "TorchDispatchMode"),
     ("torch.distributed.tensor", "DTensor._op_dispatcher"),
+    ("torch.distributed.tensor._api", "DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached"),
+    ("torch.distributed.tensor._redistribute", "_gen_transform_infos"),
+    ("torch.distributed.tensor.debug", "_clear_sharding_prop_cache"),
     ("torch.distributed.fsdp", "FSDPModule._get_fsdp_state"),
     ("torch.distributed.distributed_c10d", "_resolve_process_group"),
     ("torch.distributed", "ProcessGroupGloo._Options"),
     ("torch.distributed.device_mesh", "DeviceMesh._flatten"),
+    ("torch.distributed._composable.replicate_with_fsdp", "replicate"),
+    ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"),
+    ("torch.testing._internal.distributed.fake_pg", "FakeStore"),
     ("lightning.pytorch.callbacks", "ModelSummary._summary"),
     ("lightning.pytorch.utilities.model_summary", "ModelSummary._get_summary_data"),
     # lightning_4d/_compat/modules.py init_calls (a Hugging Face init_weights, module by module) and
     # dispatch.meta_scalar_mode (tracing on the meta device)
     ("transformers", "PreTrainedModel._initialize_weights"),
+    ("transformers", "PreTrainedModel._keys_to_ignore_on_save"),
     ("transformers", "PreTrainedModel.is_custom_code"),
     ("transformers.initialization", "guard_torch_init_functions"),
-    ("torch", "ops.aten._local_scalar_dense"),
     # lightning_4d/_compat/hf_saving.py (streamed export-hf: what save_pretrained drops and converts)
     ("transformers.modeling_utils", "remove_tied_weights_from_state_dict"),
     ("transformers.core_model_loading", "revert_weight_conversion"),
@@ -54,6 +133,50 @@ PRIVATE_SYMBOLS = [
 ]
 
 
+def _fsdp_state() -> Any:
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    return FSDPState()
+
+
+# Private attributes of instances (set in ``__init__``, not on the class): name -> a fresh owner.
+INSTANCE_SLOTS: dict[str, Callable[[], Any]] = {
+    "_modules": lambda: torch.nn.Linear(2, 2),
+    "_parameters": lambda: torch.nn.Linear(2, 2),
+    "_timeout": lambda: torch.distributed.ProcessGroupGloo._Options(),
+    "_launcher": lambda: L.pytorch.strategies.SingleDeviceStrategy(device="cpu"),
+    "_device_mesh": L.LightningModule,
+    "_trainer": L.LightningModule,
+    "_max_depth": lambda: L.pytorch.callbacks.ModelSummary(),
+    "_summarize_kwargs": lambda: L.pytorch.callbacks.ModelSummary(),
+    "_fsdp_param_group": _fsdp_state,
+}
+# Private keys of Lightning's checkpoint, pinned by a fit in the test named here.
+PINNED_BY_TEST = {"_batches_that_stepped": "test_fit_loop_state_layout_is_lightnings"}
+
+
+def _pinned() -> set[str]:
+    parts = {p for module, path in PRIVATE_SYMBOLS for p in (*module.split("."), *path.split("."))}
+    return {p for p in parts if _is_private(p)} | set(INSTANCE_SLOTS) | set(PINNED_BY_TEST)
+
+
+def test_every_private_name_is_pinned() -> None:
+    used = private_names_used()
+    assert {"_foreach_norm", "_modules", "_wait_batch_p2p", "_should_accumulate"} <= set(used)  # the reader reads
+    missing = {name: where for name, where in used.items() if name not in _pinned()}
+    assert not missing, (f"private names used in lightning_4d/_compat but not pinned in {Path(__file__).name} "
+                         f"(add them to PRIVATE_SYMBOLS or INSTANCE_SLOTS): {missing}")
+    for name, test in PINNED_BY_TEST.items():
+        assert name in Path(__file__).read_text().split(f"def {test}(", 1)[1]
+
+
+@pytest.mark.parametrize(("module", "name"), private_imports(), ids=[f"{m}:{n}" for m, n in private_imports()])
+def test_private_import_resolves(module: str, name: str) -> None:
+    mod = importlib.import_module(module)
+    if not hasattr(mod, name):
+        importlib.import_module(f"{module}.{name}")  # a submodule not imported by its package
+
+
 @pytest.mark.parametrize(("module", "path"), PRIVATE_SYMBOLS, ids=[f"{m}:{p}" for m, p in PRIVATE_SYMBOLS])
 def test_private_symbol_exists(module: str, path: str) -> None:
     obj = importlib.import_module(module)
@@ -62,9 +185,13 @@ def test_private_symbol_exists(module: str, path: str) -> None:
         obj = getattr(obj, part)
 
 
+@pytest.mark.parametrize("name", sorted(INSTANCE_SLOTS))
+def test_private_instance_slot_exists(name: str) -> None:
+    owner = INSTANCE_SLOTS[name]()
+    assert hasattr(owner, name), f"{type(owner).__name__}().{name} is gone in this version: update lightning_4d/_compat"
+
+
 def test_lightning_private_instance_slots() -> None:
-    module = L.LightningModule()  # instance attributes set in __init__
-    assert hasattr(module, "_device_mesh") and hasattr(module, "_trainer")
     summary = L.pytorch.callbacks.ModelSummary(max_depth=2, foo=1)
     assert _compat.model_summary_options(summary) == (2, {"foo": 1})
 

@@ -164,3 +164,17 @@ def test_expert_count_must_divide_ep() -> None:
     block = Block(Experts())
     with pytest.raises(ValueError, match=r"num_experts=4 is not divisible by ep=3"):
         apply_inplace_expert_parallel(block, _Mesh(3))  # type: ignore[arg-type]
+
+
+def test_the_refusal_states_each_contract_including_every_token_experts() -> None:
+    # What the in-place rewrite assumes about an every-token experts module (Llama 4) is part of the refusal, so a
+    # user can tell whether their module fits: rows expert-major, scores applied before, each row on its own.
+    class NoRouter(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = Experts()
+
+    with pytest.raises(ValueError, match=r"forward\(x\) of every-token experts.*\(E·N, hidden\) expert-major.*"
+                                         r"scores already applied.*rows i·N to \(i\+1\)·N go through expert i's "
+                                         r"weights alone, each row on its own"):
+        apply_inplace_expert_parallel(nn.ModuleDict({"a": NoRouter()}), _Mesh(2))  # type: ignore[arg-type]

@@ -28,6 +28,25 @@ def test_registry_maps_to_torch_classes() -> None:
         get_schedule_info("pipedream")
 
 
+def test_schedule_shapes_match_torchs_placement() -> None:
+    """The one table of schedule shapes (``config.SCHEDULE_SHAPES``) against torch's own action tables: every
+    stage runs on the rank ``stage_to_rank`` predicts for the table's style, with the table's stages per rank."""
+    from lightning_4d.config import SCHEDULE_SHAPES, default_virtual_stages, stage_style
+    from lightning_4d.pipeline.partition import stage_to_rank
+
+    assert set(SCHEDULE_SHAPES) == set(SCHEDULES)
+    for name in SCHEDULES:
+        for pp in (2, 4):
+            v = default_virtual_stages(name, pp)
+            style = stage_style(name, pp)
+            m = default_microbatches(name, pp, v)
+            actions = schedule_actions(name, pp, v, m)
+            seen = {a.stage: rank for rank, acts in actions.items() for a in acts}
+            assert sorted(seen) == list(range(pp * v)), name
+            assert all(stage_to_rank(stage, pp, style) == rank for stage, rank in seen.items()), (name, pp)
+    assert stage_style("zbv", 1) == "loop" and default_virtual_stages("interleaved_1f1b", 1) == 1
+
+
 def test_defaults_and_minimums() -> None:
     assert default_microbatches("1f1b", 4) == 4
     assert default_microbatches("interleaved_1f1b", 4, 2) == 8

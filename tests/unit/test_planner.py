@@ -17,7 +17,6 @@ from lightning_4d.planner import (
     NoLayoutFits,
     TrainSpec,
     TransformerSpec,
-    bubble_fraction,
     collective_bytes,
     comm_per_rank,
     format_table,
@@ -29,7 +28,8 @@ from lightning_4d.planner import (
     summarize,
     write_plan,
 )
-from lightning_4d.planner.bubble import idle_time
+from lightning_4d.pipeline.bubble import bubble_from_actions
+from lightning_4d.pipeline.schedules import bubble_theory
 from lightning_4d.planner.hardware import axes_crossing_nodes, axis_group
 from lightning_4d.planner.search import enumerate_layouts
 
@@ -216,21 +216,20 @@ def test_pp_ep_dp_comm_hand_computed():
 
 # ---------------------------------------------------------------- bubble
 def test_bubble_formulas():
-    from lightning_4d.pipeline.schedules import bubble_theory
-
+    """The one bubble formula against the textbook ones (Narayanan et al. 2021; Qi et al. 2024)."""
     for p, m in ((2, 4), (4, 8), (8, 8)):
-        assert bubble_fraction("1f1b", p, m) == bubble_fraction("gpipe", p, m) == (p - 1) / (m + p - 1)
-        assert bubble_fraction("1f1b", p, m) == pytest.approx(bubble_theory("1f1b", p, m))
-        assert bubble_fraction("interleaved_1f1b", p, m, 2) == (p - 1) / (2 * m + p - 1)
-        assert idle_time("zb_h1", p, m) == pytest.approx(idle_time("1f1b", p, m) / 3)
+        assert bubble_theory("1f1b", p, m) == bubble_theory("gpipe", p, m) == pytest.approx((p - 1) / (m + p - 1))
+        assert bubble_theory("interleaved_1f1b", p, m, 2) == pytest.approx((p - 1) / (2 * m + p - 1))
         # ZBV with m >= 2p: only the p − 1 start-up chunk forwards idle, against 3·v·m chunk passes of work.
         if m >= 2 * p:
-            assert bubble_fraction("zbv", p, m, 2) == pytest.approx((p - 1) / (6 * m + p - 1))
-        assert bubble_fraction("zbv", p, m, 2) > 0.0
+            assert bubble_theory("zbv", p, m, 2) == pytest.approx((p - 1) / (6 * m + p - 1))
+        assert bubble_theory("zbv", p, m, 2) > 0.0
     assert [in_flight_microbatches("1f1b", 4, 8, r) for r in range(4)] == [4, 3, 2, 1]
     assert in_flight_microbatches("gpipe", 4, 8, 3) == 8 and in_flight_microbatches("1f1b", 4, 2, 0) == 2
-    with pytest.raises(ValueError, match="exactly 2 stages"):
-        bubble_fraction("zbv", 4, 8, 1)
+    with pytest.raises(ValueError, match="exactly 2 stage"):
+        bubble_theory("zbv", 4, 8, 1)
+    with pytest.raises(ValueError, match="exactly 2 stage"):
+        in_flight_microbatches("zbv", 4, 8, 0, v=1)
 
 
 # (schedule, stages per rank): every schedule the runtime accepts (lightning_4d.config.SCHEDULES)
@@ -242,8 +241,7 @@ _RUNTIME_SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("inte
 def test_planner_bubble_equals_the_replay(schedule, v):
     """One owner for the bubble: the planner's number is the replay of torch's own action table."""
     from lightning_4d.config import SCHEDULES
-    from lightning_4d.pipeline.bubble import bubble_from_actions
-    from lightning_4d.pipeline.schedules import bubble_theory, validate_microbatches
+    from lightning_4d.pipeline.schedules import validate_microbatches
     from lightning_4d.planner.bubble import replayed_bubble
 
     assert {s for s, _ in _RUNTIME_SCHEDULES} == set(SCHEDULES)
@@ -255,7 +253,6 @@ def test_planner_bubble_equals_the_replay(schedule, v):
             except ValueError:
                 continue
             replay = bubble_from_actions(schedule, p, v, m)
-            assert bubble_fraction(schedule, p, m, v) == pytest.approx(replay, abs=1e-12), (p, m)
             assert bubble_theory(schedule, p, m, v) == pytest.approx(replay, abs=1e-12), (p, m)
             assert replayed_bubble(schedule, p, m, v) == replay
             checked += 1
@@ -265,7 +262,8 @@ def test_planner_bubble_equals_the_replay(schedule, v):
 def test_zbv_bubble_with_few_microbatches_is_large():
     # p = 8 ranks, 1 micro-batch: each rank works 6 chunk passes (F, I, W on its 2 chunks) in a makespan of
     # 34 passes (F down the 16 chunks, I back up them, then rank 0's two deferred W): 28/34 idle.
-    assert bubble_fraction("zbv", 8, 1, 2) == pytest.approx(28 / 34)
+    assert bubble_from_actions("zbv", 8, 2, 1) == pytest.approx(28 / 34)
+    assert bubble_theory("zbv", 8, 1, 2) == pytest.approx(28 / 34)
 
 
 # ---------------------------------------------------------------- hardware
@@ -328,7 +326,7 @@ def test_impossible_request_names_the_smallest_memory():
 
 # ---------------------------------------------------------------- report
 def test_make_plan_and_write(tmp_path):
-    spec, dims = seed_moe_1t(), ParallelDims.from_world(512, tp=8, pp=4, ep=8)  # the seed's layout (conf)
+    spec, dims = seed_moe_1t(), ParallelDims.from_world(512, tp=8, pp=4, ep=8)  # conf/parallel/moe_1t.yaml
     train = TrainSpec(512, microbatches=32, activation_checkpointing="full")
     plan = make_plan(spec, dims, ClusterSpec(64, 8, H100), train)
     for key in ("total_params", "active_params_per_token", "memory", "communication", "bubble", "step_time_s",

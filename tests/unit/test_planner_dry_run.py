@@ -1,8 +1,10 @@
 """The planner's communication formulas against the collectives of the real rewriting
 (``lightning_4d.parallelize.parallelize_module``) traced on torch's ``fake`` process group, in one process:
-dense TP / SP / DP / PP layouts, activation checkpointing, bf16, GPT-2 and MoE models, and the seed's 1T MoE."""
+dense TP / SP / DP / PP layouts, activation checkpointing, bf16, GPT-2 and MoE models, and the reference 1T MoE."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -101,6 +103,21 @@ def test_pipeline_sends_are_the_measured_boundary_tensors():
     assert [r.traced["pp"]["send"] for r in result.ranks] == [shard, shard]
 
 
+def test_an_optimizer_step_that_cannot_run_is_said_once_with_its_cause():
+    class NeedsTrainer(CausalLM):
+        def configure_optimizers(self):
+            raise RuntimeError("this optimizer reads self.trainer")
+
+    cfg = LlamaConfig(n_layers=2, **LLAMA)
+    dims = ParallelDims.from_world(4, tp=2, pp=2)
+    ranks = re.escape(str(representative_ranks(dims)))
+    with pytest.warns(UserWarning, match=rf"optimizer step was not traced on ranks {ranks}.*reads self.trainer") as record:
+        result = dry_run(lambda: NeedsTrainer(Llama(cfg)), TransformerSpec.from_config(cfg, seq_len=32), dims,
+                         TrainSpec(global_batch_size=2, microbatches=2, precision="32-true"))
+    assert len([w for w in record if "optimizer step" in str(w.message)]) == 1
+    assert all(any("reads self.trainer" in n for n in r.notes) for r in result.ranks)
+
+
 # ---------------------------------------------------------------------------------------------- MoE
 def test_moe_layers_trace_to_the_formulas_under_uniform_routing():
     from lightning_4d.models.moe import MoEConfig, MoETransformer
@@ -122,7 +139,7 @@ def test_moe_layers_trace_to_the_formulas_under_uniform_routing():
 
 
 def test_seed_moe_1t_one_block_per_stage_on_512_fake_ranks():
-    """The seed's layout (tp=8 + SP, ep=8, pp=4, dp=16) with the real widths, one block per pipeline stage."""
+    """The reference 1T MoE layout (conf/parallel/moe_1t.yaml: tp=8 + SP, ep=8, pp=4, dp=16) with the real widths, one block per pipeline stage."""
     from lightning_4d.models.moe import MoEConfig, MoETransformer
 
     cfg = MoEConfig(vocab_size=128256, dim=8192, n_layers=4, n_heads=64, n_kv_heads=8, ffn_hidden=28672,

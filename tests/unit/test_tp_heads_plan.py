@@ -199,3 +199,38 @@ def test_a_linear_subclass_that_computes_something_else_is_refused() -> None:
     with pytest.raises(ValueError, match=r"blocks\.0\.mlp\.up_proj \(Scaled\) subclasses nn\.Linear with its own "
                                          r"forward.*fourd_tp_plan"):
         block_plan(block, "blocks.0", 2)
+
+
+def test_alibi_biases_are_found_from_the_dataflow_and_cut_with_the_heads() -> None:
+    # Bloom passes its attention alibi (B·H, 1, K) into alibi.baddbmm(q, k); MPT adds position_bias (H, 1, K) to
+    # the scores. Both are built outside the blocks from the whole head count: each rank takes its heads' rows.
+    plan, trace = _plan("hf-bloom")
+    assert trace.score_biases == {"self_attention": {"alibi": ((8, 1, 8), 2)}}
+    assert plan.head_inputs == {"self_attention": {"alibi": (4, [(0, 2), (2, 4)])}}
+    plan, trace = _plan("hf-mpt")
+    assert trace.score_biases == {"attn": {"position_bias": ((4, 1, 16), 2)}}
+    assert plan.head_inputs == {"attn": {"position_bias": (4, [(0, 2), (2, 4)])}}
+    # Rotary tables (multiplied), causal masks (broadcast over heads) and residuals are not score biases.
+    for kind in ("hf-mq", "hf-gemma2", "hf-stablelm"):
+        plan, trace = _plan(kind)
+        assert trace.score_biases == {} and plan.head_inputs == {}
+
+
+def test_slice_heads_takes_a_ranks_heads_directly_or_folded_with_the_batch() -> None:
+    from lightning_4d.head_bias import slice_heads
+
+    direct = torch.arange(4.0).view(4, 1, 1)  # (H, 1, K)
+    assert slice_heads(direct, 4, 2, 4).flatten().tolist() == [2.0, 3.0]
+    folded = torch.arange(12.0).view(12, 1, 1)  # (B·H, 1, K), B=3 outer
+    assert slice_heads(folded, 4, 0, 2).flatten().tolist() == [0.0, 1.0, 4.0, 5.0, 8.0, 9.0]
+    with pytest.raises(ValueError, match=r"shape \(6, 1, 1\) does not hold 4 heads"):
+        slice_heads(torch.zeros(6, 1, 1), 4, 0, 2)
+
+
+def test_linear_attention_per_head_parameters_are_refused_naming_module_cause_and_fix() -> None:
+    # Qwen3-Next's gated delta net keeps dt_bias / A_log per value head (4) inside a fused in_proj_qkvz viewed per
+    # key-head group (2), and a depthwise conv over the concatenated q | k | v channels: refused at set-up.
+    _, trace, block = _traced("hf-qwen3next")
+    with pytest.raises(ValueError, match=r"layers\.0\.linear_attn holds parameters \(dt_bias, A_log\).*have 4 entries "
+                                         r".*head counts are \[2\].*dt_bias.*Use tp=1 for this model.*fourd_tp_plan"):
+        block_plan(block, "layers.0", 2, trace, sequence_parallel=True)
