@@ -21,6 +21,9 @@ cannot be reset). Printed per rank:
 - ``plan set-up``: the planner's set-up term for the same run and path (``RankMemory.setup_total``:
   ``lightning_4d.planner.setup_memory``: share + largest tensor, or the reduced check when larger and within its
   budget; the whole model when built for real; plus the CPU runtime bytes), compared with the set-up peak;
+- ``private``: peak growth of the private resident memory (``RssAnon + RssShmem``, sampled every 2 ms) up to
+  ``on_fit_start``: ``set-up`` without the file-backed pages (shared libraries' code touched for the first time,
+  shared by every rank of a host);
 - ``target``: the issue's bound on the set-up peak, ``1.5 · share + largest tensor`` (the largest single
   tensor of the whole model, e.g. the ``32000 × dim`` embedding);
 - set-up seconds (model build + Trainer + ``fit`` until ``on_fit_start``).
@@ -82,6 +85,39 @@ def _status_kb(key: str) -> int:
 def rss() -> int:
     """Resident bytes now."""
     return _status_kb("VmRSS") * 1024
+
+
+def private() -> int:
+    """Private resident bytes now: anonymous memory plus shared anonymous mappings (``RssAnon + RssShmem``; the
+    initialisation's full tensors are the latter), without the file-backed pages (``RssFile``: code of the
+    shared libraries, the same pages for every rank on a host)."""
+    return (_status_kb("RssAnon") + _status_kb("RssShmem")) * 1024
+
+
+class PrivateSampler:
+    """The peak of :func:`private` between ``start`` and ``stop``, sampled every 2 ms by a thread (the kernel keeps
+    no peak of it; a full tensor of set-up lives for tens of milliseconds at least)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, private())
+
+    def start(self) -> "PrivateSampler":
+        self.peak = private()
+        self._thread.start()
+        return self
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, private())
 
 
 _RESETTABLE: bool | None = None
@@ -276,6 +312,7 @@ def _rank(rank: int, size_name: str, path: str, steps: int, phases: bool, pin: b
         def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
             out["setup_s"] = time.perf_counter() - t0
             out["setup_peak"] = peak() - baseline
+            out["setup_private"] = sampler.stop() - private_base
             out["rss_after_setup"] = rss() - baseline
             out["share"], out["largest_local"] = local_bytes(pl_module)
             report = getattr(trainer.strategy, "materialize_report", None)
@@ -311,6 +348,8 @@ def _rank(rank: int, size_name: str, path: str, steps: int, phases: bool, pin: b
     resettable = reset_peak()
     tracker = _Phases(baseline) if phases else None
     restore = tracker.wrap() if tracker is not None else (lambda: None)
+    private_base = private()
+    sampler = PrivateSampler().start()
     t0 = time.perf_counter()
     if tracker is not None:
         tracker.start("build model")
@@ -389,7 +428,7 @@ def main() -> None:
                 print("   (glibc mmap threshold pinned at 128 KiB: no heap retention of freed tensors)")
             if not ranks[0]["resettable"]:
                 print("   (peak counter not resettable here: ru_maxrss / VmHWM since the process started)")
-            print(f"{'rank':>4} {'share':>6} {'set-up':>7} {'/share':>7} {'target':>7} {'ok':>3} {'after':>6} "
+            print(f"{'rank':>4} {'share':>6} {'set-up':>7} {'private':>7} {'/share':>7} {'target':>7} {'ok':>3} {'after':>6} "
                   f"{'step':>6} {'plan':>6} {'tensors':>7} {'step/plan':>9} {'plan s-u':>8} {'s-u/plan':>8} "
                   f"{'init call':>9} {'set-up s':>8}   (MB)")
             for r in ranks:
@@ -398,7 +437,7 @@ def main() -> None:
                 plan_setup = plan[pp_rank]["setup_total"]
                 target = 1.5 * r["share"] + largest
                 r.update(plan=est, plan_tensors=tensors, plan_setup=plan_setup, target=target, pp_rank=pp_rank)
-                print(f"{r['rank']:>4} {_mb(r['share']):>6} {_mb(r['setup_peak']):>7} "
+                print(f"{r['rank']:>4} {_mb(r['share']):>6} {_mb(r['setup_peak']):>7} {_mb(r['setup_private']):>7} "
                       f"{r['setup_peak'] / r['share']:>7.1f} {_mb(target):>7} "
                       f"{'yes' if r['setup_peak'] <= target else 'NO':>3} {_mb(r['rss_after_setup']):>6} "
                       f"{_mb(r['step_peak']):>6} {_mb(est):>6} {_mb(tensors):>7} {r['step_peak'] / est:>9.2f} "
@@ -425,19 +464,22 @@ def main() -> None:
                 plan_setup=max(r["plan_setup"] for r in ranks),
                 setup_plan=[f(r["setup_peak"] / r["plan_setup"] for r in ranks) for f in (min, max)],
                 setup_s=max(r["setup_s"] for r in ranks),
+                private=max(r["setup_private"] for r in ranks),
+                private_target=max(r["setup_private"] / r["target"] for r in ranks),
             ))
 
     print("\n## Summary (max over the 8 ranks; MB = 2^20 bytes; growth over each rank's baseline)\n")
     print("| model | path | share | set-up peak | set-up / share | set-up / (1.5·share + largest) | step peak "
           "| planner (step) | planner, tensors only | step / planner (min–max over ranks) | planner (set-up) "
-          "| set-up / planner | set-up s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| set-up / planner | set-up s | set-up private | private / (1.5·share + largest) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for s in summary:
         print(f"| {s['size']} ({s['params'] / 1e6:.0f} M, largest {_mb(s['largest'])}) | {s['path']} "
               f"| {_mb(s['share'])} "
               f"| {_mb(s['setup'])} | {s['setup_share']:.1f}× | {s['setup_target']:.2f} | {_mb(s['step'])} "
               f"| {_mb(s['plan'])} | {_mb(s['plan_tensors'])} | {s['step_plan'][0]:.2f}–{s['step_plan'][1]:.2f} "
-              f"| {_mb(s['plan_setup'])} | {s['setup_plan'][0]:.2f}–{s['setup_plan'][1]:.2f} | {s['setup_s']:.1f} |")
+              f"| {_mb(s['plan_setup'])} | {s['setup_plan'][0]:.2f}–{s['setup_plan'][1]:.2f} | {s['setup_s']:.1f} "
+              f"| {_mb(s['private'])} | {s['private_target']:.2f} |")
     by = {(s["size"], s["path"].split()[0]): s for s in summary}
     for size_name in args.sizes.split(","):
         if (size_name, "meta") in by and (size_name, "cpu") in by:

@@ -365,6 +365,8 @@ class FourDStrategy(ParallelStrategy):
         one built for real the whole model (every rank held it)."""
         if self._reduced_check_budget is not None:
             return float(self._reduced_check_budget)
+        if self.mesh.dims.tp == 1 and self.mesh.dims.pp == 1:
+            return 0.0  # nothing to check (check_reduced_model returns at once): no collective either
         tensors = {id(t): t for t in [*skeleton.parameters(), *skeleton.buffers()]}.values()
         sizes = [t.numel() * t.element_size() for t in tensors]
         if not meta:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 from torch import nn
 
@@ -205,7 +205,16 @@ def plan_tensor_parallel(module: nn.Module, mesh: FourDMesh, trace: ModelTrace) 
     return tp_styles(module, trace, dims.tp, dims.sp)
 
 
-def apply_tensor_parallel(module: nn.Module, mesh: FourDMesh, plan: Any, layout: TPLayout) -> None:
+class TPRecord(Protocol):
+    """What :func:`apply_tensor_parallel` records (``lightning_4d.parallelize.ParallelPlan`` is one; a protocol,
+    so this room does not import the room above it)."""
+
+    loss_parallel: bool
+    tp_modules: list[str]
+    tp_partial_params: list[str]
+
+
+def apply_tensor_parallel(module: nn.Module, mesh: FourDMesh, plan: TPRecord, layout: TPLayout) -> None:
     """Rewrite ``module`` in place for the ``tp`` axis of ``mesh``; records into ``plan``.
 
     ``layout`` comes from :func:`plan_tensor_parallel` on the full model; entries for modules a pipeline

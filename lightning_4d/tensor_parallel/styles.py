@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
@@ -92,7 +93,7 @@ class _Sharded(ParallelStyle):
         self.partial_input = partial_input
         self.sequence = sequence  # a linear held by the block under SP: tokens sharded (column in, row out)
 
-    def _partition(self, _name: str, module: nn.Module, mesh: Any) -> None:
+    def _partition(self, _name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         out_dim, in_dim = (1, 0) if is_conv1d(module) else (0, 1)
         for pname in ("weight", "bias"):
             p = getattr(module, pname, None)
@@ -108,7 +109,7 @@ class _Sharded(ParallelStyle):
                 placement = Shard(in_dim) if pname == "weight" else Replicate()
             _param(module, pname, distribute_tensor(data, mesh, [placement]))
 
-    def _inputs(self, _mod: nn.Module, inputs: tuple, mesh: Any) -> tuple:
+    def _inputs(self, _mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         x = inputs[0]
         if self.column and self.partial_input and not isinstance(x, DTensor):
             x = _ReplicatedKeepPartialGrad.apply(x, mesh)  # (B, T, r) latent; its gradient stays a partial sum
@@ -120,7 +121,7 @@ class _Sharded(ParallelStyle):
             x = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Shard(-1)], run_check=False)
         return (x,) + tuple(inputs[1:])
 
-    def _outputs(self, _mod: nn.Module, out: Any, _mesh: Any) -> Any:
+    def _outputs(self, _mod: nn.Module, out: Any, _mesh: DeviceMesh) -> Any:
         if not self.column:  # partial sums: all-reduce, or reduce-scatter along the sequence (SP)
             out = out.redistribute(placements=[_sequence(out) if self.sequence else self.output_layouts])
         return fresh_local(out)
@@ -130,7 +131,7 @@ class _Sharded(ParallelStyle):
             return ColwiseParallel(use_local_output=False)
         return RowwiseParallel(output_layouts=self.output_layouts, use_local_output=False)
 
-    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if isinstance(module, nn.Linear) and self.permutation is None and not self.partial_input \
                 and not self.sequence:
             parallelize_module(module, device_mesh, self._torch_style())
@@ -167,7 +168,7 @@ class LowRankDown(ParallelStyle):
         <...LowRankDown object at ...>
     """
 
-    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def to_local(_mod: nn.Module, args: tuple) -> tuple:
             x = args[0]
             if isinstance(x, DTensor):
@@ -252,7 +253,7 @@ class GatheredColumns(ParallelStyle):
         super().__init__()
         self.rows = [list(r) for r in rows]
 
-    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         idx = torch.tensor(self.rows[device_mesh.get_local_rank()])
         out_dim = 1 if is_conv1d(module) else 0
         views = {"weight": lambda p: p.index_select(out_dim, idx.to(p.device))}
@@ -283,18 +284,18 @@ class DistributedNorm(ParallelStyle):
         <...DistributedNorm object at ...>
     """
 
-    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        def partition(_name: str, mod: nn.Module, mesh: Any) -> None:
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(_name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
             for pname, p in list(mod.named_parameters(recurse=False)):
                 _param(mod, pname, distribute_tensor(p.detach(), mesh, [Shard(0)]))
 
-        def inputs(_mod: nn.Module, args: tuple, mesh: Any) -> tuple:
+        def inputs(_mod: nn.Module, args: tuple, mesh: DeviceMesh) -> tuple:
             x = args[0]
             if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
                 x = DTensor.from_local(x, mesh, [Shard(x.dim() - 1)], run_check=False)
             return (x,) + tuple(args[1:])
 
-        def outputs(_mod: nn.Module, out: Any, _mesh: Any) -> Any:
+        def outputs(_mod: nn.Module, out: Any, _mesh: DeviceMesh) -> Any:
             if isinstance(out, DTensor):
                 last = Shard(out.dim() - 1)
                 out = out.redistribute(placements=[last]) if out.placements != (last,) else out
@@ -396,7 +397,7 @@ class RegionInput(ParallelStyle):
         super().__init__()
         self.sequence_parallel = sequence_parallel
 
-    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         keyword = first_param_name(module)
         layout = Shard(1) if self.sequence_parallel else Replicate()
 

@@ -121,12 +121,12 @@ def _load_sharded(directory: str, options: dict[str, Any], batch: torch.Tensor) 
 
 
 def _slice_mismatches(module: Any) -> list[str]:
-    """``materialize.local_slice`` (index selection per sharded dimension) against ``distribute_tensor`` on every
+    """``shard_slices.local_slice`` (index selection per sharded dimension) against ``distribute_tensor`` on every
     DTensor parameter's own placements (TP shards, FSDP2's strided shards over them, experts over ep), on a
     random full tensor, with and without a row permutation."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from lightning_4d.materialize import local_slice
+    from lightning_4d.shard_slices import local_slice
 
     bad = []
     for name, param in module.named_parameters():
