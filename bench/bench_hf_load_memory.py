@@ -29,12 +29,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
+
+from memory_probes import clear_peak, kernel_peak, rss  # bench/: on the path when run as a script
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -49,35 +50,8 @@ MB = 2**20
 
 
 # ---------------------------------------------------------------------------------------------- memory probes
-def _status_kb(key: str) -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
-
-
-def rss() -> int:
-    """Resident bytes now."""
-    return _status_kb("VmRSS") * 1024
-
-
-def reset_peak() -> bool:
-    """Reset the kernel's peak RSS of this process to its current RSS (Linux ≥ 4.0); False if not allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak() -> int:
-    """Peak resident bytes since the last :func:`reset_peak` (``VmHWM``; ``ru_maxrss`` as a fallback)."""
-    try:
-        return _status_kb("VmHWM") * 1024
-    except (OSError, KeyError):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+reset_peak = clear_peak
+peak = kernel_peak
 
 
 # ---------------------------------------------------------------------------------------------- the model directory

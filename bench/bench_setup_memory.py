@@ -49,10 +49,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import time
 from collections.abc import Callable
 from typing import Any
+
+from memory_probes import clear_peak, kernel_peak, rss, status_kb  # bench/: on the path when run as a script
 
 SIZES: dict[str, dict[str, Any]] = {
     # ≈35 M parameters (134 MB fp32)
@@ -74,24 +75,11 @@ SEQ, GLOBAL_BATCH = 64, 8
 
 
 # ---------------------------------------------------------------------------------------------- memory probes
-def _status_kb(key: str) -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
-
-
-def rss() -> int:
-    """Resident bytes now."""
-    return _status_kb("VmRSS") * 1024
-
-
 def private() -> int:
     """Private resident bytes now: anonymous memory plus shared anonymous mappings (``RssAnon + RssShmem``; the
     initialisation's full tensors are the latter), without the file-backed pages (``RssFile``: code of the
     shared libraries, the same pages for every rank on a host)."""
-    return (_status_kb("RssAnon") + _status_kb("RssShmem")) * 1024
+    return (status_kb("RssAnon") + status_kb("RssShmem")) * 1024
 
 
 class PrivateSampler:
@@ -124,26 +112,14 @@ _RESETTABLE: bool | None = None
 _FOLDED = 0  # the largest peak seen before the kernel's counter was last reset by a phase
 
 
-def _kernel_peak() -> int:
-    try:
-        return _status_kb("VmHWM") * 1024
-    except (OSError, KeyError):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def reset_peak(fold: bool = False) -> bool:
     """Reset the kernel's peak RSS of this process to its current RSS (Linux ≥ 4.0); False if not allowed.
     ``fold``: a phase boundary inside a measured interval: :func:`peak` still covers the earlier phases."""
     global _RESETTABLE, _FOLDED
-    _FOLDED = max(_FOLDED, _kernel_peak()) if fold else 0
+    _FOLDED = max(_FOLDED, kernel_peak()) if fold else 0
     if _RESETTABLE is False:
         return False
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        _RESETTABLE = True
-    except OSError:
-        _RESETTABLE = False
+    _RESETTABLE = clear_peak()
     return _RESETTABLE
 
 
@@ -162,12 +138,12 @@ def pin_mmap_threshold() -> bool:
 def peak() -> int:
     """Peak resident bytes since the last :func:`reset_peak` without ``fold`` (``VmHWM``; ``ru_maxrss``, which
     cannot be reset, as a fallback)."""
-    return max(_FOLDED, _kernel_peak())
+    return max(_FOLDED, kernel_peak())
 
 
 def phase_peak() -> int:
     """Peak resident bytes since the last :func:`reset_peak` of any kind."""
-    return _kernel_peak()
+    return kernel_peak()
 
 
 # ---------------------------------------------------------------------------------------------- one rank

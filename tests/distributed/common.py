@@ -329,3 +329,22 @@ def merge_ranks(results: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
                 out[key] = combined
         merged.append(out)
     return merged
+
+
+class References:
+    """Single-process reference runs of ``base`` with each model kind, each computed once (on first use); a
+    module-scoped fixture of the parity tests holds one.
+
+    Example:
+        >>> # not run: needs a Trainer
+        >>> References(dict(steps=3, global_batch=8, lr=1e-4))["llama"]["losses"]  # doctest: +SKIP
+    """
+
+    def __init__(self, base: dict[str, Any]) -> None:
+        self._base = base
+        self._cache: dict[str, dict[str, Any]] = {}
+
+    def __getitem__(self, kind: str) -> dict[str, Any]:
+        if kind not in self._cache:
+            self._cache[kind] = fit_spec(dict(self._base, model=kind))
+        return self._cache[kind]

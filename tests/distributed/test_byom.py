@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from lightning_4d.testing import run_world
-from tests.distributed.common import assert_parity, fit_spec, merge_ranks, rel_err, world_fit
+from tests.distributed.common import References, assert_parity, fit_spec, merge_ranks, rel_err, world_fit
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -83,21 +83,9 @@ def _spec(family: str, layout: str, **extra: Any) -> dict[str, Any]:
     return spec
 
 
-class _References:
-    """Single-process references, each computed once per module (on first use)."""
-
-    def __init__(self) -> None:
-        self._cache: dict[str, dict[str, Any]] = {}
-
-    def __getitem__(self, kind: str) -> dict[str, Any]:
-        if kind not in self._cache:
-            self._cache[kind] = fit_spec(dict(BASE, model=kind))
-        return self._cache[kind]
-
-
 @pytest.fixture(scope="module")
-def references() -> _References:
-    return _References()
+def references() -> References:
+    return References(BASE)
 
 
 def _run(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -127,7 +115,7 @@ def test_references_are_deterministic() -> None:
 # ----------------------------------------------------------------------------------------------- parity
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("family", FAMILIES)
-def test_byom_parity(family: str, layout: str, references: _References) -> None:
+def test_byom_parity(family: str, layout: str, references: References) -> None:
     spec = _spec(family, layout)
     got = _run([spec])[0]
     label = f"{spec['model']} {layout}"
@@ -157,7 +145,7 @@ def test_nanogpt_literal_attention_fails_clearly_under_tp() -> None:
 
 
 # ----------------------------------------------------------------------------------------------- regressions
-def test_qwen3_qk_norm_gradients_are_summed_over_tp(references: _References) -> None:
+def test_qwen3_qk_norm_gradients_are_summed_over_tp(references: References) -> None:
     # Qwen3's q_norm/k_norm (RMSNorm over head_dim) are replicated parameters applied to each rank's own heads
     # under TP: each rank sees only its heads' contribution to their gradients, which must be summed over tp.
     # Unsummed, rank 0 holds half the gradient (parity fails) and the replicas drift apart after one step
@@ -174,7 +162,7 @@ def test_qwen3_qk_norm_gradients_are_summed_over_tp(references: _References) -> 
         assert_parity(got, ref, label=label)
 
 
-def test_gpt2_conv1d_is_sharded_under_tp(references: _References) -> None:
+def test_gpt2_conv1d_is_sharded_under_tp(references: References) -> None:
     # transformers' GPT-2 uses Conv1D (weight stored (in, out)), not nn.Linear: under tp=2 its projections must
     # really be sharded, not silently left replicated (which trains correctly but is no tensor parallelism).
     names = SHARDED["hf-gpt2"]

@@ -38,7 +38,7 @@ from typing import Any
 import pytest
 
 from lightning_4d.testing import run_world
-from tests.distributed.common import assert_parity, fit_spec, merge_ranks, rel_err
+from tests.distributed.common import References, assert_parity, fit_spec, merge_ranks, rel_err
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -92,21 +92,9 @@ def _spec(family: str, layout: str) -> dict[str, Any]:
     return spec
 
 
-class _References:
-    """Single-process references, each computed once per module (on first use)."""
-
-    def __init__(self) -> None:
-        self._cache: dict[str, dict[str, Any]] = {}
-
-    def __getitem__(self, kind: str) -> dict[str, Any]:
-        if kind not in self._cache:
-            self._cache[kind] = fit_spec(dict(BASE, model=kind))
-        return self._cache[kind]
-
-
 @pytest.fixture(scope="module")
-def references() -> _References:
-    return _References()
+def references() -> References:
+    return References(BASE)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -253,7 +241,7 @@ def test_moe_references_are_deterministic_and_route_to_every_expert() -> None:
 # ----------------------------------------------------------------------------------------------- parity
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("family", FAMILIES)
-def test_moe_parity(family: str, layout: str, references: _References) -> None:
+def test_moe_parity(family: str, layout: str, references: References) -> None:
     spec = _spec(family, layout)
     ref = references[spec["model"]]
     got = _run(spec)
@@ -269,7 +257,7 @@ def test_moe_parity(family: str, layout: str, references: _References) -> None:
 
 
 @pytest.mark.parametrize("family, layout", DENSE_EXPERT_CASES, ids=[f"{f}-{lay}" for f, lay in DENSE_EXPERT_CASES])
-def test_moe_parity_without_expert_parallelism(family: str, layout: str, references: _References) -> None:
+def test_moe_parity_without_expert_parallelism(family: str, layout: str, references: References) -> None:
     # The experts stay whole; under SP each TP rank routes its own sequence shard, so the expert (and router)
     # gradients must be summed over tp — a missing or doubled sum shows here.
     spec = _spec(family, layout)

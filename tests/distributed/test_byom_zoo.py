@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 
 from lightning_4d.testing import run_world
-from tests.distributed.common import fit_spec, merge_ranks
+from tests.distributed.common import References, fit_spec, merge_ranks
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -140,20 +140,10 @@ def _zoo_world(rank: int, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-class _References:
-    def __init__(self) -> None:
-        self._cache: dict[str, dict[str, Any]] = {}
-
-    def __getitem__(self, kind: str) -> dict[str, Any]:
-        if kind not in self._cache:
-            self._cache[kind] = fit_spec(dict(BASE, model=kind))
-        return self._cache[kind]
-
-
 @pytest.fixture(scope="module")
-def references() -> _References:
+def references() -> References:
     pytest.importorskip("transformers")
-    return _References()
+    return References(BASE)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -208,7 +198,7 @@ def _check(family: str, layout: str, got: dict[str, Any], ref: dict[str, Any], f
     return bad
 
 
-def _run(cases: list[tuple[str, str]], references: _References) -> list[str]:
+def _run(cases: list[tuple[str, str]], references: References) -> list[str]:
     """Run every (family, layout) of one world size in one world; the problems found (see :func:`_check`).
     A BF16 model's floor comes from its plain data-parallel case (``dp2``, ``dp4``), which must come first."""
     specs = [_spec(f, lay) for f, lay in cases]
@@ -227,7 +217,7 @@ def _run(cases: list[tuple[str, str]], references: _References) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------- parity
-def test_per_head_norm_list_shards_with_its_heads(references: _References) -> None:
+def test_per_head_norm_list_shards_with_its_heads(references: References) -> None:
     # Regression: StableLM keeps one LayerNorm per head in a ModuleList applied with zip(norms, heads). After the
     # tensor-parallel rewrite each rank holds half of the heads; zipped with the whole list, rank 1 normalised its
     # heads 2-3 with norms 0-1: silently wrong with identical initial norms (1.4e-4 after 6 steps), refused with
@@ -271,7 +261,7 @@ def _refusals(world: int) -> list[tuple[str, str]]:
     return [case for case in REFUSED if LAYOUTS[case[1]][0] == world]
 
 
-def test_tensor_parallel_with_and_without_sequence_parallelism(references: _References) -> None:
+def test_tensor_parallel_with_and_without_sequence_parallelism(references: References) -> None:
     # tp=2 for every family, with sequence parallelism (norms on region outputs, linears held by the block, in-place
     # residual adds, experts that see sequence shards, ALiBi biases cut with the heads) and without it.
     cases = [(f, "tp2") for f in DENSE_TP] + [(f, "tp2-nosp") for f in DENSE_TP]
@@ -279,7 +269,7 @@ def test_tensor_parallel_with_and_without_sequence_parallelism(references: _Refe
     assert not problems, "\n".join(problems)
 
 
-def test_expert_and_pipeline_layouts_and_refusals(references: _References) -> None:
+def test_expert_and_pipeline_layouts_and_refusals(references: References) -> None:
     # Expert parallelism for every MoE family (with tp where it applies), pipeline parallelism alone, and the
     # families refused at set-up: each refusal names the module, and the world goes on after it.
     cases = EP + [(f, "pp2") for f in PP] + _refusals(2)
@@ -287,7 +277,7 @@ def test_expert_and_pipeline_layouts_and_refusals(references: _References) -> No
     assert not problems, "\n".join(problems)
 
 
-def test_four_rank_layouts(references: _References) -> None:
+def test_four_rank_layouts(references: References) -> None:
     # tp=2 x pp=2 for every family (TorchTitan's Qwen3 MoE after its noise floor over 4 ranks); FSDP2 over dp swaps
     # the parameters a per-head list or a per-head parameter is read from: tp2-dp2 checks that each rank still uses
     # (and gives zero gradients to) the right ones.

@@ -34,6 +34,8 @@ from lightning_4d.testing import run_world
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 transformers = pytest.importorskip("transformers")
 
+from tests.hf_tiny import tiny_config  # noqa: E402
+
 VOCAB, SEQ, BATCH = 96, 16, 4
 # Logits of one fp32 model under two layouts differ by rounding of split / reordered reductions: a few fp32 ulps
 # (1.2e-7) of O(1) values, times the depth. 1e-5 relative is ~100 ulps; a wrong or missing tensor moves them O(1e-2+).
@@ -50,19 +52,7 @@ CASES: dict[str, tuple[str, Any, dict[str, Any]]] = {
 
 
 def _config(kind: str) -> Any:
-    tf = transformers
-    dense = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
-    if kind == "llama":
-        return tf.LlamaConfig(**dense, tie_word_embeddings=False)
-    if kind == "qwen3-tied":
-        return tf.Qwen3Config(**dense, head_dim=8, tie_word_embeddings=True)
-    if kind == "qwen3moe":
-        return tf.Qwen3MoeConfig(**dense, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                 norm_topk_prob=True)
-    if kind == "mixtral":
-        return tf.MixtralConfig(**dense, num_local_experts=4, num_experts_per_tok=2)
-    raise ValueError(kind)
+    return tiny_config(kind, VOCAB)
 
 
 def save_model(kind: str, directory: Path, max_shard_size: Any = None) -> Path:

@@ -36,6 +36,8 @@ from lightning_4d.testing import run_world
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 transformers = pytest.importorskip("transformers")
 
+from tests.hf_tiny import tiny_config  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[2]
 CONF = str(conf_dir())
 MODEL_VOCAB = 96      # larger than the data's vocabulary: fine-tuning data need not use every id
@@ -69,19 +71,7 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
 
 # ----------------------------------------------------------------------------------------------- the "pretrained" model
 def _config(kind: str) -> Any:
-    tf = transformers
-    dense = {"vocab_size": MODEL_VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
-    if kind == "llama":
-        return tf.LlamaConfig(**dense, tie_word_embeddings=False)
-    if kind == "qwen3-tied":
-        return tf.Qwen3Config(**dense, head_dim=8, tie_word_embeddings=True)
-    if kind == "qwen3moe":
-        return tf.Qwen3MoeConfig(**dense, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                 norm_topk_prob=True)
-    if kind == "mixtral":
-        return tf.MixtralConfig(**dense, num_local_experts=4, num_experts_per_tok=2)
-    raise ValueError(kind)
+    return tiny_config(kind, MODEL_VOCAB)
 
 
 def _tokenizer(directory: Path) -> None:
