@@ -26,11 +26,18 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
 from lightning_4d import _compat
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+    from torch._ops import OperatorBase
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_4d.mesh import FourDMesh
 
 __all__ = ["internal_comm", "is_internal_comm", "CommCounter", "CommRecord", "KIND_OF_OP", "wire_bytes", "full_bytes", "op_bytes", "AXIS_ORDER",
            "axis_of_group", "mesh_axis_groups", "name_axis"]
@@ -101,7 +108,7 @@ def wire_bytes(kind: str, full: float, n: int, kept: Optional[float] = None) -> 
     return (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n * full
 
 
-def _nbytes(t: Any) -> int:
+def _nbytes(t: object) -> int:
     if isinstance(t, torch.Tensor):
         return t.numel() * t.element_size()
     if isinstance(t, (list, tuple)):
@@ -185,7 +192,8 @@ def name_axis(axes: Sequence[str], kind: Optional[str] = None) -> str:
     return min(axes, key=lambda a: AXIS_ORDER.index(a) if a in AXIS_ORDER else len(AXIS_ORDER))
 
 
-def _named_meshes(mesh: Any) -> list[tuple[str, Any]]:
+def _named_meshes(mesh: Union[FourDMesh, DeviceMesh, Mapping[str, Union[FourDMesh, DeviceMesh]], None]
+                  ) -> list[tuple[str, DeviceMesh]]:
     """``(axis, 1-D mesh)`` of a ``FourDMesh`` (HSDP's flattened ``dp`` too), a ``DeviceMesh`` or a dict of them."""
     if mesh is None:
         return []
@@ -197,7 +205,7 @@ def _named_meshes(mesh: Any) -> list[tuple[str, Any]]:
     return [(dim, mesh[dim]) for dim in (mesh.mesh_dim_names or ())]
 
 
-def _ranks(pg: Any) -> Optional[tuple[int, ...]]:
+def _ranks(pg: dist.ProcessGroup) -> Optional[tuple[int, ...]]:
     import torch.distributed as dist
 
     try:
@@ -206,7 +214,8 @@ def _ranks(pg: Any) -> Optional[tuple[int, ...]]:
         return None
 
 
-def mesh_axis_groups(mesh: Any) -> dict[Any, tuple[str, ...]]:
+def mesh_axis_groups(mesh: Union[FourDMesh, DeviceMesh, Mapping[str, Union[FourDMesh, DeviceMesh]], None]
+                     ) -> dict[Union[str, tuple[int, ...]], tuple[str, ...]]:
     """Mesh axes per process group, keyed by group name and, for groups of several ranks, by the tuple of their
     global ranks (torch may hand DTensor an equal group under another name: ``DeviceMesh`` caches sub-meshes).
     ``mesh``: a ``FourDMesh``, a ``DeviceMesh``, a dict of them, or ``None``.
@@ -215,7 +224,7 @@ def mesh_axis_groups(mesh: Any) -> dict[Any, tuple[str, ...]]:
         >>> mesh_axis_groups(None)
         {}
     """
-    out: dict[Any, list[str]] = defaultdict(list)
+    out: dict[Union[str, tuple[int, ...]], list[str]] = defaultdict(list)
     for axis, sub in _named_meshes(mesh):
         group = sub.get_group()
         keys = [group.group_name]
@@ -227,7 +236,8 @@ def mesh_axis_groups(mesh: Any) -> dict[Any, tuple[str, ...]]:
     return {k: tuple(v) for k, v in out.items()}
 
 
-def axis_of_group(pg: Any, kind: str, groups: Mapping[Any, Sequence[str]]) -> str:
+def axis_of_group(pg: Optional[dist.ProcessGroup], kind: str,
+                  groups: Mapping[Union[str, tuple[int, ...]], Sequence[str]]) -> str:
     """The mesh axis a ``kind`` collective on process group ``pg`` is counted under (``groups``:
     :func:`mesh_axis_groups`): :func:`name_axis` of the axes spanning it, else ``"world"`` for the default
     group and ``"other"``.
@@ -269,14 +279,14 @@ class CommCounter(_compat.dispatch_mode_base()):  # type: ignore[misc]
         ([], {})
     """
 
-    def __init__(self, groups: Optional[Mapping[Any, Sequence[str]]] = None) -> None:
+    def __init__(self, groups: Optional[Mapping[Union[str, tuple[int, ...]], Sequence[str]]] = None) -> None:
         super().__init__()
         self.groups = dict(groups or {})
         self.records: list[CommRecord] = []
-        self._groups: dict[str, Any] = {}  # group name argument → ProcessGroup
+        self._groups: dict[str, Optional[dist.ProcessGroup]] = {}  # group name argument → ProcessGroup
         self._axes: dict[tuple[str, str], str] = {}  # (group name, kind) → axis
 
-    def axis(self, pg: Any, kind: str) -> tuple[str, int]:
+    def axis(self, pg: Optional[dist.ProcessGroup], kind: str) -> tuple[str, int]:
         """Axis name (:func:`axis_of_group`) and group size of a call on process group ``pg`` (``None``: none)."""
         if pg is None:
             return axis_of_group(None, kind, self.groups), 1
@@ -292,7 +302,7 @@ class CommCounter(_compat.dispatch_mode_base()):  # type: ignore[misc]
     def issued(self, record: CommRecord, namespace: str, out: Any) -> None:
         """Called with each new record and the op's output (e.g. to time the wait on its handle)."""
 
-    def _group(self, args: tuple, kwargs: dict) -> Any:
+    def _group(self, args: tuple, kwargs: dict) -> Optional[dist.ProcessGroup]:
         for arg in (*args, *kwargs.values()):
             if isinstance(arg, str):
                 if arg not in self._groups:
@@ -306,7 +316,8 @@ class CommCounter(_compat.dispatch_mode_base()):  # type: ignore[misc]
                 return pg
         return None
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_dispatch__(self, func: OperatorBase, types: tuple[type, ...], args: tuple = (),
+                           kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         if _compat.is_higher_order_op(func):
             return func(*args, **kwargs)

@@ -13,7 +13,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Literal, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Literal, Optional
 
 import torch
 from torch import nn
@@ -21,6 +21,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_4d import _compat
 from lightning_4d.precision import precision_info
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 __all__ = ["DataParallelMode", "apply_data_parallel", "mixed_precision_policy", "set_gradient_sync", "wrap_mode"]
 
@@ -38,7 +41,7 @@ def wrap_mode(data_parallel: str, experts: bool = False) -> DataParallelMode:
     return "fsdp" if data_parallel == "hsdp" else data_parallel  # type: ignore[return-value]
 
 
-def mixed_precision_policy(precision: str) -> Optional[Any]:
+def mixed_precision_policy(precision: str) -> Optional[MixedPrecisionPolicy]:
     """FSDP2 mixed-precision policy for a Lightning precision string (``None``: none; the table's
     ``fsdp_param_dtype``, :data:`lightning_4d.precision.PRECISIONS`).
 
@@ -54,8 +57,8 @@ def mixed_precision_policy(precision: str) -> Optional[Any]:
     return None
 
 
-def _wrap(module: nn.Module, mesh: DeviceMesh, mode: str, mp_policy: Optional[Any], reshard: bool,
-          ignored: Optional[set] = None) -> None:
+def _wrap(module: nn.Module, mesh: DeviceMesh, mode: str, mp_policy: Optional[MixedPrecisionPolicy], reshard: bool,
+          ignored: Optional[set[nn.Parameter]] = None) -> None:
     ignored = {p for p in (ignored or set()) if any(p is q for q in module.parameters())} or None
     if mode == "fsdp":
         from torch.distributed.fsdp import fully_shard
@@ -76,8 +79,8 @@ def apply_data_parallel(
     mode: str = "fsdp",
     precision: str = "32-true",
     expert_modules: Iterable[nn.Module] = (),
-    expert_mesh: Any = None,
-    ignored_params: Optional[set] = None,
+    expert_mesh: Optional[DeviceMesh] = None,
+    ignored_params: Optional[set[nn.Parameter]] = None,
     reshard_after_forward: bool = True,
     reshard_root: bool = False,
 ) -> nn.Module:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -21,7 +21,7 @@ from lightning_4d import _compat
 __all__ = ["all_reduce_sum", "broadcast_module_state", "global_grad_norm", "to_full"]
 
 
-def all_reduce_sum(tensor: Tensor, group: Optional[Any] = None) -> Tensor:
+def all_reduce_sum(tensor: Tensor, group: Optional[dist.ProcessGroup] = None) -> Tensor:
     """Sum ``tensor`` in place over ``group`` (identity without a process group).
 
     Example:
@@ -85,7 +85,7 @@ def _local_norm_pow(grads: list[Tensor], norm_type: float) -> Tensor:
 
 
 def global_grad_norm(params: Iterable[nn.Parameter], norm_type: float = 2.0, pp: int = 1,
-                     group: Optional[Any] = None) -> Tensor:
+                     group: Optional[dist.ProcessGroup] = None) -> Tensor:
     """The norm of all gradients of the model across every shard, equal on every rank: one all-reduce.
 
     Each rank sums the ``p``-th powers of its *local* gradient shards, weighted so that the sum over
@@ -108,7 +108,7 @@ def global_grad_norm(params: Iterable[nn.Parameter], norm_type: float = 2.0, pp:
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     holders = world // pp  # ranks holding a shard or a copy of each parameter
     weighted: dict[float, list[Tensor]] = defaultdict(list)  # weight -> local gradient tensors
-    device: Any = "cpu"
+    device: Union[str, torch.device] = "cpu"
     for p in params:
         g = p.grad
         if g is None:

@@ -24,7 +24,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -75,7 +75,7 @@ class ScoreBiases:
         entry = self._labels.get(id(t)) if isinstance(t, torch.Tensor) else None
         return entry[1] if entry is not None and entry[0] is t else frozenset()
 
-    def follow(self, name: str, args: tuple, kwargs: dict, out: Any, computed: Any) -> None:
+    def follow(self, name: str, args: tuple, kwargs: dict, out: Any, computed: Callable[[torch.Tensor], bool]) -> None:
         """After op ``name``: carry labels through layout ops; record labelled operands of an addition to a tensor
         ``computed`` says the block's linears produced (``computed(t) -> bool``)."""
         if not self._labels:

@@ -13,12 +13,15 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import Tensor
 
 from lightning_4d.distributed import all_reduce_sum
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 __all__ = ["check_inputs", "check_targets", "count_targets", "weighted_global_loss", "with_value"]
 
@@ -92,7 +95,8 @@ def with_value(grad_source: Tensor, value: Tensor) -> Tensor:
     return grad_source + (value.to(grad_source.dtype) - grad_source).detach()
 
 
-def weighted_global_loss(local_loss: Tensor, n_local: Tensor, dp_group: Optional[Any], dp_size: int) -> Tensor:
+def weighted_global_loss(local_loss: Tensor, n_local: Tensor, dp_group: Optional[dist.ProcessGroup],
+                         dp_size: int) -> Tensor:
     """Turn a rank's mean loss into the global-batch mean (value) with DP-averaged-correct gradients.
 
     Example:

@@ -36,7 +36,7 @@ import hashlib
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,11 @@ from lightning_4d._compat.dispatch import dispatch_mode_base
 from lightning_4d.hooks import WEIGHT_SOURCE, WeightSource, weight_source
 from lightning_4d.shard_slices import local_of, local_slice, read_local, write_full
 from lightning_4d.tensor_parallel.layouts import permutations_of
+
+if TYPE_CHECKING:
+    from torch._ops import OperatorBase
+
+    from lightning_4d._compat import InitCall
 
 __all__ = ["MaterializeReport", "UninitializedError", "WeightSource", "module_copy", "materialize_local_shards", "meta_skeleton", "is_meta_built",
            "local_slice", "read_local", "write_full"]
@@ -176,7 +181,8 @@ class _MetaWriteGuard(dispatch_mode_base()):  # type: ignore[misc]
         super().__init__()
         self.label = label
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(self, func: OperatorBase, types: tuple[type, ...], args: tuple[Any, ...] = (),
+                           kwargs: Optional[dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
         if func._schema.is_mutable and args and isinstance(args[0], Tensor) and args[0].is_meta:
             raise RuntimeError(
@@ -196,17 +202,17 @@ def _rng_digest(device: torch.device) -> str:
     return hashlib.sha256(state.numpy().tobytes()).hexdigest()
 
 
-def _rank0_rng_state(device: torch.device, group: Optional[Any]) -> Optional[list[Tensor]]:
+def _rank0_rng_state(device: torch.device, group: Optional[dist.ProcessGroup]) -> Optional[list[Tensor]]:
     """Rank 0's random states when the ranks of ``group`` disagree (one ``all_gather_object`` of a digest, one
     broadcast only then); ``None`` when they agree or there is no group."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return None
-    digests: list[Any] = [None] * dist.get_world_size(group)
+    digests: list[Optional[str]] = [None] * dist.get_world_size(group)
     dist.all_gather_object(digests, _rng_digest(device), group=group)
     if len(set(digests)) == 1:
         return None
     states = [torch.random.get_rng_state()] + ([torch.cuda.get_rng_state(device)] if device.type == "cuda" else [])
-    box: list[Any] = [states]
+    box: list[list[Tensor]] = [states]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     return box[0]
 
@@ -231,7 +237,7 @@ def _random_states(states: Optional[list[Tensor]], device: torch.device) -> Iter
 
 @torch.no_grad()
 def materialize_local_shards(skeleton: nn.Module, sharded: nn.Module, device: torch.device,
-                             sync_module_states: bool = False, group: Optional[Any] = None,
+                             sync_module_states: bool = False, group: Optional[dist.ProcessGroup] = None,
                              source_names: Optional[dict[str, tuple[str, Optional[int]]]] = None) -> MaterializeReport:
     """Allocate ``sharded``'s local shards on ``device`` and fill them with the values a single process would
     initialise ``skeleton`` (the unsharded model, on meta) to; see the module docstring.
@@ -308,8 +314,9 @@ class _Realiser:
     frees it after each call — or earlier, oldest first, when the live full tensors would exceed ``budget``
     bytes (one tensor is always allowed)."""
 
-    def __init__(self, entries: dict[int, _Entry], device: torch.device, placed: Any, write: Any, budget: int,
-                 report: MaterializeReport) -> None:
+    def __init__(self, entries: dict[int, _Entry], device: torch.device,
+                 placed: Callable[[_Entry], Optional[tuple[Tensor, Optional[tuple[list[int], int]], Optional[int]]]],
+                 write: Callable[[_Entry, Tensor], None], budget: int, report: MaterializeReport) -> None:
         self.entries, self.device, self.placed, self.write = entries, device, placed, write
         self.budget, self.report = budget, report
         self.live: dict[int, tuple[Tensor, Tensor]] = {}  # entry id -> (full tensor, value in the slots), oldest first
@@ -369,27 +376,27 @@ class _LazySlots(dict):  # type: ignore[type-arg]
 
     realiser: _Realiser
 
-    def _value(self, value: Any) -> Any:
+    def _value(self, value: Optional[Tensor]) -> Optional[Tensor]:
         if isinstance(value, Tensor) and value.is_meta and id(value) in self.realiser.entries:
             return self.realiser.realise(id(value))
         return value
 
-    def __getitem__(self, key: str) -> Any:
+    def __getitem__(self, key: str) -> Optional[Tensor]:
         return self._value(dict.__getitem__(self, key))
 
-    def get(self, key: str, default: Any = None) -> Any:
+    def get(self, key: str, default: Optional[Tensor] = None) -> Optional[Tensor]:
         return self._value(dict.get(self, key, default))
 
-    def items(self) -> Any:  # type: ignore[override]
+    def items(self) -> list[tuple[str, Optional[Tensor]]]:  # type: ignore[override]
         return [(k, self._value(v)) for k, v in list(dict.items(self))]
 
-    def values(self) -> Any:  # type: ignore[override]
+    def values(self) -> list[Optional[Tensor]]:  # type: ignore[override]
         return [self._value(v) for v in list(dict.values(self))]
 
 
 @contextmanager
 def _lazy_slots(skeleton: nn.Module, realiser: _Realiser) -> Iterator[None]:
-    swapped: list[tuple[nn.Module, str, dict[str, Any]]] = []
+    swapped: list[tuple[nn.Module, str, dict[str, Optional[Tensor]]]] = []
     try:
         for mod in skeleton.modules():
             for attr in ("_parameters", "_buffers"):
@@ -407,8 +414,9 @@ def _lazy_slots(skeleton: nn.Module, realiser: _Realiser) -> Iterator[None]:
             mod.__dict__[attr] = original
 
 
-def _run_calls(skeleton: nn.Module, entries: dict[int, _Entry], device: torch.device, placed: Any, write: Any,
-               report: MaterializeReport) -> None:
+def _run_calls(skeleton: nn.Module, entries: dict[int, _Entry], device: torch.device,
+               placed: Callable[[_Entry], Optional[tuple[Tensor, Optional[tuple[list[int], int]], Optional[int]]]],
+               write: Callable[[_Entry, Tensor], None], report: MaterializeReport) -> None:
     """Run every initialiser of ``skeleton`` in a single process's order on full tensors allocated as it reads
     them; values are moved into the local shards after each call. A call whose tensors all come from a
     ``fourd_weight_source`` is skipped (their values would be overwritten: pretrained weights are not drawn first)."""
@@ -455,7 +463,7 @@ def _source_provided(skeleton: nn.Module, entries: dict[int, _Entry]) -> set[int
             if pre + rel in by_name}
 
 
-def _all_provided(call: Any, provided: set[int]) -> bool:
+def _all_provided(call: InitCall, provided: set[int]) -> bool:
     """Whether every tensor ``call`` may write (its module's, or its subtree's) comes from a weight source."""
     if not provided:
         return False
@@ -464,8 +472,9 @@ def _all_provided(call: Any, provided: set[int]) -> bool:
     return bool(keys) and all(k in provided for k in keys)
 
 
-def _load_sources(skeleton: nn.Module, entries: dict[int, _Entry], placed: Any, write: Any,
-                  report: MaterializeReport) -> None:
+def _load_sources(skeleton: nn.Module, entries: dict[int, _Entry],
+                  placed: Callable[[_Entry], Optional[tuple[Tensor, Optional[tuple[list[int], int]], Optional[int]]]],
+                  write: Callable[[_Entry, Tensor], None], report: MaterializeReport) -> None:
     """Overwrite the initialised values with those of every ``fourd_weight_source`` in ``skeleton``; a tensor of
     which this rank holds no part (another pipeline stage's) is not read."""
     by_name = {name: entry for entry in entries.values() for name in entry.names}

@@ -53,7 +53,7 @@ def local_value(value: Tensor) -> Tensor:
     return value
 
 
-def _vocab_shard(logits: Any) -> Optional[tuple[Any, int]]:
+def _vocab_shard(logits: Tensor) -> Optional[tuple[dist.ProcessGroup, int]]:
     """(group, mesh dim) when ``logits`` is a DTensor sharded over its last dim only and evenly by the chunk rule."""
     from torch.distributed.tensor import DTensor
 
@@ -68,7 +68,7 @@ def _vocab_shard(logits: Any) -> Optional[tuple[Any, int]]:
 
 
 @torch.no_grad()
-def token_predictions(logits: Any) -> Tensor:
+def token_predictions(logits: Tensor) -> Tensor:
     """``logits.argmax(-1)`` as a plain tensor, exactly as one process computes it (the first index of the
     maximum), also for logits sharded over the vocabulary by tensor parallelism: each rank takes the maximum of
     its shard, the ``(value, index)`` pairs are all-gathered over the shard's group (``B·T`` values, not the

@@ -14,7 +14,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 from torch import Tensor
@@ -24,6 +24,10 @@ from lightning_4d.loss import count_targets
 from lightning_4d.mesh import Axis
 
 if TYPE_CHECKING:
+    import torch.distributed as dist
+    from torch.optim import Optimizer
+    from torchmetrics import Metric
+
     from lightning_4d.strategy import FourDStrategy
 
 __all__ = ["FourDModule"]
@@ -106,7 +110,7 @@ class FourDModule:
         return count_targets(targets, self.ignore_index)
 
     # ------------------------------------------------------------------ steps
-    def _fourd_strategy(self) -> Any:
+    def _fourd_strategy(self) -> Optional[FourDStrategy]:
         from lightning_4d.strategy import FourDStrategy
 
         trainer = _compat.attached_trainer(self)
@@ -153,7 +157,7 @@ class FourDModule:
         return self._fourd_stage
 
     @property
-    def fourd_dp_group(self) -> Any:
+    def fourd_dp_group(self) -> Optional[dist.ProcessGroup]:
         """The data-parallel process group, to pass as a ``torchmetrics`` metric's ``process_group=``: its states
         are then summed over the ranks holding *different* samples only (tensor-parallel and pipeline peers see
         the same ones). ``None`` (torchmetrics' default: the world, right for DDP and one process) under other
@@ -189,7 +193,7 @@ class FourDModule:
             return True
         return strategy.mesh.rank(Axis.PP) == _last_stage_rank(strategy)
 
-    def _check_metric_group(self, name: str, metric: Any, strategy: FourDStrategy) -> None:
+    def _check_metric_group(self, name: str, metric: Metric, strategy: FourDStrategy) -> None:
         import torch.distributed as dist
 
         if strategy.dims.world_size == strategy.dims.dp:
@@ -205,7 +209,7 @@ class FourDModule:
                 f"process_group=self.fourd_dp_group (in `setup`)."
             )
 
-    def fourd_log_metric(self, name: str, metric: Any, **log_kwargs: Any) -> Tensor:
+    def fourd_log_metric(self, name: str, metric: Metric, **log_kwargs: Any) -> Tensor:
         """Compute a ``torchmetrics`` metric where the outputs are, hand the value to every rank, log it and reset
         the metric; returns the value (equal on every rank). Call it on **every** rank at the end of an epoch
         (``on_validation_epoch_end``).
@@ -277,7 +281,7 @@ class FourDModule:
             return self(inputs)
         return strategy.predict(self, inputs)
 
-    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Optimizer) -> None:
         """Lightning zeroes gradients after ``training_step``; under a pipeline they were computed
         inside it, so the strategy zeroes them before the schedule runs instead."""
         strategy = self._fourd_strategy()
@@ -285,7 +289,9 @@ class FourDModule:
             return
         optimizer.zero_grad()
 
-    def clip_gradients(self, optimizer: Any, gradient_clip_val: Any = None, gradient_clip_algorithm: Any = None) -> None:
+    def clip_gradients(self, optimizer: Optimizer,
+                       gradient_clip_val: Optional[Union[int, float]] = None,
+                       gradient_clip_algorithm: Optional[str] = None) -> None:
         """Clip by the global norm across all shards under ``FourDStrategy`` (else Lightning's)."""
         strategy = self._fourd_strategy()
         algorithm = str(gradient_clip_algorithm or "norm")

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Partial, Placement
 
 from lightning_4d._compat import meta_scalar_mode, registered_submodule
 from lightning_4d.activation_checkpoint import apply_activation_checkpointing
@@ -104,7 +104,7 @@ def describe_layout(module: nn.Module) -> list[LayoutRow]:
     return rows
 
 
-def _placement(p: Any) -> str:
+def _placement(p: Placement) -> str:
     if isinstance(p, Partial):
         return "P"
     dim = getattr(p, "dim", None)

@@ -35,7 +35,7 @@ Example:
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Optional, Union
 
 import torch
 from torch import nn
@@ -83,7 +83,8 @@ def reduced_copy_bytes(model_bytes: float) -> float:
     return 2.0 * model_bytes
 
 
-def block_signature(block: nn.Module, ignore: frozenset[str] = frozenset()) -> tuple[Any, ...]:
+def block_signature(block: nn.Module, ignore: frozenset[str] = frozenset()
+                    ) -> tuple[tuple[str, Union[str, tuple[int, ...], int, float, bool]], ...]:
     """What makes two blocks rewrite differently: every submodule's name and type, every tensor's name and
     shape, and the plain (int / float / str / bool) attributes of every submodule (sliding windows, attention
     types, MoE or dense), as a hashable tuple; attribute keys in ``ignore`` (per-layer indices) left out.
@@ -92,7 +93,7 @@ def block_signature(block: nn.Module, ignore: frozenset[str] = frozenset()) -> t
         >>> block_signature(nn.Linear(2, 3)) == block_signature(nn.Linear(2, 3)), block_signature(nn.Linear(2, 4))[0]
         (True, ('', 'Linear'))
     """
-    parts: list[Any] = []
+    parts: list[tuple[str, Union[str, tuple[int, ...], int, float, bool]]] = []
     for name, mod in block.named_modules():
         parts.append((name, type(mod).__name__))
         parts += [(f"{name}.{k}", tuple(t.shape)) for k, t in list(mod._parameters.items()) + list(mod._buffers.items())
@@ -101,7 +102,7 @@ def block_signature(block: nn.Module, ignore: frozenset[str] = frozenset()) -> t
     return tuple(parts)
 
 
-def _plain_attributes(name: str, mod: nn.Module) -> list[tuple[str, Any]]:
+def _plain_attributes(name: str, mod: nn.Module) -> list[tuple[str, Union[int, float, str, bool]]]:
     return [(f"{name}.{k}", v) for k, v in sorted(vars(mod).items())
             if not k.startswith("_") and k != "training" and isinstance(v, (int, float, str, bool))]
 
@@ -109,7 +110,7 @@ def _plain_attributes(name: str, mod: nn.Module) -> list[tuple[str, Any]]:
 def _index_attributes(blocks: list[nn.Module]) -> frozenset[str]:
     """Attribute keys whose value differs in every block (a layer index, a depth-scaled init std): left out of
     the signatures, or every block would count as distinct."""
-    values: dict[str, set[Any]] = {}
+    values: dict[str, set[Union[int, float, str, bool]]] = {}
     for block in blocks:
         for name, mod in block.named_modules():
             for key, v in _plain_attributes(name, mod):
@@ -130,7 +131,7 @@ def reduce_depth(model: nn.Module, blocks_path: str, keep: int) -> list[int]:
     container = model.get_submodule(blocks_path)
     blocks = list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
     chosen: list[int] = []
-    seen: set[tuple[Any, ...]] = set()
+    seen: set[tuple[tuple[str, Union[str, tuple[int, ...], int, float, bool]], ...]] = set()
     ignore = _index_attributes(blocks)
     for i, block in enumerate(blocks):
         sig = block_signature(block, ignore)

@@ -14,7 +14,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -53,7 +53,7 @@ def _select(full: Tensor, selections: list[tuple[int, Tensor]]) -> Tensor:
     return local
 
 
-def _stacked_row(target: Tensor, perm: Optional[tuple[list[int], int]], index: int, full_shape: Any,
+def _stacked_row(target: Tensor, perm: Optional[tuple[list[int], int]], index: int, full_shape: Sequence[int],
                  device: torch.device) -> Optional[tuple[Optional[int], list[tuple[int, Tensor]]]]:
     """Where slice ``index`` of a stacked tensor (experts stacked on dim 0 by the rewrite) lives in this rank's
     local tensor, from per-dimension indices (never a whole-tensor index): ``(local row or None when another
@@ -71,7 +71,7 @@ def _stacked_row(target: Tensor, perm: Optional[tuple[list[int], int]], index: i
     return row, [(dim - 1, idx) for dim, idx in selections if dim != 0]
 
 
-def _selections(target: Tensor, shape: Any, perm: Optional[tuple[list[int], int]],
+def _selections(target: Tensor, shape: Sequence[int], perm: Optional[tuple[list[int], int]],
                 device: torch.device) -> list[tuple[int, Tensor]]:
     """This rank's indices along each dimension its placements shard (and the TP row permutation), as
     ``[(dim, index)]``: the local part of a full tensor of ``shape`` is ``full.index_select(dim, index)`` in turn.

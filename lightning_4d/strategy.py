@@ -58,8 +58,17 @@ from lightning_4d.preemption import DEFAULT_SIGNALS, PreemptionSaver, resolve_si
 from lightning_4d.tensor_parallel.replicas import replica_mismatches
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+    from contextlib import AbstractContextManager
+
     import lightning.pytorch as pl
+    from lightning.fabric.strategies.registry import _StrategyRegistry
+    from lightning.pytorch.strategies.strategy import TBroadcast, TReduce
+    from lightning.pytorch.utilities.types import STEP_OUTPUT
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.optim import Optimizer
+
+    from lightning_4d.peers import Peer
 
 __all__ = ["FIT_SETUP_HOOKS", "FourDStrategy"]
 
@@ -182,7 +191,7 @@ class FourDStrategy(ParallelStrategy):
         self._grads_stale = True
         self._replicas_checked = False  # replicated TP parameters are compared after the first step
         self._resume_loops: Optional[dict[str, Any]] = None
-        self._peers: list[Any] = []
+        self._peers: list[Peer] = []
         if heartbeat_timeout is not None and (not isinstance(heartbeat_timeout, timedelta)
                                               or heartbeat_timeout.total_seconds() <= 0):
             raise ValueError(f"heartbeat_timeout={heartbeat_timeout!r} must be a positive datetime.timedelta "
@@ -239,7 +248,7 @@ class FourDStrategy(ParallelStrategy):
 
     @property
     @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
         # TP and PP peers must see the same samples: shard the data over the dp axis only.
         return {"num_replicas": self.dims.dp, "rank": self.mesh.rank(Axis.DP)}
 
@@ -310,7 +319,7 @@ class FourDStrategy(ParallelStrategy):
                 hook(trainer)
         self.setup_precision_plugin()
 
-    def _set_up_layout(self, trainer: "pl.Trainer") -> Any:
+    def _set_up_layout(self, trainer: "pl.Trainer") -> ParallelPlan:
         """Rewrite the model for the mesh. A model built on the meta device stays there through the rewrite
         (pipeline pruning, EP, TP/SP, data parallelism) and only this rank's shards are then allocated and
         initialised (:func:`~lightning_4d.materialize.materialize_local_shards`), so no rank ever holds the
@@ -443,7 +452,7 @@ class FourDStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ steps
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         trainer = self.lightning_module.trainer
 
         # No gradient reduction on the non-stepping micro-steps of gradient accumulation.
@@ -451,7 +460,7 @@ class FourDStrategy(ParallelStrategy):
         return super().training_step(*args, **kwargs)
 
     @override
-    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         if self._plan is not None and self._plan.pipeline is not None:
             out = closure_loss  # forward and backward already ran inside the pipeline schedule
         else:
@@ -480,7 +489,7 @@ class FourDStrategy(ParallelStrategy):
         """Once per step: :func:`lightning_4d.parallelize.reduce_tp_partial_grads`."""
         reduce_tp_partial_grads(self._plan, self.mesh, self.model)
 
-    def _guarded(self, closure: Any) -> Any:
+    def _guarded(self, closure: Callable[[], Optional[Tensor]]) -> Optional[Tensor]:
         """Run the step's forward and backward, then stop or skip it on every rank if it is not finite
         (before Lightning clips the gradients and the optimizer steps)."""
         loss = closure()
@@ -507,7 +516,8 @@ class FourDStrategy(ParallelStrategy):
             module.log("skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False, prog_bar=False)
 
     @override
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
+                       model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None, **kwargs: Any) -> Any:
         if self._nonfinite == "off" or self.lightning_module.automatic_optimization is False:
             out = super().optimizer_step(optimizer, closure, model, **kwargs)
         else:
@@ -533,7 +543,7 @@ class FourDStrategy(ParallelStrategy):
             update_expert_bias(self.model)  # aux-loss-free balancing: after the step, on every rank
         return out
 
-    def compute_loss(self, module: Any, inputs: Any, targets: Any, stage: str = "train") -> Tensor:
+    def compute_loss(self, module: "pl.LightningModule", inputs: Any, targets: Any, stage: str = "train") -> Tensor:
         """The global-batch loss for the mixin's steps (see :mod:`lightning_4d.loss`).
 
         Example:
@@ -562,7 +572,7 @@ class FourDStrategy(ParallelStrategy):
         group = self.mesh[Axis.DP].get_group()
         return weighted_global_loss(local, n_local.to(local.device), group, dims.dp)
 
-    def predict(self, module: Any, inputs: Any) -> Any:
+    def predict(self, module: "pl.LightningModule", inputs: Any) -> Any:
         """Full (unsharded) model outputs on every rank."""
         check_inputs(inputs, self._plan.input_shape if self._plan is not None else None)
         if self._plan is not None and self._plan.pipeline is not None:
@@ -577,7 +587,7 @@ class FourDStrategy(ParallelStrategy):
                 optimizer.zero_grad(set_to_none=True)
             self._grads_stale = False
 
-    def loss_context(self) -> Any:
+    def loss_context(self) -> AbstractContextManager[None]:
         """Context for computing the loss and its backward (``loss_parallel`` under TP)."""
         plan = self._plan
         if plan is not None and getattr(plan, "loss_parallel", False):
@@ -620,7 +630,7 @@ class FourDStrategy(ParallelStrategy):
             dist.barrier()
 
     @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if not dist.is_initialized():
             return obj
         box = [obj]
@@ -629,8 +639,9 @@ class FourDStrategy(ParallelStrategy):
 
     @override
     def reduce(
-        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean"
-    ) -> Union[Tensor, Any]:
+        self, tensor: TReduce, group: Optional[dist.ProcessGroup] = None,
+        reduce_op: Optional[Union[str, dist.ReduceOp]] = "mean",
+    ) -> TReduce:
         """Reduce over ``group`` (default: the world; tp/pp peers hold equal values, so the world
         mean is the data-parallel mean)."""
         if not isinstance(tensor, Tensor) or not dist.is_initialized():
@@ -669,26 +680,27 @@ class FourDStrategy(ParallelStrategy):
         return model_state_dict(self.model)
 
     @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         pass  # loaded in `load_checkpoint`
 
     @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         return optimizer_state_dict(self.model, optimizer)
 
     @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         pass  # loaded in `load_checkpoint`
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Union[str, Path],
+                        storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError("FourDStrategy.save_checkpoint(storage_options=...) is not supported.")
         save_sharded(checkpoint, self.broadcast(str(filepath)), is_global_zero=self.is_global_zero,
                      checksums=self._checkpoint_checksums)
 
     @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
         assert self.model is not None
         strict = bool(getattr(self.lightning_module, "strict_loading", True))
         meta = load_sharded(self.broadcast(str(checkpoint_path)), self.model, self.optimizers,
@@ -698,7 +710,7 @@ class FourDStrategy(ParallelStrategy):
         return meta
 
     @override
-    def process_dataloader(self, dataloader: Any) -> Any:
+    def process_dataloader(self, dataloader: object) -> object:
         """After a resume, restore the exact loop position and skip the batches already trained on."""
         trainer = self.lightning_module.trainer
         if self._resume_loops is None or not trainer.training or "fit_loop" not in self._resume_loops:
@@ -714,7 +726,7 @@ class FourDStrategy(ParallelStrategy):
         return skip_first_batches(dataloader, skip)
 
     @override
-    def remove_checkpoint(self, filepath: Any) -> None:
+    def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
         if self.is_global_zero:
 
             path = Path(filepath)
@@ -724,7 +736,7 @@ class FourDStrategy(ParallelStrategy):
                 path.unlink()
 
     @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """Register ``strategy="fourd"`` with Lightning's registry."""
         if "fourd" not in strategy_registry:
             strategy_registry.register("fourd", cls, description="4D parallelism: TP/SP, PP, EP and DP")

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -448,7 +448,8 @@ class _Consumers(TorchFunctionMode):
         for t in _tensors(value):
             self.origin[id(t)] = (t, origin)
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_function__(self, func: Callable[..., Any], types: tuple[type, ...], args: tuple = (),
+                           kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func))
         if self.watch and args and name not in _INSPECTIONS:

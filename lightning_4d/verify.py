@@ -46,10 +46,10 @@ def check_tensor_parallel(module: nn.Module, example: Any, expected: Any) -> Non
     names = {id(m): n for n, m in module.named_modules()}
     stack: list[str] = []
 
-    def enter(mod: nn.Module, _args: Any) -> None:
+    def enter(mod: nn.Module, _args: tuple) -> None:
         stack.append(names.get(id(mod), type(mod).__name__))
 
-    def leave(_mod: nn.Module, _args: Any, _out: Any) -> None:
+    def leave(_mod: nn.Module, _args: tuple, _out: Any) -> None:
         if stack:
             stack.pop()
 

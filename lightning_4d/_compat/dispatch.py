@@ -8,10 +8,14 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn, Optional
 
 import torch
 from torch.utils import _pytree as pytree  # private ``torch.utils._pytree`` (no public pytree module yet)
+
+if TYPE_CHECKING:
+    from torch._ops import OperatorBase
+    from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["dispatch_mode_base", "in_backward", "is_higher_order_op", "meta_scalar_mode", "op_name", "pytree"]
 
@@ -27,26 +31,26 @@ def dispatch_mode_base() -> type:
     except ImportError:
 
         class TorchDispatchMode:  # type: ignore[no-redef]
-            def __enter__(self) -> Any:
+            def __enter__(self) -> NoReturn:
                 raise RuntimeError(
                     f"torch {torch.__version__} has no torch.utils._python_dispatch.TorchDispatchMode; "
                     f"update lightning_4d/_compat/dispatch.py."
                 )
 
-            def __exit__(self, *exc: Any) -> None:
+            def __exit__(self, *exc: object) -> None:
                 return None
 
     return TorchDispatchMode
 
 
-def is_higher_order_op(func: Any) -> bool:
+def is_higher_order_op(func: OperatorBase) -> bool:
     """Whether ``func`` (as seen by ``__torch_dispatch__``) is a ``torch._ops.HigherOrderOperator``,
     which a dispatch mode should run rather than inspect."""
     cls = getattr(getattr(torch, "_ops", None), "HigherOrderOperator", None)
     return cls is not None and isinstance(func, cls)
 
 
-def op_name(func: Any) -> str:
+def op_name(func: OperatorBase) -> str:
     """The overload packet's name of an ``OpOverload`` (``aten.mm.default`` → ``"mm"``); ``OpOverload``
     lives in the private ``torch._ops``."""
     packet = getattr(func, "overloadpacket", None) or getattr(func, "_overloadpacket", None)
@@ -60,7 +64,7 @@ def in_backward() -> bool:
     return task_id is not None and task_id() != -1
 
 
-def meta_scalar_mode(value: float = 0) -> Any:
+def meta_scalar_mode(value: float = 0) -> TorchDispatchMode:
     """A ``TorchDispatchMode`` under which reading a scalar out of a meta tensor (``.item()``, ``bool(t)``: the
     private ``aten._local_scalar_dense``) returns ``value`` (``False`` for booleans) instead of raising. For
     tracing a model's structure on the meta device when its forward has data-dependent shortcuts (e.g.
@@ -74,7 +78,8 @@ def meta_scalar_mode(value: float = 0) -> Any:
     base = dispatch_mode_base()
 
     class _MetaScalars(base):  # type: ignore[misc, valid-type]
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        def __torch_dispatch__(self, func: OperatorBase, types: tuple[type, ...], args: tuple[Any, ...] = (),
+                               kwargs: Optional[dict[str, Any]] = None) -> Any:
             if func is torch.ops.aten._local_scalar_dense.default and args and args[0].is_meta:
                 t = args[0]
                 if t.dtype == torch.bool:

@@ -12,11 +12,16 @@ import contextlib
 import functools
 import time
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor import DTensor
 
 __all__ = [
     "mesh_backend_override",
@@ -53,7 +58,8 @@ def mesh_backend_override(backend: str, timeout: Optional[timedelta], ndim: int)
     return tuple((backend, opts) for _ in range(ndim))
 
 
-def flatten_mesh(mesh: Any, dims: tuple[str, ...], name: str, backend_override: Optional[tuple] = None) -> Any:
+def flatten_mesh(mesh: DeviceMesh, dims: tuple[str, ...], name: str,
+                 backend_override: Optional[tuple] = None) -> DeviceMesh:
     """Make ``mesh[name]`` the union of ``dims`` (one process group over them), keeping ``mesh[dims]``:
     the private ``DeviceMesh._flatten`` (torch has no public flatten yet).
 
@@ -65,7 +71,8 @@ def flatten_mesh(mesh: Any, dims: tuple[str, ...], name: str, backend_override: 
     return mesh[dims]._flatten(name, **kwargs)
 
 
-def replicate(module: nn.Module, mesh: Any, mp_policy: Any = None, ignored_params: Any = None) -> nn.Module:
+def replicate(module: nn.Module, mesh: DeviceMesh, mp_policy: Optional[MixedPrecisionPolicy] = None,
+              ignored_params: Optional[set[nn.Parameter]] = None) -> nn.Module:
     """Data-parallel replication built on FSDP2 machinery (private
     ``torch.distributed._composable.replicate_with_fsdp.replicate``).
 
@@ -86,7 +93,7 @@ def replicate(module: nn.Module, mesh: Any, mp_policy: Any = None, ignored_param
     return _replicate(module, **kwargs)
 
 
-def shard_global_offset(tensor: Any) -> tuple[int, ...]:
+def shard_global_offset(tensor: DTensor) -> tuple[int, ...]:
     """Global offset of this rank's shard of a DTensor, for any placement combination (private
     ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``).
 
@@ -105,7 +112,7 @@ def shard_global_offset(tensor: Any) -> tuple[int, ...]:
 
 
 # ---------------------------------------------------------------------------------------------- c10d objects
-def process_group_of(arg: Any) -> Optional[Any]:
+def process_group_of(arg: Any) -> Optional[dist.ProcessGroup]:
     """The ``ProcessGroup`` behind a collective op's group argument, or ``None`` (not a group).
 
     Functional collectives pass the group *name* (private ``distributed_c10d._resolve_process_group``);
@@ -128,7 +135,7 @@ def process_group_of(arg: Any) -> Optional[Any]:
     return None
 
 
-def unbox_work(obj: Any) -> Optional[Any]:
+def unbox_work(obj: torch.ScriptObject) -> Optional[dist.Work]:
     """The Python ``Work`` for a ``c10d`` op's script-object result (the object the ``torch.distributed``
     call returns; undocumented ``Work.unbox``), or ``None``."""
     try:
@@ -137,12 +144,12 @@ def unbox_work(obj: Any) -> Optional[Any]:
         return None
 
 
-_WAIT_LISTENERS: list[Callable[[Any, float, float], None]] = []
-_WAIT_STATE: dict[str, Any] = {}
+_WAIT_LISTENERS: list[Callable[[dist.Work, float, float], None]] = []
+_WAIT_STATE: dict[str, Callable[..., bool]] = {}
 
 
 @contextlib.contextmanager
-def patch_work_wait(listener: Callable[[Any, float, float], None]) -> Iterator[None]:
+def patch_work_wait(listener: Callable[[dist.Work, float, float], None]) -> Iterator[None]:
     """Wrap ``torch.distributed.Work.wait`` while the block runs, reporting ``(work, t0, t1)`` of every
     wait to ``listener``; restored on exit (nested uses share one wrapper, the last exit restores it).
 
@@ -154,7 +161,7 @@ def patch_work_wait(listener: Callable[[Any, float, float], None]) -> Iterator[N
         original = dist.Work.wait
 
         @functools.wraps(original)
-        def timed_wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def timed_wait(self: dist.Work, *args: Any, **kwargs: Any) -> bool:
             t0 = time.perf_counter()
             try:
                 return original(self, *args, **kwargs)

@@ -12,9 +12,17 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+    from torch import nn
+    from torch._ops import OperatorBase
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "clear_dtensor_caches",
@@ -28,7 +36,7 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------------------------- fake world
-def fake_store() -> Any:
+def fake_store() -> dist.Store:
     """A ``Store`` for ``dist.init_process_group("fake", store=..., ...)`` (private
     ``torch.testing._internal.distributed.fake_pg.FakeStore``; importing it registers the ``fake`` backend).
 
@@ -46,7 +54,7 @@ def fake_store() -> Any:
 
 
 # ---------------------------------------------------------------------------------------------- fake tensors
-def fake_tensor_mode() -> Any:
+def fake_tensor_mode() -> FakeTensorMode:
     """A ``FakeTensorMode`` that accepts real inputs (private ``torch._subclasses.fake_tensor``,
     ``allow_non_fake_inputs=True``): tensors created inside it are fake (no memory)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -54,7 +62,7 @@ def fake_tensor_mode() -> Any:
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def unset_fake() -> Any:
+def unset_fake() -> AbstractContextManager[Optional[TorchDispatchMode]]:
     """A context in which tensors are real again inside a fake mode (private
     ``torch._subclasses.fake_tensor.unset_fake_temporarily``)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -62,14 +70,14 @@ def unset_fake() -> Any:
     return unset_fake_temporarily()
 
 
-def is_fake(t: Any) -> bool:
+def is_fake(t: torch.Tensor) -> bool:
     """Whether ``t`` is a fake tensor (private ``torch._subclasses.fake_tensor.FakeTensor``)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(t, FakeTensor)
 
 
-def is_item_op(func: Any) -> bool:
+def is_item_op(func: OperatorBase) -> bool:
     """Whether ``func`` (as seen by ``__torch_dispatch__``) is what ``Tensor.item()`` / ``.tolist()``
     dispatch to (the private operator ``aten._local_scalar_dense.default``)."""
     return func is torch.ops.aten._local_scalar_dense.default
@@ -104,7 +112,7 @@ def clear_dtensor_caches() -> None:
         clear()
 
 
-def fsdp_param_group(module: Any) -> Optional[Any]:
+def fsdp_param_group(module: nn.Module) -> Optional[Any]:
     """The ``FSDPParamGroup`` of an FSDP2-wrapped (``fully_shard``) module, or ``None`` when it is not
     wrapped or owns no parameters (private ``FSDPModule._get_fsdp_state()._fsdp_param_group``).
 

@@ -17,14 +17,18 @@ Example:
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
 
 __all__ = ["convert_group", "model_transforms", "natural_key", "rename_key"]
 
 
-def model_transforms(model: nn.Module) -> tuple[list[Any], list[Any]]:
+def model_transforms(model: nn.Module) -> tuple[list[WeightRenaming], list[WeightConverter]]:
     """``(renamings, converters)``: the key transforms ``from_pretrained`` applies to ``model``'s checkpoints
     (``get_model_conversion_mapping``); two empty lists where transformers has none.
 
@@ -45,8 +49,8 @@ def model_transforms(model: nn.Module) -> tuple[list[Any], list[Any]]:
             [m for m in mapping if isinstance(m, WeightConverter)])
 
 
-def rename_key(key: str, renamings: list[Any], converters: list[Any], base_model_prefix: Optional[str],
-               model_keys: dict[str, Any]) -> tuple[str, Optional[str]]:
+def rename_key(key: str, renamings: list[WeightRenaming], converters: list[WeightConverter],
+               base_model_prefix: Optional[str], model_keys: dict[str, Tensor]) -> tuple[str, Optional[str]]:
     """``(model name, converter source pattern or None)`` of checkpoint key ``key``, as ``from_pretrained``
     renames it (every renaming, then at most one converter; the base-model prefix added or stripped to match
     ``model_keys``).
@@ -65,8 +69,8 @@ def rename_key(key: str, renamings: list[Any], converters: list[Any], base_model
     return renamed, pattern
 
 
-def convert_group(template: Any, target: str, sources: list[tuple[str, str, Callable[[], Tensor]]],
-                  model: Any, config: Any) -> dict[str, Tensor]:
+def convert_group(template: WeightConverter, target: str, sources: list[tuple[str, str, Callable[[], Tensor]]],
+                  model: Any, config: Optional[PreTrainedConfig]) -> dict[str, Tensor]:
     """Run converter ``template`` (a ``WeightConverter`` of :func:`model_transforms`; copied, never changed) on
     the checkpoint tensors of one model tensor: ``sources`` are ``(source pattern, checkpoint key, loader)`` in
     checkpoint-key natural order (experts stack in that order); returns ``{model name: tensor}`` (several for a
@@ -83,7 +87,7 @@ def convert_group(template: Any, target: str, sources: list[tuple[str, str, Call
     return {name: (value[0] if isinstance(value, list) else value) for name, value in out.items()}
 
 
-def natural_key(key: str) -> Any:
+def natural_key(key: str) -> list[tuple[Union[int, str], ...]]:
     """Sort key of a tensor name with numbers compared as numbers (transformers' ``dot_natural_key``).
 
     Example:

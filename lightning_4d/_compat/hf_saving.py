@@ -15,8 +15,6 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import Tensor, nn
 
 __all__ = ["revert_conversion", "saved_state"]
@@ -53,7 +51,7 @@ def saved_state(model: nn.Module) -> dict[str, Tensor]:
     return state
 
 
-def revert_conversion(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+def revert_conversion(model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
     """``state`` (the model's own names and layouts) converted to what ``save_pretrained`` writes to disk
     (``revert_weight_conversion``); unchanged without transformers' conversions.
 

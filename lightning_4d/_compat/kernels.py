@@ -8,11 +8,14 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from lightning_4d._compat.fake import is_fake
+
+if TYPE_CHECKING:
+    from torch._ops import OpOverload
 
 __all__ = ["attention_ops", "foreach_norm", "grouped_mm", "grouped_mm_supported"]
 
@@ -57,7 +60,7 @@ def grouped_mm(x: torch.Tensor, w_t: torch.Tensor, offs: torch.Tensor) -> torch.
     return y
 
 
-def attention_ops() -> set[Any]:
+def attention_ops() -> set[OpOverload]:
     """The private fused attention kernels ``F.scaled_dot_product_attention`` dispatches to
     (``aten._scaled_dot_product_{flash_attention_for_cpu,efficient_attention,flash_attention}.default``),
     those this torch has."""

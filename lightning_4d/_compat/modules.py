@@ -12,10 +12,14 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
+    from transformers import PreTrainedModel
 
 __all__ = ["InitCall", "callable_without_arguments", "release_freed_host_memory", "returnable_host_empty", "child_modules", "init_calls", "to_empty_keeping_ties", "is_loss_module",
            "materialize_meta_module", "registered_submodule",
@@ -67,7 +71,7 @@ def is_loss_module(module: nn.Module) -> bool:
     return type(module).__module__ == loss.__name__
 
 
-def callable_without_arguments(fn: Any) -> bool:
+def callable_without_arguments(fn: object) -> bool:
     """Whether ``fn`` is callable with no argument (an initialiser such as TorchTitan's ``init_weights(std)``,
     which needs one, is not called by the meta-device materialisation).
 
@@ -127,7 +131,7 @@ def materialize_meta_module(module: nn.Module, device: torch.device) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- DataLoader
-def replace_batch_sampler(dataloader: Any, batch_sampler: Any) -> None:
+def replace_batch_sampler(dataloader: DataLoader, batch_sampler: Iterable[list]) -> None:
     """Swap ``dataloader.batch_sampler`` in place. ``DataLoader.__setattr__`` forbids it after
     construction, so this goes around the guard; it relies on the (internal) iterators reading
     ``batch_sampler`` when an iteration starts, as they do in torch 2.x."""
@@ -170,13 +174,13 @@ def _hf_init_calls(model: nn.Module, name: str) -> list[InitCall]:
     custom = model.is_custom_code()
     calls: list[InitCall] = []
 
-    def guarded(owner: Any, module: nn.Module) -> Callable[[], Any]:
+    def guarded(owner: PreTrainedModel, module: nn.Module) -> Callable[[], None]:
         def run() -> None:
             with torch.no_grad(), hf_init.guard_torch_init_functions():
                 owner._initialize_weights(module, custom)
         return run
 
-    def visit(module: nn.Module, owner: Any, path: str) -> None:
+    def visit(module: nn.Module, owner: PreTrainedModel, path: str) -> None:
         for child_name, child in module.named_children():
             child_path = f"{path}.{child_name}" if path else child_name
             visit(child, child if isinstance(child, PreTrainedModel) else owner, child_path)

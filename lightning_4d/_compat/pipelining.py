@@ -12,7 +12,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Union
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+
+    # any torch schedule: their common base ``_PipelineSchedule`` is private
+    PipelineSchedule = Union[PipelineScheduleSingle, PipelineScheduleMulti]
 
 __all__ = ["forward_only_actions", "patch_p2p_wait", "schedule_action_table", "time_schedule_step", "time_stage_compute"]
 
@@ -34,7 +42,7 @@ def patch_p2p_wait(on_wait: Callable[[float, float], None]) -> Iterator[None]:
         return
 
     @functools.wraps(original)
-    def timed_wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+    def timed_wait(work: list[dist.Work], *args: Any, **kwargs: Any) -> None:
         if not work:
             return original(work, *args, **kwargs)
         t0 = time.perf_counter()
@@ -51,7 +59,7 @@ def patch_p2p_wait(on_wait: Callable[[float, float], None]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def forward_only_actions(schedule: Any) -> Iterator[None]:
+def forward_only_actions(schedule: PipelineSchedule) -> Iterator[None]:
     """Run a multi-stage schedule's action table without backward actions while the block runs.
 
     ``schedule.eval()`` of torch's runtime schedules still walks the backward actions (as no-ops);
@@ -104,7 +112,8 @@ def schedule_action_table(
     def stub(i: int) -> SimpleNamespace:
         return SimpleNamespace(num_stages=num_stages, group_size=pp, group_rank=0, submod=None, stage_index=i)
 
-    stages: Any = [stub(i) for i in range(virtual_stages)] if multi_stage else stub(0)
+    stages: Union[list[SimpleNamespace], SimpleNamespace] = (
+        [stub(i) for i in range(virtual_stages)] if multi_stage else stub(0))
     sched = torch_class(stages, microbatches)
     order = getattr(sched, "pipeline_order", None)
     if order is None:
@@ -112,7 +121,7 @@ def schedule_action_table(
     return order
 
 
-def time_stage_compute(stage: Any, on_compute: Callable[[str, int, float, float], None]) -> list[str]:
+def time_stage_compute(stage: PipelineStage, on_compute: Callable[[str, int, float, float], None]) -> list[str]:
     """Report ``(kind, microbatch, t0, t1)`` of every compute action torch's schedules run on ``stage``.
 
     Wraps, as instance attributes, the ``PipelineStage`` methods the schedules call for compute
@@ -147,7 +156,7 @@ def time_stage_compute(stage: Any, on_compute: Callable[[str, int, float, float]
     return ["forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"]
 
 
-def time_schedule_step(schedule: Any, on_wait: Callable[[float, float], None],
+def time_schedule_step(schedule: PipelineSchedule, on_wait: Callable[[float, float], None],
                        on_step: Callable[[float, float], None]) -> list[str]:
     """Report every p2p wait inside ``schedule.step`` (:func:`patch_p2p_wait`) and the whole step's
     ``(t0, t1)`` (after the step, also when it raises).

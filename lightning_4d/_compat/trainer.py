@@ -9,9 +9,17 @@ Example:
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from lightning.fabric.plugins.environments import ClusterEnvironment
+    from lightning.pytorch import LightningModule, Trainer
+    from lightning.pytorch.callbacks import ModelSummary
+    from lightning.pytorch.strategies import ParallelStrategy
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "attached_trainer",
@@ -28,7 +36,8 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------------------------- process group
-def init_dist_connection(cluster_environment: Any, backend: str, timeout: timedelta, device: torch.device) -> None:
+def init_dist_connection(cluster_environment: ClusterEnvironment, backend: str, timeout: timedelta,
+                         device: torch.device) -> None:
     """Lightning's private ``lightning.fabric.utilities.distributed._init_dist_connection`` (reuses an
     existing default group)."""
     from lightning.fabric.utilities.distributed import _init_dist_connection
@@ -47,7 +56,7 @@ def default_pg_backend(device: torch.device) -> str:
     return _get_default_process_group_backend_for_device(device)
 
 
-def install_subprocess_launcher(strategy: Any) -> None:
+def install_subprocess_launcher(strategy: ParallelStrategy) -> None:
     """Give ``strategy`` Lightning's private ``_SubprocessScriptLauncher`` (re-executes ``sys.argv`` for
     the other local ranks) in its private ``Strategy._launcher`` slot, unless the cluster environment
     creates the processes itself. Called from the strategy's ``_configure_launcher`` hook."""
@@ -59,13 +68,13 @@ def install_subprocess_launcher(strategy: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- LightningModule
-def set_device_mesh(lightning_module: Any, mesh: Any) -> None:
+def set_device_mesh(lightning_module: LightningModule, mesh: DeviceMesh) -> None:
     """Expose ``mesh`` as ``lightning_module.device_mesh`` (a read-only property over the private
     ``LightningModule._device_mesh``, which Lightning's own ``ModelParallelStrategy`` sets the same way)."""
     lightning_module._device_mesh = mesh
 
 
-def attached_trainer(module: Any) -> Optional[Any]:
+def attached_trainer(module: nn.Module) -> Optional[Trainer]:
     """The Trainer ``module`` is attached to, or ``None`` (the private ``LightningModule._trainer``; the
     public ``trainer`` property raises when there is none)."""
     try:
@@ -78,7 +87,7 @@ def attached_trainer(module: Any) -> Optional[Any]:
 
 
 # ---------------------------------------------------------------------------------------------- loops
-def should_accumulate(trainer: Any) -> bool:
+def should_accumulate(trainer: Trainer) -> bool:
     """Whether the current training step is a non-stepping accumulation micro-step (the private
     ``trainer.fit_loop._should_accumulate()``; ``False`` where it is missing)."""
     try:
@@ -126,12 +135,13 @@ def set_fit_loop_position(checkpoint: dict[str, Any], epoch: int, in_epoch: int,
 
 
 # ---------------------------------------------------------------------------------------------- model summary
-def model_summary_options(callback: Any) -> tuple[int, dict[str, Any]]:
+def model_summary_options(callback: ModelSummary) -> tuple[int, dict[str, Any]]:
     """``(max_depth, summarize_kwargs)`` of Lightning's ``ModelSummary`` callback (private attributes)."""
     return int(callback._max_depth), dict(callback._summarize_kwargs)
 
 
-def model_summary_parts(callback: Any, trainer: Any, module: Any) -> tuple[list, float, dict, int, int]:
+def model_summary_parts(callback: ModelSummary, trainer: Trainer,
+                        module: LightningModule) -> tuple[list, float, dict, int, int]:
     """What Lightning's ``ModelSummary.on_fit_start`` prints, from its private ``_summary`` and
     ``_get_summary_data``: ``(table rows, model size in MB, training modes, FLOPs, this rank's parameters)``."""
     summary = callback._summary(trainer, module)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
 
@@ -25,6 +25,7 @@ from lightning_4d.comm import internal_comm, is_internal_comm
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from matplotlib.figure import Figure
 
     from lightning_4d.config import FourDConfig
     from lightning_4d.mesh import FourDMesh
@@ -173,7 +174,7 @@ def resolve_output_dir(trainer: "pl.Trainer", dirpath: Optional[str], sub: str) 
 _WARNED: set[str] = set()
 
 
-def new_figure(**kwargs: Any) -> Any:
+def new_figure(**kwargs: Any) -> Optional[Figure]:
     """A matplotlib ``Figure`` drawn by the Agg canvas (no pyplot, the global backend is untouched), or
     ``None`` (warned once) when matplotlib is missing.
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -56,6 +56,11 @@ from lightning_4d.callbacks._common import (
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    import torch.distributed as dist
+    from lightning.pytorch.utilities.types import STEP_OUTPUT
+    from torch._ops import OperatorBase
+
+    from lightning_4d.planner.spec import TransformerSpec
 
 __all__ = ["AXES", "KINDS", "CommEvent", "CommRecorder", "CommunicationMonitor", "analytic_comm_bytes"]
 
@@ -83,10 +88,11 @@ class CommRecorder(CommCounter):
         ([], {})
     """
 
-    def __init__(self, groups: Optional[Mapping[Any, tuple[str, ...]]] = None, sync_cuda: bool = False) -> None:
+    def __init__(self, groups: Optional[Mapping[Union[str, tuple[int, ...]], tuple[str, ...]]] = None,
+                 sync_cuda: bool = False) -> None:
         super().__init__(groups)
         self.sync_cuda = sync_cuda
-        self._pending_works: dict[int, tuple[CommRecord, Any]] = {}
+        self._pending_works: dict[int, tuple[CommRecord, dist.Work]] = {}
         self._pending_tensors: dict[int, tuple[CommRecord, torch.Tensor]] = {}
         self._patch: Optional[contextlib.AbstractContextManager] = None
 
@@ -100,7 +106,7 @@ class CommRecorder(CommCounter):
             self._patch.__exit__(None, None, None)
             raise
 
-    def __exit__(self, *exc: Any) -> Any:
+    def __exit__(self, *exc: object) -> Optional[bool]:
         try:
             return super().__exit__(*exc)
         finally:
@@ -115,7 +121,7 @@ class CommRecorder(CommCounter):
         if self.sync_cuda and torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
 
-    def _on_wait(self, work: Any, t0: float, t1: float) -> None:
+    def _on_wait(self, work: dist.Work, t0: float, t1: float) -> None:
         entry = self._pending_works.pop(id(work), None)
         if entry is not None:
             self._sync()
@@ -136,7 +142,8 @@ class CommRecorder(CommCounter):
                 if isinstance(t, torch.Tensor):
                     self._pending_tensors[id(t)] = (record, t)
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_dispatch__(self, func: OperatorBase, types: tuple[type, ...], args: tuple = (),
+                           kwargs: Optional[dict] = None) -> Any:
         if getattr(func, "namespace", "") != "_c10d_functional" or _compat.op_name(func) != "wait_tensor":
             return super().__torch_dispatch__(func, types, args, kwargs)
         t0 = time.perf_counter()
@@ -164,7 +171,7 @@ class CommRecorder(CommCounter):
 
 
 # ---------------------------------------------------------------------------------------------- analytic
-def _find_spec(pl_module: Any, seq_len: int) -> Any:
+def _find_spec(pl_module: torch.nn.Module, seq_len: int) -> Optional[TransformerSpec]:
     from lightning_4d.planner.spec import TransformerSpec
 
     for module in pl_module.modules():
@@ -178,7 +185,7 @@ def _find_spec(pl_module: Any, seq_len: int) -> Any:
 
 
 def analytic_comm_bytes(
-    pl_module: Any, ctx: RunContext, local_batch: int, seq_len: int, precision: str
+    pl_module: torch.nn.Module, ctx: RunContext, local_batch: int, seq_len: int, precision: str
 ) -> dict[tuple[str, str], float]:
     """Bytes this rank should send per (axis, kind) in one optimizer step, from the planner's formulas
     (:func:`lightning_4d.planner.comm.comm_per_rank`); ``{}`` when the model has no package config,
@@ -267,7 +274,7 @@ class CommunicationMonitor(Callback):
         self.last_local: dict[tuple[str, str], dict[str, float]] = {}
         self.last_mean: dict[tuple[str, str], dict[str, float]] = {}
         self._ctx: Optional[RunContext] = None
-        self._groups: dict[Any, tuple[str, ...]] = {}
+        self._groups: dict[Union[str, tuple[int, ...]], tuple[str, ...]] = {}
         self._recorder: Optional[CommRecorder] = None
         self._every = 1
         self._analytic_cache: dict[tuple, dict[tuple[str, str], float]] = {}
@@ -302,8 +309,8 @@ class CommunicationMonitor(Callback):
         self._recorder = CommRecorder(self._groups, sync_cuda=self.sync_cuda).__enter__()
 
     @override
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: STEP_OUTPUT,
+                           batch: Any, batch_idx: int) -> None:
         rec = self._stop()
         if rec is None:
             return
@@ -362,7 +369,7 @@ class CommunicationMonitor(Callback):
         self._stop()
 
 
-def _batch_shape(pl_module: Any, batch: Any) -> Optional[tuple[int, int]]:
+def _batch_shape(pl_module: "pl.LightningModule", batch: Any) -> Optional[tuple[int, int]]:
     """``(local batch, sequence length)`` of the inputs of a ``(inputs, targets)`` batch, if 2-D."""
     try:
         split = getattr(pl_module, "split_batch", None)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -37,6 +37,8 @@ from lightning_4d.callbacks._common import (
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from lightning.pytorch.utilities.types import STEP_OUTPUT
+    from torch.utils.hooks import RemovableHandle
 
 __all__ = ["ExpertLoadMonitor", "layer_labels", "load_stats", "plot_expert_heatmap"]
 
@@ -163,12 +165,12 @@ class ExpertLoadMonitor(Callback):
         self._ctx: Optional[RunContext] = None
         self._every = 1
         self._dir: Optional[str] = None
-        self._moe_modules: dict[str, Any] = {}  # global name -> local MoE module
+        self._moe_modules: dict[str, torch.nn.Module] = {}  # global name -> local MoE module
         self._names: list[str] = []  # every rank's MoE names (global order)
         self._experts = 0
-        self._hooks: list[Any] = []
+        self._hooks: list[RemovableHandle] = []
         self._recording = False
-        self._acc: dict[str, list[Any]] = {}
+        self._acc: dict[str, list[Union[torch.Tensor, float, int]]] = {}
         self._batches = 0
         self._step = 0
 
@@ -192,7 +194,7 @@ class ExpertLoadMonitor(Callback):
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            everyone: list[Any] = [None] * dist.get_world_size()
+            everyone: list[Optional[list[tuple[str, int]]]] = [None] * dist.get_world_size()
             with internal_comm():
                 dist.all_gather_object(everyone, names)
             names = [item for part in everyone for item in part]
@@ -207,8 +209,8 @@ class ExpertLoadMonitor(Callback):
         for name, module in local.items():
             self._hooks.append(module.register_forward_hook(self._make_hook(name)))
 
-    def _make_hook(self, name: str) -> Any:
-        def hook(module: Any, inputs: Any, output: Any) -> None:
+    def _make_hook(self, name: str) -> Callable[[torch.nn.Module, tuple[Any, ...], Any], None]:
+        def hook(module: torch.nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
             # Forwards of the recorded training step only; not recomputation inside backward.
             if not self._recording or _compat.in_backward():
                 return
@@ -239,8 +241,8 @@ class ExpertLoadMonitor(Callback):
         self._recording = self.active and every_n(self._every, self._step)
 
     @override
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: STEP_OUTPUT,
+                           batch: Any, batch_idx: int) -> None:
         if not self._recording:
             return
         self._recording = False
@@ -317,7 +319,7 @@ class ExpertLoadMonitor(Callback):
         self._recording = False
 
 
-def _load_of(module: Any) -> Optional[tuple[int, Optional[torch.Tensor], torch.Tensor]]:
+def _load_of(module: torch.nn.Module) -> Optional[tuple[int, Optional[torch.Tensor], torch.Tensor]]:
     """``(num_experts, tokens per expert of the last forward, dropped tokens)`` of an MoE layer: the package's
     :class:`~lightning_4d.expert_parallel.MoE` or a model's own experts module under in-place expert
     parallelism (dropless: no dropped tokens); ``None`` for any other module."""
@@ -332,5 +334,5 @@ def _load_of(module: Any) -> Optional[tuple[int, Optional[torch.Tensor], torch.T
     return None
 
 
-def _natural_key(name: str) -> list[Any]:
+def _natural_key(name: str) -> list[tuple[int, Union[int, str]]]:
     return [(0, int(p)) if p.isdigit() else (1, p) for p in name.split(".")]

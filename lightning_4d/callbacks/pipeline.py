@@ -48,6 +48,7 @@ from lightning_4d.pipeline.instrument import COMPUTE_KINDS, PipelineEvent, Pipel
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from lightning.pytorch.utilities.types import STEP_OUTPUT
 
     from lightning_4d.pipeline.runner import PipelineRunner
 
@@ -344,7 +345,7 @@ class PipelineBubbleMonitor(Callback):
 
         if not dist.is_initialized():
             return "global"
-        hosts: list[Any] = [None] * dist.get_world_size()
+        hosts: list[Optional[str]] = [None] * dist.get_world_size()
         with internal_comm():
             dist.all_gather_object(hosts, socket.gethostname())
         return "global" if len(set(hosts)) == 1 else "rank"
@@ -392,8 +393,8 @@ class PipelineBubbleMonitor(Callback):
             self.instrument.clear()  # drop validation / previous steps: only this batch's events remain
 
     @override
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: STEP_OUTPUT,
+                           batch: Any, batch_idx: int) -> None:
         if self.instrument is None:
             return
         step = self._seen  # training batches before this one (since the start of fit)
@@ -409,7 +410,7 @@ class PipelineBubbleMonitor(Callback):
         if trace:
             self._write(events, stats, step)
 
-    def record(self, pl_module: Any, events: Sequence[PipelineEvent]) -> Optional[BubbleStats]:
+    def record(self, pl_module: "pl.LightningModule", events: Sequence[PipelineEvent]) -> Optional[BubbleStats]:
         """Aggregate this rank's events of one step over all ranks and log the metrics (collective).
 
         Example:

@@ -34,6 +34,7 @@ from lightning_4d.precision import precision_info
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from lightning.pytorch.utilities.types import STEP_OUTPUT
 
 __all__ = ["FourDThroughputMonitor", "mfu", "peak_memory_bytes", "find_flops_per_token"]
 
@@ -65,7 +66,7 @@ def peak_memory_bytes(device: Optional[torch.device] = None) -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
-def find_flops_per_token(pl_module: Any) -> Optional[Callable[[int], float]]:
+def find_flops_per_token(pl_module: torch.nn.Module) -> Optional[Callable[[int], float]]:
     """The first ``flops_per_token(seq_len)`` of the LightningModule or one of its submodules, or ``None``.
 
     Example:
@@ -174,7 +175,7 @@ class FourDThroughputMonitor(Callback):
         assert self._throughput is not None
         self._throughput.update(time=0.0, batches=0, samples=0, lengths=0, flops=0 if self._fpt else None)
 
-    def _local_tokens(self, pl_module: Any, batch: Any) -> tuple[int, int]:
+    def _local_tokens(self, pl_module: "pl.LightningModule", batch: Any) -> tuple[int, int]:
         if self.tokens_fn is not None:
             return int(self.tokens_fn(batch)), self._seq
         split = getattr(pl_module, "split_batch", None)
@@ -196,7 +197,7 @@ class FourDThroughputMonitor(Callback):
                           f"perf/tokens_per_second and perf/mfu are not logged. Fix: pass "
                           f"`FourDThroughputMonitor(tokens_fn=lambda batch: <tokens on this rank>)`.", stacklevel=2)
 
-    def _now(self, pl_module: Any) -> float:
+    def _now(self, pl_module: "pl.LightningModule") -> float:
         device = getattr(pl_module, "device", None)
         if device is not None and device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -209,8 +210,8 @@ class FourDThroughputMonitor(Callback):
             self._t_last = self._now(pl_module)
 
     @override
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: STEP_OUTPUT,
+                           batch: Any, batch_idx: int) -> None:
         tokens, self._seq = self._local_tokens(pl_module, batch)
         self._tokens += tokens
         self._batches += 1

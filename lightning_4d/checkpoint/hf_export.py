@@ -27,7 +27,7 @@ import shutil
 import warnings
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, TypeVar, Union
 
 import torch
 from torch import nn
@@ -37,9 +37,15 @@ from lightning_4d.checkpoint.stream import (DEFAULT_MAX_SHARD_SIZE, SAFE_WEIGHTS
                                             atomic_directory, check_new_directory, parse_size, plan_shards,
                                             write_index)
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from lightning_4d.checkpoint.stream import CheckpointReader
+
 __all__ = ["SIDE_FILES", "conversion_groups", "export_hf", "load_strict", "resolve_names", "strip_prefix"]
 
 PathLike = Union[str, "os.PathLike[str]"]
+_V = TypeVar("_V")
 
 SIDE_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
@@ -54,7 +60,7 @@ def _names(keys: Iterable[str], limit: int = 6) -> str:
     return ", ".join(keys[:limit]) + (f", … ({len(keys)} in all)" if len(keys) > limit else "")
 
 
-def strip_prefix(state: dict[str, Any], own_keys: Iterable[str]) -> tuple[str, dict[str, Any]]:
+def strip_prefix(state: dict[str, _V], own_keys: Iterable[str]) -> tuple[str, dict[str, _V]]:
     """Find the prefix that maps ``state``'s names onto ``own_keys`` (the most keys matched) and strip it;
     keys without the prefix are kept unchanged (and then reported as unexpected by :func:`load_strict`).
 
@@ -138,16 +144,16 @@ def load_strict(model: nn.Module, state: dict[str, torch.Tensor], source: str = 
 
 def _meta_record(checkpoint: Path) -> Optional[dict[str, Any]]:
     from lightning_4d.checkpoint.state import META_FILE, _load_file
-    from lightning_4d.models.hf import CHECKPOINT_KEY
+    from lightning_4d.hf_config import CHECKPOINT_KEY
 
     meta = _load_file(checkpoint / META_FILE)
     record = meta.get(CHECKPOINT_KEY) if isinstance(meta, dict) else None
     return record if isinstance(record, dict) and "config" in record else None
 
 
-def _resolve(checkpoint: Path, base: Optional[PathLike]) -> tuple[Any, Optional[Path]]:
+def _resolve(checkpoint: Path, base: Optional[PathLike]) -> tuple[PretrainedConfig, Optional[Path]]:
     """The model config and the directory side files come from."""
-    from lightning_4d.models.hf import config_from_record, load_hf_config
+    from lightning_4d.hf_config import config_from_record, load_hf_config
 
     if base is not None:
         base_dir = Path(base)
@@ -173,7 +179,7 @@ def _resolve(checkpoint: Path, base: Optional[PathLike]) -> tuple[Any, Optional[
     return config_from_record(record), recorded
 
 
-def _meta_model(config: Any, dtype: torch.dtype) -> nn.Module:
+def _meta_model(config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
     """The causal LM of ``config`` on the meta device: names, shapes, dtypes and tied weights, no storage."""
     from transformers import AutoModelForCausalLM
 
@@ -263,7 +269,7 @@ def _copy_side_files(base_dir: Optional[Path], target: Path) -> list[str]:
     return copied
 
 
-def _write_group(writer: SafetensorsWriter, sources: Mapping[str, tuple[str, torch.dtype]], reader: Any,
+def _write_group(writer: SafetensorsWriter, sources: Mapping[str, tuple[str, torch.dtype]], reader: CheckpointReader,
                  revert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]) -> None:
     """Read the tensors of one conversion group (model name → checkpoint name, dtype), cast, convert, write."""
     tensors: dict[str, torch.Tensor] = {}
@@ -314,7 +320,7 @@ def export_hf(checkpoint: PathLike, out: PathLike, base: Optional[PathLike] = No
     """
     from lightning_4d.checkpoint.consolidate import open_checkpoint
     from lightning_4d.checkpoint.state import check_checkpoint
-    from lightning_4d.models.hf import resolve_dtype
+    from lightning_4d.hf_config import resolve_dtype
 
     target = Path(out)
     check_new_directory(target)

@@ -16,11 +16,13 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator, TypeVar
 
 from lightning_4d import _compat
 
 __all__ = ["consumed_batches", "normalize_loop_state", "SkipFirstBatches", "skip_first_batches"]
+
+_Loader = TypeVar("_Loader")
 
 
 def consumed_batches(checkpoint: dict[str, Any]) -> int:
@@ -61,14 +63,14 @@ class SkipFirstBatches:
         ([[2]], [[0], [1]])
     """
 
-    def __init__(self, batch_sampler: Any, skip: int) -> None:
+    def __init__(self, batch_sampler: Iterable[list[int]], skip: int) -> None:
         self.inner = batch_sampler
         self.skip = skip
 
     def __len__(self) -> int:
         return len(self.inner)
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[list[int]]:
         skip, self.skip = self.skip, 0
         for i, batch in enumerate(self.inner):
             if i >= skip:
@@ -80,7 +82,7 @@ class SkipFirstBatches:
         return getattr(self.inner, name)
 
 
-def skip_first_batches(dataloader: Any, skip: int) -> Any:
+def skip_first_batches(dataloader: _Loader, skip: int) -> _Loader:
     """Make ``dataloader``'s next iteration start at batch ``skip`` (later epochs are untouched).
 
     Example:

@@ -26,11 +26,16 @@ import os
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+if TYPE_CHECKING:
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.optim import Optimizer
 
 __all__ = ["model_state_dict", "optimizer_state_dict", "save_sharded", "load_sharded", "is_checkpoint",
            "check_checkpoint", "recover_checkpoint", "verify_checkpoint", "CheckpointIntegrityError", "META_FILE",
@@ -46,7 +51,7 @@ class CheckpointIntegrityError(ValueError):
     """A checkpoint file is missing, truncated or damaged (its size or checksum differs from the manifest)."""
 
 
-def _options(optimizer: bool = False) -> Any:
+def _options(optimizer: bool = False) -> StateDictOptions:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     # Flattened optimizer keys ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr") do not depend on which
@@ -54,7 +59,7 @@ def _options(optimizer: bool = False) -> Any:
     return StateDictOptions(full_state_dict=False, cpu_offload=False, flatten_optimizer_state_dict=optimizer)
 
 
-def _perms(model: nn.Module) -> dict[str, Any]:
+def _perms(model: nn.Module) -> dict[str, tuple[list[int], int]]:
     from lightning_4d.tensor_parallel.layouts import permutations_of
 
     return permutations_of(model)
@@ -75,14 +80,14 @@ def model_state_dict(model: nn.Module) -> dict[str, Any]:
     return canonical_state(get_model_state_dict(model, options=_options()), _perms(model))
 
 
-def _unwrap_optimizer(optimizer: Any) -> Any:
+def _unwrap_optimizer(optimizer: Union[Optimizer, LightningOptimizer]) -> Optimizer:
     """The torch optimizer inside a ``LightningOptimizer`` (any other object unchanged)."""
     from lightning.pytorch.core.optimizer import LightningOptimizer
 
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
-def optimizer_state_dict(model: nn.Module, optimizer: Any) -> dict[str, Any]:
+def optimizer_state_dict(model: nn.Module, optimizer: Union[Optimizer, LightningOptimizer]) -> dict[str, Any]:
     """This rank's shards of the optimizer state, keyed by parameter names."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -142,7 +147,7 @@ def check_checkpoint(path: str | os.PathLike) -> Path:
 
 
 # ------------------------------------------------------------------ file operations of a save
-def _file_op(kind: str, fn: Callable[..., Any], *args: Any) -> Any:
+def _file_op(kind: str, fn: Callable[..., None], *args: Union[Path, bytes]) -> None:
     """Run one file operation of a save or recovery (``kind``: mkdir, write, replace, unlink, rmtree).
 
     Every operation that changes what lies at or beside a checkpoint's path goes through here, so
@@ -317,7 +322,7 @@ def _verify_on_all_ranks(path: str, checksums: bool) -> None:
         problem = None
     except CheckpointIntegrityError as err:
         problem = str(err)
-    problems: list[Any] = [None] * world
+    problems: list[Optional[str]] = [None] * world
     dist.all_gather_object(problems, problem)
     first = next((p for p in problems if p), None)
     if first:
@@ -356,12 +361,12 @@ def save_sharded(checkpoint: dict[str, Any], path: str, is_global_zero: bool, ch
     # Every rank hashes a share of the files just written (read back from the page cache).
     names = sorted(n for n in os.listdir(tmp) if n not in (META_FILE, MANIFEST_FILE, _COMPLETE))
     entries = _file_entries(tmp, names[rank::world], checksums)
-    parts: list[Any] = [entries]
+    parts: list[Optional[dict[str, dict[str, Any]]]] = [entries]
     if distributed:
         parts = [None] * world if rank == 0 else None  # type: ignore[assignment]
         dist.gather_object(entries, parts, dst=0)
     if is_global_zero:
-        files: dict[str, Any] = {}
+        files: dict[str, dict[str, Any]] = {}
         for part in parts:
             files.update(part)
         buffer = io.BytesIO()
@@ -412,7 +417,7 @@ def _shape_mismatches(saved: dict[str, Optional[tuple[int, ...]]], live: dict[st
         if want is not None and shape is not None and want != shape:
             mine.append(f"{key}: saved {want}, model {shape}")
     if dist.is_initialized() and dist.get_world_size() > 1:
-        parts: list[Any] = [None] * dist.get_world_size()
+        parts: list[Optional[list[str]]] = [None] * dist.get_world_size()
         dist.all_gather_object(parts, mine)
         mine = [item for part in parts for item in part]
     return sorted(set(mine))
@@ -422,13 +427,13 @@ def _union_over_ranks(keys: set[str]) -> set[str]:
     """Pipeline stages hold different parameters: the model's keys are those of every rank together."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return keys
-    parts: list[Any] = [None] * dist.get_world_size()
+    parts: list[Optional[list[str]]] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, sorted(keys))
     return set().union(*parts)
 
 
-def load_sharded(path: str, model: nn.Module, optimizers: Iterable[Any], verify: bool = True,
-                 strict: bool = True) -> dict[str, Any]:
+def load_sharded(path: str, model: nn.Module, optimizers: Iterable[Union[Optimizer, LightningOptimizer]],
+                 verify: bool = True, strict: bool = True) -> dict[str, Any]:
     """Load model and optimizer shards from ``path`` into the live objects; return the rest.
 
     Before reading: an interrupted swap is recovered (rank 0), the files are checked against the
@@ -452,7 +457,7 @@ def load_sharded(path: str, model: nn.Module, optimizers: Iterable[Any], verify:
     check_checkpoint(path)
     _verify_on_all_ranks(path, checksums=verify)
     optimizers = [_unwrap_optimizer(o) for o in optimizers]
-    state: dict[str, Any] = {"model": model_state_dict(model)}
+    state: dict[str, dict[str, Any]] = {"model": model_state_dict(model)}
     shapes = _checkpoint_model_shapes(path)
     saved = set(shapes)
     live = _union_over_ranks(set(state["model"]))

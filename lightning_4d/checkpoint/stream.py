@@ -34,10 +34,15 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, BinaryIO, Iterable, Iterator, Mapping, Optional, Union
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    from torch.distributed.checkpoint import Metadata
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "SAFE_WEIGHTS_INDEX", "SAFE_WEIGHTS_PATTERN", "CheckpointReader",
            "SafetensorsWriter", "TensorSpec", "atomic_directory", "check_new_directory", "parse_size", "plan_shards",
@@ -203,9 +208,9 @@ class _File:
         self.header = struct.pack("<Q", len(blob)) + blob
         self.size = len(self.header) + offset
         self.remaining = set(specs)
-        self.handle: Optional[Any] = None
+        self.handle: Optional[BinaryIO] = None
 
-    def open(self) -> Any:
+    def open(self) -> BinaryIO:
         if self.handle is None:
             self.handle = open(self.path, "wb")
             self.handle.write(self.header)
@@ -303,7 +308,8 @@ class SafetensorsWriter:
     def __enter__(self) -> "SafetensorsWriter":
         return self
 
-    def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
+    def __exit__(self, kind: Optional[type[BaseException]], error: Optional[BaseException],
+                 trace: Optional[TracebackType]) -> None:
         if kind is None:
             self.close()
         else:
@@ -397,11 +403,11 @@ class CheckpointReader:
 class _CachedMetadataReader(FileSystemReader):
     """``FileSystemReader`` returning metadata read once (``dcp.load`` reads ``.metadata`` on every call)."""
 
-    def __init__(self, path: str, metadata: Any) -> None:
+    def __init__(self, path: str, metadata: Metadata) -> None:
         super().__init__(path)
         self._metadata = metadata
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return self._metadata
 
 

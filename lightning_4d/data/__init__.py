@@ -17,7 +17,7 @@ Prepare token files from the command line (default corpus: the Python standard l
     python -m lightning_4d.data prepare --out data/stdlib --max-bytes 4000000
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lightning_4d.data.chat import ChatTemplateError, encode_chat, encode_chats, encode_texts, to_messages
 from lightning_4d.data.prepared import DatasetPrepareResult, open_split, prepare_dataset
@@ -57,7 +57,7 @@ _LAZY = {"HFDataModule", "MaskedTokenDataset", "SyntheticDataModule", "Synthetic
          "TokenWindowDataset"}
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> type:
     # The DataModules import torch and Lightning; load them on first use so that the token-file
     # tools (and ``python -m lightning_4d.data``) start quickly.
     if name in _LAZY:

@@ -27,9 +27,12 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from transformers import BatchEncoding, PreTrainedTokenizerBase
 
 __all__ = ["ChatTemplateError", "encode_chat", "encode_chats", "encode_texts", "to_messages"]
 
@@ -49,12 +52,12 @@ def _has_generation_markers(template: Optional[str]) -> bool:
     return isinstance(template, str) and "generation" in template and "endgeneration" in template
 
 
-def _ids(encoded: Any) -> list[int]:
+def _ids(encoded: Union[BatchEncoding, Sequence[int]]) -> list[int]:
     ids = encoded["input_ids"] if isinstance(encoded, Mapping) or hasattr(encoded, "keys") else encoded
     return [int(i) for i in ids]
 
 
-def _render(tokenizer: Any, messages: Sequence[Message], generation_prompt: bool = False) -> str:
+def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], generation_prompt: bool = False) -> str:
     return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt)
 
 
@@ -91,7 +94,7 @@ def to_messages(example: Mapping[str, Any], messages_field: str = "messages", pr
     return messages
 
 
-def _check(tokenizer: Any, messages: Sequence[Message]) -> list[int]:
+def _check(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message]) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError(
             f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template, so chat data cannot be "
@@ -105,7 +108,8 @@ def _check(tokenizer: Any, messages: Sequence[Message]) -> list[int]:
     return answers
 
 
-def _answer_spans(tokenizer: Any, messages: Sequence[Message], answers: Sequence[int]) -> tuple[str, list]:
+def _answer_spans(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message],
+                  answers: Sequence[int]) -> tuple[str, list]:
     """The rendered conversation and the character span of each answer (see the module docstring)."""
     text = _render(tokenizer, messages)
     spans: list[tuple[int, int]] = []
@@ -123,7 +127,7 @@ def _answer_spans(tokenizer: Any, messages: Sequence[Message], answers: Sequence
     return text, spans
 
 
-def encode_chats(tokenizer: Any, conversations: Sequence[Sequence[Message]],
+def encode_chats(tokenizer: PreTrainedTokenizerBase, conversations: Sequence[Sequence[Message]],
                  mask_prompt: bool = True) -> list[tuple[list[int], list[int]]]:
     """:func:`encode_chat` of many conversations, tokenized in one batched call.
 
@@ -155,7 +159,8 @@ def encode_chats(tokenizer: Any, conversations: Sequence[Sequence[Message]],
     return out
 
 
-def encode_chat(tokenizer: Any, messages: Sequence[Message], mask_prompt: bool = True) -> tuple[list[int], list[int]]:
+def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message],
+                mask_prompt: bool = True) -> tuple[list[int], list[int]]:
     """``(ids, mask)`` of one conversation: ``ids`` are what ``tokenizer.apply_chat_template(messages)`` returns,
     ``mask`` is 1 on the tokens of assistant turns (all 1 with ``mask_prompt=False``). See the module docstring;
     :func:`encode_chats` does many at once.
@@ -179,7 +184,7 @@ def encode_chat(tokenizer: Any, messages: Sequence[Message], mask_prompt: bool =
     return encode_chats(tokenizer, [messages], mask_prompt)[0]
 
 
-def encode_texts(tokenizer: Any, texts: Sequence[str], eos_id: int) -> list[list[int]]:
+def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], eos_id: int) -> list[list[int]]:
     """Plain-text documents as the model reads them, in one batched call: the tokenizer's own special tokens
     (a BOS for Llama-style tokenizers), then the text, then ``eos_id`` (once, also when the tokenizer appends it
     itself).

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import lightning as L
 import numpy as np
@@ -35,6 +35,9 @@ from lightning_4d.data.tokenizer import (
     tokenizer_record,
 )
 from lightning_4d.data.tokens import TokenFile, prepare, source_record
+
+if TYPE_CHECKING:
+    from lightning_4d.data.prepared import DatasetPrepareResult
 
 __all__ = [
     "HFDataModule",
@@ -602,7 +605,7 @@ class HFDataModule(L.LightningDataModule):
         num_workers: int = 0,
         seed: int = 0,
         ignore_index: int = -100,
-        **fields: Any,
+        **fields: Optional[str],
     ) -> None:
         super().__init__()
         from lightning_4d.data.prepared import DATA_FORMATS
@@ -624,7 +627,7 @@ class HFDataModule(L.LightningDataModule):
         self.val_fraction, self.pack, self.mask_prompt = val_fraction, pack, mask_prompt
         self.num_proc, self.num_workers, self.seed, self.ignore_index = num_proc, num_workers, seed, ignore_index
         self.fields = dict(fields)
-        self.prepare_result: Any = None
+        self.prepare_result: Optional[DatasetPrepareResult] = None
         self.train_dataset: Optional[Dataset] = None
         self.val_dataset: Optional[Dataset] = None
         self._tok: Optional[Tokenizer] = None

@@ -14,7 +14,10 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Union
+from typing import TYPE_CHECKING, Union
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedTokenizerFast
 
 __all__ = ["CHATML_TEMPLATE", "MODELS", "conversations", "tiny_chat_tokenizer", "write_chat_example"]
 
@@ -32,7 +35,7 @@ _COLOURS = ("green", "red", "blue", "yellow", "white", "black")
 _SYSTEM = "You answer in one short sentence."
 
 
-def conversations(n: int, seed: int = 0) -> list[dict[str, Any]]:
+def conversations(n: int, seed: int = 0) -> list[dict[str, list[dict[str, str]]]]:
     """``n`` deterministic conversations ``{"messages": [system?, user, assistant]}`` with a learnable answer
     (each thing has a fixed colour); every third has a system turn.
 
@@ -52,7 +55,7 @@ def conversations(n: int, seed: int = 0) -> list[dict[str, Any]]:
     return out
 
 
-def tiny_chat_tokenizer(texts: list[str], vocab_size: int = 384) -> Any:
+def tiny_chat_tokenizer(texts: list[str], vocab_size: int = 384) -> PreTrainedTokenizerFast:
     """A byte-level BPE ``transformers`` tokenizer trained on ``texts`` (any text still encodes: all 256 bytes
     are in the vocabulary), with ChatML special tokens, ``<|im_end|>`` as EOS, ``<|endoftext|>`` as padding and
     :data:`CHATML_TEMPLATE`.
@@ -77,7 +80,7 @@ def tiny_chat_tokenizer(texts: list[str], vocab_size: int = 384) -> Any:
     return tok
 
 
-def _model_config(family: str, vocab_size: int, eos: int, pad: int) -> Any:
+def _model_config(family: str, vocab_size: int, eos: int, pad: int) -> PreTrainedConfig:
     import transformers
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,

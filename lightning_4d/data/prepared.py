@@ -43,13 +43,19 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from types import ModuleType, TracebackType
+from typing import TYPE_CHECKING, Any, BinaryIO, Optional, Union
 
 import numpy as np
 
 from lightning_4d.data.chat import encode_chats, encode_texts, to_messages
 from lightning_4d.data.tokenizer import HFTokenizer, Tokenizer, get_tokenizer
 from lightning_4d.data.tokens import TokenFile, TokenWriter
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+    from numpy.typing import DTypeLike
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = [
     "DATA_FORMATS",
@@ -73,7 +79,7 @@ MIN_ROWS_PER_WORKER = 1000
 _WRITE_BATCH = 8192
 
 
-def _datasets() -> Any:
+def _datasets() -> ModuleType:
     try:
         import datasets
     except ImportError as err:
@@ -131,7 +137,7 @@ def dataset_files(files: Union[PathLike, Sequence[PathLike]]) -> list[Path]:
     return out
 
 
-def load_rows(files: Sequence[Path], cache_dir: PathLike, text_sample_by: str = "document") -> Any:
+def load_rows(files: Sequence[Path], cache_dir: PathLike, text_sample_by: str = "document") -> Dataset:
     """A memory-mapped ``datasets.Dataset`` of the rows of ``files`` (one kind, see :func:`dataset_files`);
     ``datasets``' own Arrow cache goes to ``cache_dir``. Text files give one row per ``text_sample_by``
     (``document``: a whole file; ``paragraph``; ``line``).
@@ -196,7 +202,7 @@ class DatasetSource:
 
     def record(self, tokenizer: Tokenizer) -> dict[str, Any]:
         """JSON-able: files with size and modification time, format, fields, split, tokenizer fingerprints."""
-        def stat(paths: Optional[Sequence[PathLike]]) -> Optional[list[list[Any]]]:
+        def stat(paths: Optional[Sequence[PathLike]]) -> Optional[list[list[Union[str, int]]]]:
             if paths is None:
                 return None
             out = []
@@ -232,8 +238,8 @@ class DatasetPrepareResult:
         2000.0
     """
 
-    train: Any
-    val: Any
+    train: TokenFile
+    val: Optional[TokenFile]
     cached: bool
     documents: int
     val_documents: int
@@ -276,7 +282,8 @@ def _cached(out_dir: Path, record: Mapping[str, Any]) -> Optional[DatasetPrepare
 
 
 # ----------------------------------------------------------------------------------------------- tokenizing
-def _encode_batch(batch: Mapping[str, list], *, tokenizer: Any, source: DatasetSource, eos_id: Optional[int]) -> dict:
+def _encode_batch(batch: Mapping[str, list], *, tokenizer: PreTrainedTokenizerBase, source: DatasetSource,
+                  eos_id: Optional[int]) -> dict:
     """``Dataset.map`` function (runs in the worker processes): one batch of rows → ``ids`` (and ``mask``)."""
     if source.data_format == "text":
         if source.text_field not in batch:
@@ -321,7 +328,7 @@ def _no_tokenizer_threads(workers: int) -> Iterator[None]:
 
 
 def _tokenize(files: Sequence[Path], source: DatasetSource, tok: HFTokenizer, cache: Path,
-              num_proc: Optional[int]) -> tuple[Any, int]:
+              num_proc: Optional[int]) -> tuple[Dataset, int]:
     ds_lib = _datasets()
     rows = load_rows(files, cache, source.text_sample_by)
     if len(rows) == 0:
@@ -342,7 +349,7 @@ def _tokenize(files: Sequence[Path], source: DatasetSource, tok: HFTokenizer, ca
     return mapped, workers
 
 
-def _batches(ds: Any) -> Iterator[tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]]:
+def _batches(ds: Dataset) -> Iterator[tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]]:
     """(flat ids, per-row lengths, flat mask or None) per batch of rows, straight from Arrow."""
     for table in ds.with_format("arrow").iter(batch_size=_WRITE_BATCH):
         col = table.column("ids").combine_chunks()
@@ -357,10 +364,10 @@ def _batches(ds: Any) -> Iterator[tuple[np.ndarray, np.ndarray, Optional[np.ndar
 class _RawWriter:
     """A flat binary array (``dtype``) written under a temporary name, renamed into place on success."""
 
-    def __init__(self, path: Path, dtype: Any) -> None:
+    def __init__(self, path: Path, dtype: DTypeLike) -> None:
         self.path, self.dtype = path, np.dtype(dtype)
         self.tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-        self.fh: Any = open(self.tmp, "wb")
+        self.fh: BinaryIO = open(self.tmp, "wb")
 
     def write(self, values: np.ndarray) -> None:
         self.fh.write(np.ascontiguousarray(values, dtype=self.dtype).tobytes())
@@ -368,7 +375,8 @@ class _RawWriter:
     def __enter__(self) -> "_RawWriter":
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> None:
         self.fh.flush()
         os.fsync(self.fh.fileno())
         self.fh.close()
@@ -378,7 +386,7 @@ class _RawWriter:
             self.tmp.unlink()
 
 
-def _write_chat(ds: Any, out_dir: Path, split: str, tok: HFTokenizer, extra: dict[str, Any]) -> TokenFile:
+def _write_chat(ds: Dataset, out_dir: Path, split: str, tok: HFTokenizer, extra: dict[str, Any]) -> TokenFile:
     mask_path, docs_path = _split_path(out_dir, split, "mask"), _split_path(out_dir, split, "docs")
     meta = {**extra, "mask_file": mask_path.name, "docs_file": docs_path.name}
     with TokenWriter(_split_path(out_dir, split), tok.vocab_size, tok, meta) as writer, \
@@ -399,7 +407,7 @@ def _write_chat(ds: Any, out_dir: Path, split: str, tok: HFTokenizer, extra: dic
     return writer.result
 
 
-def _write_text(ds: Any, out_dir: Path, tok: HFTokenizer, extra: dict[str, Any], val_fraction: Optional[float],
+def _write_text(ds: Dataset, out_dir: Path, tok: HFTokenizer, extra: dict[str, Any], val_fraction: Optional[float],
                 split: str = "train") -> tuple[TokenFile, Optional[TokenFile]]:
     """One packed stream into ``<split>.bin``; with ``val_fraction`` its last tokens go to ``val.bin``. Sidecars
     count the documents with a token in each file (one cut by the split counts in both)."""
@@ -524,7 +532,7 @@ def prepare_dataset(
                                 seconds, workers, train.num_tokens + val.num_tokens)
 
 
-def _pick_validation(mapped: Any, val_fraction: float, seed: int) -> tuple[Any, Any]:
+def _pick_validation(mapped: Dataset, val_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
     """(train, validation) conversations: a seeded ``val_fraction`` of them (at least one each) for validation."""
     n = len(mapped)
     if n < 2:
@@ -563,7 +571,7 @@ def open_split(out_dir: PathLike, split: str) -> tuple[TokenFile, Optional[np.nd
     return tf, mask, docs
 
 
-def _memmap(path: Path, dtype: Any, count: int) -> np.ndarray:
+def _memmap(path: Path, dtype: DTypeLike, count: int) -> np.ndarray:
     size = path.stat().st_size if path.is_file() else -1
     if size != count * np.dtype(dtype).itemsize:
         raise ValueError(f"{str(path)!r} has {size} bytes, but its token file's sidecar implies "

@@ -25,9 +25,13 @@ import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Optional, Protocol, Union, runtime_checkable
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Union, runtime_checkable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = [
     "ByteTokenizer",
@@ -71,7 +75,7 @@ class Tokenizer(Protocol):
     def decode(self, ids: Iterable[int]) -> str: ...
 
 
-def _ids_to_list(ids: Iterable[int] | np.ndarray | Any) -> list[int]:
+def _ids_to_list(ids: Iterable[int] | np.ndarray | torch.Tensor) -> list[int]:
     if hasattr(ids, "tolist"):  # numpy arrays and torch tensors
         ids = ids.tolist()
     return [int(i) for i in ids]
@@ -293,7 +297,7 @@ class HFTokenizer:
             ) from err
         self.path = p.absolute()
         self.name = f"hf:{self.path.name}"
-        self.hf: Any = AutoTokenizer.from_pretrained(
+        self.hf: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
             str(self.path), local_files_only=True, trust_remote_code=trust_remote_code
         )
         self._vocab_sha: Optional[str] = None

@@ -31,11 +31,15 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, BinaryIO, Optional, Union
 
 import numpy as np
 
 from lightning_4d.data.tokenizer import Tokenizer, check_same_tokenizer, get_tokenizer, tokenizer_record
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike, DTypeLike
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -162,11 +166,11 @@ class TokenWriter:
             self.meta.update(extra)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tmp = _tmp_name(self.path)
-        self._fh: Any = open(self._tmp, "wb")
+        self._fh: BinaryIO = open(self._tmp, "wb")
         self.num_tokens = 0
         self.result: Optional[TokenFile] = None
 
-    def write(self, tokens: Any) -> None:
+    def write(self, tokens: ArrayLike) -> None:
         """Append a 1-D array-like of ids in ``[0, vocab_size)``."""
         arr = np.asarray(tokens)
         if arr.ndim != 1:
@@ -204,7 +208,8 @@ class TokenWriter:
     def __enter__(self) -> "TokenWriter":
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> None:
         if exc_type is None:
             self.close()
         else:
@@ -213,7 +218,7 @@ class TokenWriter:
 
 def write_tokens(
     path: PathLike,
-    tokens: Any,
+    tokens: ArrayLike,
     vocab_size: int,
     tokenizer: Union[str, Tokenizer] = "byte",
     extra: Optional[Mapping[str, Any]] = None,
@@ -359,7 +364,7 @@ class TokenFile:
     def __getitem__(self, idx: Any) -> Any:
         return self.tokens[idx]
 
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+    def __array__(self, dtype: Optional[DTypeLike] = None, copy: Optional[bool] = None) -> np.ndarray:
         arr = np.asarray(self.tokens)
         return arr if dtype is None else arr.astype(dtype)
 

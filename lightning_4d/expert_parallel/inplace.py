@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Optional
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,9 @@ from lightning_4d.expert_parallel.experts import GroupedExperts, local_tensor, s
 from lightning_4d.expert_parallel.permute import make_permutation, permute, unpermute
 from lightning_4d.layer_kinds import holds_stacked_experts
 from lightning_4d.precision import allowed_difference, max_difference
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["ExpertsSpec", "inspect_experts", "find_expert_modules", "verify_experts", "install_expert_parallel",
            "is_inplace_experts", "Contract"]
@@ -204,7 +207,7 @@ def is_inplace_experts(module: nn.Module) -> bool:
 
 
 # ------------------------------------------------------------------------------------- the local call
-def _call_local(module: nn.Module, st: _State, tensors: dict[str, torch.Tensor], *args: Any) -> torch.Tensor:
+def _call_local(module: nn.Module, st: _State, tensors: dict[str, torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
     """The user's forward on this rank's experts: parameters replaced by ``tensors`` (``[E/ep, ...]``) and the
     module's expert-count attributes by ``E/ep`` for the call."""
     n_local = next(iter(tensors.values())).shape[0]
@@ -403,8 +406,8 @@ def _hidden_size(module: nn.Module, spec: ExpertsSpec) -> int:
     return min(d for n in spec.params for d in getattr(module, n).shape[1:] if getattr(module, n).dim() == 3)
 
 
-def install_expert_parallel(module: nn.Module, spec: ExpertsSpec, ep_mesh: Any = None, grad_scale: float = 1.0
-                            ) -> None:
+def install_expert_parallel(module: nn.Module, spec: ExpertsSpec, ep_mesh: Optional[DeviceMesh] = None,
+                            grad_scale: float = 1.0) -> None:
     """Make ``module`` (recognised as ``spec``) expert-parallel in place: its parameters become DTensors
     ``Shard(0)`` over ``ep_mesh`` (names and global shapes unchanged; nothing is sharded when ``ep_mesh`` is
     ``None`` or of size 1) and its forward dispatches assignments to the experts' owners. ``grad_scale``

@@ -27,7 +27,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch.distributed as dist
 from torch import nn
@@ -39,6 +39,7 @@ from lightning_4d.mesh import Axis
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.utils.hooks import RemovableHandle
 
     from lightning_4d.expert_parallel.inplace import ExpertsSpec
     from lightning_4d.mesh import FourDMesh, ParallelDims
@@ -216,7 +217,7 @@ def install_token_shard_check(layers: dict[str, nn.Module], tp_group: dist.Proce
     from lightning_4d.comm import internal_comm
 
     for name, layer in layers.items():
-        handles: list[Any] = []
+        handles: list[RemovableHandle] = []
 
         def check(mod: nn.Module, args: tuple, kwargs: dict, name: str = name, handles: list = handles) -> None:
             for h in handles:

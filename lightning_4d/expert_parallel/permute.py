@@ -20,7 +20,7 @@ import contextlib
 import math
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Optional
+from typing import Callable, ContextManager, Optional
 
 import torch
 
@@ -151,7 +151,7 @@ class FixedRouting:
     """
 
     assign: Callable[[int, int], torch.Tensor]
-    host: Callable[[], ContextManager[Any]] = contextlib.nullcontext
+    host: Callable[[], ContextManager[object]] = contextlib.nullcontext
 
     def permutation(self, indices: torch.Tensor, num_experts: int, capacity: Optional[int]) -> PermutePlan:
         """:func:`make_permutation` of the fixed assignments for the router's ``indices (N, k)`` (in ``host``)."""

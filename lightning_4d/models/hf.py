@@ -23,13 +23,18 @@ Example:
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 from torch import nn
+
+from lightning_4d.hf_config import (CHECKPOINT_KEY, DTYPES, PathLike, config_from_record, load_hf_config,
+                                    resolve_dtype)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 __all__ = [
     "ATTN_IMPLEMENTATIONS",
@@ -43,42 +48,9 @@ __all__ = [
     "resolve_dtype",
 ]
 
-DTYPES: dict[str, Union[torch.dtype, str]] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "auto": "auto",
-}
-"""Weight dtypes by name; ``"auto"`` keeps the dtype of the saved weights (``config.json``'s ``dtype``)."""
-
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 """Attention kernels that run on every device and under every layout (``flash_attention_2`` needs CUDA
 and the ``flash-attn`` package; pass it through :meth:`HFLogits.from_pretrained` yourself if you have both)."""
-
-CHECKPOINT_KEY = "hf_model"
-"""Key of the record (:func:`checkpoint_record`) a :class:`~lightning_4d.models.CausalLM` writes into
-its checkpoints, so an export needs no ``--base``."""
-
-PathLike = Union[str, "os.PathLike[str]"]
-
-
-def resolve_dtype(dtype: Union[str, torch.dtype, None]) -> Union[torch.dtype, str, None]:
-    """A dtype name (``float32``, ``bfloat16``, ``float16``, ``auto``) or ``torch.dtype`` → what
-    ``from_pretrained(dtype=...)`` accepts; ``None`` stays ``None``.
-
-    Example:
-        >>> resolve_dtype("bfloat16"), resolve_dtype(None)
-        (torch.bfloat16, None)
-        >>> resolve_dtype("fp8")
-        Traceback (most recent call last):
-        ...
-        ValueError: dtype='fp8' is not one of float32, bfloat16, float16, auto; e.g. dtype=float32 for fp32 training.
-    """
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}; e.g. dtype=float32 for fp32 training.")
-    return DTYPES[dtype]
 
 
 def _check_attn(attn_implementation: str) -> None:
@@ -86,48 +58,6 @@ def _check_attn(attn_implementation: str) -> None:
         raise ValueError(
             f"attn_implementation={attn_implementation!r} is not one of {', '.join(ATTN_IMPLEMENTATIONS)}: "
             f"use 'sdpa' (PyTorch's fused attention) or 'eager' (the model's reference code).")
-
-
-def load_hf_config(source: PathLike, trust_remote_code: bool = False) -> Any:
-    """The ``transformers`` config of a local model directory (holding ``config.json``) or of a config
-    ``.json`` file, read offline.
-
-    Raises:
-        FileNotFoundError: ``source`` does not exist, or is a directory without ``config.json``.
-        ValueError: the file is not a valid config (not JSON, no ``model_type``, unknown model type).
-
-    Example:
-        >>> load_hf_config("no/such/dir")  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        FileNotFoundError: no/such/dir does not exist: pass a local model directory (written by save_pretrained ...
-    """
-    from transformers import AutoConfig
-
-    path = Path(source)
-    if not path.exists():
-        raise FileNotFoundError(
-            f"{source} does not exist: pass a local model directory (written by save_pretrained or downloaded "
-            f"beforehand, holding config.json) or a config .json file.")
-    file = path / "config.json" if path.is_dir() else path
-    if not file.is_file():
-        raise FileNotFoundError(
-            f"{source} holds no config.json, so it is not a Hugging Face model directory; pass the directory that "
-            f"save_pretrained wrote (config.json beside the *.safetensors files).")
-    try:
-        data = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{file} is not valid JSON ({err}); pass a config.json written by save_pretrained.") from err
-    if not isinstance(data, dict) or "model_type" not in data:
-        raise ValueError(f"{file} has no 'model_type', so transformers cannot tell which model it describes; "
-                         f"pass a config.json written by save_pretrained.")
-    try:
-        return AutoConfig.from_pretrained(str(file.parent if path.is_dir() else file),
-                                          trust_remote_code=trust_remote_code, local_files_only=True)
-    except ValueError as err:
-        hint = "" if trust_remote_code else " If the model ships its own code, set trust_remote_code=true."
-        raise ValueError(f"{file}: transformers cannot build model_type={data['model_type']!r}: "
-                         f"{str(err).splitlines()[0]}.{hint}") from err
 
 
 def has_weights(directory: PathLike) -> bool:
@@ -234,8 +164,8 @@ class HFLogits(nn.Module):
         return cls(model, source=directory)
 
     @classmethod
-    def _streamed(cls, directory: Path, config: Any, dtype: Union[str, torch.dtype], attn_implementation: str,
-                  trust_remote_code: bool) -> "HFLogits":
+    def _streamed(cls, directory: Path, config: PreTrainedConfig, dtype: Union[str, torch.dtype],
+                  attn_implementation: str, trust_remote_code: bool) -> "HFLogits":
         """Built on meta from ``config``, with the directory's weights attached as its ``fourd_weight_source``."""
         from transformers import AutoModelForCausalLM
 
@@ -258,7 +188,7 @@ class HFLogits(nn.Module):
         return cls(model, source=directory)
 
     @classmethod
-    def from_config(cls, config: Union[PathLike, Any], dtype: Union[str, torch.dtype] = "float32",
+    def from_config(cls, config: Union[PathLike, PreTrainedConfig], dtype: Union[str, torch.dtype] = "float32",
                     attn_implementation: str = "sdpa", trust_remote_code: bool = False) -> "HFLogits":
         """A randomly initialised model (seeded by the caller) from a config object, a model directory or a
         config ``.json`` file; for tests and training from scratch.
@@ -288,7 +218,7 @@ class HFLogits(nn.Module):
                              f"causal-LM class in transformers: {str(err).splitlines()[0]}") from err
         return cls(model, source=source)
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> dict[str, Optional[str]]:
         """What an export needs to rebuild the model: the config (JSON text) and the source directory.
 
         Example:
@@ -301,7 +231,7 @@ class HFLogits(nn.Module):
         return {"config": self._config_json, "base": self.source, "architecture": self._architecture}
 
 
-def checkpoint_record(module: nn.Module) -> Optional[dict[str, Any]]:
+def checkpoint_record(module: nn.Module) -> Optional[dict[str, Optional[str]]]:
     """The :meth:`HFLogits.record` of the first :class:`HFLogits` inside ``module`` (``None``: there is none).
 
     A LightningModule of your own records it in its checkpoints with::
@@ -319,23 +249,3 @@ def checkpoint_record(module: nn.Module) -> Optional[dict[str, Any]]:
         if isinstance(sub, HFLogits):
             return sub.record()
     return None
-
-
-def config_from_record(record: dict[str, Any]) -> Any:
-    """The ``transformers`` config saved by :func:`checkpoint_record` (no remote code is run).
-
-    Example:
-        >>> import transformers
-        >>> cfg = transformers.LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8,
-        ...                                num_hidden_layers=1, num_attention_heads=2)
-        >>> config_from_record(HFLogits.from_config(cfg).record()).vocab_size
-        8
-    """
-    from transformers import CONFIG_MAPPING
-
-    data = json.loads(record["config"])
-    model_type = data.get("model_type")
-    if model_type not in CONFIG_MAPPING:
-        raise ValueError(f"the recorded config has model_type={model_type!r}, which this transformers version does "
-                         f"not know (remote code is never run from a checkpoint); pass the model directory as base.")
-    return CONFIG_MAPPING[model_type].from_dict(data)

@@ -42,12 +42,15 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
 from lightning_4d._compat.hf_loading import convert_group, model_transforms, natural_key, rename_key
+
+if TYPE_CHECKING:
+    from lightning_4d._compat.hf_loading import WeightRenaming
 
 __all__ = ["HFWeightSource", "WeightMappingError", "materialize_pretrained", "safetensors_dtype", "safetensors_files"]
 
@@ -348,8 +351,8 @@ class HFWeightSource:
                                  self._config)
 
     # ------------------------------------------------------------------ mapping and checks
-    def _map_keys(self, renamings: list[Any], base_prefix: Optional[str],
-                  model_keys: dict[str, Any]) -> tuple[dict[str, _Group], dict[str, str]]:
+    def _map_keys(self, renamings: list[WeightRenaming], base_prefix: Optional[str],
+                  model_keys: dict[str, Tensor]) -> tuple[dict[str, _Group], dict[str, str]]:
         """Groups by model name, and the keys that map to nothing (``{renamed: checkpoint key}``)."""
         pattern_index = {p: i for i, conv in enumerate(self._converters) for p in conv.source_patterns}
         sources: dict[str, list[tuple[Optional[str], str]]] = defaultdict(list)
@@ -371,7 +374,7 @@ class HFWeightSource:
         groups = {t: _Group(t, tuple(s), converter_of[t], (t,)) for t, s in sources.items()}
         return groups, unexpected
 
-    def _missing(self, groups: dict[str, _Group], model_keys: dict[str, Any], aliases: dict[int, list[str]],
+    def _missing(self, groups: dict[str, _Group], model_keys: dict[str, Tensor], aliases: dict[int, list[str]],
                  tensors: dict[str, Tensor]) -> list[str]:
         covered = {out for g in groups.values() for out in g.outputs}
         missing: list[str] = []

@@ -9,7 +9,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
@@ -18,6 +18,10 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_4d.mixin import FourDModule
+
+if TYPE_CHECKING:
+    from lightning.pytorch.utilities.types import OptimizerLRScheduler
+    from torchmetrics import Metric
 
 __all__ = ["CausalLM"]
 
@@ -58,7 +62,7 @@ class CausalLM(FourDModule, L.LightningModule):
         self.model = model
         # stage -> {"ppl": TokenPerplexity, "acc": TokenAccuracy}. A plain dict, not submodules: the metrics stay out
         # of the model the strategy rewrites (trace, pipeline split, precision casts, checkpoints).
-        self._metrics: dict[str, dict[str, Any]] = {}
+        self._metrics: dict[str, dict[str, Metric]] = {}
 
     def forward(self, tokens: Tensor) -> Tensor:
         """Logits ``(B, T, V)`` for tokens ``(B, T)``."""
@@ -74,7 +78,7 @@ class CausalLM(FourDModule, L.LightningModule):
             self._update_metrics(stage, logits, targets, loss, ignore)
         return loss
 
-    def stage_metrics(self, stage: str) -> dict[str, Any]:
+    def stage_metrics(self, stage: str) -> dict[str, Metric]:
         """The ``torchmetrics`` metrics of ``stage`` (``"val"`` or ``"test"``): ``{"ppl": TokenPerplexity,
         "acc": TokenAccuracy}``, created on first use with ``process_group=self.fourd_dp_group``.
 
@@ -137,7 +141,7 @@ class CausalLM(FourDModule, L.LightningModule):
         if record is not None:
             checkpoint[CHECKPOINT_KEY] = record
 
-    def configure_optimizers(self) -> Any:
+    def configure_optimizers(self) -> OptimizerLRScheduler:
         """AdamW (per-tensor, so parameters on different meshes mix freely), optional linear warm-up."""
         hp = self.hparams
         opt = torch.optim.AdamW(

@@ -178,7 +178,7 @@ def _token_total(module: nn.Module, targets: Tensor, dp_group: dist.ProcessGroup
 
 def pipeline_train_loss(runner: PipelineRunner, module: nn.Module, inputs: Any, targets: Tensor,
                         dp_group: dist.ProcessGroup, dp: int, accumulate: int,
-                        loss_context: Callable[[], ContextManager[Any]]) -> Tensor:
+                        loss_context: Callable[[], ContextManager[None]]) -> Tensor:
     """Run forward + backward of the local batch through the schedule; return the global loss.
 
     ``dp_group`` is always the dp group (size 1 when ``dp == 1``): ``None`` would mean the whole world,
@@ -196,7 +196,7 @@ def pipeline_train_loss(runner: PipelineRunner, module: nn.Module, inputs: Any, 
 
 
 def pipeline_eval(runner: PipelineRunner, module: nn.Module, inputs: Any, targets: Optional[Tensor],
-                  dp_group: dist.ProcessGroup, loss_context: Callable[[], ContextManager[Any]]) -> Any:
+                  dp_group: dist.ProcessGroup, loss_context: Callable[[], ContextManager[None]]) -> Any:
     """Forward-only through the schedule: the global loss (with targets) or the full outputs (without).
 
     Example:

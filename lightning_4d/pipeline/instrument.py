@@ -26,11 +26,15 @@ import contextlib
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 from lightning_4d import _compat
 
 if TYPE_CHECKING:
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+
+    from lightning_4d._compat.pipelining import PipelineSchedule
     from lightning_4d.pipeline.runner import PipelineRunner
 
 __all__ = ["PipelineEvent", "PipelineInstrument", "bubble_share", "COMPUTE_KINDS"]
@@ -76,13 +80,13 @@ class PipelineInstrument:
         >>> inst = PipelineInstrument(runner.stages, runner.schedule)  # doctest: +SKIP
     """
 
-    def __init__(self, stages: Sequence[Any], schedule: Any) -> None:
+    def __init__(self, stages: Sequence[PipelineStage], schedule: PipelineSchedule) -> None:
         self.stages = list(stages)
         self.schedule = schedule
         self.events: list[PipelineEvent] = []
         self.step_index = 0
         self.rank = int(self.stages[0].group_rank) if self.stages else 0
-        self._patched: list[tuple[Any, str]] = []
+        self._patched: list[tuple[Union[PipelineStage, PipelineSchedule], str]] = []
         self._attach()
 
     @classmethod
@@ -120,7 +124,7 @@ class PipelineInstrument:
         """Forget recorded events (step numbering continues)."""
         self.events.clear()
 
-    def gather(self, group: Any = None) -> list[PipelineEvent]:
+    def gather(self, group: Optional[dist.ProcessGroup] = None) -> list[PipelineEvent]:
         """All pp ranks' events (``all_gather_object`` over ``group``); every rank gets the full list.
 
         Example:

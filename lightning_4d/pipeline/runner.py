@@ -23,7 +23,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,9 @@ from lightning_4d._compat import pytree
 from lightning_4d.pipeline.partition import stage_ids_for_rank, stage_to_rank
 from lightning_4d.pipeline.schedules import get_schedule_info, validate_microbatches
 from lightning_4d.pipeline.tied import sync_tied_grads
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["PipelineRunner", "EvalOutput", "default_token_count"]
 
@@ -101,7 +104,7 @@ class PipelineRunner:
     def __init__(
         self,
         stage_modules: Sequence[nn.Module],
-        pp_group: Any,
+        pp_group: Union[dist.ProcessGroup, DeviceMesh],
         loss_fn: LossFn,
         *,
         schedule: str = "1f1b",
@@ -183,7 +186,7 @@ class PipelineRunner:
         return contrib * self._grad_scale
 
     # -- steps ------------------------------------------------------------------------------
-    def _check_batch(self, inputs: Any, targets: Any) -> int:
+    def _check_batch(self, inputs: Any, targets: Optional[torch.Tensor]) -> int:
         size = _batch_size(inputs) if inputs is not None else None
         if size is None and targets is not None:
             size = _batch_size(targets)

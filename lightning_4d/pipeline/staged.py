@@ -36,7 +36,7 @@ from __future__ import annotations
 import copy
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 import torch
 from torch import nn
@@ -145,14 +145,15 @@ class StagedBlocks(nn.ModuleDict):
     def _dispatchers(self) -> list[Callable[..., Any]]:
         return [self._staged.dispatcher(i) for i in range(len(self._order))]
 
-    def __getitem__(self, idx: Any) -> Any:
+    def __getitem__(self, idx: Union[int, str, slice],
+                    ) -> Union[nn.Module, Callable[..., Any], list[Callable[..., Any]]]:
         if not self._active():
             return super().__getitem__(idx)
         if isinstance(idx, str):
             return self._staged.dispatcher(self._order.index(idx))
         return self._dispatchers()[idx]
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Union[str, Callable[..., Any]]]:
         if not self._active():
             return super().__iter__()
         return iter(self._dispatchers() if self._was_list else self._order)
@@ -160,13 +161,13 @@ class StagedBlocks(nn.ModuleDict):
     def __len__(self) -> int:
         return len(self._order) if self._active() else super().__len__()
 
-    def values(self) -> Any:
+    def values(self) -> Iterable[Union[nn.Module, Callable[..., Any]]]:
         return self._dispatchers() if self._active() else super().values()
 
-    def items(self) -> Any:
+    def items(self) -> Iterable[tuple[str, Union[nn.Module, Callable[..., Any]]]]:
         return list(zip(self._order, self._dispatchers())) if self._active() else super().items()
 
-    def keys(self) -> Any:
+    def keys(self) -> Iterable[str]:
         return list(self._order) if self._active() else super().keys()
 
 
@@ -230,7 +231,7 @@ class StagedForward:
 
     @contextmanager
     def _swap_pre(self, is_first: bool) -> Iterator[None]:
-        saved: dict[str, Any] = {}
+        saved: dict[str, tuple[nn.Module, str, Optional[nn.Module]]] = {}
         if not is_first:
             for path, stub in self.stubs.items():
                 parent_path, _, name = path.rpartition(".")
@@ -346,7 +347,7 @@ def prepare_staged(root: nn.Module, trace: ModelTrace, num_stages: int) -> Stage
     return staged
 
 
-def prune_staged(staged: StagedForward, stage_ids: list[int]) -> Any:
+def prune_staged(staged: StagedForward, stage_ids: list[int]) -> PipelineParts:
     """Keep this rank's stages only: other blocks are dropped, pre-block modules become stubs unless
     this rank runs stage 0, post-block modules are dropped unless it runs the last stage. Returns the
     :class:`~lightning_4d.pipeline.stages.PipelineParts` (stage modules keep the original parameter names).

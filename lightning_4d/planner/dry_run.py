@@ -76,7 +76,7 @@ import contextlib
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -98,6 +98,10 @@ from lightning_4d.planner.comm import comm_per_rank, summarize
 from lightning_4d.planner.memory import micro_batch_size, stage_layout
 from lightning_4d.planner.spec import TrainSpec, TransformerSpec
 from lightning_4d.precision import precision_info
+
+if TYPE_CHECKING:
+    from torch._ops import OperatorBase
+    from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["RankTrace", "DryRunResult", "dry_run", "representative_ranks", "uniform_experts", "uniform_routing",
            "DRY_RUN_ASSUMPTIONS"]
@@ -217,7 +221,7 @@ class DryRunResult:
         return values.pop() if len(values) == 1 else None
 
 
-def _union(a: dict[str, dict[str, Any]], b: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
+def _union(a: dict[str, dict[str, float]], b: dict[str, dict[str, float]]) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for src in (a, b):
         for axis, kinds in src.items():
@@ -303,14 +307,15 @@ def uniform_routing(ep: int = 1) -> Iterator[None]:
         FIXED_ROUTING.reset(token)
 
 
-def _fake_friendly_mode() -> Any:
+def _fake_friendly_mode() -> TorchDispatchMode:
     """A ``TorchDispatchMode`` letting the package's models run on fake tensors: ``aten.bincount`` of a fake
     tensor gives fake zeros of length ``minlength`` (the router's counts; values never matter),
     ``aten.randint`` (host seeds) and ``.item()`` of real tensors run for real. On meta tensors (the set-up
     trace of a meta model) ``bincount`` gives meta zeros likewise."""
 
     class _FakeFriendly(dispatch_mode_base()):  # type: ignore[misc]
-        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        def __torch_dispatch__(self, func: OperatorBase, types: tuple[type, ...], args: tuple = (),
+                               kwargs: Optional[dict] = None) -> Any:
             kwargs = kwargs or {}
             if func is torch.ops.aten.bincount.default and (is_fake(args[0]) or args[0].is_meta):
                 n = kwargs.get("minlength", args[2] if len(args) > 2 else 0)
@@ -377,7 +382,8 @@ def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Par
     from lightning_4d.pipeline.staged import INPUTS_KW
     from lightning_4d.planner.fake_world import CollectiveRecorder, fake_world
 
-    def autocast() -> Any:  # what Lightning's mixed-precision plugin wraps the training step in
+    # what Lightning's mixed-precision plugin wraps the training step in
+    def autocast() -> contextlib.AbstractContextManager[None]:
         info = precision_info(precision)
         return torch.autocast("cpu", dtype=info.compute_dtype) if info.mixed else contextlib.nullcontext()
 

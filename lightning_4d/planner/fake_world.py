@@ -38,13 +38,18 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from lightning_4d._compat import fake_store, fake_tensor_mode
 from lightning_4d.comm import CommCounter, mesh_axis_groups
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_4d.mesh import FourDMesh
 
 __all__ = ["fake_world", "CollectiveRecorder", "fake_forward_backward"]
 
@@ -88,7 +93,8 @@ class CollectiveRecorder(CommCounter):
         {'world': {'all_reduce': 48.0}}
     """
 
-    def __init__(self, mesh: Any = None) -> None:
+    def __init__(self, mesh: Union[FourDMesh, DeviceMesh, Mapping[str, Union[FourDMesh, DeviceMesh]], None] = None
+                 ) -> None:
         super().__init__(mesh_axis_groups(mesh))
 
 

@@ -30,7 +30,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from lightning_4d.mesh import ParallelDims
 
@@ -152,7 +152,7 @@ class DeviceSpec:
         """Share of device memory the planner lets the allocator reserve (``usable_fraction``)."""
         return self.usable_fraction
 
-    def constants(self) -> dict[str, Any]:
+    def constants(self) -> dict[str, Union[float, str, None]]:
         """Every model constant of the device, for reports.
 
         Example:
@@ -229,7 +229,7 @@ FAMILIES: dict[str, DeviceFamily] = {
 
 
 def _part(name: str, family: str, memory_bytes: float, peak_flops: float, intra_node_bw: float, inter_node_bw: float,
-          hbm_bw: float, note: str, **extra: Any) -> DeviceSpec:
+          hbm_bw: float, note: str, **extra: Optional[float]) -> DeviceSpec:
     """A named part: its datasheet numbers and its family's calibrated constants."""
     fam = FAMILIES[family]
     consts = {f.name: getattr(fam, f.name) for f in fields(DeviceFamily) if f.name not in ("name", "calibrated_on")}

@@ -19,13 +19,16 @@ Example:
 from __future__ import annotations
 
 import argparse
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from lightning_4d.config import default_virtual_stages
 from lightning_4d.planner.hardware import H100, H200, ClusterSpec, DeviceSpec
 from lightning_4d.planner.memory import memory_per_rank, stage_layout
 from lightning_4d.planner.roofline import estimate_step
 from lightning_4d.planner.search import NoLayoutFits, _runtime_accepts, search
+
+if TYPE_CHECKING:
+    from lightning_4d.planner.search import Candidate
 from lightning_4d.planner.spec import TrainSpec, seed_moe_1t
 
 __all__ = ["SEQ_LEN", "GLOBAL_BATCH", "H200_CLUSTER_DEVICE", "seed_layout_rows", "best_layouts", "report", "main"]
@@ -77,7 +80,7 @@ def seed_layout_rows(world: int, device: DeviceSpec, pps: Sequence[int] = (4, 8,
     return out
 
 
-def best_layouts(world: int, device: DeviceSpec, top: int = 3) -> list[Any]:
+def best_layouts(world: int, device: DeviceSpec, top: int = 3) -> list[Candidate]:
     """The search's fastest layouts of the 1T MoE on ``world`` GPUs (tp ≤ 8 inside a node)."""
     spec = seed_moe_1t(SEQ_LEN)
     return search(spec, ClusterSpec(world // 8, 8, device), TrainSpec(GLOBAL_BATCH, seq_len=SEQ_LEN), top=top,

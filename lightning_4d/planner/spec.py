@@ -27,12 +27,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from lightning_4d.config import DATA_PARALLEL
 from lightning_4d.models.flops import training_flops_per_token
 from lightning_4d.models.moe import is_moe_layer
 from lightning_4d.precision import PLANNER_PRECISIONS, precision_info
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from lightning_4d.models.gpt2 import GPT2Config
+    from lightning_4d.models.hf_style import HFStyleConfig
+    from lightning_4d.models.llama import LlamaConfig
 
 __all__ = ["TransformerSpec", "TrainSpec", "seed_moe_1t", "planner_only", "DATA_PARALLEL_MODES",
            "SELECTIVE_POLICIES", "RUNTIME_SELECTIVE_POLICY", "KERNELS"]
@@ -83,7 +90,7 @@ def planner_only(train: "TrainSpec") -> list[str]:
     return out
 
 
-def _positive(name: str, value: Any, allow_zero: bool = False) -> None:
+def _positive(name: str, value: object, allow_zero: bool = False) -> None:
     low = 0 if allow_zero else 1
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name}={value!r} must be an integer >= {low}.")
@@ -285,7 +292,8 @@ class TransformerSpec:
 
     # ----------------------------------------------------------------- constructors
     @classmethod
-    def from_config(cls, cfg: Any, seq_len: Optional[int] = None, name: str = "") -> "TransformerSpec":
+    def from_config(cls, cfg: Union[LlamaConfig, GPT2Config, HFStyleConfig], seq_len: Optional[int] = None,
+                    name: str = "") -> "TransformerSpec":
         """Build from a package config, duck-typed on its field names (MoE, Llama, GPT-2, HF style).
 
         Example:
@@ -323,7 +331,7 @@ class TransformerSpec:
                         f"Build a TransformerSpec by hand for other models.")
 
     @classmethod
-    def from_model(cls, model: Any, seq_len: Optional[int] = None) -> "TransformerSpec":
+    def from_model(cls, model: nn.Module, seq_len: Optional[int] = None) -> "TransformerSpec":
         """Build from a package model (its ``moe_config`` or ``config`` attribute)."""
         cfg = getattr(model, "moe_config", None) or getattr(model, "config", None)
         if cfg is None:

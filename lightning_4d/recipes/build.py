@@ -46,7 +46,12 @@ from lightning_4d.recipes.schema import (
 
 if TYPE_CHECKING:
     import lightning as L
+    from lightning.pytorch.loggers import Logger
+    from lightning.pytorch.utilities.types import STEP_OUTPUT
     from torch import nn
+
+    from lightning_4d.recipes.schema import DataConfig
+    from lightning_4d.strategy import FourDStrategy
 
 __all__ = [
     "RunResult",
@@ -84,7 +89,7 @@ def _print(msg: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- checks
-def _data_vocab(data: Any) -> int:
+def _data_vocab(data: DataConfig) -> int:
     if isinstance(data, SyntheticDataConfig):
         return data.vocab_size
     from lightning_4d.data.tokenizer import get_tokenizer
@@ -358,7 +363,7 @@ def build_model(cfg: Config, trainer: Optional["L.Trainer"] = None) -> "L.Lightn
 
 
 # ---------------------------------------------------------------------------------------------- trainer
-def build_strategy(cfg: Config) -> Any:
+def build_strategy(cfg: Config) -> FourDStrategy:
     """``hydra.utils.instantiate`` of ``cfg.parallel``'s ``_target_`` (``FourDStrategy``) with the options of its
     ``FourDConfig`` and the timeout.
 
@@ -381,7 +386,7 @@ class LossHistory:
     """
 
     @staticmethod
-    def create() -> Any:
+    def create() -> L.Callback:
         """A new ``lightning.Callback`` with a ``losses`` list."""
         import lightning as L
 
@@ -389,7 +394,8 @@ class LossHistory:
             def __init__(self) -> None:
                 self.losses: list[float] = []
 
-            def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+            def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: STEP_OUTPUT,
+                                   batch: Any, idx: int) -> None:
                 value = trainer.callback_metrics.get("train_loss")
                 if value is not None:
                     self.losses.append(float(value))
@@ -397,7 +403,7 @@ class LossHistory:
         return _LossHistory()
 
 
-def build_callbacks(cfg: Config, root: Optional[Path] = None) -> list[Any]:
+def build_callbacks(cfg: Config, root: Optional[Path] = None) -> list[L.Callback]:
     """Progress bar, ``ModelCheckpoint`` (under ``<output_dir>/checkpoints``) and the loss history (always last).
 
     Example:
@@ -410,7 +416,7 @@ def build_callbacks(cfg: Config, root: Optional[Path] = None) -> list[Any]:
 
     c = _cfg(cfg)
     root = root if root is not None else output_dir(c)
-    cbs: list[Any] = []
+    cbs: list[L.Callback] = []
     if c.callbacks.progress_bar:
         cbs.append(TQDMProgressBar(refresh_rate=c.callbacks.progress_refresh_rate))
     if c.callbacks.checkpoint:
@@ -423,7 +429,7 @@ def build_callbacks(cfg: Config, root: Optional[Path] = None) -> list[Any]:
     return cbs
 
 
-def build_loggers(cfg: Config, root: Optional[Path] = None) -> list[Any]:
+def build_loggers(cfg: Config, root: Optional[Path] = None) -> list[Logger]:
     """``CSVLogger`` and, when ``tensorboard`` (or ``tensorboardX``) is installed, ``TensorBoardLogger``.
 
     Example:
@@ -434,7 +440,7 @@ def build_loggers(cfg: Config, root: Optional[Path] = None) -> list[Any]:
 
     c = _cfg(cfg)
     root = root if root is not None else output_dir(c)
-    loggers: list[Any] = []
+    loggers: list[Logger] = []
     if c.logger.csv:
         loggers.append(CSVLogger(save_dir=str(root), name="csv"))
     has_tb = any(importlib.util.find_spec(m) is not None for m in ("tensorboard", "tensorboardX"))
@@ -443,12 +449,13 @@ def build_loggers(cfg: Config, root: Optional[Path] = None) -> list[Any]:
     return loggers
 
 
-def _with_extra(callbacks: list[Any], extra: Sequence[Any]) -> list[Any]:
+def _with_extra(callbacks: list[L.Callback], extra: Sequence[L.Callback]) -> list[L.Callback]:
     """``extra`` inserted before the loss history, which stays last."""
     return [*callbacks[:-1], *extra, callbacks[-1]] if extra else callbacks
 
 
-def build_trainer(cfg: Config, root: Optional[Path] = None, extra_callbacks: Sequence[Any] = ()) -> "L.Trainer":
+def build_trainer(cfg: Config, root: Optional[Path] = None,
+                  extra_callbacks: Sequence[L.Callback] = ()) -> "L.Trainer":
     """The ``lightning.Trainer`` of ``cfg.trainer`` with the strategy, callbacks and loggers above, plus
     ``extra_callbacks`` (before the loss history).
 
@@ -550,7 +557,7 @@ def _finish_launch(saved: Optional[dict[str, Optional[str]]]) -> None:
             os.environ[key] = value
 
 
-def run(cfg: Config, callbacks: Sequence[Any] = ()) -> RunResult:
+def run(cfg: Config, callbacks: Sequence[L.Callback] = ()) -> RunResult:
     """Validate, check resources (fail fast), then build data, Trainer and model, and train.
 
     Order matters: nothing is built, downloaded or allocated before the resource check passes.

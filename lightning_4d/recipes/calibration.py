@@ -14,15 +14,20 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from lightning_4d.planner import make_plan
 from lightning_4d.planner.calibrate import compare, load_published
 
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from lightning_4d.recipes.planning import PlanSetup
+
 __all__ = ["compose_plan", "plan_overrides", "calibration_rows", "layout_label"]
 
 
-def compose_plan(overrides: Iterable[str]) -> Any:
+def compose_plan(overrides: Iterable[str]) -> DictConfig:
     """The ``plan`` config composed with ``overrides`` (Hydra's compose API over ``conf/``, as ``recipes/plan.py``).
 
     Example:
@@ -51,7 +56,7 @@ def layout_label(plan: dict[str, Any]) -> str:
             f"m={lay['microbatches']} b={lay['micro_batch_size']}")
 
 
-def plan_overrides(overrides: Iterable[str]) -> tuple[Any, dict[str, Any]]:
+def plan_overrides(overrides: Iterable[str]) -> tuple[PlanSetup, dict[str, Any]]:
     """Plan the run ``overrides`` describe, as ``recipes/plan.py`` does without its dry run and search: the
     :class:`~lightning_4d.recipes.planning.PlanSetup` and the plan dict.
 

@@ -19,10 +19,16 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_4d.recipes.counts import ParamCount
 from lightning_4d.recipes.schema import HFModelConfig, RecipeConfigError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+    from lightning_4d.models.hf import HFLogits
+    from lightning_4d.planner import TransformerSpec
 
 __all__ = ["HFShape", "build_hf", "hf_config", "hf_config_with_layers", "hf_param_count", "hf_shape", "hf_spec",
            "hf_spec_notes"]
@@ -32,7 +38,7 @@ _EXPERT_PARAM = re.compile(r"(^|\.)experts(\.|$)")
 
 
 @lru_cache(maxsize=16)
-def _load(source: str, trust_remote_code: bool, need_weights: bool) -> Any:
+def _load(source: str, trust_remote_code: bool, need_weights: bool) -> PreTrainedConfig:
     from lightning_4d.models.hf import has_weights, load_hf_config
 
     config = load_hf_config(source, trust_remote_code)
@@ -47,7 +53,7 @@ def _load(source: str, trust_remote_code: bool, need_weights: bool) -> Any:
     return config
 
 
-def hf_config(model: HFModelConfig) -> Any:
+def hf_config(model: HFModelConfig) -> PreTrainedConfig:
     """The ``transformers`` config of ``model.path`` (which must also hold weights) or ``model.config``.
 
     Raises:
@@ -110,7 +116,7 @@ def hf_shape(model: HFModelConfig) -> HFShape:
     )
 
 
-def _spec_fields(text: Any) -> tuple[dict[str, Any], list[str]]:
+def _spec_fields(text: PreTrainedConfig) -> tuple[dict[str, Any], list[str]]:
     """:class:`~lightning_4d.planner.TransformerSpec` keyword arguments of a ``transformers`` text config and what
     they leave out (pure; duck-typed on the config's attributes).
 
@@ -169,7 +175,7 @@ def _spec_fields(text: Any) -> tuple[dict[str, Any], list[str]]:
     return kw, notes
 
 
-def hf_spec(model: HFModelConfig) -> Any:
+def hf_spec(model: HFModelConfig) -> Optional[TransformerSpec]:
     """The planner's :class:`~lightning_4d.planner.TransformerSpec` of ``model``'s config (heads, head width,
     biases, q/k norms, MoE layers, shared experts, tied embeddings, positions: see :func:`hf_spec_notes` for what
     is approximated), or ``None`` when the config does not describe a decoder-only transformer block.
@@ -233,7 +239,7 @@ def hf_config_with_layers(model: HFModelConfig, layers: int, directory: Path) ->
     return dataclasses.replace(model, path=None, config=str(directory / "config.json"))
 
 
-def build_hf(model: HFModelConfig) -> Any:
+def build_hf(model: HFModelConfig) -> HFLogits:
     """:class:`~lightning_4d.models.HFLogits` of ``model.path`` (pretrained) or ``model.config`` (random init).
 
     Called on the meta device (:func:`~lightning_4d.recipes.build.build_model` does so under ``FourDStrategy``

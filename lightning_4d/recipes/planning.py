@@ -28,7 +28,7 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 from omegaconf import DictConfig
 
@@ -49,6 +49,12 @@ from lightning_4d.recipes.schema import (
     TrainConfig,
     owned,
 )
+
+if TYPE_CHECKING:
+    from lightning_4d.mesh import ParallelDims
+    from lightning_4d.planner import TransformerSpec
+    from lightning_4d.planner.dry_run import DryRunResult
+    from lightning_4d.recipes.schema import ModelConfig
 
 __all__ = ["PlanError", "PlanSetup", "PlanOutcome", "plan_setup", "run_plan", "TRACE_BLOCKS"]
 
@@ -76,10 +82,10 @@ class PlanSetup:
     """
     config: TrainConfig
     plan: PlanConfig
-    spec: Any
-    dims: Any
-    cluster: Any
-    train: Any
+    spec: TransformerSpec
+    dims: ParallelDims
+    cluster: ClusterSpec
+    train: TrainSpec
     notes: list[str] = field(default_factory=list)
 
 
@@ -264,7 +270,7 @@ def plan_setup(cfg: Union[DictConfig, TrainConfig]) -> PlanSetup:
     return PlanSetup(c, plan, spec, dims, cluster, train, notes)
 
 
-def _model_spec(c: TrainConfig, notes: list[str]) -> Any:
+def _model_spec(c: TrainConfig, notes: list[str]) -> TransformerSpec:
     """The planner's spec of ``c.model``; for ``model=hf`` also checked against the model's own parameter count."""
     spec = model_spec(c.model)
     if not isinstance(c.model, HFModelConfig):
@@ -288,15 +294,15 @@ def _model_spec(c: TrainConfig, notes: list[str]) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------- dry run
-def _traced_model(model: Any, blocks: int) -> Any:
+def _traced_model(model: ModelConfig, blocks: int) -> ModelConfig:
     """The model schema cut to ``blocks`` blocks (same widths); an MoE keeps dense and MoE blocks when both exist."""
-    changes: dict[str, Any] = {"n_layer" if hasattr(model, "n_layer") else "n_layers": blocks}
+    changes: dict[str, int] = {"n_layer" if hasattr(model, "n_layer") else "n_layers": blocks}
     if getattr(model, "first_dense_layers", 0):
         changes["first_dense_layers"] = 0 if blocks == 1 else min(model.first_dense_layers, blocks // 2)
     return dataclasses.replace(model, **changes)
 
 
-def _n_blocks(model: Any) -> int:
+def _n_blocks(model: ModelConfig) -> int:
     return model_spec(model).layers
 
 
@@ -318,7 +324,7 @@ def trace_blocks(setup: PlanSetup) -> int:
     return min(total, max(stages, want // stages * stages))
 
 
-def run_dry_run(setup: PlanSetup) -> Any:
+def run_dry_run(setup: PlanSetup) -> DryRunResult:
     """:func:`~lightning_4d.planner.dry_run.dry_run` of the config's model (cut to :func:`trace_blocks` blocks)
     with the setup's layout and micro-batch. A Hugging Face model is traced from its config alone (randomly
     initialised on the meta device: no weights are read), cut in a temporary ``config.json``.

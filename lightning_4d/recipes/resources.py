@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from lightning_4d.pipeline.schedules import validate_microbatches
 from lightning_4d.planner import TrainSpec, TransformerSpec
@@ -32,6 +32,7 @@ from lightning_4d.tensor_parallel.plan import check_divisible
 
 if TYPE_CHECKING:
     from lightning_4d.mesh import ParallelDims
+    from lightning_4d.recipes.schema import ModelConfig, ParallelConfig
 
 __all__ = [
     "DeviceInventory",
@@ -58,7 +59,7 @@ class ResourceError(RuntimeError):
     """
 
 
-def model_spec(model: Any) -> Optional["TransformerSpec"]:
+def model_spec(model: ModelConfig) -> Optional["TransformerSpec"]:
     """The planner's :class:`~lightning_4d.planner.TransformerSpec` of a model schema (``None`` for a Hugging
     Face config the planner cannot describe; see :func:`~lightning_4d.recipes.hf_model.hf_spec`).
 
@@ -74,7 +75,7 @@ def model_spec(model: Any) -> Optional["TransformerSpec"]:
     return TransformerSpec.from_config(owned("model", model), name=model.name)
 
 
-def count_params(model: Any) -> ParamCount:
+def count_params(model: ModelConfig) -> ParamCount:
     """Exact parameter count of a model schema, without building the model: the planner's count
     (:meth:`~lightning_4d.planner.TransformerSpec.components`, checked against the real modules), or for
     ``model=hf`` the model's own on a meta-device build (:func:`~lightning_4d.recipes.hf_model.hf_param_count`).
@@ -189,7 +190,7 @@ def _layout_problems(cfg: TrainConfig, dims: "ParallelDims", spec: Optional["Tra
     return problems
 
 
-def _describe_layout(par: Any, dims: Optional["ParallelDims"]) -> str:
+def _describe_layout(par: ParallelConfig, dims: Optional["ParallelDims"]) -> str:
     """E.g. ``tp=8 (+SP) × pp=4 × dp=16 = 512 ranks; ep=8 folded into dp·tp=128 (edp=16); data_parallel=fsdp``."""
     if dims is None:
         return f"tp={par.tp} × pp={par.pp} × dp={par.dp}; ep={par.ep}; data_parallel={par.data_parallel}"
@@ -212,7 +213,7 @@ class ResourceReport:
     dims: "ParallelDims"
     states_bytes: Optional[float]
     inventory: DeviceInventory
-    parallel: Any = None
+    parallel: Optional[ParallelConfig] = None
 
     def describe(self) -> str:
         """Three lines: parameters, layout, memory."""

@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Union
+from typing import TYPE_CHECKING, Any, List, Optional, Union
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
@@ -170,6 +170,11 @@ class HFModelConfig:
     def source_key(self) -> str:
         """``model.path`` or ``model.config`` (for messages)."""
         return "model.path" if self.path is not None else "model.config"
+
+
+if TYPE_CHECKING:
+    # A model node after :func:`to_train_config` (one of the model schemas above).
+    ModelConfig = Union[LlamaModelConfig, MoEModelConfig, GPT2ModelConfig, HFModelConfig]
 
 
 # ---------------------------------------------------------------------------------------------- parallel

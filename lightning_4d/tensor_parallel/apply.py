@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol
+from typing import TYPE_CHECKING, Optional, Protocol
 
 from torch import nn
 
@@ -39,6 +39,9 @@ from lightning_4d.tensor_parallel.styles import (
     install_sequence_boundary,
 )
 from lightning_4d.trace import HiddenArg, ModelTrace
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 __all__ = ["TPLayout", "apply_tensor_parallel", "plan_tensor_parallel", "tp_styles"]
 
@@ -78,7 +81,7 @@ class TPLayout:
         False
     """
 
-    styles: dict[str, Any] = field(default_factory=dict)
+    styles: dict[str, ParallelStyle] = field(default_factory=dict)
     heads: dict[str, dict[str, int]] = field(default_factory=dict)  # region -> {attr: global value}
     local_heads: dict[str, dict[str, int]] = field(default_factory=dict)  # region -> {attr: per-rank value}
     configs: dict[str, dict[str, int]] = field(default_factory=dict)  # region -> {config attr: per-rank value}

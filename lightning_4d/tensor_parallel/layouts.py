@@ -71,7 +71,7 @@ def permutations_of(root: nn.Module) -> dict[str, tuple[list[int], int]]:
     return dict(root.__dict__.get(_ATTR, {}))
 
 
-def _permute(value: Any, index: Sequence[int], dim: int) -> Any:
+def _permute(value: torch.Tensor, index: Sequence[int], dim: int) -> torch.Tensor:
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     idx = torch.tensor(list(index))
@@ -83,7 +83,7 @@ def _permute(value: Any, index: Sequence[int], dim: int) -> Any:
     return value
 
 
-def canonical_tensor(value: Any, perm: Sequence[int], dim: int) -> Any:
+def canonical_tensor(value: torch.Tensor, perm: Sequence[int], dim: int) -> torch.Tensor:
     """A permuted parameter (or gradient, or optimizer state) in the user's own row order."""
     if not isinstance(value, torch.Tensor) or value.dim() <= dim or value.shape[dim] != len(perm):
         return value

@@ -14,8 +14,6 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -50,7 +48,7 @@ def replicated_over_tp(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def replica_mismatches(module: nn.Module, tp_group: Any, rtol: float = 1e-6) -> list[str]:
+def replica_mismatches(module: nn.Module, tp_group: dist.ProcessGroup, rtol: float = 1e-6) -> list[str]:
     """Names of TP-replicated parameters whose copies differ across ``tp_group`` (collective: call on
     every rank of the group, same module structure).
 

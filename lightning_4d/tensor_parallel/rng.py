@@ -14,7 +14,7 @@ Example:
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Iterator
 
 import torch
@@ -118,14 +118,14 @@ def install_sharded_rng(root: nn.Module, names: list[str], tracker: ShardedRNG) 
         module = root.get_submodule(name)
         if not uses_dropout(module):
             continue  # no mask is drawn: forking the stream would only cost time
-        contexts: list[Any] = []
+        contexts: list[AbstractContextManager[None]] = []
 
-        def pre(_mod: nn.Module, _args: Any, _c: list = contexts) -> None:
+        def pre(_mod: nn.Module, _args: tuple, _c: list = contexts) -> None:
             ctx = tracker.fork()
             ctx.__enter__()
             _c.append(ctx)
 
-        def post(_mod: nn.Module, _args: Any, _out: Any, _c: list = contexts) -> None:
+        def post(_mod: nn.Module, _args: tuple, _out: Any, _c: list = contexts) -> None:
             _c.pop().__exit__(None, None, None)
 
         module.register_forward_pre_hook(pre)

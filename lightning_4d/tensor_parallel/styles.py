@@ -18,12 +18,12 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from lightning_4d.hooks import TP_PLAN, hook_call
@@ -65,7 +65,7 @@ def fresh_local(x: Any) -> Any:
     return _FreshLocal.apply(x) if isinstance(x, DTensor) else x
 
 
-def _to_fresh_local(_mod: nn.Module, _inputs: Any, out: Any) -> Any:
+def _to_fresh_local(_mod: nn.Module, _inputs: tuple, out: DTensor) -> torch.Tensor:
     return fresh_local(out)
 
 
@@ -74,7 +74,7 @@ def _sequence(x: torch.Tensor) -> Shard:
     return Shard(max(x.dim() - 2, 0))
 
 
-def _param(module: nn.Module, name: str, tensor: Any) -> None:
+def _param(module: nn.Module, name: str, tensor: DTensor) -> None:
     old = getattr(module, name)
     module.register_parameter(name, nn.Parameter(tensor, requires_grad=old.requires_grad))
 
@@ -85,7 +85,7 @@ class _Sharded(ParallelStyle):
 
     column = True
 
-    def __init__(self, *, permutation: Optional[Sequence[int]] = None, output_layouts: Any = None,
+    def __init__(self, *, permutation: Optional[Sequence[int]] = None, output_layouts: Optional[Placement] = None,
                  partial_input: bool = False, sequence: bool = False) -> None:
         super().__init__()
         self.permutation = list(permutation) if permutation is not None else None
@@ -104,7 +104,7 @@ class _Sharded(ParallelStyle):
             if self.column and self.permutation is not None:
                 data = data.index_select(along, torch.tensor(self.permutation, device=data.device))
             if self.column:
-                placement: Any = Shard(along)
+                placement: Placement = Shard(along)
             else:
                 placement = Shard(in_dim) if pname == "weight" else Replicate()
             _param(module, pname, distribute_tensor(data, mesh, [placement]))
@@ -121,7 +121,7 @@ class _Sharded(ParallelStyle):
             x = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Shard(-1)], run_check=False)
         return (x,) + tuple(inputs[1:])
 
-    def _outputs(self, _mod: nn.Module, out: Any, _mesh: DeviceMesh) -> Any:
+    def _outputs(self, _mod: nn.Module, out: DTensor, _mesh: DeviceMesh) -> torch.Tensor:
         if not self.column:  # partial sums: all-reduce, or reduce-scatter along the sequence (SP)
             out = out.redistribute(placements=[_sequence(out) if self.sequence else self.output_layouts])
         return fresh_local(out)
@@ -208,7 +208,7 @@ class Rowwise(_Sharded):
     column = False
 
 
-def _replicated_local(x: Any) -> Any:
+def _replicated_local(x: torch.Tensor) -> torch.Tensor:
     """A region's (replicated) input as this rank's local tensor whose gradient is this rank's partial sum."""
     if isinstance(x, DTensor):
         x = x.redistribute(placements=[Replicate()]) if x.placements != (Replicate(),) else x
@@ -220,7 +220,7 @@ class _Swap:
     """Replace some parameters of a module by views of them (``{name: fn(param)}``) from its forward pre-hook to its
     forward hook, through :func:`lightning_4d._compat.swapped_parameters`."""
 
-    def __init__(self, module: nn.Module, views: dict[str, Any]) -> None:
+    def __init__(self, module: nn.Module, views: dict[str, Callable[[nn.Parameter], torch.Tensor]]) -> None:
         import contextlib
 
         from lightning_4d._compat import swapped_parameters
@@ -265,7 +265,7 @@ class GatheredColumns(ParallelStyle):
             swap.enter(mod)
             return (_replicated_local(args[0]),) + tuple(args[1:])
 
-        def post(_mod: nn.Module, _args: tuple, out: Any) -> Any:
+        def post(_mod: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
             swap.leave()
             return out
 
@@ -329,13 +329,13 @@ class _HeadView:
         mods = list(super().__iter__())  # type: ignore[misc]
         return mods if self._fourd_view is None else mods[self._fourd_view[0]:self._fourd_view[1]]
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[nn.Module]:
         return iter(self._fourd_visible())
 
     def __len__(self) -> int:
         return len(self._fourd_visible())
 
-    def __getitem__(self, idx: Any) -> Any:
+    def __getitem__(self, idx: Union[int, slice]) -> nn.Module:
         if self._fourd_view is None:
             return super().__getitem__(idx)  # type: ignore[misc]
         seen = self._fourd_visible()
@@ -424,7 +424,7 @@ class RegionInput(ParallelStyle):
 
 
 def install_sequence_boundary(first: Optional[nn.Module], last: Optional[nn.Module], hidden: HiddenArg,
-                              tp_mesh: Any) -> None:
+                              tp_mesh: DeviceMesh) -> None:
     """Sequence parallelism between the blocks only: ``first`` takes the full hidden state and keeps this
     rank's sequence shard ``(B, T/tp, H)`` (its backward all-gathers the gradient); ``last`` returns the
     full sequence again (an all-gather; its backward keeps the local part of the replicated gradient).

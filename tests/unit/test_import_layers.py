@@ -1,7 +1,7 @@
 """Layers point down: nothing below the monitors (``lightning_4d.callbacks``) or the recipes imports them — at
 module level or inside a function — except the package's ``__init__`` that registers the monitors' hooks; and no
 two modules of the package import each other, directly or around a loop (counting imports inside functions,
-``TYPE_CHECKING`` imports and relative imports)."""
+``TYPE_CHECKING`` imports, relative imports and the subpackage ``__init__`` an import runs first)."""
 
 from __future__ import annotations
 
@@ -74,8 +74,22 @@ def import_edges(module: str, source: Optional[str] = None) -> set[str]:
             for alias in node.names:
                 full = f"{base}.{alias.name}"
                 edges.add(full if full in MODULES else _owner(base))
+    edges.update(_parent_packages(edges, module))
     edges.discard(module)
     return edges
+
+
+def _parent_packages(edges: set[str], module: str) -> set[str]:
+    """Importing ``lightning_4d.a.b`` first runs ``lightning_4d/a/__init__.py``: that package is imported too
+    (not the root package, which every module imports, nor a package ``module`` itself lives in)."""
+    parents = set()
+    for edge in edges:
+        parts = edge.split(".")
+        for cut in range(2, len(parts)):
+            package = ".".join(parts[:cut])
+            if package in MODULES and not module.startswith(package + "."):
+                parents.add(package)
+    return parents
 
 
 def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -142,6 +156,10 @@ def test_relative_and_function_local_imports_are_edges() -> None:
     assert import_edges("lightning_4d.strategy", relative) == {"lightning_4d.mesh", "lightning_4d.config"}
     assert "lightning_4d.callbacks.summary" in import_edges("lightning_4d")  # the registering import
     assert "lightning_4d.discovery" in import_edges("lightning_4d.pipeline.stages")  # imported inside a function
+    # importing a module inside a subpackage runs the subpackage's __init__ first
+    assert "lightning_4d.models" in import_edges("lightning_4d.strategy", "from lightning_4d.models.hf import X\n")
+    inside = import_edges("lightning_4d.pipeline.glue", "from lightning_4d.pipeline.stages import X\n")
+    assert inside == {"lightning_4d.pipeline.stages"}  # its own package is already running
 
 
 def test_no_import_cycles_between_modules() -> None:
@@ -149,3 +167,20 @@ def test_no_import_cycles_between_modules() -> None:
     cycles = import_cycles(graph)
     assert not cycles, "import cycles (move what both sides need to the lowest module that needs it):\n" + "\n".join(
         " -> ".join(c) for c in cycles)
+
+
+def _room(module: str) -> str:
+    """The top-level module or subpackage ``module`` belongs to (``lightning_4d.pipeline.glue`` -> ``pipeline``)."""
+    return module.split(".")[1] if "." in module else ""
+
+
+def test_no_import_cycles_between_rooms() -> None:
+    """The rooms of ``docs/architecture.md`` (top-level modules and subpackages) form layers too: no subpackage
+    reaches another that reaches back, even through different modules of each."""
+    graph: dict[str, set[str]] = {}
+    for module in MODULES:
+        if _room(module):
+            graph.setdefault(_room(module), set()).update(
+                _room(edge) for edge in import_edges(module) if _room(edge) not in ("", _room(module)))
+    cycles = import_cycles(graph)
+    assert not cycles, "import cycles between rooms:\n" + "\n".join(" -> ".join(c) for c in cycles)
