@@ -62,13 +62,22 @@ def is_linear(module: nn.Module) -> bool:
 
 
 def is_norm(module: nn.Module) -> bool:
-    """LayerNorm / RMSNorm (or a user class whose name ends in ``Norm``).
+    """LayerNorm / RMSNorm, or a user class whose name ends in ``Norm`` and holds no modules (DBRX's
+    ``DbrxNormAttentionNorm`` holds two norms and the attention: a container, not a norm).
 
     Example:
         >>> is_norm(nn.RMSNorm(4)), is_norm(nn.Linear(4, 4))
         (True, False)
+        >>> class NormAttentionNorm(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.norm_1, self.attn = nn.LayerNorm(4), nn.Linear(4, 4)
+        >>> is_norm(NormAttentionNorm())
+        False
     """
-    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("Norm")
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+        return True
+    return type(module).__name__.endswith("Norm") and next(module.children(), None) is None
 
 
 def holds_routed_experts(module: nn.Module) -> bool:

@@ -256,8 +256,11 @@ class ColumnLayout:
         return out
 
 
+# Elementwise on one tensor: every feature stays where it is (DBRX clamps its fused qkv, then splits it).
+_ELEMENTWISE = ("clamp", "clamp_", "clip", "clip_", "tanh", "sigmoid", "relu", "gelu", "silu", "neg", "__neg__", "abs")
 _KEEP_LAST = ("unsqueeze", "squeeze", "contiguous", "clone", "to", "float", "half", "bfloat16", "double", "type_as",
-              "detach", "view", "reshape", "view_as", "reshape_as", "flatten", "expand", "__getitem__", "narrow")
+              "detach", "view", "reshape", "view_as", "reshape_as", "flatten", "expand", "__getitem__",
+              "narrow") + _ELEMENTWISE
 _SCALE = ("mul", "__mul__", "__rmul__", "div", "__truediv__")
 _MOVE = ("transpose", "swapaxes", "swapdims", "permute", "movedim")
 
@@ -419,7 +422,7 @@ class _Columns:
                 self._track(out, rel, a, b, int(factors[1]))
             return
         if sub is not None and name in ("view", "reshape", "flatten", "contiguous", "clone", "to", "float",
-                                        "type_as") and tuple(out.shape[-2:]) == tuple(first.shape[-2:]):
+                                        "type_as") + _ELEMENTWISE and tuple(out.shape[-2:]) == tuple(first.shape[-2:]):
             self._track(out, rel, a, b, sub)
 
 class _Consumers(TorchFunctionMode):

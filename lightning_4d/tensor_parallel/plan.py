@@ -74,9 +74,10 @@ COLWISE_NAMES = frozenset({"wq", "wk", "wv", "q_proj", "k_proj", "v_proj", "c_at
                            "up_proj", "c_fc", "wqkv", "qkv_proj", "query_key_value", "gate_up_proj", "w13",
                            "fc1", "fc_in"})
 ROWWISE_NAMES = frozenset({"wo", "o_proj", "w2", "down_proj", "c_proj", "out_proj", "fc2", "fc_out"})
-# Per-rank head counts that attention code uses in view/reshape calls.
+# Per-rank head counts that attention code uses in view/reshape calls; CodeGen's ``mp_num`` counts groups of heads
+# (its fused ``qkv_proj`` is ``mp_num`` groups of q | v | k, cut by ``embed_dim // mp_num``): per rank too.
 HEAD_ATTRS = ("n_heads", "n_head", "num_heads", "n_kv_heads", "num_key_value_heads", "num_attention_heads",
-              "n_local_heads", "n_local_kv_heads", "num_kv_heads", "kv_heads")
+              "n_local_heads", "n_local_kv_heads", "num_kv_heads", "kv_heads", "mp_num")
 # Widths a region may use to cut or reshape its sharded activations (``split(self.split_size)``).
 WIDTH_ATTRS = ("split_size", "embed_dim", "n_embd", "hidden_size", "all_head_size", "q_size", "kv_size",
                "intermediate_size", "inner_dim", "kv_dim")
@@ -568,12 +569,27 @@ def _region_params(block_name: str, block: nn.Module, region: str, plan: BlockPl
             continue
         size = getattr(sub, "weight", None)
         size = int(size.shape[-1]) if isinstance(size, torch.Tensor) and size.dim() >= 1 else None
+        if sub_name and is_norm(sub) and all(p.dim() >= 2 and _head_slices(int(p.shape[0]), known, tp) is not None
+                                             for p in own.values()):
+            # A norm per head with its own weight row per head, (heads, head_dim) (Cohere's q_norm / k_norm): each
+            # rank uses its heads' rows, like a per-head parameter.
+            for n, p in own.items():
+                plan.head_params[f"{path}.{n}"] = _head_slices(int(p.shape[0]), known, tp)  # type: ignore[assignment]
+                out.append(f"{path}.{n}")
+            continue
         if sub_name and is_norm(sub):
             # A per-head norm, or one on a replicated low-rank latent (its width at most the down-projection's).
             if size not in widths or any(size is not None and size <= w for w in latent):
                 out += [f"{path}.{n}" for n in own]
                 continue
             plan.dist_norms[path] = _norm_source(block_name, block, path, size, plan, trace)
+            continue
+        sources = sorted(trace.module_sources.get(path, ())) if trace is not None else []
+        scalars = all(p.numel() == 1 for p in own.values())
+        if scalars and sources and all(plan.linears.get(s) == "colwise" and s not in plan.gathered for s in sources):
+            # Scalars applied to this rank's features only (Apertus' xIELU ``alpha_p`` / ``alpha_n`` on the
+            # column-parallel ``up_proj`` output): each rank's gradient is its features' part of the whole.
+            out += [f"{path}.{n}" for n in own]
             continue
         per_head = {n: _head_slices(int(p.shape[0]), known, tp) for n, p in own.items() if p.dim() >= 1}
         if own and all(per_head.get(n) is not None for n in own):
@@ -583,7 +599,11 @@ def _region_params(block_name: str, block: nn.Module, region: str, plan: BlockPl
             continue
         firsts = sorted({int(p.shape[0]) for p in own.values() if p.dim() >= 1})
         why = (f"normalises over {size} features, a full width that tensor parallelism splits across ranks"
-               if is_norm(sub) else f"is not a linear layer or a norm, and is not indexed by the heads the region's "
+               if is_norm(sub) else
+               f"holds only scalars, but its input does not come only from column-parallel projections of the region "
+               f"(traced: {sources or 'unknown'}), so whether a rank's gradient is a part of the whole or all of it "
+               f"is unknown" if scalars else
+               f"is not a linear layer or a norm, and is not indexed by the heads the region's "
                f"projections are viewed in: per-head parameters follow those heads over the ranks, but these have "
                f"{' / '.join(map(str, firsts)) or 'no'} entries along their first dimension and the projections' "
                f"head counts are {sorted(counts) or 'unknown'} (a linear-attention or state-space mixer's per-head "

@@ -52,7 +52,9 @@ class _FreshLocal(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         mesh, placements, shape, stride = ctx.spec
-        return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride)
+        # The gradient may arrive laid out otherwise (attention's ``bmm(q, k.transpose(1, 2))`` on a projection's
+        # output hands back a transposed one): the DTensor claims ``stride``, so its local tensor must have it.
+        return DTensor.from_local(grad.contiguous(), mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def fresh_local(x: Any) -> Any:

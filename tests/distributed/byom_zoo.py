@@ -56,7 +56,7 @@ MOE_FFN = 32
 
 ZOO_KINDS = ("hf-stablelm", "hf-gemma2", "hf-gemma3", "hf-phi3", "hf-olmo2", "hf-olmoe", "hf-gptoss", "hf-bigcode",
              "hf-falcon-mq", "hf-falcon", "hf-llama4", "hf-opt", "hf-mq", "hf-bloom", "hf-mpt", "hf-qwen3next",
-             "tt-llama3", "tt-qwen3moe")
+             "hf-xglm", "hf-gptneo", "hf-codegen", "hf-cohere", "hf-apertus", "hf-dbrx", "tt-llama3", "tt-qwen3moe")
 ZOO_MOE_KINDS = ("hf-olmoe", "hf-gptoss", "hf-llama4", "hf-qwen3next", "tt-qwen3moe")
 
 
@@ -133,13 +133,38 @@ def _hf(family: str, layers: int) -> nn.Module:
                                  linear_conv_kernel_dim=4,
                                  layer_types=["linear_attention", "full_attention"] * (layers // 2)
                                  + ["linear_attention"] * (layers % 2))
+    elif family == "xglm":  # eager attention: bmm(q, k.transpose(1, 2)) hands a transposed gradient to k_proj
+        cfg = tf.XGLMConfig(vocab_size=VOCAB, d_model=HIDDEN, ffn_dim=FFN, num_layers=layers, attention_heads=HEADS,
+                            max_position_embeddings=SEQ, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                            layerdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+                            decoder_start_token_id=2)
+    elif family == "gptneo":  # the same transposed gradient, local and global attention layers
+        cfg = tf.GPTNeoConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=layers, num_heads=HEADS,
+                              attention_types=[[["global", "local"], layers // 2]] if layers % 2 == 0
+                              else [[["global"], layers]], window_size=6, intermediate_size=FFN,
+                              max_position_embeddings=SEQ, resid_dropout=0.0, embed_dropout=0.0,
+                              attention_dropout=0.0, use_cache=False, bos_token_id=0, eos_token_id=1)
+    elif family == "codegen":  # fused qkv_proj as mp_num groups of q | v | k, cut by embed_dim // mp_num
+        cfg = tf.CodeGenConfig(vocab_size=VOCAB, n_positions=SEQ, n_ctx=SEQ, n_embd=HIDDEN, n_layer=layers,
+                               n_head=HEADS, rotary_dim=4, n_inner=FFN, resid_pdrop=0.0, embd_pdrop=0.0,
+                               attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=1)
+    elif family == "cohere":  # q_norm / k_norm with a (heads, head_dim) weight; parallel attention + MLP
+        cfg = tf.CohereConfig(**_common(layers), **gqa, intermediate_size=FFN, use_qk_norm=True, logit_scale=0.5)
+    elif family == "apertus":  # xIELU activation with scalar parameters inside the MLP
+        cfg = tf.ApertusConfig(**_common(layers), **gqa, head_dim=HIDDEN // HEADS, intermediate_size=FFN)
+    elif family == "dbrx":  # clamp(Wqkv(x)) then split; norms inside a container beside the attention
+        cfg = tf.DbrxConfig(vocab_size=VOCAB, d_model=HIDDEN, n_heads=HEADS, n_layers=layers, max_seq_len=SEQ,
+                            attn_config=dict(kv_n_heads=KV_HEADS, clip_qkv=8.0, rope_theta=10000.0),
+                            ffn_config=dict(ffn_hidden_size=MOE_FFN, moe_num_experts=MOE_EXPERTS, moe_top_k=2),
+                            use_cache=False, resid_pdrop=0.0, emb_pdrop=0.0, pad_token_id=None)
     elif family == "mq":
         cfg = tf.LlamaConfig(**_common(layers), num_attention_heads=HEADS, num_key_value_heads=1,
                              intermediate_size=FFN)
     else:
         raise ValueError(f"unknown family {family!r}")
     # Soft-capping (Gemma 2) and attention sinks (GPT-OSS) need transformers' eager attention.
-    cfg._attn_implementation = "eager" if family in ("gemma2", "gptoss", "mpt", "bloom") else "sdpa"
+    cfg._attn_implementation = "eager" if family in ("gemma2", "gptoss", "mpt", "bloom", "xglm", "gptneo",
+                                                     "codegen") else "sdpa"
     from tests.distributed.byom_models import HFLogits
 
     model = tf.AutoModelForCausalLM.from_config(cfg).float()
@@ -216,14 +241,15 @@ def _titan(family: str, layers: int) -> nn.Module:
 # ----------------------------------------------------------------------------------------------- perturbation
 @torch.no_grad()
 def perturb(model: nn.Module, scale: float = 0.2) -> nn.Module:
-    """Redraw what initialisation leaves symmetric, as a checkpoint would: norm weights (``w + scale·N(0,1)``) and
-    biases, 1-D parameters of attention modules (sinks), router weights (std 0.2). Uses the global RNG (seeded by
-    the caller)."""
+    """Redraw what initialisation leaves symmetric, as a checkpoint would: norm weights (``w + scale·N(0,1)``, also
+    a per-head norm's ``(heads, head_dim)``) and biases, 1-D parameters of attention modules (sinks), router weights
+    (std 0.2). Uses the global RNG (seeded by the caller)."""
     from lightning_4d.layer_kinds import is_norm
 
     for name, mod in model.named_modules():
         for pname, p in mod.named_parameters(recurse=False):
-            if p.dim() == 1 and (is_norm(mod) or not isinstance(mod, (nn.Linear, nn.Embedding))):
+            if (p.dim() == 1 or p.dim() == 2 and is_norm(mod)) and (
+                    is_norm(mod) or not isinstance(mod, (nn.Linear, nn.Embedding))):
                 p.add_(scale * torch.randn_like(p))
             elif p.dim() == 2 and p.shape[0] == MOE_EXPERTS and "router" in f"{name}.{pname}" or (
                     p.dim() == 2 and p.shape[0] == MOE_EXPERTS and name.endswith("gate")):

@@ -234,3 +234,75 @@ def test_linear_attention_per_head_parameters_are_refused_naming_module_cause_an
     with pytest.raises(ValueError, match=r"layers\.0\.linear_attn holds parameters \(dt_bias, A_log\).*have 4 entries "
                                          r".*head counts are \[2\].*dt_bias.*Use tp=1 for this model.*fourd_tp_plan"):
         block_plan(block, "layers.0", 2, trace, sequence_parallel=True)
+
+
+def test_fused_groups_per_head_norm_rows_and_scalars_follow_the_ranks() -> None:
+    # CodeGen: qkv_proj is mp_num groups of q | v | k cut by embed_dim // mp_num: mp_num is per rank like a head count
+    plan, _ = _plan("hf-codegen")
+    assert plan.local_attrs["attn"]["mp_num"] == 4 // 2 and plan.local_attrs["attn"]["embed_dim"] == 32 // 2
+    # Cohere: q_norm / k_norm hold a (heads, head_dim) weight: each rank uses its heads' rows
+    plan, _ = _plan("hf-cohere")
+    assert plan.head_params["self_attn.q_norm.weight"] == [(0, 2), (2, 4)]
+    assert plan.head_params["self_attn.k_norm.weight"] == [(0, 1), (1, 2)]
+    # Apertus: xIELU's scalars act on this rank's up_proj features: gradients summed over tp
+    plan, _ = _plan("hf-apertus")
+    assert {"mlp.act_fn.alpha_p", "mlp.act_fn.alpha_n"} <= set(plan.partial_params)
+    # DBRX: clamp(Wqkv(x)) then split into q | k | v: the trace follows the clamp, so the rows are regrouped per rank
+    plan, _ = _plan("hf-dbrx", sp=False)
+    assert "norm_attn_norm.attn.Wqkv" in plan.permutations
+
+
+class _Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.tensor([1.5]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.alpha * x
+
+
+class _ScaledMLP(nn.Module):
+    def __init__(self, on_input: bool) -> None:
+        super().__init__()
+        self.up_proj, self.down_proj, self.scale, self.on_input = nn.Linear(8, 16), nn.Linear(16, 8), _Scale(), on_input
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, 8)
+        if self.on_input:  # the scalar sees the whole (replicated) input: every rank's gradient is all of it
+            return self.down_proj(self.up_proj(self.scale(x)))
+        return self.down_proj(self.scale(self.up_proj(x)))  # this rank's 16/tp features: a part
+
+
+class _ScaledBlock(nn.Module):
+    def __init__(self, on_input: bool) -> None:
+        super().__init__()
+        self.mlp = _ScaledMLP(on_input)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.mlp(h)
+
+
+class _ScaledNet(nn.Module):
+    def __init__(self, on_input: bool) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(64, 8), nn.Linear(8, 64)
+        self.layers = nn.ModuleList(_ScaledBlock(on_input) for _ in range(2))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)  # (B, T, 8)
+        for block in self.layers:
+            h = block(h)
+        return self.head(h)
+
+
+def test_scalars_are_partial_only_on_column_parallel_features() -> None:
+    for on_input in (False, True):
+        net = _ScaledNet(on_input)
+        trace = trace_model(net, "layers", torch.randint(0, 64, (2, 8)))
+        if not on_input:
+            plan = block_plan(net.layers[0], "layers.0", 2, trace, sequence_parallel=False)
+            assert "mlp.scale.alpha" in plan.partial_params
+            continue
+        with pytest.raises(ValueError, match=r"layers\.0\.mlp\.scale holds parameters \(alpha\).*holds only scalars, "
+                                             r"but its input does not come only from column-parallel projections.*"
+                                             r"Use tp=1"):
+            block_plan(net.layers[0], "layers.0", 2, trace, sequence_parallel=False)

@@ -1,0 +1,26 @@
+"""Block discovery: what is found, and what a model whose blocks are not found is told."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from lightning_4d.discovery import find_blocks
+
+
+def test_a_list_of_mixed_blocks_is_named_in_the_error() -> None:
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+    class StateSpace(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.in_proj = nn.Linear(4, 8)
+
+    hybrid = nn.Module()
+    hybrid.layers = nn.ModuleList([StateSpace(), Attention(), StateSpace()])
+    with pytest.raises(ValueError, match=r"No repeated blocks.* layers holds 3 blocks of 2 classes \(Attention, "
+                                         r"StateSpace\): a model mixing block kinds .*fourd_blocks_path"):
+        find_blocks(hybrid)
