@@ -53,26 +53,28 @@ def find_blocks(root: nn.Module, path: Optional[str] = None) -> tuple[str, nn.Mo
     best: Optional[tuple[str, nn.Module]] = None
     best_size = 0
     mixed: Optional[tuple[str, nn.Module]] = None  # the largest list of blocks of several classes (a hybrid model)
+    mixed_size = 0
     for name, module in root.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) or len(module) == 0:
             continue
         size = num_params(module)
         if len({type(m) for m in module.children()}) != 1:
-            if size > (num_params(mixed[1]) if mixed is not None else 0):
-                mixed = (name, module)
+            if size > mixed_size:
+                mixed, mixed_size = (name, module), size
             continue
         if size > best_size:
             best, best_size = (name, module), size
     if best is None:
-        found = ""
+        advice = "Keep the transformer blocks in a ModuleList, or implement"
         if mixed is not None:
             classes = sorted({type(m).__name__ for m in mixed[1].children()})
-            found = (f" {mixed[0]} holds {len(mixed[1])} blocks of {len(classes)} classes ({', '.join(classes)}): "
-                     f"a model mixing block kinds (attention and state-space layers) is not found automatically.")
+            advice = (f"{mixed[0]} holds {len(mixed[1])} blocks of {len(classes)} classes ({', '.join(classes)}): a "
+                      f"model mixing block kinds (attention and state-space layers) is not found automatically. "
+                      f"Implement")
         raise ValueError(
             f"No repeated blocks (an nn.ModuleList or nn.ModuleDict of identical modules holding parameters) were "
-            f"found in {type(root).__name__}.{found} Keep the transformer blocks in a ModuleList, or implement "
-            f"{hook_call(BLOCKS_PATH)} (returning the dotted path) on your FourDModule to name them."
+            f"found in {type(root).__name__}. {advice} {hook_call(BLOCKS_PATH)} (returning the dotted path) on your "
+            f"FourDModule to name them."
         )
     return best
 

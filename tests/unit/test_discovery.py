@@ -22,5 +22,6 @@ def test_a_list_of_mixed_blocks_is_named_in_the_error() -> None:
     hybrid = nn.Module()
     hybrid.layers = nn.ModuleList([StateSpace(), Attention(), StateSpace()])
     with pytest.raises(ValueError, match=r"No repeated blocks.* layers holds 3 blocks of 2 classes \(Attention, "
-                                         r"StateSpace\): a model mixing block kinds .*fourd_blocks_path"):
+                                         r"StateSpace\): a model mixing block kinds .* not found automatically\. "
+                                         r"Implement `fourd_blocks_path"):
         find_blocks(hybrid)
