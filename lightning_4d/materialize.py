@@ -1,23 +1,36 @@
-"""Materialise only this rank's shards of a model built on the meta device.
+"""Materialise only this rank's shards of a model built on the meta device, drawing only what it keeps.
 
 The strategy rewrites a meta-built model for its layout while it is still on the meta device (pipeline
 pruning, experts, TP/SP, data parallelism: no memory), then calls :func:`materialize_local_shards`:
 
 1. ``to_empty`` allocates this rank's *local* shards only (DTensor local tensors, FSDP2 shards, this rank's
    pipeline stages).
-2. The initialisers of a meta *skeleton* of the unsharded model run in the order a single process runs them
+2. The initialisers of a meta *skeleton* of the unsharded model are *recorded* in a single process's order
    (:func:`lightning_4d._compat.init_calls`: every ``reset_parameters`` in module order, then every
-   ``init_weights``; a Hugging Face model's ``init_weights`` module by module, as its own ``smart_apply``
-   does). Before each call the tensors it may touch are allocated in full on the host (the module's subtree;
-   one module for Hugging Face), after it this rank keeps its slice of each and the full tensors are freed.
-   The random stream is consumed exactly as in one process, so the values equal a single process's
-   ``materialize_meta_module`` for the same seed (parity holds) and peak memory is the rank's share plus the
-   tensors of one initialiser call (usually one weight).
-3. A tensor no initialiser wrote fails here, by name (never train on uninitialised memory).
+   ``init_weights``; a Hugging Face model's ``init_weights`` module by module, as its own ``smart_apply`` does):
+   each call runs on memory-less stand-ins (:mod:`lightning_4d.init_record`) and leaves, per tensor, the region it
+   writes and how (:class:`~lightning_4d.init_pieces.Step`). Each call runs with the global random state seeded
+   from the run's seed and the call's label, so draws outside the tensors (a ``torch.rand`` that feeds a
+   ``copy_``) are the same on every rank.
+3. Each rank then computes **only its own elements**, in chunks of at most
+   :data:`~lightning_4d.init_pieces.CHUNK_ELEMENTS` (:func:`lightning_4d.shard_slices.local_chunks`): random draws
+   are counter-based, keyed by the seed, the tensor's name and the draw's number and addressed by the element's
+   position in the unsharded tensor. Set-up work and memory are the rank's share plus one chunk
+   (:func:`~lightning_4d.init_pieces.scratch_bytes`).
+4. A call that needs a tensor's values (``w.norm()``, ``w.data = ...``, a copy from another parameter) cannot be
+   replayed piece by piece: it runs on whole tensors, one call at a time, as before, and is listed in
+   :attr:`MaterializeReport.whole_calls` (logged by the strategy).
+5. A tensor no initialiser wrote fails here, by name (never train on uninitialised memory).
 
-``sync_module_states``: ranks whose random states agree (one ``all_gather_object`` of a digest) draw
-identical values and need no broadcast; otherwise each full tensor is broadcast from rank 0 as it is made
-(one tensor at a time, never the model).
+**The rule**: a meta-built model's initial values are a function of the run's seed (a digest of the global random
+state when set-up starts, the same on every rank) and the parameters' names — never of the layout. Every layout
+and one process (:func:`materialize`) start from the same bits. They are *not* the values PyTorch's sequential
+``reset_parameters`` would draw from the same seed (that stream depends on the order of every tensor in the
+model, so a rank could not draw its part alone); the distributions are the same (``normal_``, ``uniform_``,
+``trunc_normal_``, fills, fans computed from the full shape). A model built on the CPU keeps its own values.
+
+``sync_module_states``: ranks whose random states differ (one ``all_gather_object`` of a digest) use rank 0's
+seed; no tensor is sent.
 
 Example:
     >>> from torch import nn
@@ -25,8 +38,8 @@ Example:
     ...     net = nn.Sequential(nn.Linear(2, 3), nn.LayerNorm(3))
     >>> skeleton = copy.deepcopy(net)
     >>> report = materialize_local_shards(skeleton, net, torch.device("cpu"))
-    >>> report.tensors, net[1].weight.tolist()
-    (4, [1.0, 1.0, 1.0])
+    >>> report.tensors, report.whole_calls, net[1].weight.tolist()
+    (4, [], [1.0, 1.0, 1.0])
 """
 
 from __future__ import annotations
@@ -36,7 +49,7 @@ import hashlib
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -45,7 +58,9 @@ from torch import Tensor, nn
 from lightning_4d._compat import init_calls, release_freed_host_memory, returnable_host_empty, to_empty_keeping_ties
 from lightning_4d._compat.dispatch import dispatch_mode_base
 from lightning_4d.hooks import WEIGHT_SOURCE, WeightSource, weight_source
-from lightning_4d.shard_slices import local_of, local_slice, read_local, write_full
+from lightning_4d.init_pieces import CHUNK_ELEMENTS, Region, Step, evaluate, scratch_bytes, unwritten_fill
+from lightning_4d.init_record import Recorder, RecordingTensor
+from lightning_4d.shard_slices import chunkable, local_chunks, local_of, local_slice, read_local, write_full
 from lightning_4d.tensor_parallel.layouts import permutations_of
 
 if TYPE_CHECKING:
@@ -53,8 +68,8 @@ if TYPE_CHECKING:
 
     from lightning_4d._compat import InitCall
 
-__all__ = ["MaterializeReport", "UninitializedError", "WeightSource", "module_copy", "materialize_local_shards", "meta_skeleton", "is_meta_built",
-           "local_slice", "read_local", "write_full"]
+__all__ = ["MaterializeReport", "UninitializedError", "WeightSource", "module_copy", "materialize",
+           "materialize_local_shards", "meta_skeleton", "is_meta_built", "local_slice", "read_local", "write_full"]
 
 
 class UninitializedError(ValueError):
@@ -72,9 +87,11 @@ class MaterializeReport:
 
     tensors: int = 0  # distinct tensors of the unsharded model initialised
     calls: int = 0  # initialiser calls run
-    largest_call_bytes: int = 0  # full tensors alive during the largest call (the set-up peak above the share)
+    largest_call_bytes: int = 0  # full tensors alive during the largest whole-tensor call (0: all replayed)
     largest_call: str = ""
-    broadcast: bool = False  # ranks' random states differed: every tensor was broadcast from rank 0
+    broadcast: bool = False  # ranks' random states differed: rank 0's seed was used
+    whole_calls: list[str] = field(default_factory=list)  # "label: reason" of calls run on whole tensors
+    scratch_bytes: int = 0  # the chunk working set held beyond the share while computing this rank's elements
     local_bytes: int = 0  # this rank's shards
     loaded: int = 0  # tensors read from a WeightSource instead of initialised
 
@@ -141,14 +158,21 @@ def meta_skeleton(module: nn.Module) -> nn.Module:
 
 
 # ---------------------------------------------------------------------------------------------- the run
+_Place = tuple[Tensor, Optional[tuple[list[int], int]], Optional[int]]  # (target, TP row permutation, stack index)
+
+
 @dataclass
 class _Entry:
-    """One distinct tensor of the skeleton and every place it goes in the rewritten model."""
+    """One distinct tensor of the skeleton, every place it goes in the rewritten model, and what the initialisers
+    recorded for it since its last whole-tensor write."""
 
     names: list[str]
     meta: Tensor
     slots: list[tuple[nn.Module, str, bool]] = field(default_factory=list)  # (module, attribute, is_parameter)
-    written: bool = False
+    written: bool = False  # set by a whole-tensor call, or by a source
+    steps: list[Step] = field(default_factory=list)  # to apply on top of the base (NaN, or the local values)
+    defined: list[Region] = field(default_factory=list)  # regions every defining step wrote (coverage)
+    base_local: bool = False  # a whole-tensor call wrote the targets: steps apply on top of their values
 
 
 def _targets(sharded: nn.Module) -> dict[str, Tensor]:
@@ -195,56 +219,33 @@ class _MetaWriteGuard(dispatch_mode_base()):  # type: ignore[misc]
         return func(*args, **kwargs)
 
 
-def _rng_digest(device: torch.device) -> str:
-    state = torch.random.get_rng_state()
-    if device.type == "cuda":
-        state = torch.cat([state, torch.cuda.get_rng_state(device)])
-    return hashlib.sha256(state.numpy().tobytes()).hexdigest()
+def _shared_seed(sync: bool, group: Optional[dist.ProcessGroup]) -> tuple[bytes, bool]:
+    """The run's seed: a digest of the global CPU random state; under ``sync`` rank 0's when the ranks of
+    ``group`` differ (one ``all_gather_object``). Returns ``(seed, ranks differed)``."""
+    seed = hashlib.sha256(torch.random.get_rng_state().numpy().tobytes()).digest()
+    if not sync or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return seed, False
+    seeds: list[Optional[bytes]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(seeds, seed, group=group)
+    assert seeds[0] is not None
+    return seeds[0], len(set(seeds)) > 1
 
 
-def _rank0_rng_state(device: torch.device, group: Optional[dist.ProcessGroup]) -> Optional[list[Tensor]]:
-    """Rank 0's random states when the ranks of ``group`` disagree (one ``all_gather_object`` of a digest, one
-    broadcast only then); ``None`` when they agree or there is no group."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return None
-    digests: list[Optional[str]] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(digests, _rng_digest(device), group=group)
-    if len(set(digests)) == 1:
-        return None
-    states = [torch.random.get_rng_state()] + ([torch.cuda.get_rng_state(device)] if device.type == "cuda" else [])
-    box: list[list[Tensor]] = [states]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    return box[0]
-
-
-@contextmanager
-def _random_states(states: Optional[list[Tensor]], device: torch.device) -> Iterator[None]:
-    """Inside: the given random states (rank 0's); afterwards this rank's own again."""
-    if states is None:
-        yield
-        return
-    own = [torch.random.get_rng_state()] + ([torch.cuda.get_rng_state(device)] if device.type == "cuda" else [])
-    torch.random.set_rng_state(states[0])
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(states[1], device)
-    try:
-        yield
-    finally:
-        torch.random.set_rng_state(own[0])
-        if device.type == "cuda":
-            torch.cuda.set_rng_state(own[1], device)
+def _call_seed(seed: bytes, label: str) -> int:
+    return int.from_bytes(hashlib.sha256(seed + b"\0call\0" + label.encode()).digest()[:8], "little") >> 1
 
 
 @torch.no_grad()
 def materialize_local_shards(skeleton: nn.Module, sharded: nn.Module, device: torch.device,
                              sync_module_states: bool = False, group: Optional[dist.ProcessGroup] = None,
                              source_names: Optional[dict[str, tuple[str, Optional[int]]]] = None) -> MaterializeReport:
-    """Allocate ``sharded``'s local shards on ``device`` and fill them with the values a single process would
-    initialise ``skeleton`` (the unsharded model, on meta) to; see the module docstring.
+    """Allocate ``sharded``'s local shards on ``device`` and fill them with the values of ``skeleton`` (the
+    unsharded model, on meta) under the layout-independent rule of the module docstring, computing only this
+    rank's elements.
 
     ``source_names``: skeleton names the rewrite renamed (``{old: (new, index or None)}``, e.g. Mixtral experts
-    stacked into one tensor). ``sync_module_states``: make every rank of ``group`` (default: the world) hold
-    rank 0's values even if their random states differ (broadcast per tensor only then).
+    stacked into one tensor). ``sync_module_states``: every rank of ``group`` (default: the world) uses rank 0's
+    seed even if their random states differ.
 
     Raises:
         UninitializedError: naming the parameters / buffers that no initialiser wrote.
@@ -255,9 +256,8 @@ def materialize_local_shards(skeleton: nn.Module, sharded: nn.Module, device: to
         >>> materialize_local_shards(copy.deepcopy(net), net, torch.device("cpu")).calls
         1
     """
-    report = MaterializeReport()
-    rank0_states = _rank0_rng_state(device, group) if sync_module_states else None
-    report.broadcast = rank0_states is not None
+    report = MaterializeReport(scratch_bytes=scratch_bytes())
+    seed, report.broadcast = _shared_seed(sync_module_states, group)
     to_empty_keeping_ties(sharded, device)
     targets = _targets(sharded)
     perms = permutations_of(sharded)
@@ -265,60 +265,156 @@ def materialize_local_shards(skeleton: nn.Module, sharded: nn.Module, device: to
     entries = _entries(skeleton)
     report.tensors = len(entries)
 
-    def placed(entry: _Entry) -> Optional[tuple[Tensor, Optional[tuple[list[int], int]], Optional[int]]]:
+    def places(entry: _Entry) -> list[_Place]:
+        out: list[_Place] = []
         for name in entry.names:
             if name in targets:
-                return targets[name], perms.get(name), None
-            if name in renamed and renamed[name][0] in targets:
-                new, index = renamed[name]
-                return targets[new], perms.get(new), index
-        return None
-
-    def write(entry: _Entry, full: Tensor) -> None:
-        for name in entry.names:
-            if name in targets:
-                write_full(targets[name], full, perms.get(name))
+                out.append((targets[name], perms.get(name), None))
             elif name in renamed and renamed[name][0] in targets:
                 new, index = renamed[name]
-                write_full(targets[new], full, perms.get(new), index)
+                out.append((targets[new], perms.get(new), index))
+        return out
+
+    def placed(entry: _Entry) -> Optional[_Place]:
+        found = places(entry)
+        return found[0] if found else None
+
+    def write(entry: _Entry, full: Tensor) -> None:
+        for target, perm, index in places(entry):
+            write_full(target, full, perm, index)
         entry.written = True
 
     # Tensors the user created for real (not on meta) keep their values (rank 0's under sync_module_states).
     for entry in entries.values():
         if not entry.meta.is_meta and sync_module_states and dist.is_initialized() and dist.get_world_size(group) > 1:
-            with torch.no_grad():
-                dist.broadcast(entry.meta.data, src=dist.get_global_rank(group, 0) if group is not None else 0,
-                               group=group)
+            dist.broadcast(entry.meta.data, src=dist.get_global_rank(group, 0) if group is not None else 0,
+                           group=group)
 
-    with _random_states(rank0_states, device):
-        _run_calls(skeleton, entries, device, placed, write, report)
-
+    provided = _source_provided(skeleton, entries)
+    _run_calls(skeleton, entries, device, seed, places, write, provided, report)
+    for key, entry in entries.items():
+        if entry.meta.is_meta and key not in provided:
+            _compute_local(entry, places(entry))
     _load_sources(skeleton, entries, placed, write, report)
 
-    missing = [e.names[0] for e in entries.values() if not e.written and e.meta.is_meta]
+    missing = [e.names[0] for k, e in entries.items() if e.meta.is_meta and not (e.written or _covered(e))]
     if missing:
         raise UninitializedError(
             f"{type(skeleton).__name__} was built on the meta device and nothing initialised "
             f"{', '.join(missing[:8])}{' …' if len(missing) > 8 else ''} ({len(missing)} tensor(s)): no "
-            f"reset_parameters() / init_weights() wrote them, so they would train on uninitialised memory. Give "
-            f"the module owning each a reset_parameters() that fills it (e.g. nn.init.ones_(self.weight) for a "
-            f"norm), or build the model on the CPU."
+            f"reset_parameters() / init_weights() wrote them (or only part of them), so they would train on "
+            f"uninitialised memory. Give the module owning each a reset_parameters() that fills it (e.g. "
+            f"nn.init.ones_(self.weight) for a norm), or build the model on the CPU."
         )
     report.local_bytes = sum(local_of(t).numel() * local_of(t).element_size() for t in set(targets.values()))
     return report
 
 
-class _Realiser:
-    """Allocates a skeleton tensor in full when initialiser code first reads it from its module (the modules'
-    ``_parameters`` / ``_buffers`` are swapped for :class:`_LazySlots`), and writes this rank's part back and
-    frees it after each call — or earlier, oldest first, when the live full tensors would exceed ``budget``
-    bytes (one tensor is always allowed)."""
+def materialize(module: nn.Module, device: Union[str, torch.device] = "cpu") -> nn.Module:
+    """Materialise a meta-built ``module`` in one process, in place, with the values every layout gets (the
+    single-process reference of :func:`materialize_local_shards`). A module with no meta tensor is left alone.
 
-    def __init__(self, entries: dict[int, _Entry], device: torch.device,
-                 placed: Callable[[_Entry], Optional[tuple[Tensor, Optional[tuple[list[int], int]], Optional[int]]]],
-                 write: Callable[[_Entry, Tensor], None], budget: int, report: MaterializeReport) -> None:
-        self.entries, self.device, self.placed, self.write = entries, device, placed, write
-        self.budget, self.report = budget, report
+    Example:
+        >>> with torch.device("meta"):
+        ...     net = nn.Linear(2, 2)
+        >>> materialize(net).weight.is_meta
+        False
+    """
+    if is_meta_built(module):
+        materialize_local_shards(meta_skeleton(module), module, torch.device(device))
+    return module
+
+
+def _compute_local(entry: _Entry, places: list[_Place]) -> None:
+    """Compute this rank's elements of ``entry`` from its recorded steps, a chunk at a time (nothing for a tensor
+    this rank holds no part of)."""
+    if not entry.steps:
+        return
+    shape = tuple(entry.meta.shape)
+    for target, perm, index in places:
+        if not chunkable(target, index):  # a stacked slice with non-shard placements: whole slice, then sliced
+            full = torch.empty(shape, dtype=entry.meta.dtype)
+            unwritten_fill(full)
+            if entry.base_local:
+                read_local(target, full, perm, index)
+            evaluate(entry.steps, torch.arange(full.numel()), full.view(-1))
+            write_full(target, full, perm, index)
+            continue
+        for chunk in local_chunks(target, shape, perm, index, CHUNK_ELEMENTS):
+            if entry.base_local:
+                values = chunk.get().to("cpu", copy=True)
+            else:
+                values = torch.empty(chunk.positions.numel(), dtype=entry.meta.dtype)
+                unwritten_fill(values)
+            evaluate(entry.steps, chunk.positions, values)
+            chunk.put(values)
+
+
+def _covered(entry: _Entry) -> bool:
+    """Whether the defining steps recorded for ``entry`` wrote every element (layout-independent: from the
+    regions alone; a whole-tensor region decides at once, partial ones are counted in chunks)."""
+    if not entry.defined:
+        return False
+    if any(r.whole for r in entry.defined):
+        return True
+    numel = entry.meta.numel()
+    for start in range(0, numel, CHUNK_ELEMENTS):
+        positions = torch.arange(start, min(start + CHUNK_ELEMENTS, numel))
+        hit = torch.zeros(positions.numel(), dtype=torch.bool)
+        for region in entry.defined:
+            mask, _ = region.locate(positions, indices=False)
+            hit |= True if mask is None else mask
+        if not bool(hit.all()):
+            return False
+    return True
+
+
+class _Slots:
+    """What a module's ``_parameters`` / ``_buffers`` give for a meta tensor of the skeleton while a call runs."""
+
+    entries: dict[int, _Entry]
+
+    def realise(self, key: int) -> Tensor:
+        raise NotImplementedError
+
+    def settle(self, skeleton: nn.Module) -> None:
+        """After the call: the skeleton's slots hold meta tensors again."""
+
+
+class _Recording(_Slots):
+    """A memory-less :class:`~lightning_4d.init_record.RecordingTensor` per tensor (the same object for every
+    read within a call, so ``a.weight is b.weight`` holds for tied weights)."""
+
+    def __init__(self, entries: dict[int, _Entry], recorder: Recorder) -> None:
+        self.entries, self.recorder = entries, recorder
+        self.made: dict[int, Tensor] = {}
+
+    def realise(self, key: int) -> Tensor:
+        if key not in self.made:
+            entry = self.entries[key]
+            value = self.recorder.tensor(key, entry.meta, parameter=isinstance(entry.meta, nn.Parameter))
+            for mod, attr, is_param in entry.slots:
+                dict.__setitem__(mod._parameters if is_param else mod._buffers, attr, value)
+            self.made[key] = value
+        return self.made[key]
+
+    def settle(self, skeleton: nn.Module) -> None:
+        for mod in skeleton.modules():  # the call may have assigned a stand-in elsewhere (a re-tie)
+            for slots in (mod._parameters, mod._buffers):
+                for attr, value in list(dict.items(slots)):
+                    if isinstance(value, RecordingTensor):
+                        dict.__setitem__(slots, attr, self.entries[value._key].meta)
+
+
+class _Realiser(_Slots):
+    """Allocates a skeleton tensor in full when a whole-tensor call first reads it from its module, holding the
+    values recorded so far (this rank's part of a base a previous whole-tensor call wrote), and writes this rank's
+    part to the targets and frees it after the call — or earlier, oldest first, when the live full tensors would
+    exceed ``budget`` bytes (one tensor is always allowed)."""
+
+    def __init__(self, entries: dict[int, _Entry], device: torch.device, places: Callable[[_Entry], list[_Place]],
+                 write: Callable[[_Entry, Tensor], None], budget: int) -> None:
+        self.entries, self.device, self.places, self.write, self.budget = entries, device, places, write, budget
         self.live: dict[int, tuple[Tensor, Tensor]] = {}  # entry id -> (full tensor, value in the slots), oldest first
         self.live_bytes = 0
         self.call_peak = 0
@@ -334,10 +430,16 @@ class _Realiser:
                 self.release(old)
         full = returnable_host_empty(entry.meta.shape, entry.meta.dtype) if self.device.type == "cpu" \
             else torch.empty(entry.meta.shape, dtype=entry.meta.dtype, device=self.device)
-        _fill_unwritten(full)  # NaN / the smallest integer: tells an untouched tensor from a written one
-        where = self.placed(entry) if entry.written else None
-        if where is not None:
-            read_local(where[0], full, where[1], where[2])  # a later initialiser sees the earlier one's values
+        unwritten_fill(full)  # NaN / the smallest integer: tells an untouched tensor from a written one
+        where = self.places(entry)
+        if entry.base_local and where:
+            read_local(where[0][0], full, where[0][1], where[0][2])  # a later call sees the earlier one's values
+        if entry.steps:
+            flat = full.view(-1)
+            for start in range(0, flat.numel(), CHUNK_ELEMENTS):
+                part = flat[start:start + CHUNK_ELEMENTS].cpu()
+                evaluate(entry.steps, torch.arange(start, start + part.numel()), part)
+                flat[start:start + part.numel()] = part.to(flat.device)
         value = nn.Parameter(full, requires_grad=entry.meta.requires_grad) if isinstance(entry.meta, nn.Parameter) \
             else full
         for mod, attr, is_param in entry.slots:
@@ -357,8 +459,10 @@ class _Realiser:
         now = _current(entry)
         for mod, attr, is_param in entry.slots:
             dict.__setitem__(mod._parameters if is_param else mod._buffers, attr, entry.meta)
-        if now is not None and not now.is_meta and (entry.written or _was_written(now, full)):
-            self.write(entry, now.detach())
+        if now is not None and not now.is_meta and (entry.written or entry.steps or entry.base_local
+                                                    or _was_written(now, full)):
+            self.write(entry, now.detach())  # this rank's part; the steps so far are in it
+            entry.steps, entry.base_local = [], True
         del now, full
         if self.device.type == "cpu":  # the writes' transients left at the C heap's top, before the next big tensor
             self.untrimmed += entry.meta.numel() * entry.meta.element_size()
@@ -366,7 +470,7 @@ class _Realiser:
                 release_freed_host_memory()
                 self.untrimmed = 0
 
-    def flush(self) -> None:
+    def settle(self, skeleton: nn.Module) -> None:
         while self.live:
             self.release(next(iter(self.live)))
 
@@ -374,11 +478,11 @@ class _Realiser:
 class _LazySlots(dict):  # type: ignore[type-arg]
     """A module's ``_parameters`` / ``_buffers`` whose meta tensors are realised when read."""
 
-    realiser: _Realiser
+    slots: _Slots
 
     def _value(self, value: Optional[Tensor]) -> Optional[Tensor]:
-        if isinstance(value, Tensor) and value.is_meta and id(value) in self.realiser.entries:
-            return self.realiser.realise(id(value))
+        if isinstance(value, Tensor) and value.is_meta and id(value) in self.slots.entries:
+            return self.slots.realise(id(value))
         return value
 
     def __getitem__(self, key: str) -> Optional[Tensor]:
@@ -395,17 +499,20 @@ class _LazySlots(dict):  # type: ignore[type-arg]
 
 
 @contextmanager
-def _lazy_slots(skeleton: nn.Module, realiser: _Realiser) -> Iterator[None]:
+def _lazy_slots(skeleton: nn.Module, slots: _Slots) -> Iterator[None]:
     swapped: list[tuple[nn.Module, str, dict[str, Optional[Tensor]]]] = []
     try:
         for mod in skeleton.modules():
             for attr in ("_parameters", "_buffers"):
                 original = mod.__dict__[attr]
                 lazy = _LazySlots(original)
-                lazy.realiser = realiser
+                lazy.slots = slots
                 mod.__dict__[attr] = lazy
                 swapped.append((mod, attr, original))
-        yield
+        try:
+            yield
+        finally:
+            slots.settle(skeleton)
     finally:
         for mod, attr, original in swapped:
             lazy = mod.__dict__[attr]
@@ -414,27 +521,55 @@ def _lazy_slots(skeleton: nn.Module, realiser: _Realiser) -> Iterator[None]:
             mod.__dict__[attr] = original
 
 
-def _run_calls(skeleton: nn.Module, entries: dict[int, _Entry], device: torch.device,
-               placed: Callable[[_Entry], Optional[tuple[Tensor, Optional[tuple[list[int], int]], Optional[int]]]],
-               write: Callable[[_Entry, Tensor], None], report: MaterializeReport) -> None:
-    """Run every initialiser of ``skeleton`` in a single process's order on full tensors allocated as it reads
-    them; values are moved into the local shards after each call. A call whose tensors all come from a
-    ``fourd_weight_source`` is skipped (their values would be overwritten: pretrained weights are not drawn first)."""
+def _real_tensors(call: InitCall) -> list[tuple[Tensor, Tensor]]:
+    """``(tensor, copy)`` of the real (not meta) tensors ``call`` may write, to undo a recording attempt."""
+    modules = call.module.modules() if call.recurse else [call.module]
+    seen: dict[int, Tensor] = {}
+    for m in modules:
+        for t in [*m._parameters.values(), *m._buffers.values()]:
+            if t is not None and not t.is_meta:
+                seen[id(t)] = t
+    return [(t, t.detach().clone()) for t in seen.values()]
+
+
+def _run_calls(skeleton: nn.Module, entries: dict[int, _Entry], device: torch.device, seed: bytes,
+               places: Callable[[_Entry], list[_Place]], write: Callable[[_Entry, Tensor], None],
+               provided: set[int], report: MaterializeReport) -> None:
+    """Record every initialiser of ``skeleton`` in a single process's order (see the module docstring); a call
+    that cannot be recorded runs on whole tensors. A call whose tensors all come from a ``fourd_weight_source`` is
+    skipped (their values would be overwritten: pretrained weights are not drawn first)."""
+    names = {key: entry.names[0] for key, entry in entries.items()}
+    draws: dict[int, int] = {}
     largest = max((e.meta.numel() * e.meta.element_size() for e in entries.values()), default=0)
-    realiser = _Realiser(entries, device, placed, write, max(largest, _MIN_BUDGET), report)
-    provided = _source_provided(skeleton, entries)
-    calls = [call for call in init_calls(skeleton) if not _all_provided(call, provided)]
-    with _lazy_slots(skeleton, realiser):
-        for call in calls:
-            report.calls += 1
-            realiser.call_peak = 0
-            try:
-                with _MetaWriteGuard(call.label):
+    for call in [c for c in init_calls(skeleton) if not _all_provided(c, provided)]:
+        report.calls += 1
+        real = _real_tensors(call)
+        recorder = Recorder(seed, names, device, draws=dict(draws))
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(_call_seed(seed, call.label))
+                with _lazy_slots(skeleton, _Recording(entries, recorder)), recorder.recording(), \
+                        _MetaWriteGuard(call.label):
                     call.fn()
-            finally:
-                realiser.flush()
-            if realiser.call_peak > report.largest_call_bytes:
-                report.largest_call_bytes, report.largest_call = realiser.call_peak, call.label
+        except Exception as exc:  # noqa: BLE001 - any failure: run the call for real (a real error re-raises)
+            reason = str(exc).split("\n")[0][:200]
+        else:
+            for key, steps in recorder.steps.items():
+                entries[key].steps.extend(steps)
+                entries[key].defined.extend(s.region for s in steps if s.defines)
+            draws = recorder.draws
+            continue
+        for tensor, before in real:  # undo what the attempt wrote to real tensors
+            tensor.copy_(before)
+        del real
+        report.whole_calls.append(f"{call.label}: {reason}")
+        realiser = _Realiser(entries, device, places, write, max(largest, _MIN_BUDGET))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_call_seed(seed, call.label))
+            with _lazy_slots(skeleton, realiser), _MetaWriteGuard(call.label):
+                call.fn()
+        if realiser.call_peak > report.largest_call_bytes:
+            report.largest_call_bytes, report.largest_call = realiser.call_peak, call.label
     for entry in entries.values():  # created for real by the user: a call may have changed them
         if not entry.meta.is_meta:
             write(entry, entry.meta.detach())
@@ -500,13 +635,6 @@ def _load_sources(skeleton: nn.Module, entries: dict[int, _Entry],
 def _current(entry: _Entry) -> Optional[Tensor]:
     mod, attr, is_param = entry.slots[0]
     return dict.get(mod._parameters if is_param else mod._buffers, attr)
-
-
-def _fill_unwritten(full: Tensor) -> None:
-    if full.is_floating_point() or full.is_complex():
-        full.fill_(float("nan"))
-    elif full.dtype != torch.bool:
-        full.fill_(torch.iinfo(full.dtype).min)
 
 
 def _was_written(now: Tensor, full: Tensor) -> bool:

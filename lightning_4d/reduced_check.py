@@ -40,12 +40,12 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from lightning_4d._compat import materialize_meta_module, meta_scalar_mode, to_empty_keeping_ties
+from lightning_4d._compat import meta_scalar_mode, to_empty_keeping_ties
 from lightning_4d.comm import internal_comm
 from lightning_4d.config import FourDConfig
 from lightning_4d.discovery import find_blocks
 from lightning_4d.hooks import BLOCKS_PATH, PIPELINE_PRE, PIPELINE_SPLIT, user_hook
-from lightning_4d.materialize import module_copy
+from lightning_4d.materialize import materialize, module_copy
 from lightning_4d.mesh import FourDMesh
 from lightning_4d.parallelize import parallelize_module
 from lightning_4d.trace import _opaque_moe_on_meta as opaque_moe_on_meta
@@ -221,7 +221,7 @@ def _fill(model: nn.Module, device: torch.device, buffers: Optional[dict[str, to
     if buffers is None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(_SEED)
-            materialize_meta_module(model, device)
+            materialize(model, device)
     else:
         to_empty_keeping_ties(model, device)
         with torch.no_grad():

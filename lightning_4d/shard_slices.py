@@ -14,12 +14,12 @@ Example:
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Iterator, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["local_of", "local_slice", "read_local", "shards_only", "write_full"]
+__all__ = ["LocalChunk", "chunkable", "local_chunks", "local_of", "local_slice", "read_local", "shards_only", "write_full"]
 
 
 def local_slice(target: Tensor, full: Tensor, perm: Optional[tuple[list[int], int]] = None) -> Tensor:
@@ -218,3 +218,95 @@ def write_full(target: Tensor, full: Tensor, perm: Optional[tuple[list[int], int
         flat = local.view(-1)
         flat[mask.to(flat.device)] = full.reshape(-1).to(local.device, local.dtype)[positions[mask] - index * per]
 
+
+
+class LocalChunk(NamedTuple):
+    """Elements ``[start, stop)`` (row-major) of ``dest`` — this rank's local tensor, or its row of a stacked
+    one — and their flat ``positions`` in the user-layout tensor (see :func:`local_chunks`)."""
+
+    dest: Tensor
+    start: int
+    stop: int
+    positions: Tensor
+
+    def get(self) -> Tensor:
+        """The chunk's current values (1-D)."""
+        if self.dest.is_contiguous():
+            return self.dest.view(-1)[self.start:self.stop]
+        return self.dest.reshape(-1)[self.start:self.stop]
+
+    def put(self, values: Tensor) -> None:
+        """Write the chunk's values (1-D, in order)."""
+        values = values.to(self.dest.device, self.dest.dtype)
+        if self.dest.is_contiguous():
+            self.dest.view(-1)[self.start:self.stop] = values
+            return
+        index = torch.arange(self.start, self.stop)
+        coords = []
+        for size in reversed(self.dest.shape):
+            coords.append(index % size)
+            index = index // size
+        self.dest[tuple(reversed(coords))] = values
+
+
+def chunkable(target: Tensor, index: Optional[int]) -> bool:
+    """Whether :func:`local_chunks` can enumerate ``target``'s elements (everything but a stacked slice of a
+    tensor with non-shard placements).
+
+    Example:
+        >>> chunkable(torch.zeros(2), None)
+        True
+    """
+    return index is None or shards_only(target)
+
+
+def local_chunks(target: Tensor, shape: Sequence[int], perm: Optional[tuple[list[int], int]] = None,
+                 index: Optional[int] = None, chunk: int = 1 << 20) -> Iterator[LocalChunk]:
+    """This rank's elements of ``target`` (the rewritten parameter holding the user-layout tensor of ``shape``;
+    ``index``: slice ``index`` of ``target``'s dim 0, experts stacked by the rewrite), at most ``chunk`` at a time,
+    each with its flat position in the user-layout tensor: what a rank computes to initialise exactly its share.
+    Positions come from the per-dimension selections (never a whole-tensor index) unless the placements are not
+    plain shards (``Partial``: the rare case; with ``index`` a ``ValueError``, see :func:`chunkable`).
+
+    Example:
+        >>> [c.positions.tolist() for c in local_chunks(torch.zeros(2, 2), (2, 2), chunk=3)]
+        [[0, 1, 2], [3]]
+    """
+    local = local_of(target)
+    shape = tuple(shape)
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    selections: Optional[list[tuple[int, Tensor]]] = None
+    dest = local
+    if index is None and shards_only(target):
+        selections = _selections(target, shape, perm, torch.device("cpu"))
+    elif index is not None:
+        stacked = _stacked_row(target, perm, index, shape, torch.device("cpu"))
+        if stacked is not None:
+            row, selections = stacked
+            if row is None:
+                return
+            dest = local[row]
+    if selections is None:
+        if index is not None:
+            raise ValueError("a stacked tensor with placements other than shards: use write_full on the slice")
+        positions = _positions(target, perm)  # other placements (Partial): every local element's position
+        for start in range(0, positions.numel(), chunk):
+            yield LocalChunk(local, start, min(start + chunk, positions.numel()), positions[start:start + chunk])
+        return
+    maps = dict(selections)
+    sizes = [maps[d].numel() if d in maps else shape[d] for d in range(len(shape))]
+    total = 1
+    for s in sizes:
+        total *= s
+    if total != dest.numel():
+        raise ValueError(f"local tensor of {dest.numel()} elements, selections give {total}")
+    for start in range(0, total, chunk):
+        j = torch.arange(start, min(start + chunk, total))
+        pos = torch.zeros_like(j)
+        for d in range(len(shape) - 1, -1, -1):
+            i = j % sizes[d] if d else j
+            j = j // sizes[d] if d else j
+            pos += (maps[d][i] if d in maps else i) * strides[d]
+        yield LocalChunk(dest, start, start + pos.numel(), pos)

@@ -362,10 +362,15 @@ class FourDStrategy(ParallelStrategy):
             if self.root_device.type == "cpu":
                 _compat.release_freed_host_memory()  # the freed full tensors of the initialisation
             self.materialize_report = report
-            log.info("lightning_4d: materialised this rank's shards (%.1f MB) in %.1f s; largest initialiser "
-                     "call %s held %.1f MB in full%s", report.local_bytes / 2**20, time.perf_counter() - start,
-                     report.largest_call, report.largest_call_bytes / 2**20,
-                     "; random states differed: rank 0's were used" if report.broadcast else "")
+            log.info("lightning_4d: materialised this rank's shards (%.1f MB) in %.1f s, %d of %d initialiser calls "
+                     "replayed piece by piece (scratch %.1f MB)%s", report.local_bytes / 2**20,
+                     time.perf_counter() - start, report.calls - len(report.whole_calls), report.calls,
+                     report.scratch_bytes / 2**20,
+                     "; random states differed: rank 0's seed was used" if report.broadcast else "")
+            if report.whole_calls and self.global_rank == 0:
+                log.warning("lightning_4d: %d initialiser call(s) need tensor values and ran on whole tensors "
+                            "(largest %s: %.1f MB in full): %s", len(report.whole_calls), report.largest_call,
+                            report.largest_call_bytes / 2**20, "; ".join(report.whole_calls[:8]))
         return plan
 
     def _check_budget(self, skeleton: torch.nn.Module, meta: bool) -> float:

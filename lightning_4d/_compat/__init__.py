@@ -30,12 +30,16 @@ import torch
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 from lightning_4d._compat.dispatch import (  # noqa: E402
+    disabled_torch_function,
     dispatch_mode_base,
     in_backward,
     is_higher_order_op,
     meta_scalar_mode,
+    op_is_view,
     op_name,
     pytree,
+    trunc_normal_hook,
+    wrapper_subclass,
 )
 from lightning_4d._compat.distributed import (  # noqa: E402
     flatten_mesh,
@@ -67,7 +71,6 @@ from lightning_4d._compat.modules import (  # noqa: E402
     child_modules,
     init_calls,
     is_loss_module,
-    materialize_meta_module,
     registered_submodule,
     release_freed_host_memory,
     returnable_host_empty,

@@ -8,7 +8,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NoReturn, Optional
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NoReturn, Optional
 
 import torch
 from torch.utils import _pytree as pytree  # private ``torch.utils._pytree`` (no public pytree module yet)
@@ -17,7 +18,8 @@ if TYPE_CHECKING:
     from torch._ops import OperatorBase
     from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["dispatch_mode_base", "in_backward", "is_higher_order_op", "meta_scalar_mode", "op_name", "pytree"]
+__all__ = ["disabled_torch_function", "dispatch_mode_base", "in_backward", "is_higher_order_op", "meta_scalar_mode", "op_is_view",
+           "op_name", "pytree", "trunc_normal_hook", "wrapper_subclass"]
 
 
 def dispatch_mode_base() -> type:
@@ -88,3 +90,40 @@ def meta_scalar_mode(value: float = 0) -> TorchDispatchMode:
             return func(*args, **(kwargs or {}))
 
     return _MetaScalars()
+
+
+def wrapper_subclass(cls: type, like: torch.Tensor, device: torch.device, requires_grad: bool = False) -> Any:
+    """An instance of the tensor subclass ``cls`` with ``like``'s shape, strides, offset and dtype on ``device`` and
+    no memory of its own (the private ``Tensor._make_wrapper_subclass``)."""
+    return torch.Tensor._make_wrapper_subclass(cls, like.shape, strides=like.stride(),
+                                               storage_offset=like.storage_offset(), dtype=like.dtype,
+                                               device=device, requires_grad=requires_grad)
+
+
+#: ``__torch_function__`` for a subclass that handles everything in ``__torch_dispatch__`` (private
+#: ``torch._C._disabled_torch_function_impl``).
+disabled_torch_function = torch._C._disabled_torch_function_impl
+
+
+def op_is_view(func: OperatorBase) -> bool:
+    """Whether the ATen op returns a view of its first argument (``OpOverload.is_view``)."""
+    return bool(getattr(func, "is_view", False))
+
+
+@contextmanager
+def trunc_normal_hook(hook: Callable[..., Any]) -> Iterator[None]:
+    """Inside: ``torch.nn.init.trunc_normal_`` (and every caller of its private helper
+    ``torch.nn.init._no_grad_trunc_normal_``, e.g. transformers' guarded copy) calls
+    ``hook(tensor, mean, std, a, b, generator, original)`` instead; ``original`` is torch's helper."""
+    import torch.nn.init as init
+
+    original = init._no_grad_trunc_normal_
+
+    def patched(tensor: torch.Tensor, mean: float, std: float, a: float, b: float, generator: Any = None) -> Any:
+        return hook(tensor, mean, std, a, b, generator, original)
+
+    init._no_grad_trunc_normal_ = patched
+    try:
+        yield
+    finally:
+        init._no_grad_trunc_normal_ = original

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 __all__ = ["InitCall", "callable_without_arguments", "release_freed_host_memory", "returnable_host_empty", "child_modules", "init_calls", "to_empty_keeping_ties", "is_loss_module",
-           "materialize_meta_module", "registered_submodule",
+           "registered_submodule",
            "replace_batch_sampler", "swapped_parameters"]
 
 
@@ -109,27 +109,6 @@ def to_empty_keeping_ties(module: nn.Module, device: torch.device) -> None:
         torch.__future__.set_swap_module_params_on_conversion(before)
 
 
-def materialize_meta_module(module: nn.Module, device: torch.device) -> None:
-    """Allocate meta parameters on ``device`` and re-run every module's ``reset_parameters``.
-
-    Runs on full (unsharded) tensors, in module order, so a seeded single process and every
-    rank draw identical initial weights; tied weights stay tied (:func:`to_empty_keeping_ties`), as in a model
-    built on the CPU. Modules may provide ``reset_parameters()``; the root
-    may provide ``init_weights()`` which then runs last (e.g. to re-tie embeddings).
-    """
-    if not any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
-        return
-    to_empty_keeping_ties(module, device)
-    for sub in module.modules():
-        reset = getattr(sub, "reset_parameters", None)
-        if callable_without_arguments(reset):
-            reset()
-    for sub in module.modules():
-        init = getattr(sub, "init_weights", None)
-        if callable_without_arguments(init):
-            init()
-
-
 # ---------------------------------------------------------------------------------------------- DataLoader
 def replace_batch_sampler(dataloader: DataLoader, batch_sampler: Iterable[list]) -> None:
     """Swap ``dataloader.batch_sampler`` in place. ``DataLoader.__setattr__`` forbids it after
@@ -191,7 +170,7 @@ def _hf_init_calls(model: nn.Module, name: str) -> list[InitCall]:
 
 
 def init_calls(root: nn.Module) -> list[InitCall]:
-    """The initialisers :func:`materialize_meta_module` runs, in its order: every module's ``reset_parameters()``
+    """The initialisers of a model in a single process's order: every module's ``reset_parameters()``
     (module order, on its subtree), then every ``init_weights()`` (a Hugging Face model's expanded into its
     per-module ``_init_weights``, one module at a time).
 

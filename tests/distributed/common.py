@@ -180,13 +180,13 @@ def fit_spec(spec: dict[str, Any]) -> dict[str, Any]:
         # materialised whole here first, so the strategy takes the path of a model built for real).
         with torch.device("meta"):
             model = build_model(spec.get("model", "llama"))
-        if spec.get("strategy") is None or spec.get("premat"):
-            from lightning_4d._compat import materialize_meta_module
-
-            materialize_meta_module(model, torch.device("cpu"))
     else:
         model = build_model(spec.get("model", "llama"))
     lm = CausalLM(model, lr=spec.get("lr", 1e-3))
+    if spec.get("meta") and (spec.get("strategy") is None or spec.get("premat")):
+        from lightning_4d.materialize import materialize
+
+        materialize(lm, torch.device("cpu"))  # initial values are keyed by the LightningModule's parameter names
     steps = spec.get("steps", 5)
     accum = spec.get("accumulate", 1)
     global_batch = spec.get("global_batch", 8)
