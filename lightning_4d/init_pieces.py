@@ -5,7 +5,7 @@ An initialiser call (``reset_parameters``, ``init_weights``, a Hugging Face ``_i
 a list of :class:`Step` per tensor (:mod:`lightning_4d.init_record`): which region of the tensor it writes and how
 (a random draw, a fill, an elementwise in-place op, a copy from a small computed tensor). A step is a pure function
 of the element's *position in the unsharded tensor*: a random draw for position ``p`` is ``mix64(key + (p+1)·γ)``
-(SplitMix64's output function; ``key`` from the seed, the tensor's name and the draw's number), so any rank can
+(SplitMix64's output function; ``key`` from the run's random seed, the tensor's name and the draw's number), so any rank can
 compute exactly its own elements, in any order and any chunking, and gets the bits one process gets.
 
 A rank computes at most :data:`CHUNK_ELEMENTS` elements at a time; what it holds beyond its share while doing so is

@@ -5,7 +5,7 @@ subclass with the tensor's shape, dtype and device but no memory. Views of it (`
 stay recording tensors that know which region they cover; an elementwise in-place op on one (``uniform_``,
 ``normal_``, ``fill_``, ``zero_``, ``mul_``, ``erfinv_``, ``clamp_``, ``copy_`` from a computed tensor, ...)
 becomes a :class:`~lightning_4d.init_pieces.Step` of that tensor. Random draws take the counter-based draw of
-:mod:`init_pieces` (keyed by the seed, the tensor's name and the draw's number); a ``generator`` passed to them is
+:mod:`init_pieces` (keyed by the run's random seed, the tensor's name and the draw's number); a ``generator`` passed to them is
 not used. Anything else that needs the tensor's values (``orthogonal_``'s QR reads none and *is* recorded; a
 ``w.norm()``, ``w.data = ...``, a copy from one parameter into another) raises :class:`NotReplayable`, and the
 caller runs that call on whole tensors instead (:mod:`lightning_4d.materialize`).

@@ -14,7 +14,7 @@ pruning, experts, TP/SP, data parallelism: no memory), then calls :func:`materia
    ``copy_``) are the same on every rank.
 3. Each rank then computes **only its own elements**, in chunks of at most
    :data:`~lightning_4d.init_pieces.CHUNK_ELEMENTS` (:func:`lightning_4d.shard_slices.local_chunks`): random draws
-   are counter-based, keyed by the seed, the tensor's name and the draw's number and addressed by the element's
+   are counter-based, keyed by the run's random seed, the tensor's name and the draw's number and addressed by the element's
    position in the unsharded tensor. Set-up work and memory are the rank's share plus one chunk
    (:func:`~lightning_4d.init_pieces.scratch_bytes`).
 4. A call that needs a tensor's values (``w.norm()``, ``w.data = ...``, a copy from another parameter) cannot be
@@ -238,14 +238,17 @@ def _call_seed(seed: bytes, label: str) -> int:
 @torch.no_grad()
 def materialize_local_shards(skeleton: nn.Module, sharded: nn.Module, device: torch.device,
                              sync_module_states: bool = False, group: Optional[dist.ProcessGroup] = None,
-                             source_names: Optional[dict[str, tuple[str, Optional[int]]]] = None) -> MaterializeReport:
+                             source_names: Optional[dict[str, tuple[str, Optional[int]]]] = None,
+                             pretrained: bool = True) -> MaterializeReport:
     """Allocate ``sharded``'s local shards on ``device`` and fill them with the values of ``skeleton`` (the
     unsharded model, on meta) under the layout-independent rule of the module docstring, computing only this
     rank's elements.
 
     ``source_names``: skeleton names the rewrite renamed (``{old: (new, index or None)}``, e.g. Mixtral experts
     stacked into one tensor). ``sync_module_states``: every rank of ``group`` (default: the world) uses rank 0's
-    seed even if their random states differ.
+    seed even if their random states differ. ``pretrained=False``: ignore the weights the skeleton was told to
+    load (its ``fourd_weight_source`` attributes, see :mod:`lightning_4d.hooks`) and initialise every tensor, as for a reduced copy
+    whose shapes differ from the files.
 
     Raises:
         UninitializedError: naming the parameters / buffers that no initialiser wrote.
@@ -290,12 +293,13 @@ def materialize_local_shards(skeleton: nn.Module, sharded: nn.Module, device: to
             dist.broadcast(entry.meta.data, src=dist.get_global_rank(group, 0) if group is not None else 0,
                            group=group)
 
-    provided = _source_provided(skeleton, entries)
+    provided = _source_provided(skeleton, entries) if pretrained else set()
     _run_calls(skeleton, entries, device, seed, places, write, provided, report)
     for key, entry in entries.items():
         if entry.meta.is_meta and key not in provided:
             _compute_local(entry, places(entry))
-    _load_sources(skeleton, entries, placed, write, report)
+    if pretrained:
+        _load_sources(skeleton, entries, placed, write, report)
 
     missing = [e.names[0] for k, e in entries.items() if e.meta.is_meta and not (e.written or _covered(e))]
     if missing:
@@ -310,7 +314,7 @@ def materialize_local_shards(skeleton: nn.Module, sharded: nn.Module, device: to
     return report
 
 
-def materialize(module: nn.Module, device: Union[str, torch.device] = "cpu") -> nn.Module:
+def materialize(module: nn.Module, device: Union[str, torch.device] = "cpu", pretrained: bool = True) -> nn.Module:
     """Materialise a meta-built ``module`` in one process, in place, with the values every layout gets (the
     single-process reference of :func:`materialize_local_shards`). A module with no meta tensor is left alone.
 
@@ -321,7 +325,7 @@ def materialize(module: nn.Module, device: Union[str, torch.device] = "cpu") -> 
         False
     """
     if is_meta_built(module):
-        materialize_local_shards(meta_skeleton(module), module, torch.device(device))
+        materialize_local_shards(meta_skeleton(module), module, torch.device(device), pretrained=pretrained)
     return module
 
 

@@ -221,7 +221,7 @@ def _fill(model: nn.Module, device: torch.device, buffers: Optional[dict[str, to
     if buffers is None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(_SEED)
-            materialize(model, device)
+            materialize(model, device, pretrained=False)  # shapes are reduced: the files do not fit
     else:
         to_empty_keeping_ties(model, device)
         with torch.no_grad():
