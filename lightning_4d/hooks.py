@@ -16,7 +16,7 @@ hook                           what it tells the rewrite
 ``configure_pipeline_split``   the pipeline split: a blocks path, or a ``PipelineSplit`` naming pre/post modules
 ``pipeline_pre_blocks``        what runs before the blocks (first stage): ``inputs -> hidden``
 ``pipeline_post_blocks``       what runs after the blocks (last stage): ``hidden -> outputs``
-``fourd_weight_source``        (attribute) where a meta-built module's weights come from: ``names()``, ``get()``
+``fourd_weight_source``        (attribute) where a meta-built module's weights come from: ``names()``, ``get()``, ``get_rows()``
 =============================  ==========================================================================
 
 Example:
@@ -124,10 +124,13 @@ class PipelinePostHook(Protocol):
 
 @runtime_checkable
 class WeightSource(Protocol):
-    """Pretrained weights streamed into the local shards, one full tensor at a time. A module of the model that
-    has an attribute ``fourd_weight_source`` holding one (e.g. :meth:`lightning_4d.models.HFLogits.from_pretrained`
-    built on the meta device) gets its tensors from it instead of its initialisers; ``names()`` are the
-    tensor names relative to that module (``module.named_parameters()`` / ``named_buffers()`` names).
+    """Pretrained weights streamed into the local shards. A module of the model that has an attribute
+    ``fourd_weight_source`` holding one (e.g. :meth:`lightning_4d.models.HFLogits.from_pretrained` built on the
+    meta device) gets its tensors from it instead of its initialisers; ``names()`` are the tensor names relative
+    to that module (``module.named_parameters()`` / ``named_buffers()`` names). A source may also define
+    ``get_rows(name, start, stop)`` (rows ``[start, stop)`` of dim 0, e.g. experts of a stacked tensor): a rank
+    then reads only the rows holding its elements (:mod:`lightning_4d.load_sources`); with ``get`` alone it reads
+    each tensor it holds a part of whole, one at a time.
 
     Example:
         >>> import torch

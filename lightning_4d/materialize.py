@@ -57,9 +57,9 @@ from torch import Tensor, nn
 
 from lightning_4d._compat import init_calls, release_freed_host_memory, returnable_host_empty, to_empty_keeping_ties
 from lightning_4d._compat.dispatch import dispatch_mode_base
-from lightning_4d.hooks import WEIGHT_SOURCE, WeightSource, weight_source
 from lightning_4d.init_pieces import CHUNK_ELEMENTS, Region, Step, evaluate, scratch_bytes, unwritten_fill
 from lightning_4d.init_record import Recorder, RecordingTensor
+from lightning_4d.load_sources import load_sources, weight_sources
 from lightning_4d.shard_slices import chunkable, local_chunks, local_of, local_slice, read_local, write_full
 from lightning_4d.tensor_parallel.layouts import permutations_of
 
@@ -94,6 +94,7 @@ class MaterializeReport:
     scratch_bytes: int = 0  # the chunk working set held beyond the share while computing this rank's elements
     local_bytes: int = 0  # this rank's shards
     loaded: int = 0  # tensors read from a WeightSource instead of initialised
+    loaded_in_pieces: int = 0  # of those, read in row pieces (only the rows holding this rank's elements)
 
 
 def is_meta_built(module: nn.Module) -> bool:
@@ -278,10 +279,6 @@ def materialize_local_shards(skeleton: nn.Module, sharded: nn.Module, device: to
                 out.append((targets[new], perms.get(new), index))
         return out
 
-    def placed(entry: _Entry) -> Optional[_Place]:
-        found = places(entry)
-        return found[0] if found else None
-
     def write(entry: _Entry, full: Tensor) -> None:
         for target, perm, index in places(entry):
             write_full(target, full, perm, index)
@@ -299,7 +296,10 @@ def materialize_local_shards(skeleton: nn.Module, sharded: nn.Module, device: to
         if entry.meta.is_meta and key not in provided:
             _compute_local(entry, places(entry))
     if pretrained:
-        _load_sources(skeleton, entries, placed, write, report)
+        by_name = {name: entry for entry in entries.values() for name in entry.names}
+        report.loaded, report.loaded_in_pieces = load_sources(
+            skeleton, by_name, places, write, meta_of=lambda e: e.meta,
+            mark_written=lambda e: setattr(e, "written", True))
 
     missing = [e.names[0] for k, e in entries.items() if e.meta.is_meta and not (e.written or _covered(e))]
     if missing:
@@ -583,22 +583,10 @@ _TRIM_EVERY_BYTES = 8 << 20  # trim the C heap after this many bytes of full ten
 _MIN_BUDGET = 0  # full tensors kept alive together during one initialiser call beyond the largest one
 
 
-def _weight_sources(skeleton: nn.Module) -> Iterator[tuple[str, WeightSource]]:
-    """``(name prefix, source)`` of every ``fourd_weight_source`` in ``skeleton``."""
-    for prefix, mod in skeleton.named_modules():
-        source = weight_source(mod)
-        if source is None:
-            continue
-        if not isinstance(source, WeightSource):
-            raise TypeError(f"{prefix or type(mod).__name__}.{WEIGHT_SOURCE} must have names() and get(name); "
-                            f"got {type(source).__name__}.")
-        yield (f"{prefix}." if prefix else ""), source
-
-
 def _source_provided(skeleton: nn.Module, entries: dict[int, _Entry]) -> set[int]:
     """Keys of the entries some ``fourd_weight_source`` provides."""
     by_name = {name: key for key, entry in entries.items() for name in entry.names}
-    return {by_name[pre + rel] for pre, source in _weight_sources(skeleton) for rel in source.names()
+    return {by_name[pre + rel] for pre, source in weight_sources(skeleton) for rel in source.names()
             if pre + rel in by_name}
 
 
@@ -609,31 +597,6 @@ def _all_provided(call: InitCall, provided: set[int]) -> bool:
     modules = call.module.modules() if call.recurse else [call.module]
     keys = [id(t) for m in modules for t in [*m._parameters.values(), *m._buffers.values()] if t is not None]
     return bool(keys) and all(k in provided for k in keys)
-
-
-def _load_sources(skeleton: nn.Module, entries: dict[int, _Entry],
-                  placed: Callable[[_Entry], Optional[tuple[Tensor, Optional[tuple[list[int], int]], Optional[int]]]],
-                  write: Callable[[_Entry, Tensor], None], report: MaterializeReport) -> None:
-    """Overwrite the initialised values with those of every ``fourd_weight_source`` in ``skeleton``; a tensor of
-    which this rank holds no part (another pipeline stage's) is not read."""
-    by_name = {name: entry for entry in entries.values() for name in entry.names}
-    for pre, source in _weight_sources(skeleton):
-        done: set[int] = set()
-        for rel in source.names():
-            entry = by_name.get(pre + rel)
-            if entry is None or id(entry) in done:
-                continue
-            done.add(id(entry))
-            if placed(entry) is None:
-                entry.written = True  # nothing of it lives here: nothing to read
-                continue
-            full = source.get(rel)
-            if tuple(full.shape) != tuple(entry.meta.shape):
-                raise ValueError(f"{pre + rel}: the pretrained weights hold shape {tuple(full.shape)}, the model "
-                                 f"expects {tuple(entry.meta.shape)}. Is the directory another model's?")
-            write(entry, full)
-            report.loaded += 1
-            del full
 
 
 def _current(entry: _Entry) -> Optional[Tensor]:

@@ -3,9 +3,10 @@
 :class:`HFWeightSource` is the :class:`~lightning_4d.materialize.WeightSource` that
 :meth:`lightning_4d.models.HFLogits.from_pretrained` attaches (as ``fourd_weight_source``) to a ``…ForCausalLM``
 built on the meta device. When ``FourDStrategy`` materialises only this rank's shards
-(:func:`~lightning_4d.materialize.materialize_local_shards`) it asks the source for one full tensor at a time, in
-the model's own layout, and keeps this rank's slice: no rank ever holds more than its share plus one tensor (for a
-transformers MoE, one layer's fused expert tensor), and a rank reads only the tensors it holds a part of.
+(:func:`~lightning_4d.materialize.materialize_local_shards`, :mod:`lightning_4d.load_sources`) it asks the source
+for the rows holding this rank's elements (:meth:`~HFWeightSource.get_rows`: experts of a stacked expert tensor,
+read from the files' per-expert keys, or rows of a tensor stored whole), a bounded piece at a time: a rank reads
+only the tensors and experts it holds a part of, and never holds a tensor it does not keep beyond one piece.
 
 What it does, with no tensor data read until :meth:`~HFWeightSource.get`:
 
@@ -193,7 +194,12 @@ class HFWeightSource:
     def __init__(self, directory: PathLike, model: nn.Module) -> None:
         self.directory = Path(directory).absolute()
         self.reads = 0
-        """Checkpoint tensors read from the files so far (this process)."""
+        """Checkpoint tensors (or row slices of one) read from the files so far (this process)."""
+        self.keys_read: set[str] = set()
+        """The checkpoint keys read so far (this process)."""
+        self.whole_reads: set[str] = set()
+        """Model tensors :meth:`get_rows` had to read whole (a conversion whose rows are not checkpoint tensors)."""
+        self._rows: dict[str, Optional[list[list[tuple[Optional[str], str]]]]] = {}
         self.missing: list[str] = []
         """Model tensors the files do not hold (they keep their initialisation; tied aliases excluded)."""
         self.unexpected: list[str] = []
@@ -263,6 +269,84 @@ class HFWeightSource:
         out = self._run(group, self._reader(name_dtype=self._shapes[group.target][1]))
         return out[name]
 
+    def get_rows(self, name: str, start: int, stop: int) -> Tensor:
+        """Rows ``[start, stop)`` of dim 0 of model tensor ``name`` — experts ``start … stop-1`` of a stacked
+        expert tensor — reading only those rows: for a tensor stored as it is, those rows' bytes; for one
+        transformers builds from per-expert keys (``experts.{i}.gate_proj.weight`` …), only experts
+        ``start … stop-1``'s keys, converted by transformers' own ops. A conversion whose rows are not per-index
+        keys is read whole and sliced (named in :attr:`whole_reads`).
+
+        Raises:
+            KeyError: ``name`` is not one of :meth:`names`.
+
+        Example:
+            >>> # not run: needs files (a model directory)
+            >>> src.get_rows("model.layers.0.mlp.experts.gate_up_proj", 2, 4).shape  # doctest: +SKIP
+            torch.Size([2, 64, 64])
+        """
+        if name not in self._owner:
+            raise KeyError(f"{name} is not in the weights of {self.directory} (see .names())")
+        group = self._groups[self._owner[name]]
+        shape, dtype = self._shapes[group.target]
+        if group.converter is None:
+            return self._read_rows(group.sources[0][1], start, stop, dtype)
+        per_row = self._row_sources(group)
+        if per_row is None:
+            self.whole_reads.add(name)
+            return self.get(name)[start:stop].clone()
+        if group.converter == _STACK:
+            return torch.stack([self.read(key, dtype) for i in range(start, stop) for _, key in per_row[i]])
+        return self._convert_rows(group, per_row[start:stop], self._reader(dtype))[name]
+
+    def _read_rows(self, key: str, start: int, stop: int, dtype: torch.dtype) -> Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self._files[key]), framework="pt") as fh:
+            tensor = fh.get_slice(key)[start:stop]
+        self.reads += 1
+        self.keys_read.add(key)
+        return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+    def _convert_rows(self, group: _Group, rows: list[list[tuple[Optional[str], str]]],
+                      reader: Callable[[str], Callable[[], Tensor]]) -> dict[str, Tensor]:
+        shape, dtype = self._shapes[group.target]
+        shapes = {**self._shapes, group.target: ((len(rows), *shape[1:]), dtype)}
+        sources = [(pattern or "", key, reader(key)) for row in rows for pattern, key in row]
+        with torch.no_grad():
+            return convert_group(self._converters[group.converter], group.target, sources, _ShapeModel(shapes),
+                                 self._config)
+
+    def _row_sources(self, group: _Group) -> Optional[list[list[tuple[Optional[str], str]]]]:
+        """Per row of ``group``'s tensor, its checkpoint keys: the one numeric key field that varies across the
+        group is the row (expert) index; a conversion of one or two rows must give that many rows (checked on
+        meta). ``None``: rows do not map to keys."""
+        if group.target in self._rows:
+            return self._rows[group.target]
+        shape, dtype = self._shapes[group.target]
+        found: Optional[list[list[tuple[Optional[str], str]]]] = None
+        parts = [key.split(".") for _, key in group.sources]
+        if len(group.outputs) == 1 and len({len(p) for p in parts}) == 1:
+            fields = [i for i in range(len(parts[0]))
+                      if all(p[i].isdigit() for p in parts) and len({p[i] for p in parts}) > 1]
+            if len(fields) == 1:
+                by_row: dict[int, list[tuple[Optional[str], str]]] = defaultdict(list)
+                for source, p in zip(group.sources, parts):
+                    by_row[int(p[fields[0]])].append(source)
+                if sorted(by_row) == list(range(shape[0])) and len({len(v) for v in by_row.values()}) == 1:
+                    found = [by_row[i] for i in range(shape[0])]
+        if found is not None and group.converter != _STACK:
+            for k in {1, min(2, shape[0])}:
+                try:
+                    out = self._convert_rows(group, found[:k], self._meta_reader(dtype))[group.target]
+                except Exception:  # a conversion that needs every row: read whole
+                    found = None
+                    break
+                if tuple(out.shape) != (k, *shape[1:]):
+                    found = None
+                    break
+        self._rows[group.target] = found
+        return found
+
     def __deepcopy__(self, memo: dict[int, Any]) -> "HFWeightSource":
         return self  # read-only: a meta skeleton of the model shares it
 
@@ -320,6 +404,7 @@ class HFWeightSource:
         with safe_open(str(self._files[key]), framework="pt") as fh:
             tensor = fh.get_tensor(key)
         self.reads += 1
+        self.keys_read.add(key)
         return tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
 
     def _reader(self, name_dtype: torch.dtype) -> Callable[[str], Callable[[], Tensor]]:

@@ -8,9 +8,10 @@ layouts one after another, against ``AutoModelForCausalLM.from_pretrained`` in o
 - the sharded model's full logits (``strategy.predict``: through the pipeline schedule under pp, gathered from the
   vocabulary-sharded head under tp) equal the single-process logits within ``TOL`` (fp32); the same model built
   from its config without weights gives logits far from them (so the check cannot pass without the load);
-- the weights came from the files (``materialize_report.loaded``), the model was never whole on a rank
-  (its local bytes below the model's), and under pp a rank read only the tensors of its own stage (fewer
-  file reads than checkpoint tensors).
+- the weights came from the files (``materialize_report.loaded``), each in row pieces (``get_rows``: only the
+  rows holding the rank's elements), the model was never whole on a rank (its local bytes below the model's),
+  under pp a rank read only the tensors of its own stage (fewer file reads than checkpoint tensors), and under
+  ep a rank read only its own experts' per-expert keys (at most 1/ep of them; every key on some rank).
 
 Models (tiny, fp32): Llama with an untied head (sharded ``model.safetensors.index.json`` layout) under tp2 × pp2;
 Qwen3 with tied embeddings (single file; the tie spans the first and last stage) under pp2 × dp2 (FSDP2);
@@ -107,7 +108,10 @@ def _load_sharded(directory: str, options: dict[str, Any], batch: torch.Tensor) 
     report = trainer.strategy.materialize_report
     placements = sorted({str(p.placements) for p in lm.parameters() if hasattr(p, "placements")})
     return {"logits": grab.value, "slice_mismatches": _slice_mismatches(lm), "placements": placements, "built_on_meta": meta, "model_bytes": model_bytes, "local_bytes": report.local_bytes,
-            "loaded": report.loaded, "reads": source.reads, "checkpoint_tensors": len(source._files)}
+            "loaded": report.loaded, "in_pieces": report.loaded_in_pieces, "reads": source.reads,
+            "checkpoint_tensors": len(source._files),
+            "expert_keys_read": sorted(k for k in source.keys_read if ".experts." in k),
+            "expert_keys": sorted(k for k in source._files if ".experts." in k)}
 
 
 def _slice_mismatches(module: Any) -> list[str]:
@@ -165,9 +169,15 @@ def test_streamed_load_equals_from_pretrained(tmp_path: Path, capsys: pytest.Cap
             if options.get("pp", 1) > 1:
                 assert got["reads"] < got["checkpoint_tensors"], \
                     f"{name} rank {rank}: read {got['reads']} of {got['checkpoint_tensors']} tensors under pp=2"
+            assert got["in_pieces"] == got["loaded"], f"{name} rank {rank}: a tensor was read whole"
+            if options.get("ep", 1) > 1:  # only this rank's experts' keys: at most 1/ep of them
+                assert 0 < len(got["expert_keys_read"]) <= len(got["expert_keys"]) // options["ep"], \
+                    f"{name} rank {rank}: read {len(got['expert_keys_read'])} of {len(got['expert_keys'])} expert keys"
             assert got["logits"].shape == (BATCH, SEQ, VOCAB), got["logits"].shape
             err = _rel(got["logits"], reference[name])
             assert err <= TOL, f"{name} rank {rank}: logits differ from from_pretrained's by {err:.2e} relative"
+        if options.get("ep", 1) > 1:  # and every expert on some rank
+            assert set().union(*(r[name]["expert_keys_read"] for r in results)) == set(results[0][name]["expert_keys"])
         assert _rel(untrained[name], reference[name]) > 100 * TOL, f"{name}: the check cannot tell loaded from random"
         with capsys.disabled():
             print(f"\n{name}: max rel logits error {max(_rel(r[name]['logits'], reference[name]) for r in results):.1e}, "

@@ -154,6 +154,44 @@ def test_experts_stacked_where_transformers_has_no_rule(tmp_path: Path) -> None:
         HFWeightSource(tmp_path, model)
 
 
+@pytest.mark.parametrize("kind", ["qwen3moe", "mixtral", "llama"])
+def test_rows_read_only_their_experts(kind: str, tmp_path: Path) -> None:
+    """``get_rows`` equals the rows of the whole tensor, for every tensor, and reads only the checkpoint keys of
+    its experts (2 keys per expert for the fused gate/up, 1 for down) or one slice of a tensor stored whole."""
+    directory = save_model(kind, tmp_path / kind, "30KB")
+    with torch.device("meta"):
+        net = HFLogits.from_pretrained(directory)
+    source = net.model.fourd_weight_source
+    checked = 0
+    for name in source.names():
+        full = source.get(name)
+        rows = full.shape[0]
+        for start, stop in {(0, rows), (rows - 1, rows), (rows // 2, rows)}:
+            before = source.reads
+            piece = source.get_rows(name, start, stop)
+            assert piece.dtype == full.dtype and torch.equal(piece, full[start:stop]), (name, start, stop)
+            group = source._groups[source._owner[name]]
+            per_row = len(group.sources) // rows if group.converter is not None else 0
+            assert source.reads - before == (per_row * (stop - start) if per_row else 1), name
+            checked += 1
+    assert checked and source.whole_reads == set()
+    if kind != "llama":
+        assert source._row_sources(source._groups["model.layers.0.mlp.experts.down_proj"]) is not None
+
+
+def test_rows_of_a_stack_without_transformers_rule(tmp_path: Path) -> None:
+    model = torch.nn.Module()
+    model.experts = torch.nn.Module()
+    model.experts.w = torch.nn.Parameter(torch.empty(3, 4, 2))
+    parts = {f"experts.{i}.w.weight": torch.full((4, 2), float(i)) for i in range(3)}
+    save_file(parts, tmp_path / "model.safetensors")
+    source = HFWeightSource(tmp_path, model)
+    before = source.reads
+    assert torch.equal(source.get_rows("experts.w", 1, 3), torch.stack([parts["experts.1.w.weight"],
+                                                                         parts["experts.2.w.weight"]]))
+    assert source.reads - before == 2
+
+
 def test_from_pretrained_meta_switch(tmp_path: Path) -> None:
     directory = save_model("llama", tmp_path / "llama")
     eager = HFLogits.from_pretrained(directory)
