@@ -35,9 +35,10 @@ from torch import Tensor
 __all__ = ["CHUNK_ELEMENTS", "SCRATCH_BYTES_PER_ELEMENT", "Region", "Step", "draw_key", "evaluate", "normal01",
            "scratch_bytes", "uniform01", "unwritten_fill"]
 
-CHUNK_ELEMENTS = 1 << 20  # elements of a rank's shard computed at once
-# Per element of a chunk: its int64 position, the 64-bit counter hash and two temporaries, two float64 values.
-SCRATCH_BYTES_PER_ELEMENT = 8 * 6
+CHUNK_ELEMENTS = 1 << 16  # elements of a rank's shard computed at once (smaller chunks stay in cache: faster too)
+# Peak bytes per element of a chunk (positions, counter hashes, float64 draws and their temporaries, the step's
+# masks, allocator slack): measured 130-170 by ``bench/bench_moe_setup.py --scratch``, which checks this bound.
+SCRATCH_BYTES_PER_ELEMENT = 192
 
 
 def scratch_bytes() -> int:
