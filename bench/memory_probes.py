@@ -1,4 +1,4 @@
-"""Host-memory probes of one process, shared by the memory benchmarks (Linux ``/proc``; ``ru_maxrss`` otherwise).
+"""Host-memory probes of one process, shared by the memory benchmarks: :mod:`lightning_4d.host_memory`'s.
 
 Example:
     >>> rss() > 0 and kernel_peak() >= rss() // 2
@@ -7,37 +7,11 @@ Example:
 
 from __future__ import annotations
 
-import resource
+import sys
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-def status_kb(key: str) -> int:
-    """A ``/proc/self/status`` field in KiB (``VmRSS``, ``VmHWM``, ``RssAnon`` ...)."""
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
+from lightning_4d.host_memory import clear_peak, kernel_peak, rss, status_kb  # noqa: E402
 
-
-def rss() -> int:
-    """Resident bytes now."""
-    return status_kb("VmRSS") * 1024
-
-
-def kernel_peak() -> int:
-    """Peak resident bytes since the kernel's counter was last reset (``VmHWM``; ``ru_maxrss``, which cannot be
-    reset, as a fallback)."""
-    try:
-        return status_kb("VmHWM") * 1024
-    except (OSError, KeyError):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def clear_peak() -> bool:
-    """Reset the kernel's peak RSS of this process to its current RSS (Linux ≥ 4.0); False if not allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        return True
-    except OSError:
-        return False
+__all__ = ["clear_peak", "kernel_peak", "rss", "status_kb"]

@@ -103,9 +103,9 @@ def normal01(key: int, positions: Tensor) -> Tensor:
     halves = _bits(key, positions).view(np.uint32)  # (2N,): [low, high] per draw (little endian)
     if sys.byteorder != "little":
         halves = halves.reshape(-1, 2)[:, ::-1].reshape(-1)
-    u1 = (torch.from_numpy(halves[1::2].astype(np.float64)) + 1.0) * 2.0 ** -32  # (0, 1]
-    u2 = torch.from_numpy(halves[0::2].astype(np.float64)) * 2.0 ** -32  # [0, 1)
-    return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * math.pi) * u2)
+    u1 = torch.from_numpy(halves[1::2].astype(np.float64)).add_(1.0).mul_(2.0 ** -32)  # (0, 1]
+    u2 = torch.from_numpy(halves[0::2].astype(np.float64)).mul_(2.0 ** -32)  # [0, 1)
+    return u1.log_().mul_(-2.0).sqrt_().mul_(u2.mul_(2.0 * math.pi).cos_())  # in place: no temporaries
 
 
 def unwritten_fill(t: Tensor) -> None:

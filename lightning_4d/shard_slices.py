@@ -270,7 +270,7 @@ def local_chunks(target: Tensor, shape: Sequence[int], perm: Optional[tuple[list
 
     Example:
         >>> [c.positions.tolist() for c in local_chunks(torch.zeros(2, 2), (2, 2), chunk=3)]
-        [[0, 1, 2], [3]]
+        [[0, 1], [2, 3]]
     """
     local = local_of(target)
     shape = tuple(shape)
@@ -302,11 +302,47 @@ def local_chunks(target: Tensor, shape: Sequence[int], perm: Optional[tuple[list
         total *= s
     if total != dest.numel():
         raise ValueError(f"local tensor of {dest.numel()} elements, selections give {total}")
-    for start in range(0, total, chunk):
-        j = torch.arange(start, min(start + chunk, total))
-        pos = torch.zeros_like(j)
-        for d in range(len(shape) - 1, -1, -1):
-            i = j % sizes[d] if d else j
-            j = j // sizes[d] if d else j
-            pos += (maps[d][i] if d in maps else i) * strides[d]
-        yield LocalChunk(dest, start, start + pos.numel(), pos)
+    yield from _chunks_of(dest, sizes, [(maps[d] if d in maps else torch.arange(sizes[d])) * strides[d]
+                                        for d in range(len(shape))], chunk)
+
+
+def _chunks_of(dest: Tensor, sizes: list[int], contrib: list[Tensor], chunk: int) -> Iterator[LocalChunk]:
+    """Chunks of whole trailing blocks: the positions of the trailing dimensions that fit in ``chunk`` are one
+    outer sum of their per-dimension offsets ``contrib`` (computed once); a chunk adds the leading rows' offsets to
+    it (a last dimension longer than ``chunk`` is cut into pieces). No per-element division."""
+    n = len(sizes)
+    if n == 0:
+        yield LocalChunk(dest, 0, 1, torch.zeros(1, dtype=torch.long))
+        return
+    k, inner = n, 1
+    while k > 0 and inner * sizes[k - 1] <= chunk:
+        k -= 1
+        inner *= sizes[k]
+    lead_sizes = sizes[:k] if k < n else sizes[:-1]
+
+    def lead_offsets(rows: Tensor) -> Tensor:  # (R,) flat indices over the leading dims -> their offsets
+        out = torch.zeros_like(rows)
+        for d in range(len(lead_sizes) - 1, -1, -1):
+            out += contrib[d][rows % lead_sizes[d]]
+            rows = rows // lead_sizes[d]
+        return out
+
+    n_rows = 1
+    for size in lead_sizes:
+        n_rows *= size
+    if k == n:  # even the last dimension exceeds the chunk: pieces of it, row by row
+        last = sizes[-1]
+        for row in range(n_rows):
+            base = int(lead_offsets(torch.tensor([row]))[0])
+            for a in range(0, last, chunk):
+                b = min(a + chunk, last)
+                yield LocalChunk(dest, row * last + a, row * last + b, base + contrib[-1][a:b])
+        return
+    block = torch.zeros(1, dtype=torch.long)
+    for d in range(k, n):
+        block = (block[:, None] + contrib[d][None, :]).reshape(-1)  # (inner,)
+    per_chunk = max(1, chunk // inner)
+    for first in range(0, n_rows, per_chunk):
+        last = min(first + per_chunk, n_rows)
+        positions = (lead_offsets(torch.arange(first, last))[:, None] + block[None, :]).reshape(-1)
+        yield LocalChunk(dest, first * inner, last * inner, positions)

@@ -103,8 +103,8 @@ if TYPE_CHECKING:
     from torch._ops import OperatorBase
     from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["RankTrace", "DryRunResult", "dry_run", "representative_ranks", "uniform_experts", "uniform_routing",
-           "DRY_RUN_ASSUMPTIONS"]
+__all__ = ["RankTrace", "DryRunResult", "dry_run", "fake_friendly_mode", "representative_ranks", "strategy_config",
+           "uniform_experts", "uniform_routing", "DRY_RUN_ASSUMPTIONS"]
 
 DRY_RUN_ASSUMPTIONS = [
     "dry run: lightning_4d.parallelize.parallelize_module (the code FourDStrategy runs) on a meta model, one rank "
@@ -307,11 +307,17 @@ def uniform_routing(ep: int = 1) -> Iterator[None]:
         FIXED_ROUTING.reset(token)
 
 
-def _fake_friendly_mode() -> TorchDispatchMode:
+def fake_friendly_mode() -> TorchDispatchMode:
     """A ``TorchDispatchMode`` letting the package's models run on fake tensors: ``aten.bincount`` of a fake
     tensor gives fake zeros of length ``minlength`` (the router's counts; values never matter),
     ``aten.randint`` (host seeds) and ``.item()`` of real tensors run for real. On meta tensors (the set-up
-    trace of a meta model) ``bincount`` gives meta zeros likewise."""
+    trace of a meta model) ``bincount`` gives meta zeros likewise.
+
+    Example:
+        >>> with fake_friendly_mode():
+        ...     torch.bincount(torch.zeros(3, dtype=torch.long, device="meta"), minlength=4).shape
+        torch.Size([4])
+    """
 
     class _FakeFriendly(dispatch_mode_base()):  # type: ignore[misc]
         def __torch_dispatch__(self, func: OperatorBase, types: tuple[type, ...], args: tuple = (),
@@ -396,7 +402,7 @@ def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Par
         mesh = build_mesh(dims, "cpu")
         with torch.device("meta"):
             module = build()
-        with _fake_friendly_mode():  # the set-up trace routes on meta tensors too
+        with fake_friendly_mode():  # the set-up trace routes on meta tensors too
             plan = parallelize_module(module, mesh, config, precision, accumulate=1)
         expert_modules = [module.get_submodule(n) for n in plan.expert_modules]
         expert_raf = {_reshards_after_forward(e) for e in expert_modules} - {None}
@@ -410,7 +416,7 @@ def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Par
             module.to_empty(device="cpu")
         sends: list[CommRecord] = []
         style = runner.info.style if runner is not None else "loop"
-        with uniform_routing(dims.ep), CollectiveRecorder(mesh) as rec, fake_mode, _fake_friendly_mode():
+        with uniform_routing(dims.ep), CollectiveRecorder(mesh) as rec, fake_mode, fake_friendly_mode():
             tokens = torch.randint(0, spec.vocab_size, (b, s))
             # Stages that run the model's own forward get the micro-batch's inputs on every stage.
             kwargs = {INPUTS_KW: tokens} if runner is not None and runner.inputs_to_every_stage else {}
@@ -524,7 +530,13 @@ def _warn_untraced_step(result: DryRunResult) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- entry point
-def _config_for(dims: ParallelDims, train: TrainSpec) -> FourDConfig:
+def strategy_config(dims: ParallelDims, train: TrainSpec) -> FourDConfig:
+    """The ``FourDConfig`` the strategy would get for ``dims`` and ``train`` (what the dry run applies).
+
+    Example:
+        >>> strategy_config(ParallelDims.from_world(4, tp=2), TrainSpec(global_batch_size=8)).tp
+        2
+    """
     return FourDConfig(
         tp=dims.tp, pp=dims.pp, ep=dims.ep, dp=dims.dp, sequence_parallel=dims.sequence_parallel,
         microbatches=train.microbatches, schedule=train.schedule if dims.pp > 1 else "1f1b",
@@ -564,7 +576,7 @@ def dry_run(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Paralle
     if dist.is_available() and dist.is_initialized():
         raise RuntimeError("dry_run needs a process without a process group (it creates a fake one per rank).")
     start = time.perf_counter()
-    config = config if config is not None else _config_for(dims, train)
+    config = config if config is not None else strategy_config(dims, train)
     b = micro_batch_size(dims, train)
     ranks = list(ranks) if ranks is not None else representative_ranks(dims)
     # Trace a rank holding stage 0 first: its output shape is the boundary later stages receive.
