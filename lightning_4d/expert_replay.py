@@ -165,6 +165,7 @@ class _Replay:
         self.diff = {name: 0.0 for name in calls}
         self.ratio = {name: 0.0 for name in calls}
         self.own: list[str] = []
+        self.replayed: set[str] = set()
 
     def forward(self, name: str, own: Callable[..., Any]) -> Callable[..., Any]:
         def replayed(*args: Any, **kwargs: Any) -> Any:
@@ -180,6 +181,7 @@ class _Replay:
                     diff, scale = max_difference(x.detach(), expected) or (0.0, 0.0)
                     self.diff[name] = max(self.diff[name], diff)
                     self.ratio[name] = max(self.ratio[name], diff / allowed_difference(expected, scale))
+                    self.replayed.add(name)
                     return shard
             if name not in self.own:
                 self.own.append(name)
@@ -245,7 +247,8 @@ def check_with_experts_replayed(module: nn.Module, calls: ExpertCalls, tp_mesh: 
     first = next((i for i in range(len(names)) if float(seen[1, i]) > 1.0), None)  # where the values part first
     if first is not None:
         raise changed_output_error(module, float(seen[0, first]), f"at the input of the MoE layer {names[first]}")
-    own = f"; {', '.join(replay.own)} ran their own forward" if replay.own else ""
-    log.info("lightning_4d: tensor-parallel value check of %s with %d MoE layer(s) replayed from the unsharded "
-             "forward (their inputs within %.3g of the reference: %.2g of the allowed difference%s)",
-             type(module).__name__, len(names) - len(replay.own), float(seen[0].max()), float(seen[1].max()), own)
+    if replay.replayed:  # (none when the check ran no forward: a pipeline chain checked before sharding)
+        own = f"; {', '.join(replay.own)} ran their own forward" if replay.own else ""
+        log.info("lightning_4d: tensor-parallel value check of %s with %d MoE layer(s) replayed from the unsharded "
+                 "forward (their inputs within %.3g of the reference: %.2g of the allowed difference%s)",
+                 type(module).__name__, len(replay.replayed), float(seen[0].max()), float(seen[1].max()), own)
