@@ -24,7 +24,6 @@ from lightning_4d.activation_checkpoint import apply_activation_checkpointing
 from lightning_4d.config import FourDConfig
 from lightning_4d.data_parallel import apply_data_parallel, wrap_mode
 from lightning_4d.discovery import find_blocks, top_level_modules
-from lightning_4d.expert_replay import ExpertCalls, check_with_experts_replayed, record_expert_layers
 from lightning_4d.expert_parallel import MoE, apply_expert_parallel
 from lightning_4d.expert_parallel.inplace import is_inplace_experts
 from lightning_4d.expert_parallel.parallel import (
@@ -33,6 +32,7 @@ from lightning_4d.expert_parallel.parallel import (
     install_token_shard_check,
 )
 from lightning_4d.expert_parallel.rewrite import find_moe_modules
+from lightning_4d.expert_replay import ExpertCalls, check_with_experts_replayed, record_expert_layers
 from lightning_4d.mesh import Axis, FourDMesh
 from lightning_4d.hooks import BLOCKS_PATH, TP_PLAN, user_hook
 from lightning_4d.pipeline.glue import build_runner, check_after_tensor_parallel, prepare_pipeline, split_pipeline
