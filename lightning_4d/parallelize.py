@@ -32,6 +32,7 @@ from lightning_4d.expert_parallel.parallel import (
     install_token_shard_check,
 )
 from lightning_4d.expert_parallel.rewrite import find_moe_modules
+from lightning_4d.expert_replay import ExpertCalls, check_with_experts_replayed, record_expert_layers
 from lightning_4d.mesh import Axis, FourDMesh
 from lightning_4d.hooks import BLOCKS_PATH, TP_PLAN, user_hook
 from lightning_4d.pipeline.glue import build_runner, check_after_tensor_parallel, prepare_pipeline, split_pipeline
@@ -145,7 +146,8 @@ def parallelize_module(
     """Rewrite ``module`` (a LightningModule, usually a ``FourDModule``) in place for ``mesh``.
 
     Order: trace one forward of the full model on a tiny input → pipeline split decided and checked
-    (full model) → expert parallel → TP/SP on the full model, checked against the traced output →
+    (full model) → expert parallel → TP/SP on the full model, checked against the traced output (MoE layers
+    replaying their traced calls: :mod:`lightning_4d.expert_replay`) →
     pipeline pruning → activation checkpointing → data parallel → pipeline schedule. ``module`` may be on the meta
     device (then the value checks are skipped: see :mod:`lightning_4d.reduced_check`); ``device``: where its
     pipeline stages will run once materialised (default: where its parameters are).
@@ -164,9 +166,11 @@ def parallelize_module(
     # is all the trace and the split need; values are checked on a materialised reduced copy instead.
     on_meta = any(p.is_meta for p in module.parameters())
     trace, example = None, None
+    expert_calls: ExpertCalls = {}  # the MoE layers' inputs and outputs in the unsharded forward (the TP check)
     if dims.tp > 1 or dims.pp > 1:
         example = example_tokens(module, dims.tp)
-        with meta_scalar_mode() if on_meta else nullcontext():
+        record = record_expert_layers(module) if dims.tp > 1 and not on_meta else nullcontext({})
+        with meta_scalar_mode() if on_meta else nullcontext(), record as expert_calls:
             trace = trace_model(module, blocks_path, example)
         first = example[0] if isinstance(example, tuple) else example
         plan.input_shape = tuple(first.shape) if hasattr(first, "shape") else None
@@ -181,14 +185,17 @@ def parallelize_module(
 
     if dims.tp > 1:
         apply_tensor_parallel(module, mesh, plan, plan_tensor_parallel(module, mesh, trace))
+        # MoE layers replay the unsharded forward's calls: routing is data-dependent, experts are spread over ep.
+        check_with_experts_replayed(module, expert_calls, mesh[Axis.TP],
+                                    lambda: check_after_tensor_parallel(module, split, example, trace.output))
+        del expert_calls
         if dims.ep > 1 and user_hook(module, TP_PLAN) is not None:
             # A user's plan must give the expert layers sequence shards; the automatic plan does by construction.
             # In-place experts get the routed tokens themselves; the package's MoE layer gets them (its experts not).
+            # Installed after the value check, whose replay skips the experts: the first training forward decides.
             names = [n if is_inplace_experts(module.get_submodule(n)) else n.rpartition(".")[0]
                      for n in plan.expert_modules]
             install_token_shard_check({n: module.get_submodule(n) for n in names}, mesh[Axis.TP].get_group())
-        if not plan.expert_modules:
-            check_after_tensor_parallel(module, split, example, trace.output)
 
     parts = None
     if dims.pp > 1:

@@ -4,7 +4,8 @@
 parallelism the same input must give the same output within a
 tolerance derived from the dtype and the output's scale, the package's one rule for set-up checks
 (:func:`lightning_4d.precision.allowed_difference`). With a pipeline the stages are replayed in order instead
-(:func:`lightning_4d.pipeline.glue.check_after_tensor_parallel` chooses).
+(:func:`lightning_4d.pipeline.glue.check_after_tensor_parallel` chooses). Mixture-of-experts layers, whose routing
+is data-dependent, replay the unsharded forward's calls meanwhile (:mod:`lightning_4d.expert_replay`).
 
 Example:
     >>> import torch
@@ -24,7 +25,7 @@ from lightning_4d.distributed import to_full
 from lightning_4d.hooks import TP_PLAN, hook_call
 from lightning_4d.precision import allowed_difference, max_difference
 
-__all__ = ["check_tensor_parallel"]
+__all__ = ["changed_output_error", "check_tensor_parallel"]
 
 
 def check_tensor_parallel(module: nn.Module, example: Any, expected: Any) -> None:
@@ -73,7 +74,18 @@ def check_tensor_parallel(module: nn.Module, example: Any, expected: Any) -> Non
         module.train(was_training)
     diff, scale = max_difference(got, expected) or (0.0, 0.0)
     if diff > allowed_difference(expected, scale):
-        raise ValueError(
-            f"{type(module).__name__}: the tensor-parallel rewrite changes its output (max abs difference "
-            f"{diff:.3g} on a test input). Implement {hook_call(TP_PLAN)} for this model."
-        )
+        raise changed_output_error(module, diff)
+
+
+def changed_output_error(module: nn.Module, diff: float, where: str = "") -> ValueError:
+    """The error of a rewrite whose forward gives other values on the test input (``where``: the place compared,
+    when not the model's output); the one wording of the value checks.
+
+    Example:
+        >>> str(changed_output_error(nn.Linear(2, 2), 0.5, "at the input of layers.0.moe"))  # doctest: +ELLIPSIS
+        'Linear: the tensor-parallel rewrite changes its output (max abs difference 0.5 at the input of layers.0.moe...'
+    """
+    return ValueError(
+        f"{type(module).__name__}: the tensor-parallel rewrite changes its output (max abs difference {diff:.3g} "
+        f"{where + ' ' if where else ''}on a test input). Implement {hook_call(TP_PLAN)} for this model."
+    )
