@@ -181,20 +181,24 @@ class Region:
             extent += (self.sizes[d] - 1) * self.strides[d]
         return all(st >= 0 for st in self.strides)
 
-    def locate(self, positions: Tensor, indices: bool = True) -> tuple[Optional[Tensor], list[Optional[Tensor]]]:
+    def locate(self, positions: Tensor, indices: bool = True,
+               bounds: Optional[tuple[int, int]] = None) -> tuple[Optional[Tensor], list[Optional[Tensor]]]:
         """``(mask, index)``: which ``positions`` the view covers (``None``: all) and, for those, their index along
         each of the view's dimensions (``None`` for a dimension of size 1: index 0; all ``None`` unless
-        ``indices``)."""
+        ``indices``). ``bounds``: ``(min, max)`` of ``positions`` when the caller knows them."""
         index: list[Optional[Tensor]] = [None] * len(self.sizes)
-        if self.whole and self.offset == 0 and list(self.strides) == list(Region.whole_of(self.sizes).strides):
+        if list(self.strides) == list(Region.whole_of(self.sizes).strides):  # one contiguous range of positions
+            lo, hi = bounds if bounds is not None else (int(positions.min()), int(positions.max()))
+            inside = self.offset <= lo and hi < self.offset + self.numel
+            mask = None if inside else (positions >= self.offset) & (positions < self.offset + self.numel)
             if not indices:
-                return None, index
-            rest = positions
+                return mask, index
+            rest = (positions if mask is None else positions[mask]) - self.offset
             for d in reversed(range(len(self.sizes))):
                 if self.sizes[d] > 1:
                     index[d] = rest % self.sizes[d]
                     rest = rest // self.sizes[d]
-            return None, index
+            return mask, index
         q = positions - self.offset
         mask = q >= 0
         for d in self._order():
@@ -203,6 +207,8 @@ class Region:
             q = q - i * self.strides[d]
             index[d] = i
         mask &= q == 0
+        if not indices:
+            return mask, [None] * len(self.sizes)
         return mask, [None if i is None else i[mask] for i in index]
 
 
@@ -263,7 +269,7 @@ def evaluate(steps: Sequence[Step], positions: Tensor, values: Tensor) -> None:
         if hi < pmin or lo > pmax:
             continue
         operands = step.kind == "copy" or any(isinstance(a, Tensor) and a.dim() for a in step.args)
-        mask, index = step.region.locate(positions, indices=operands)
+        mask, index = step.region.locate(positions, indices=operands, bounds=(pmin, pmax))
         where = positions if mask is None else positions[mask]
         if not where.numel():
             continue
