@@ -394,8 +394,8 @@ class TrainSpec:
             scaling, as TorchTitan's ``float8`` converter (:mod:`lightning_4d.planner.compute`).
         kernels: what the kernels keep for backward (:data:`KERNELS`): ``"eager"`` (the runtime's) or ``"fused"``.
         meta_built: the model is built on the meta device, so set-up holds only this rank's shards plus one
-            full tensor (:mod:`lightning_4d.planner.setup_memory`); ``False``: built for real, every rank holds
-            the whole model at set-up.
+            chunk of initialisation scratch (:mod:`lightning_4d.planner.setup_memory`); ``False``: built for
+            real, every rank holds the whole model at set-up.
 
     Example:
         >>> TrainSpec(global_batch_size=8).act_bytes
