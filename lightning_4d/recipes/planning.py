@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Optional, Union
 
 from omegaconf import DictConfig
 
+from lightning_4d.data_parallel import reshards_after_forward
 from lightning_4d.pipeline.schedules import validate_microbatches
 from lightning_4d.precision import PLANNER_PRECISIONS, precision_info
 from lightning_4d.planner import ClusterSpec, DeviceSpec, NoLayoutFits, TrainSpec, format_table, make_plan, search, write_plan
@@ -410,8 +411,9 @@ def run_plan(cfg: Union[DictConfig, TrainConfig], out_dir: Optional[Union[str, P
             exit_code = 1
     if result is not None:
         detected = result.expert_reshard_after_forward
-        if detected is not None and setup.train.expert_reshard_after_forward is None and detected != (
-                setup.train.reshard_after_forward is not False):
+        designed = (setup.train.reshard_after_forward if setup.train.reshard_after_forward is not None
+                    else reshards_after_forward(setup.dims.pp))
+        if detected is not None and setup.train.expert_reshard_after_forward is None and detected != designed:
             # Plan what the code does: the traced wrapping of the experts replaces the planner's default.
             setup.train = setup.train.with_(expert_reshard_after_forward=detected)
             note = (f"experts: lightning_4d.parallelize wraps them with FSDP reshard_after_forward={detected} (seen in "
