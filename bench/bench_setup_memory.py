@@ -19,8 +19,9 @@ cannot be reset). Printed per rank:
   weights + gradients + optimizer states + gathered FSDP copies + activations + logits, with the CPU device's
   allocator slack), compared with the step peak;
 - ``plan set-up``: the planner's set-up term for the same run and path (``RankMemory.setup_total``:
-  ``lightning_4d.planner.setup_memory``: share + largest tensor, or the reduced check when larger and within its
-  budget; the whole model when built for real; plus the CPU runtime bytes), compared with the set-up peak;
+  ``lightning_4d.planner.setup_memory``: share + one chunk of initialisation scratch, or the reduced check when
+  larger and within its budget; the whole model when built for real; plus the CPU runtime bytes), compared with the
+  set-up peak;
 - ``private``: peak growth of the private resident memory (``RssAnon + RssShmem``, sampled every 2 ms) up to
   ``on_fit_start``: ``set-up`` without the file-backed pages (shared libraries' code touched for the first time,
   shared by every rank of a host);

@@ -25,7 +25,8 @@ from lightning_4d.precision import precision_info
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-__all__ = ["DataParallelMode", "apply_data_parallel", "mixed_precision_policy", "set_gradient_sync", "wrap_mode"]
+__all__ = ["DataParallelMode", "apply_data_parallel", "mixed_precision_policy", "reshards_after_forward",
+           "set_gradient_sync", "wrap_mode"]
 
 DataParallelMode = Literal["fsdp", "replicate"]  # how one mesh wraps; HSDP is "fsdp" over a 2-D mesh
 
@@ -39,6 +40,18 @@ def wrap_mode(data_parallel: str, experts: bool = False) -> DataParallelMode:
         ('fsdp', 'fsdp', 'replicate')
     """
     return "fsdp" if data_parallel == "hsdp" else data_parallel  # type: ignore[return-value]
+
+
+def reshards_after_forward(pp: int) -> bool:
+    """Whether the package's FSDP2 blocks and expert units free their gathered parameters after forward: only
+    without pipelining (under it a stage keeps them gathered from its first forward to its last backward, one
+    all-gather per step instead of one per micro-batch; TorchTitan's choice). The planner models the same rule.
+
+    Example:
+        >>> reshards_after_forward(1), reshards_after_forward(4)
+        (True, False)
+    """
+    return pp == 1
 
 
 def mixed_precision_policy(precision: str) -> Optional[MixedPrecisionPolicy]:

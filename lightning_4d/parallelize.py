@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement
 from lightning_4d._compat import meta_scalar_mode, registered_submodule
 from lightning_4d.activation_checkpoint import apply_activation_checkpointing
 from lightning_4d.config import FourDConfig
-from lightning_4d.data_parallel import apply_data_parallel, wrap_mode
+from lightning_4d.data_parallel import apply_data_parallel, reshards_after_forward, wrap_mode
 from lightning_4d.discovery import find_blocks, top_level_modules
 from lightning_4d.expert_parallel import MoE, apply_expert_parallel
 from lightning_4d.expert_parallel.inplace import is_inplace_experts
@@ -216,7 +216,7 @@ def parallelize_module(
         for expert in experts:
             apply_data_parallel(expert, mesh[Axis.EDP], mode=wrap_mode(config.data_parallel, experts=True),
                                 precision=precision,
-                                reshard_root=parts is None)
+                                reshard_root=reshards_after_forward(dims.pp))
     if dims.dp > 1:
         direct = [name for name, p in module.named_parameters(recurse=False)]
         if direct:
@@ -229,8 +229,8 @@ def parallelize_module(
         for root in roots:
             inner = [b for b in plan.blocks if _is_within(b, root)]
             apply_data_parallel(root, mesh.data_parallel, blocks=inner, mode=wrap_mode(config.data_parallel),
-                                precision=precision,
-                                ignored_params=unwrapped_experts, reshard_after_forward=parts is None)
+                                precision=precision, ignored_params=unwrapped_experts,
+                                reshard_after_forward=reshards_after_forward(dims.pp))
 
     if parts is not None:
         plan.pipeline = build_runner(module, mesh, config, parts, split, device=device)

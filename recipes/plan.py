@@ -11,8 +11,10 @@ pipeline bubble, step time and MFU — and a dry run of the real rewriting on a 
 Same config groups as recipes/train.py (conf/plan.yaml; the trainer defaults to `gpu`) plus the `plan`
 section (device by name or custom with a family, nodes, bandwidths, batch, what only the planner models, search,
 trace). Each row of docs/planner_calibration.md prints the command that reproduces it. Prints a table and writes plan.json in
-Hydra's run directory. Exit status: 0; 1 when the traced collectives disagree with the formulas; 2 when
-the request is impossible (layout, cluster, batch, or nothing fits in the search).
+Hydra's run directory. Exit status: 0 when the layout fits; 3 when it does not fit the device (its peak, training
+step or set-up, exceeds the usable memory; the message says which and what to try); 1 when it fits but the traced
+collectives disagree with the formulas; 2 when the request is impossible (layout, cluster, batch, or nothing fits
+in the search).
 The logic lives in lightning_4d.recipes.planning (importable and tested); see recipes/README.md.
 """
 
@@ -24,20 +26,23 @@ import hydra
 from omegaconf import DictConfig
 
 from lightning_4d.recipes import RecipeConfigError, register_configs
-from lightning_4d.recipes.planning import run_plan
+from lightning_4d.recipes.planning import EXIT_DOES_NOT_FIT, EXIT_IMPOSSIBLE, run_plan
 
 register_configs()
 
 
 @hydra.main(config_path="../conf", config_name="plan", version_base=None)
 def main(cfg: DictConfig) -> None:
-    """Compose, plan, print, write plan.json; exit 2 on an impossible request."""
+    """Compose, plan, print, write plan.json; exit 2 on an impossible request, 3 when the layout does not fit."""
     try:
         outcome = run_plan(cfg)
     except RecipeConfigError as err:  # PlanError included: a clear message, no traceback
         print(f"error: {err}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        raise SystemExit(EXIT_IMPOSSIBLE) from None
     print(outcome.text, flush=True)
+    if outcome.exit_code == EXIT_DOES_NOT_FIT:
+        line = next(x for x in outcome.text.splitlines() if x.startswith("DOES NOT FIT"))
+        print(f"error: {line}", file=sys.stderr, flush=True)
     if outcome.exit_code:
         raise SystemExit(outcome.exit_code)
 

@@ -36,7 +36,8 @@ compute bytes ``c`` = 2 for bf16, activation ``A = b·s·h·c``):
   compute-dtype parameters and reduce-scatters fp32 gradients once per step; ``replicate``
   all-reduces fp32 gradients once. Units as ``lightning_4d.data_parallel`` wraps them: each block
   (without pipelining all but the last reshard after forward, under pipelining none does), each MoE
-  layer's experts (over edp, resharding; ``TrainSpec.expert_reshard_after_forward``) and the root
+  layer's experts (over edp; resharding as the blocks do, :func:`lightning_4d.data_parallel.reshards_after_forward`,
+  unless ``TrainSpec.expert_reshard_after_forward`` says otherwise) and the root
   (embedding, final norm, head; not resharding). FSDP2 shards dim 0, so ``E/ep`` local experts over
   more ``edp`` ranks are padded (:func:`expert_padding`). All-gathers per unit: without pipelining a
   resharding unit gathers twice per micro-step (forward, backward), the others once; with pipelining
@@ -58,6 +59,7 @@ from typing import Optional
 
 from lightning_4d.comm import wire_bytes
 from lightning_4d.config import stage_style
+from lightning_4d.data_parallel import reshards_after_forward
 from lightning_4d.mesh import ParallelDims
 from lightning_4d.planner.memory import local_params, micro_batch_size, resolve_microbatches, stage_layout
 from lightning_4d.planner.spec import TrainSpec, TransformerSpec
@@ -260,12 +262,11 @@ def _data_parallel(dims: ParallelDims, train: TrainSpec, m: int, r: int, lp: dic
                    expert_padding: float = 1.0) -> list[Collective]:
     """FSDP2 / replicate collectives of one rank, unit by unit as ``lightning_4d.parallelize`` wraps them:
     each block over dp (without pipelining all but the last reshard after forward; under pipelining none
-    does), each MoE layer's experts over edp (resharding unless ``train`` says otherwise), the root
+    does), each MoE layer's experts over edp (as the blocks, unless ``train`` says otherwise), the root
     (embedding, final norm, head) over dp without resharding. ``expert_padding`` multiplies the expert
     units' bytes (FSDP2 pads dim 0, the ``E/ep`` local experts, to a multiple of ``edp``)."""
-    raf = train.reshard_after_forward if train.reshard_after_forward is not None else dims.pp == 1
-    raf_experts = (train.expert_reshard_after_forward if train.expert_reshard_after_forward is not None
-                   else train.reshard_after_forward is not False)
+    raf = train.reshard_after_forward if train.reshard_after_forward is not None else reshards_after_forward(dims.pp)
+    raf_experts = train.expert_reshard_after_forward if train.expert_reshard_after_forward is not None else raf
     mode = train.data_parallel
     hsdp = mode == "hsdp"
     shard = _dp_shard(dims, train) if hsdp else dims.dp

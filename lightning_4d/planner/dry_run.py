@@ -38,13 +38,15 @@ What is real and what is a stand-in:
   the split itself is the same. Torch's pipeline schedule is not run (its warm-up reads received
   values): each stage module runs directly, and the pp traffic is *measured* from the stage boundary
   tensors (output forward, input gradient backward) instead of traced.
-- One micro-batch: per-step totals of the formulas scale with ``m`` (FSDP gathers per the schedule rule).
+- One micro-batch: per-step totals of the formulas scale with ``m`` (FSDP gathers per the schedule rule). When a
+  rank's ``N·k`` assignments are not a multiple of ``ep`` (a short traced sequence, many ep ranks), the stand-in
+  routing cannot be uniform — every rank routes alike, so fewer than ``ep`` assignments reach only the first ranks
+  — and the traced micro-batch is widened until they are (:func:`traced_micro_batch`; formulas at the same size).
 
-What the cross-check found (and :mod:`~lightning_4d.planner.comm` now models): FSDP2 blocks do not
-reshard after forward under pipelining; expert units never reshard after forward
-(``lightning_4d.parallelize`` wraps them as roots; the planner's default assumes they do, so the dry run
-compares with what it finds and says so); FSDP2 pads the ``E/ep`` local experts to a multiple of
-``edp`` (the 1T MoE's 8 local experts over edp = 16: twice the expert bytes); without SP the tp-replicated
+What the cross-check found (and :mod:`~lightning_4d.planner.comm` now models): FSDP2 blocks and expert
+units do not reshard after forward under pipelining (:func:`lightning_4d.data_parallel.reshards_after_forward`,
+the rule both use; the dry run still reads what the wrapped experts do, compares with that and says so if it
+differs from the rule); FSDP2 pads the ``E/ep`` local experts to a multiple of ``edp`` (the 1T MoE's 8 local experts over edp = 16: twice the expert bytes); without SP the tp-replicated
 parameters need no reduction; with SP and dp = 1 the norms' gradients stay ``Partial`` through
 backward (AdamW would all-reduce them on each of its 3 reads; the strategy now resolves them once per
 step); row-parallel biases need none; router and shared-expert
@@ -73,6 +75,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -93,6 +96,7 @@ from lightning_4d._compat import (
 from lightning_4d.comm import CommRecord, mesh_axis_groups, name_axis
 from lightning_4d.expert_parallel.permute import FIXED_ROUTING, FixedRouting
 from lightning_4d.config import FourDConfig
+from lightning_4d.data_parallel import reshards_after_forward
 from lightning_4d.mesh import FourDMesh, ParallelDims, rank_coordinates
 from lightning_4d.planner.comm import comm_per_rank, summarize
 from lightning_4d.planner.memory import micro_batch_size, stage_layout
@@ -104,7 +108,7 @@ if TYPE_CHECKING:
     from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["RankTrace", "DryRunResult", "dry_run", "fake_friendly_mode", "representative_ranks", "strategy_config",
-           "uniform_experts", "uniform_routing", "DRY_RUN_ASSUMPTIONS"]
+           "traced_micro_batch", "uniform_experts", "uniform_routing", "DRY_RUN_ASSUMPTIONS"]
 
 DRY_RUN_ASSUMPTIONS = [
     "dry run: lightning_4d.parallelize.parallelize_module (the code FourDStrategy runs) on a meta model, one rank "
@@ -277,6 +281,23 @@ def uniform_experts(num_assignments: int, num_experts: int, ep: int = 1) -> torc
     i = torch.arange(num_assignments)
     local = num_experts // ep
     return (i % ep) * local + (i // ep) % local
+
+
+def traced_micro_batch(spec: TransformerSpec, dims: ParallelDims, b: int, seq_len: int) -> int:
+    """Sequences the dry run traces per micro-batch: ``b``, times the smallest factor that makes each rank's
+    ``N·k`` routed assignments a multiple of ``ep`` (``N`` tokens per rank: ``b·s/tp`` with SP), so that
+    :func:`uniform_experts` gives every ep rank the same share, as the formulas assume.
+
+    Example:
+        >>> from lightning_4d.planner.spec import seed_moe_1t
+        >>> dims = ParallelDims.from_world(512, tp=8, pp=8, ep=64)  # 16 tokens · top-2 = 32 assignments < 64
+        >>> traced_micro_batch(seed_moe_1t(), dims, 1, 128), traced_micro_batch(seed_moe_1t(), dims, 1, 256)
+        (2, 1)
+    """
+    if dims.ep == 1 or not spec.num_experts or not spec.top_k or spec.num_experts % dims.ep:
+        return b
+    assignments = b * seq_len // (dims.tp if dims.sp else 1) * spec.top_k
+    return b * (dims.ep // math.gcd(assignments, dims.ep))
 
 
 @contextlib.contextmanager
@@ -467,7 +488,8 @@ def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Par
     ref = train.with_(global_batch_size=b * dims.dp, microbatches=1)
     if len(expert_raf) == 1:
         (raf,) = expert_raf
-        designed = train.reshard_after_forward is not False
+        designed = (train.reshard_after_forward if train.reshard_after_forward is not None
+                    else reshards_after_forward(dims.pp))
         if train.expert_reshard_after_forward is None and raf != designed:
             notes.append(f"experts are wrapped with reshard_after_forward={raf} by lightning_4d.parallelize; the "
                          f"planner's default assumes {designed} (compared with {raf})")
@@ -577,7 +599,7 @@ def dry_run(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Paralle
         raise RuntimeError("dry_run needs a process without a process group (it creates a fake one per rank).")
     start = time.perf_counter()
     config = config if config is not None else strategy_config(dims, train)
-    b = micro_batch_size(dims, train)
+    b = traced_micro_batch(spec, dims, micro_batch_size(dims, train), train.seq(spec))
     ranks = list(ranks) if ranks is not None else representative_ranks(dims)
     # Trace a rank holding stage 0 first: its output shape is the boundary later stages receive.
     order = sorted(range(len(ranks)), key=lambda i: (rank_coordinates(dims, ranks[i])["pp"] != 0, i))
@@ -590,6 +612,10 @@ def dry_run(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Paralle
                 "activation_checkpointing": train.activation_checkpointing},
         model=spec.name or "model", layers=spec.layers, micro_batch_size=b, seq_len=train.seq(spec),
         precision=train.precision)
+    if b != micro_batch_size(dims, train):
+        result.assumptions.append(
+            f"dry run: micro-batch of {b} sequences, not {micro_batch_size(dims, train)}, so that uniform routing "
+            f"gives each of the {dims.ep} ep ranks the same number of assignments (formulas at the same size)")
     for i in order:
         result.ranks.append(_trace_rank(build, spec, dims, train, config, ranks[i], b, boundary))
     result.ranks.sort(key=lambda t: t.rank)

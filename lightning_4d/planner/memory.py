@@ -259,8 +259,8 @@ class RankMemory:
 
     @property
     def setup_total(self) -> float:
-        """Bytes at the set-up peak, before the first step: ``setup + runtime`` (the full tensors of set-up come
-        and go one at a time: no allocator slack)."""
+        """Bytes at the set-up peak, before the first step: ``setup + runtime`` (set-up allocates the shards once
+        and reuses one chunk of scratch: no allocator slack)."""
         return self.setup + self.runtime
 
     @property

@@ -1,15 +1,15 @@
 """Set-up memory per rank: what a rank holds while ``FourDStrategy`` builds its layout, before the first step.
 
-A model built on the meta device (:mod:`lightning_4d.materialize`) never exists whole on a rank. Set-up has
-two phases, one after the other, so its peak is the larger of:
+A model built on the meta device (:mod:`lightning_4d.materialize`) never exists whole on a rank, nor does any
+tensor the rank does not keep. Set-up has two phases, one after the other, so its peak is the larger of:
 
 - the value check on a reduced copy (:mod:`lightning_4d.reduced_check`): one block of each kind (dense and MoE
   layers), at least ``pp · v`` blocks, the vocabulary cut to ``16·tp`` rows, unsharded, plus its rewritten copy
-  (about the same again: FSDP2 shards and TP slices are new tensors);
+  (about the same again: FSDP2 shards and TP slices are new tensors) — counted only when it fits the check's
+  budget (:func:`lightning_4d.reduced_check.check_budget_bytes`, as the runtime computes it), else skipped;
 - materialisation: the rank's share of the parameters (:func:`lightning_4d.planner.memory.memory_per_rank`'s
-  ``params``) plus the tensors one initialiser call holds in full — the largest single tensor of the
-  unsharded model (the embedding, the head, or a stacked ``[E, F, H]`` expert weight), in the parameters'
-  dtype (the rank's slice is a view of it; written in place, no index temporaries).
+  ``params``) plus one chunk's scratch (:func:`setup_scratch_bytes`): each rank computes only its own elements,
+  :data:`lightning_4d.init_pieces.CHUNK_ELEMENTS` at a time.
 
 A model built for real instead holds every parameter on every rank first: :func:`setup_peak_bytes` with
 ``meta_built=False`` is the whole model (plus one 64 MB broadcast bucket).
@@ -25,11 +25,12 @@ from __future__ import annotations
 
 from typing import Optional
 
+from lightning_4d import init_pieces
 from lightning_4d.mesh import ParallelDims
 from lightning_4d.reduced_check import check_budget_bytes, reduced_copy_bytes
 from lightning_4d.planner.spec import TransformerSpec
 
-__all__ = ["largest_tensor_params", "reduced_check_params", "setup_peak_bytes"]
+__all__ = ["largest_tensor_params", "reduced_check_params", "setup_peak_bytes", "setup_scratch_bytes"]
 
 _BUCKET = 64 << 20  # lightning_4d.distributed.broadcast_module_state's bucket
 
@@ -47,6 +48,17 @@ def largest_tensor_params(spec: TransformerSpec) -> int:
     if spec.num_experts:
         sizes.append(spec.num_experts * spec.expert_hidden * spec.hidden * (2 if spec.gated_mlp else 1))
     return max(sizes)
+
+
+def setup_scratch_bytes(spec: TransformerSpec) -> int:
+    """Bytes a rank holds beyond its share while it materialises a meta-built model: one chunk's working set
+    (:func:`lightning_4d.init_pieces.scratch_bytes`), less for a model whose largest tensor is smaller than a chunk.
+
+    Example:
+        >>> setup_scratch_bytes(TransformerSpec(vocab_size=10, hidden=4, layers=1, heads=1, ffn_hidden=64))  # 512 elements
+        24576
+    """
+    return min(init_pieces.scratch_bytes(), largest_tensor_params(spec) * init_pieces.SCRATCH_BYTES_PER_ELEMENT)
 
 
 def reduced_check_params(spec: TransformerSpec, dims: ParallelDims) -> int:
@@ -78,15 +90,17 @@ def reduced_check_params(spec: TransformerSpec, dims: ParallelDims) -> int:
 def setup_peak_bytes(spec: TransformerSpec, dims: ParallelDims, share_bytes: float, param_bytes: int = 4,
                      meta_built: bool = True, largest_share_bytes: Optional[float] = None) -> float:
     """Peak bytes one rank holds during set-up (see the module docstring): ``share_bytes`` is the rank's
-    parameters after sharding (``memory_per_rank(...)[r].params``), ``largest_share_bytes`` the largest rank's
-    (default: this one's), which sets the reduced check's budget as at run time
-    (:func:`lightning_4d.reduced_check.check_budget_bytes`: a check over it is skipped, so it never raises the peak
-    beyond materialisation or 256 MiB).
+    parameters after sharding (``memory_per_rank(...)[r].params``); a meta-built model adds
+    :func:`setup_scratch_bytes`. ``largest_share_bytes`` is the largest rank's share (default: this one's), which
+    with the largest tensor sets the reduced check's budget as at run time
+    (:func:`lightning_4d.reduced_check.check_budget_bytes`): a check over it is skipped and adds nothing.
 
     Example:
-        >>> spec = TransformerSpec(vocab_size=1000, hidden=64, layers=4, heads=4, ffn_hidden=128)
+        >>> spec = TransformerSpec(vocab_size=32000, hidden=768, layers=12, heads=12, ffn_hidden=2048)
         >>> dims = ParallelDims.from_world(8, tp=2, pp=2)
-        >>> setup_peak_bytes(spec, dims, share_bytes=1e5) < setup_peak_bytes(spec, dims, 1e5, meta_built=False)
+        >>> setup_peak_bytes(spec, dims, share_bytes=1e8) == 1e8 + setup_scratch_bytes(spec)
+        True
+        >>> setup_peak_bytes(spec, dims, 1e8, meta_built=False) >= spec.total_params() * 4
         True
     """
     whole = spec.total_params() * param_bytes
@@ -95,6 +109,6 @@ def setup_peak_bytes(spec: TransformerSpec, dims: ParallelDims, share_bytes: flo
     if not meta_built:
         held = whole + min(_BUCKET, whole)
         return max(held, check if check <= check_budget_bytes(whole, 0.0) else 0.0)
-    materialise = share_bytes + largest
+    materialise = share_bytes + setup_scratch_bytes(spec)
     budget = check_budget_bytes(share_bytes if largest_share_bytes is None else largest_share_bytes, largest)
     return max(materialise, check if check <= budget else 0.0)

@@ -382,20 +382,21 @@ class TrainSpec:
         optimizer_state_bytes: bytes of optimizer state per parameter (AdamW: two fp32 moments = 8).
         expert_imbalance: multiplier (>= 1) on the busiest expert rank's tokens, 1.0 = uniform routing.
         reshard_after_forward: FSDP2 blocks free their gathered parameters after forward (``None``: the
-            package's choice, as ``lightning_4d.parallelize`` wraps them: ``True`` for all blocks but the
+            package's choice, as ``lightning_4d.parallelize`` wraps them,
+            :func:`lightning_4d.data_parallel.reshards_after_forward`: ``True`` for all blocks but the
             last without pipelining, ``False`` under pipelining (TorchTitan's choice: one all-gather per
             step instead of one per micro-batch)).
         expert_reshard_after_forward: whether the experts' FSDP2 units free their gathered parameters
-            after forward (``None``: as designed, resharding unless ``reshard_after_forward=False``).
-            :func:`lightning_4d.planner.dry_run.dry_run` sets it to what the wrapped model really does.
+            after forward (``None``: as the blocks, ``reshard_after_forward`` or the package's choice).
+            :func:`lightning_4d.planner.dry_run.dry_run` compares with what the wrapped model really does.
         compile: ``torch.compile`` fuses the memory-bound kernels (:mod:`lightning_4d.planner.compute`).
         selective_policy: what selective checkpointing saves (:data:`SELECTIVE_POLICIES`).
         float8: the linear layers' GEMMs (not the attention core nor the head) run in Float8 with dynamic
             scaling, as TorchTitan's ``float8`` converter (:mod:`lightning_4d.planner.compute`).
         kernels: what the kernels keep for backward (:data:`KERNELS`): ``"eager"`` (the runtime's) or ``"fused"``.
         meta_built: the model is built on the meta device, so set-up holds only this rank's shards plus one
-            full tensor (:mod:`lightning_4d.planner.setup_memory`); ``False``: built for real, every rank holds
-            the whole model at set-up.
+            chunk of initialisation scratch (:mod:`lightning_4d.planner.setup_memory`); ``False``: built for
+            real, every rank holds the whole model at set-up.
 
     Example:
         >>> TrainSpec(global_batch_size=8).act_bytes

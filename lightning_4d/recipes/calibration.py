@@ -305,14 +305,27 @@ machine is shared with other jobs (load averages of 14 to 125 on 2 cores during 
 wall-clock step (listed) but not the run's own CPU seconds. Ratios are planner / measured; `*` marks a ratio
 outside ±25%.
 
-What the CPU rows show: step time is within 25% on five of the six runs (compute, the optimizer, the framework's
-time per call, gloo and FSDP bytes, shared cores), memory on three (one rank, and FSDP over 8 ranks); three runs
-meet both. Memory is under-planned where the framework keeps buffers the model does not count — not yet
-measured one by one: most likely FSDP's gathered and reduce-scatter copies beyond one layer (`o-fsdp8-bytes`, 0.67), the tp × pp × dp run (0.75, just outside), the
-expert layers' dispatch buffers (permuted copies, routing indices and weights, all-to-all buffers; 0.66) and the
-default recipe, where a 1M-parameter model leaves only such fixed costs (0.60; its step is over-planned by 31%).
-
 """
+
+_WORDS = ("no", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
+
+
+def _cpu_findings(cpu: list[dict[str, Any]]) -> str:
+    """The paragraph on the CPU validation rows, its counts and the default recipe's step counted from ``cpu``."""
+    rows = [r for r in cpu if r["role"] == "validation" and r["memory_ratio"] is not None]
+    inside = [(abs(r["step_ratio"] - 1) <= 0.25, abs(r["memory_ratio"] - 1) <= 0.25) for r in rows]
+    step, mem, both = (sum(s for s, _ in inside), sum(m for _, m in inside), sum(s and m for s, m in inside))
+    word = lambda n: _WORDS[n] if n < len(_WORDS) else str(n)  # noqa: E731
+    default = next(r for r in rows if r["id"] == "default-recipe")
+    steps = "all" if step == len(rows) else f"{word(step)} of the"
+    return (f"What the CPU rows show: step time is within 25% on {steps} {word(len(rows))} runs (compute, the "
+            f"optimizer, the framework's\ntime per call, gloo and FSDP bytes, shared cores), memory on {word(mem)} "
+            f"(one rank, and FSDP over 8 ranks); {word(both)} runs\nmeet both. Memory is under-planned where the "
+            "framework keeps buffers the model does not count — not yet\nmeasured one by one: most likely FSDP's "
+            "gathered and reduce-scatter copies beyond one layer (`o-fsdp8-bytes`, 0.67), the tp × pp × dp run (0.75, "
+            "just outside), the\nexpert layers' dispatch buffers (permuted copies, routing indices and weights, "
+            "all-to-all buffers; 0.66) and the\ndefault recipe, where a 1M-parameter model leaves only such fixed "
+            f"costs ({default['memory_ratio']:.2f}; its step is over-planned by {default['step_ratio'] - 1:.0%}).\n\n")
 
 
 def calibration_markdown(rows: Optional[list[dict[str, Any]]] = None,
@@ -329,4 +342,4 @@ def calibration_markdown(rows: Optional[list[dict[str, Any]]] = None,
     rows = calibration_rows() if rows is None else rows
     cpu = cpu_rows() if cpu is None else cpu
     return (_GPU_NOTES + format_markdown(rows) + "\n\n" + _devices_markdown() + "\n\n" + _CPU_NOTES
-            + format_cpu_markdown(cpu) + "\n")
+            + _cpu_findings(cpu) + format_cpu_markdown(cpu) + "\n")

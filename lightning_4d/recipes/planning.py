@@ -9,7 +9,8 @@ and names where each number came from. :func:`run_plan` then calls
 (:func:`~lightning_4d.planner.dry_run.dry_run`) and the layout search, and writes ``plan.json``.
 
 Requests that cannot be planned (a layout that does not divide the model or the cluster, a batch that
-does not split, a search where nothing fits) raise :class:`PlanError` with a message naming the keys.
+does not split, a search where nothing fits) raise :class:`PlanError` with a message naming the keys. A plan
+whose layout does not fit the device ends with :data:`EXIT_DOES_NOT_FIT` (the recipe's exit status).
 
 Example:
     >>> from hydra import compose, initialize_config_dir
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Optional, Union
 
 from omegaconf import DictConfig
 
+from lightning_4d.data_parallel import reshards_after_forward
 from lightning_4d.pipeline.schedules import validate_microbatches
 from lightning_4d.precision import PLANNER_PRECISIONS, precision_info
 from lightning_4d.planner import ClusterSpec, DeviceSpec, NoLayoutFits, TrainSpec, format_table, make_plan, search, write_plan
@@ -56,7 +58,12 @@ if TYPE_CHECKING:
     from lightning_4d.planner.dry_run import DryRunResult
     from lightning_4d.recipes.schema import ModelConfig
 
-__all__ = ["PlanError", "PlanSetup", "PlanOutcome", "plan_setup", "run_plan", "TRACE_BLOCKS"]
+__all__ = ["EXIT_DOES_NOT_FIT", "EXIT_IMPOSSIBLE", "EXIT_TRACE_DIFFERS", "PlanError", "PlanSetup", "PlanOutcome",
+           "plan_setup", "run_plan", "TRACE_BLOCKS"]
+
+EXIT_TRACE_DIFFERS = 1  # the dry run's traced collectives disagree with the formulas (or it failed)
+EXIT_IMPOSSIBLE = 2  # PlanError: the request cannot be planned (layout, cluster, batch; nothing fits in the search)
+EXIT_DOES_NOT_FIT = 3  # the planned layout's peak (training step or set-up) exceeds the device's usable memory
 
 TRACE_BLOCKS = 8
 """With ``plan.trace_blocks: null`` models of at most this many blocks are traced whole, bigger ones cut down
@@ -92,7 +99,8 @@ class PlanSetup:
 @dataclass
 class PlanOutcome:
     """What :func:`run_plan` produced: the plan dict (also in ``path``), its text report and the exit code
-    (0, or 1 when the dry run disagrees with the formulas).
+    (0; :data:`EXIT_DOES_NOT_FIT` when the layout does not fit the device, else :data:`EXIT_TRACE_DIFFERS` when
+    the dry run disagrees with the formulas).
 
     Example:
         >>> PlanOutcome(plan={}, text="", path=None).exit_code
@@ -366,6 +374,24 @@ def _format_search(cands: list) -> str:
     return "\n".join(lines)
 
 
+def does_not_fit_message(plan: dict, device: DeviceSpec) -> str:
+    """The line :func:`run_plan` ends a plan with when its layout does not fit: which peak, by how much, what to try.
+
+    Example:
+        >>> from lightning_4d.planner.hardware import H100
+        >>> mem = {"peak": 80e9, "usable": 76e9, "per_role": [{"total": 80e9, "setup_total": 9e9}]}
+        >>> print(does_not_fit_message({"memory": mem}, H100))
+        DOES NOT FIT: the training step's peak 80 GB per GPU exceeds the usable 76 GB of a H100-SXM-80GB: try ...
+    """
+    mem = plan["memory"]
+    setup = max(r.get("setup_total", 0.0) for r in mem["per_role"])
+    which = "set-up's" if setup >= mem["peak"] else "training step's"
+    bigger = "" if device.memory_bytes >= 141e9 else " a larger device (plan.device=H200),"
+    return (f"DOES NOT FIT: the {which} peak {mem['peak'] / 1e9:.4g} GB per GPU exceeds the usable "
+            f"{mem['usable'] / 1e9:.4g} GB of a {device.name}: try plan.search=true,{bigger} more GPUs or activation "
+            f"checkpointing (exit status {EXIT_DOES_NOT_FIT}).")
+
+
 def run_plan(cfg: Union[DictConfig, TrainConfig], out_dir: Optional[Union[str, Path]] = None) -> PlanOutcome:
     """Plan the configured run: table, optional dry run and search, ``plan.json``.
 
@@ -393,11 +419,6 @@ def run_plan(cfg: Union[DictConfig, TrainConfig], out_dir: Optional[Union[str, P
                       "device": setup.cluster.device.name, "notes": list(setup.notes)}
     plan["assumptions"] = list(plan["assumptions"]) + list(setup.notes)
     text = [format_table(plan)]
-    if not plan["memory"]["fits"]:
-        bigger = "" if setup.cluster.device.memory_bytes >= 141e9 else " a larger device (plan.device=H200),"
-        text.append(f"note: the peak {plan['memory']['peak'] / 1e9:.1f} GB per GPU exceeds the usable "
-                    f"{plan['memory']['usable'] / 1e9:.1f} GB of a {setup.cluster.device.name}: try plan.search=true,"
-                    f"{bigger} more GPUs or activation checkpointing.")
     exit_code = 0
     result = None
     if plan_cfg.trace:
@@ -407,11 +428,12 @@ def run_plan(cfg: Union[DictConfig, TrainConfig], out_dir: Optional[Union[str, P
             plan["dry_run"] = {"ok": False, "error": f"{type(err).__name__}: {err}"}
             text += ["", f"dry run failed ({type(err).__name__}: {err}); the plan above is analytic only. "
                          f"Skip it with plan.trace=false."]
-            exit_code = 1
+            exit_code = EXIT_TRACE_DIFFERS
     if result is not None:
         detected = result.expert_reshard_after_forward
-        if detected is not None and setup.train.expert_reshard_after_forward is None and detected != (
-                setup.train.reshard_after_forward is not False):
+        designed = (setup.train.reshard_after_forward if setup.train.reshard_after_forward is not None
+                    else reshards_after_forward(setup.dims.pp))
+        if detected is not None and setup.train.expert_reshard_after_forward is None and detected != designed:
             # Plan what the code does: the traced wrapping of the experts replaces the planner's default.
             setup.train = setup.train.with_(expert_reshard_after_forward=detected)
             note = (f"experts: lightning_4d.parallelize wraps them with FSDP reshard_after_forward={detected} (seen in "
@@ -426,7 +448,7 @@ def run_plan(cfg: Union[DictConfig, TrainConfig], out_dir: Optional[Union[str, P
         plan["assumptions"] += [a for a in result.assumptions if a not in plan["assumptions"]]
         text += ["", result.format()]
         if not result.ok:
-            exit_code = 1
+            exit_code = EXIT_TRACE_DIFFERS
     if plan_cfg.search:
         try:
             cands = search(setup.spec, setup.cluster, setup.train, top=plan_cfg.top)
@@ -436,6 +458,9 @@ def run_plan(cfg: Union[DictConfig, TrainConfig], out_dir: Optional[Union[str, P
             raise PlanError(f"search: {err}") from None
         plan["search"] = [cand.as_dict() for cand in cands]
         text += ["", _format_search(cands)]
+    if not plan["memory"]["fits"]:
+        text += ["", does_not_fit_message(plan, setup.cluster.device)]
+        exit_code = EXIT_DOES_NOT_FIT
     plan["planner_seconds"] = time.perf_counter() - start
     target = Path(plan_cfg.output)
     if not target.is_absolute():

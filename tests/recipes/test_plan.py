@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
 from lightning_4d.recipes import conf_dir, count_params, register_configs, to_train_config
-from lightning_4d.recipes.planning import PlanError, plan_setup, run_plan
+from lightning_4d.recipes.planning import EXIT_DOES_NOT_FIT, PlanError, plan_setup, run_plan
 from lightning_4d.recipes.schema import PlanRecipeConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -87,6 +87,39 @@ def test_seed_moe_1t_plan(tmp_path: Path) -> None:
     assert plan["dry_run"]["ok"] and plan["dry_run"]["layers"] == 4 and plan["dry_run"]["world_size"] == 512
     # data.batch_size=8 per dp rank is fewer than the 32 micro-batches: planned with 32 (noted).
     assert plan["layout"]["global_batch_size"] == 512 and any("32 micro-batches" in n for n in plan["inputs"]["notes"])
+    # FSDP's gathered expert shares do not fit 80 GB: the plan says so and ends with its own exit status.
+    assert not plan["memory"]["fits"] and outcome.exit_code == EXIT_DOES_NOT_FIT == 3
+    assert "DOES NOT FIT: the training step's peak" in outcome.text
+    # Without the trace the plan is the same: its formulas assume what the traced rewriting does.
+    untraced = json.loads(Path(run_plan(_compose(["model=moe_1t", "parallel=moe_1t", "plan.trace=false",
+                                                  f"output_dir={tmp_path / 'untraced'}"])).path).read_text())
+    assert untraced["step_time_s"] == pytest.approx(plan["step_time_s"], rel=0.25)
+    for axis, kinds in plan["communication"]["busiest_rank"].items():
+        for kind, sent in kinds.items():
+            assert untraced["communication"]["busiest_rank"][axis][kind] == pytest.approx(sent, rel=0.25), (axis, kind)
+
+
+@pytest.mark.parametrize("parallel,device,fits", [
+    ("moe_1t_512", "H100-SXM", True),  # conf/parallel/moe_1t_512.yaml: "512 × 80 GB GPUs"
+    ("moe_1t", "H100-SXM", False),  # conf/parallel/moe_1t.yaml: "does not fit 80 GB"
+    ("moe_1t", "H200", False),  # ... "nor 141 GB as configured (pp = 4)"
+])
+def test_the_moe_1t_layouts_fit_as_their_files_say(tmp_path: Path, parallel: str, device: str, fits: bool) -> None:
+    data = ["data=moe_1t"] + (["data.batch_size=64"] if parallel == "moe_1t" else [])  # 4.2 M tokens per step
+    outcome = run_plan(_compose(["model=moe_1t", f"parallel={parallel}", *data, f"plan.device={device}",
+                                 "plan.trace=false", f"output_dir={tmp_path}"]))
+    assert outcome.plan["layout"]["global_batch_size"] * 4096 == 1024 * 4096
+    assert outcome.plan["memory"]["fits"] is fits and outcome.exit_code == (0 if fits else EXIT_DOES_NOT_FIT)
+
+
+def test_a_layout_that_does_not_fit_ends_with_exit_status_3(tmp_path: Path) -> None:
+    base = ["model=tiny_dense", "parallel=none", *TOY, "plan.trace=false"]
+    fits = run_plan(_compose([*base, f"output_dir={tmp_path / 'fits'}"]))
+    assert fits.exit_code == 0 and "DOES NOT FIT" not in fits.text
+    small = run_plan(_compose([*base, "plan.memory_gb=0.01", f"output_dir={tmp_path / 'small'}"]))
+    assert small.exit_code == EXIT_DOES_NOT_FIT and not small.plan["memory"]["fits"]
+    assert "DOES NOT FIT: the training step's peak" in small.text and "exceeds the usable 0.0095 GB" in small.text
+    assert Path(small.path).exists()  # the plan is still written
 
 
 def test_dp_auto_fills_the_requested_nodes() -> None:
@@ -152,3 +185,9 @@ def test_command_line_plan_and_impossible_request(tmp_path: Path) -> None:
                          env=_env(), cwd=tmp_path, timeout=300)
     assert bad.returncode == 2, bad.stdout[-2000:] + bad.stderr[-2000:]
     assert "error: No layout of moe_1t fits 1 node(s) × 8 H100" in bad.stderr and "Traceback" not in bad.stderr
+    big = subprocess.run([sys.executable, script, "model=moe_1t", "parallel=moe_1t", "plan.trace=false",
+                          f"hydra.run.dir={tmp_path / 'big'}"], capture_output=True, text=True, env=_env(),
+                         cwd=tmp_path, timeout=300)
+    assert big.returncode == 3, big.stdout[-2000:] + big.stderr[-2000:]
+    assert "error: DOES NOT FIT: the training step's peak" in big.stderr and "Traceback" not in big.stderr
+    assert (tmp_path / "big" / "plan.json").exists()

@@ -209,9 +209,14 @@ def test_pp_ep_dp_comm_hand_computed():
     a2a = 4 * m * 2 * (1 / 2) * tokens * 2 * h * 2 + m * 2 * (1 / 2) * 8 * 4  # 2 MoE layers; + counts
     assert first["ep"] == {"all_to_all": a2a}
     experts_local = 2 * 4 * 3 * h * 16 // 2  # 2 layers, E/ep experts each
-    # experts reshard after forward: m + in_flight gathers under 1F1B (rank 0 holds 2 in flight).
-    assert first["edp"]["all_gather"] == (m + 2) * (1 / 2) * experts_local * 2
+    # under pipelining the experts stay gathered from the first forward to the last backward (as
+    # lightning_4d.parallelize wraps them): one all-gather per step
+    assert first["edp"]["all_gather"] == (1 / 2) * experts_local * 2
     assert first["edp"]["reduce_scatter"] == (1 / 2) * experts_local * 4
+    # experts that reshard after forward: m + in_flight gathers under 1F1B (rank 0 holds 2 in flight)
+    resharding = TrainSpec(global_batch_size=8, microbatches=2, expert_reshard_after_forward=True)
+    assert summarize(comm_per_rank(spec, dims, resharding)[0])["edp"]["all_gather"] == (
+        (m + 2) * (1 / 2) * experts_local * 2)
 
 
 # ---------------------------------------------------------------- bubble

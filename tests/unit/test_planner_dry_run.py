@@ -156,7 +156,46 @@ def test_seed_moe_1t_one_block_per_stage_on_512_fake_ranks():
     assert result.ranks[0].traced["edp"]["reduce_scatter"] == pytest.approx(15 / 16 * 2 * experts_local * 4)
 
 
+def test_moe_1t_like_layout_without_the_trace_plans_what_the_trace_finds():
+    """A moe_1t-shaped layout (every block MoE, top-2, SP, pp > 1, experts FSDP over edp = 2, more ep ranks than a
+    rank's routed assignments): the formulas the planner uses without a trace (``TrainSpec`` defaults: experts
+    kept gathered under pipelining, as ``lightning_4d.parallelize`` wraps them) agree with the traced bytes."""
+    from lightning_4d.data_parallel import reshards_after_forward
+    from lightning_4d.models.moe import MoEConfig, MoETransformer
+    from lightning_4d.planner.comm import comm_per_rank, summarize
+
+    cfg = MoEConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=32,
+                    num_experts=8, top_k=2, expert_hidden=64, aux_loss_coef=0.001)
+    dims = ParallelDims.from_world(32, tp=2, pp=2, ep=8)  # edp = dp·tp/ep = 2
+    train = TrainSpec(global_batch_size=16, seq_len=4, microbatches=2, activation_checkpointing="selective")
+    spec = TransformerSpec.from_config(cfg, seq_len=4)
+    result = dry_run(lambda: CausalLM(MoETransformer(cfg)), spec, dims, train)
+    assert result.ok, result.format()
+    # 2 tokens per tp rank × top-2 = 4 assignments < ep = 8: traced with 2 sequences so every ep rank gets one
+    assert result.micro_batch_size == 2 and any("so that uniform routing" in a for a in result.assumptions)
+    assert result.expert_reshard_after_forward is reshards_after_forward(dims.pp) is False
+    untraced = comm_per_rank(spec, dims, train.with_(global_batch_size=2 * dims.dp, microbatches=1))  # no override
+    for r in result.ranks:
+        formulas = summarize(untraced[r.coordinates["pp"]])
+        for axis in ("ep", "edp"):
+            for kind, traced in r.traced[axis].items():
+                assert formulas[axis][kind] == pytest.approx(traced, rel=0.25), (r.rank, axis, kind)
+
+
 # ---------------------------------------------------------------------------------------------- pieces
+def test_traced_micro_batch_gives_every_ep_rank_the_same_share():
+    from lightning_4d.planner.dry_run import traced_micro_batch
+    from lightning_4d.planner.spec import seed_moe_1t
+
+    spec = seed_moe_1t()
+    wide = ParallelDims.from_world(512, tp=8, pp=8, ep=64)  # conf/parallel/moe_1t_512.yaml
+    assert traced_micro_batch(spec, wide, 1, 128) == 2  # 16 tokens · 2 = 32 assignments over 64 ranks
+    assert traced_micro_batch(spec, wide, 1, 4096) == 1
+    assert traced_micro_batch(spec, ParallelDims.from_world(512, tp=8, pp=4, ep=8), 1, 128) == 1
+    n = 2 * 128 // 8 * 2  # the widened micro-batch's assignments per rank
+    assert torch.bincount(uniform_experts(n, 64, 64), minlength=64).tolist() == [1] * 64
+
+
 def test_uniform_experts_spread_over_ranks_then_experts():
     idx = uniform_experts(32, num_experts=64, ep=8)  # fewer assignments than experts: still 4 per ep rank
     assert torch.bincount(idx // 8, minlength=8).tolist() == [4] * 8

@@ -8,25 +8,49 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from lightning_4d import init_pieces
 from lightning_4d.config import FourDConfig
 from lightning_4d.mesh import ParallelDims
 from lightning_4d.models import CausalLM, Llama, LlamaConfig
 from lightning_4d.planner.memory import memory_per_rank
-from lightning_4d.planner.setup_memory import largest_tensor_params, reduced_check_params, setup_peak_bytes
-from lightning_4d.planner.spec import TrainSpec, TransformerSpec
+from lightning_4d.planner.setup_memory import (largest_tensor_params, reduced_check_params, setup_peak_bytes,
+                                               setup_scratch_bytes)
+from lightning_4d.planner.spec import TrainSpec, TransformerSpec, seed_moe_1t
 from lightning_4d.reduced_check import CHECK_FLOOR_BYTES, check_budget_bytes, check_reduced_model, reduced_copy_bytes
 
 SPEC = TransformerSpec(vocab_size=32000, hidden=768, layers=12, heads=12, ffn_hidden=2688)
 DIMS = ParallelDims.from_world(8, tp=2, pp=2)
 
 
-def test_materialisation_is_the_share_plus_the_largest_tensor() -> None:
+def test_materialisation_is_the_share_plus_one_chunk_of_scratch() -> None:
     share = 72e6
     largest = largest_tensor_params(SPEC) * 4
-    assert largest == 32000 * 768 * 4  # the embedding
+    assert largest == 32000 * 768 * 4  # the embedding: it sets the check's budget, not the materialisation
     check = reduced_copy_bytes(reduced_check_params(SPEC, DIMS) * 4)
     assert check <= check_budget_bytes(share, largest)  # within budget: counted
-    assert setup_peak_bytes(SPEC, DIMS, share) == max(share + largest, check)
+    assert setup_scratch_bytes(SPEC) == init_pieces.CHUNK_ELEMENTS * init_pieces.SCRATCH_BYTES_PER_ELEMENT
+    assert setup_peak_bytes(SPEC, DIMS, share) == max(share + setup_scratch_bytes(SPEC), check)
+    assert setup_peak_bytes(SPEC, DIMS, share) < share + largest
+
+
+def test_the_scratch_is_the_materialisers_chunk_and_no_more_than_the_largest_tensor(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(init_pieces, "CHUNK_ELEMENTS", 1000)  # one owner: the planner follows the runtime's chunk
+    assert setup_scratch_bytes(SPEC) == 1000 * init_pieces.SCRATCH_BYTES_PER_ELEMENT
+    small = TransformerSpec(vocab_size=10, hidden=4, layers=1, heads=1, ffn_hidden=8)  # largest tensor: gate_up 64
+    assert largest_tensor_params(small) == 64
+    assert setup_scratch_bytes(small) == 64 * init_pieces.SCRATCH_BYTES_PER_ELEMENT
+
+
+def test_a_meta_built_moe_1t_rank_holds_its_share_not_a_whole_expert_stack() -> None:
+    spec = seed_moe_1t(4096)
+    dims = ParallelDims.from_world(512, tp=8, pp=8, ep=64, virtual_stages=2)  # conf/parallel/moe_1t_512.yaml
+    train = TrainSpec(global_batch_size=1024, seq_len=4096, microbatches=64, schedule="zbv",
+                      activation_checkpointing="selective")
+    stack = largest_tensor_params(spec) * 4
+    assert stack > 60e9  # one layer's experts (64 × 2F × h), fp32
+    for m in memory_per_rank(spec, dims, train):
+        assert m.params < m.setup <= m.params + init_pieces.scratch_bytes()
 
 
 def test_a_check_over_its_budget_is_not_counted() -> None:
@@ -36,7 +60,7 @@ def test_a_check_over_its_budget_is_not_counted() -> None:
     largest = largest_tensor_params(wide) * 4
     check = reduced_copy_bytes(reduced_check_params(wide, dims) * 4)
     assert check > check_budget_bytes(share, largest)  # 8 unsharded 1.8 B-parameter blocks: skipped at run time
-    assert setup_peak_bytes(wide, dims, share) == share + largest
+    assert setup_peak_bytes(wide, dims, share) == share + setup_scratch_bytes(wide)
 
 
 def test_the_budget_is_the_largest_ranks_and_never_below_the_floor() -> None:
