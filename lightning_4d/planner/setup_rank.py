@@ -34,6 +34,10 @@ __all__ = ["SetupMeasurement", "simulate_setup"]
 GB = 1e9
 
 
+def _size(n: float) -> str:
+    return f"{n / GB:.2f} GB" if n >= 0.1 * GB else f"{n / 2**20:.1f} MiB"
+
+
 @dataclass
 class SetupMeasurement:
     """What :func:`simulate_setup` measured for one rank.
@@ -61,12 +65,12 @@ class SetupMeasurement:
     def describe(self, estimate_bytes: Optional[float] = None) -> str:
         """One paragraph for the plan's report (with the planner's estimate when given)."""
         text = (f"set-up of rank {self.rank} of {self.world_size}, run here (fake process group, shards "
-                f"materialised for real): share {self.share_bytes / GB:.2f} GB, peak resident growth "
-                f"{self.peak_bytes / GB:.2f} GB; rewrite on meta {self.rewrite_s:.1f} s, materialise "
+                f"materialised for real): share {_size(self.share_bytes)}, peak resident growth "
+                f"{_size(self.peak_bytes)}; rewrite on meta {self.rewrite_s:.1f} s, materialise "
                 f"{self.materialize_s:.1f} s ({self.calls - len(self.whole_calls)} of {self.calls} initialiser calls "
                 f"replayed piece by piece, scratch {self.scratch_bytes / 2**20:.0f} MiB)")
         if estimate_bytes is not None:
-            text += (f"; planner's set-up estimate {estimate_bytes / GB:.2f} GB: measured / estimate = "
+            text += (f"; planner's set-up estimate {_size(estimate_bytes)}: measured / estimate = "
                      f"{self.ratio(estimate_bytes):.3f}")
         return text
 

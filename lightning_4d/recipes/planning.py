@@ -275,6 +275,9 @@ def plan_setup(cfg: Union[DictConfig, TrainConfig]) -> PlanSetup:
     bad = [r for r in plan.trace_ranks or [] if not 0 <= r < world]
     if bad:
         raise PlanError(f"plan.trace_ranks={bad} are outside the world of {world} ranks.")
+    if plan.materialize_rank is not None and not plan.materialize_rank < world:
+        raise PlanError(f"plan.materialize_rank={plan.materialize_rank} is outside the world of {world} ranks "
+                        f"(0 ... {world - 1}).")
     return PlanSetup(c, plan, spec, dims, cluster, train, notes)
 
 
@@ -364,6 +367,33 @@ def run_dry_run(setup: PlanSetup) -> DryRunResult:
             f"dry run: {blocks} of {total} blocks traced (plan.trace_blocks); the formulas are "
             f"per block, compared for the same {blocks} blocks")
     return result
+
+
+def run_setup_simulation(setup: PlanSetup, plan: dict) -> str:
+    """Set up rank ``plan.materialize_rank`` of the configured run for real in this process
+    (:func:`~lightning_4d.planner.setup_rank.simulate_setup`, the whole model) and compare its measured peak with the
+    planner's set-up term for that rank's pipeline role (``plan["memory"]["per_role"]``: tensors only, the CPU
+    process's own runtime is outside both); the result is stored as ``plan["setup_simulation"]``.
+
+    Example:
+        >>> # not run: allocates the rank's share (8 GB for moe_1t at 512 ranks)
+        >>> print(run_setup_simulation(plan_setup(cfg), plan))  # doctest: +SKIP
+        set-up of rank 0 of 512, run here ...
+    """
+    from lightning_4d.mesh import rank_coordinates
+    from lightning_4d.planner.dry_run import strategy_config
+    from lightning_4d.planner.setup_rank import simulate_setup
+
+    rank = setup.plan.materialize_rank
+    assert rank is not None
+    pp_rank = rank_coordinates(setup.dims, rank)["pp"]
+    role = next(r for r in plan["memory"]["per_role"] if r["pp_rank"] == pp_rank)
+    estimate = float(role["setup"])
+    measured = simulate_setup(lambda: build_model(setup.config), setup.dims, rank,
+                              config=strategy_config(setup.dims, setup.train), precision=setup.train.precision)
+    plan["setup_simulation"] = {**measured.as_dict(), "estimate_bytes": estimate,
+                                "measured_over_estimate": measured.ratio(estimate)}
+    return measured.describe(estimate)
 
 
 # ---------------------------------------------------------------------------------------------- run
@@ -458,6 +488,8 @@ def run_plan(cfg: Union[DictConfig, TrainConfig], out_dir: Optional[Union[str, P
             raise PlanError(f"search: {err}") from None
         plan["search"] = [cand.as_dict() for cand in cands]
         text += ["", _format_search(cands)]
+    if plan_cfg.materialize_rank is not None:
+        text += ["", run_setup_simulation(setup, plan)]
     if not plan["memory"]["fits"]:
         text += ["", does_not_fit_message(plan, setup.cluster.device)]
         exit_code = EXIT_DOES_NOT_FIT

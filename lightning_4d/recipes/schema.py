@@ -461,7 +461,11 @@ class PlanConfig:
     backward instead of PyTorch's eager kernels). ``search``: rank every layout of the cluster and show the ``top`` ones.
     ``trace``: dry-run the real rewriting on a fake process group and compare traced bytes with the formulas,
     over ``trace_blocks`` blocks (``null``: the whole model up to 8 blocks) and the ranks ``trace_ranks``
-    (``null``: one per pipeline rank). ``output``: the JSON file (relative: in the run dir).
+    (``null``: one per pipeline rank). ``materialize_rank``: also set up that global rank for real in this process
+    (fake process group, the whole model rewritten on meta, the rank's shards allocated and initialised:
+    :func:`lightning_4d.planner.setup_rank.simulate_setup`) and print its measured peak memory and seconds next to
+    the planner's set-up estimate (``null``: skip; needs host memory for one rank's share). ``output``: the JSON
+    file (relative: in the run dir).
 
     Example:
         >>> PlanConfig().device, PlanConfig(device="custom", memory_gb=96, peak_tflops=400, nvlink_gb_s=300,
@@ -498,6 +502,7 @@ class PlanConfig:
     trace: bool = True
     trace_blocks: Optional[int] = None
     trace_ranks: Optional[List[int]] = None
+    materialize_rank: Optional[int] = None
     output: str = "plan.json"
 
     def __post_init__(self) -> None:
@@ -538,6 +543,8 @@ class PlanConfig:
                 f"plan.expert_imbalance={self.expert_imbalance} must be >= 1 (1 = uniform routing).")
         for r in self.trace_ranks or []:
             _non_negative("plan.trace_ranks", r)
+        if self.materialize_rank is not None:
+            _non_negative("plan.materialize_rank", self.materialize_rank)
 
 
 @dataclass

@@ -191,3 +191,26 @@ def test_command_line_plan_and_impossible_request(tmp_path: Path) -> None:
     assert big.returncode == 3, big.stdout[-2000:] + big.stderr[-2000:]
     assert "error: DOES NOT FIT: the training step's peak" in big.stderr and "Traceback" not in big.stderr
     assert (tmp_path / "big" / "plan.json").exists()
+
+
+def test_materialize_rank_sets_up_one_rank_for_real(tmp_path: Path) -> None:
+    """``plan.materialize_rank=R``: rank R's shards are allocated and initialised in this process (fake process
+    group) and its measured memory is stored beside the planner's set-up estimate for its pipeline role."""
+    from lightning_4d.mesh import rank_coordinates
+
+    cfg = _compose(["model=tiny_moe", "parallel=cpu_4d", "plan.trace=false", "plan.materialize_rank=5",
+                    f"output_dir={tmp_path}"])
+    outcome = run_plan(cfg)
+    sim = outcome.plan["setup_simulation"]
+    setup = plan_setup(cfg)
+    role = next(r for r in outcome.plan["memory"]["per_role"]
+                if r["pp_rank"] == rank_coordinates(setup.dims, 5)["pp"])
+    assert sim["rank"] == 5 and sim["world_size"] == 8 and sim["whole_calls"] == []
+    assert sim["estimate_bytes"] == role["setup"]
+    # The rank holds its share, a fraction of the model (tp=pp=ep=dp=2), not the whole of it.
+    params = count_params(setup.config.model).total
+    assert 0 < sim["share_bytes"] < 4 * params / 2
+    assert sim["peak_bytes"] >= sim["share_bytes"]
+    assert "planner's set-up estimate" in outcome.text
+    with pytest.raises(PlanError, match=r"plan.materialize_rank=8 is outside the world of 8 ranks"):
+        plan_setup(_compose(["model=tiny_moe", "parallel=cpu_4d", "plan.materialize_rank=8"]))
