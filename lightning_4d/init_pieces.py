@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["CHUNK_ELEMENTS", "SCRATCH_BYTES_PER_ELEMENT", "Region", "Step", "draw_key", "evaluate", "normal01",
+__all__ = ["CHUNK_ELEMENTS", "SCRATCH_BYTES_PER_ELEMENT", "Region", "Step", "covers", "draw_key", "evaluate", "normal01",
            "scratch_bytes", "uniform01", "unwritten_fill"]
 
 CHUNK_ELEMENTS = 1 << 16  # elements of a rank's shard computed at once (smaller chunks stay in cache: faster too)
@@ -181,6 +181,40 @@ class Region:
             extent += (self.sizes[d] - 1) * self.strides[d]
         return all(st >= 0 for st in self.strides)
 
+    def box(self, shape: Sequence[int]) -> Optional[list[tuple[int, int]]]:
+        """The view as ``[start, stop)`` per dimension of the full tensor of ``shape`` when it is an axis-aligned
+        block (slices of step 1, selects, narrows: every view dimension strides like one full dimension, in order),
+        else ``None``.
+
+        Example:
+            >>> Region(3, (2,), (1,), 6).box((2, 3)), Region(0, (2,), (2,), 4).box((4,))
+            ([(1, 2), (0, 2)], None)
+        """
+        full = Region.whole_of(shape).strides
+        if self.numel == 0:
+            return [(0, 0)] * len(shape)
+        dims: dict[int, int] = {}
+        last = -1
+        for size, stride in zip(self.sizes, self.strides):
+            if size == 1:
+                continue
+            if stride not in full:
+                return None
+            d = full.index(stride)
+            while d + 1 < len(full) and full[d + 1] == stride:  # several full dimensions of size 1 share a stride
+                d += 1
+            if d <= last or d in dims:
+                return None
+            dims[d], last = size, d
+        box, rest = [], self.offset
+        for d, stride in enumerate(full):
+            start, rest = divmod(rest, stride) if stride else (0, rest)
+            stop = start + dims.get(d, 1)
+            if stop > shape[d]:
+                return None
+            box.append((start, stop))
+        return box if rest == 0 else None
+
     def locate(self, positions: Tensor, indices: bool = True,
                bounds: Optional[tuple[int, int]] = None) -> tuple[Optional[Tensor], list[Optional[Tensor]]]:
         """``(mask, index)``: which ``positions`` the view covers (``None``: all) and, for those, their index along
@@ -250,6 +284,35 @@ def _gather(src: Tensor, sizes: tuple[int, ...], index: list[Optional[Tensor]], 
         if i is not None and expanded.stride(d):
             flat += i * expanded.stride(d)
     return base.reshape(-1)[flat]
+
+
+def covers(regions: Sequence[Region], shape: Sequence[int], max_cells: int = 1 << 20) -> Optional[bool]:
+    """Whether axis-aligned ``regions`` (:meth:`Region.box`) together cover every element of a tensor of ``shape``,
+    decided on the grid their boundaries cut the tensor into (no per-element work); ``None`` when a region is not a
+    block or the grid exceeds ``max_cells``.
+
+    Example:
+        >>> halves = [Region(0, (1, 3), (3, 1), 6), Region(3, (1, 3), (3, 1), 6)]
+        >>> covers(halves, (2, 3)), covers(halves[:1], (2, 3))
+        (True, False)
+    """
+    boxes = [r.box(shape) for r in regions]
+    if any(b is None for b in boxes):
+        return None
+    cuts = [sorted({0, size, *(v for b in boxes for v in b[d])}) for d, size in enumerate(shape)]  # type: ignore[index]
+    if math.prod(max(len(c) - 1, 1) for c in cuts) > max_cells:
+        return None
+    grids = [torch.tensor(c[:-1], dtype=torch.long) for c in cuts]  # each cell's first index, per dimension
+    if any(g.numel() == 0 for g in grids):
+        return True  # an empty tensor
+    mesh = torch.meshgrid(*grids, indexing="ij") if grids else []
+    hit = torch.zeros(mesh[0].shape if mesh else (), dtype=torch.bool)
+    for b in boxes:
+        inside = torch.ones_like(hit)
+        for d, (lo, hi) in enumerate(b):  # type: ignore[union-attr]
+            inside &= (mesh[d] >= lo) & (mesh[d] < hi)
+        hit |= inside
+    return bool(hit.all())
 
 
 def evaluate(steps: Sequence[Step], positions: Tensor, values: Tensor) -> None:

@@ -57,7 +57,7 @@ from torch import Tensor, nn
 
 from lightning_4d._compat import init_calls, release_freed_host_memory, returnable_host_empty, to_empty_keeping_ties
 from lightning_4d._compat.dispatch import dispatch_mode_base
-from lightning_4d.init_pieces import CHUNK_ELEMENTS, Region, Step, evaluate, scratch_bytes, unwritten_fill
+from lightning_4d.init_pieces import CHUNK_ELEMENTS, Region, Step, covers, evaluate, scratch_bytes, unwritten_fill
 from lightning_4d.init_record import Recorder, RecordingTensor
 from lightning_4d.load_sources import load_sources, weight_sources
 from lightning_4d.shard_slices import chunkable, local_chunks, local_of, local_slice, read_local, write_full
@@ -356,11 +356,15 @@ def _compute_local(entry: _Entry, places: list[_Place]) -> None:
 
 def _covered(entry: _Entry) -> bool:
     """Whether the defining steps recorded for ``entry`` wrote every element (layout-independent: from the
-    regions alone; a whole-tensor region decides at once, partial ones are counted in chunks)."""
+    regions alone; a whole-tensor region decides at once, blocks (e.g. one expert each) on the grid of their
+    boundaries, anything else counted in chunks)."""
     if not entry.defined:
         return False
     if any(r.whole for r in entry.defined):
         return True
+    decided = covers(entry.defined, tuple(entry.meta.shape))
+    if decided is not None:
+        return decided
     numel = entry.meta.numel()
     for start in range(0, numel, CHUNK_ELEMENTS):
         positions = torch.arange(start, min(start + CHUNK_ELEMENTS, numel))

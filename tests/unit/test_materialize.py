@@ -234,3 +234,42 @@ def test_perturbation_breaks_symmetry() -> None:
     norm = nn.LayerNorm(6)
     perturb_(norm, torch.Generator().manual_seed(0))
     assert len(set(norm.weight.tolist())) == 6 and len(set(norm.bias.tolist())) == 6
+
+
+def test_coverage_of_blocks_matches_a_per_element_count() -> None:
+    """``init_pieces.covers`` (grid of block boundaries) against the positions the views really touch, on random
+    slices, selects and transposes (transposes are not blocks: ``None``)."""
+    from lightning_4d.init_pieces import Region, covers
+
+    gen = torch.Generator().manual_seed(0)
+    decided = 0
+    for trial in range(200):
+        shape = tuple(int(s) for s in torch.randint(1, 5, (int(torch.randint(1, 4, (1,), generator=gen)),),
+                                                    generator=gen))
+        full = torch.empty(shape)
+        views = []
+        for _ in range(int(torch.randint(1, 5, (1,), generator=gen))):
+            v = full
+            for d, size in enumerate(shape):
+                a = int(torch.randint(0, size, (1,), generator=gen))
+                b = int(torch.randint(a + 1, size + 1, (1,), generator=gen))
+                v = v.narrow(d, a, b - a) if d < v.dim() else v
+            if trial % 7 == 0 and v.dim() >= 2:
+                v = v.transpose(0, 1)
+            views.append(v)
+        regions = [Region(v.storage_offset(), tuple(v.shape), tuple(v.stride()), full.numel()) for v in views]
+        touched = torch.zeros(full.numel(), dtype=torch.bool)
+        for v in views:
+            idx = torch.arange(full.numel()).view(shape).as_strided(v.shape, v.stride(), v.storage_offset())
+            touched[idx.reshape(-1)] = True
+        got = covers(regions, shape)
+        if got is not None:
+            decided += 1
+            assert got == bool(touched.all()), (shape, regions)
+        for v, r in zip(views, regions):
+            box = r.box(shape)
+            if box is not None:
+                idx = torch.arange(full.numel()).view(shape)[tuple(slice(a, b) for a, b in box)]
+                want = torch.arange(full.numel()).view(shape).as_strided(v.shape, v.stride(), v.storage_offset())
+                assert sorted(idx.reshape(-1).tolist()) == sorted(want.reshape(-1).tolist())
+    assert decided > 150
