@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 
     from lightning_4d.checkpoint.stream import CheckpointReader
 
-__all__ = ["SIDE_FILES", "conversion_groups", "export_hf", "load_strict", "resolve_names", "strip_prefix"]
+__all__ = ["SIDE_FILES", "conversion_groups", "export_hf", "load_strict", "per_row_outputs", "resolve_names",
+           "strip_prefix"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 _V = TypeVar("_V")
@@ -280,6 +281,63 @@ def _write_group(writer: SafetensorsWriter, sources: Mapping[str, tuple[str, tor
         writer.write(name, value)
 
 
+def per_row_outputs(revert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]], key: str,
+                    tensor: torch.Tensor, outputs: Mapping[str, TensorSpec]) -> Optional[Callable[[int], dict[str, str]]]:
+    """For a model tensor ``key`` (meta ``tensor``, ``E`` rows) whose conversion writes ``outputs``: when the
+    conversion of its rows ``[i, i+1)`` alone gives the outputs of row ``i`` (e.g. a fused expert stack written as
+    ``experts.{i}.…`` per expert), a function mapping ``i`` to ``{name the one-row conversion writes: the output
+    name}``; ``None`` otherwise (checked on meta for every row, so nothing is assumed).
+
+    Example:
+        >>> t = torch.empty(2, 3, device="meta")
+        >>> split = lambda sd: {f"e.{i}.w": v[i] for k, v in sd.items() for i in range(v.shape[0])}
+        >>> per_row_outputs(split, "w", t, {"e.0.w": TensorSpec((3,), torch.float32),
+        ...                                 "e.1.w": TensorSpec((3,), torch.float32)})(1)
+        {'e.0.w': 'e.1.w'}
+    """
+    rows = tensor.shape[0] if tensor.dim() >= 2 else 0
+    if rows < 2:
+        return None
+    try:
+        one = {n: TensorSpec.of(v) for n, v in revert({key: tensor[:1]}).items()}
+    except Exception:  # a conversion that needs the whole tensor
+        return None
+    if len(one) * rows != len(outputs):
+        return None
+    fields: dict[str, int] = {}
+    for name in one:
+        parts = name.split(".")
+        found = [p for p, part in enumerate(parts) if part == "0"
+                 and all(".".join(parts[:p] + [str(i)] + parts[p + 1:]) in outputs for i in range(rows))]
+        if len(found) != 1:
+            return None
+        fields[name] = found[0]
+
+    def names(i: int) -> dict[str, str]:
+        out = {}
+        for name, p in fields.items():
+            parts = name.split(".")
+            out[name] = ".".join(parts[:p] + [str(i)] + parts[p + 1:])
+        return out
+
+    if any(one[n] != outputs[names(i)[n]] for i in range(rows) for n in one):
+        return None
+    return names
+
+
+def _write_rows(writer: SafetensorsWriter, key: str, source: tuple[str, torch.dtype], rows: int, reader: CheckpointReader,
+                revert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+                names: Callable[[int], dict[str, str]]) -> None:
+    """Write a per-row conversion (one expert at a time): read row ``i`` alone, convert, write under its names."""
+    name, dtype = source
+    for i in range(rows):
+        value = reader.read_rows(name, i, i + 1)
+        value = value if value.dtype == dtype else value.to(dtype)
+        rename = names(i)
+        for out, tensor in revert({key: value}).items():
+            writer.write(rename[out], tensor)
+
+
 def export_hf(checkpoint: PathLike, out: PathLike, base: Optional[PathLike] = None, verify: bool = True,
               dtype: Optional[Union[str, torch.dtype]] = None,
               max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE) -> Path:
@@ -290,9 +348,11 @@ def export_hf(checkpoint: PathLike, out: PathLike, base: Optional[PathLike] = No
     dtypes are checked against it from DCP's metadata before any weight is read. Then each tensor is read,
     cast, converted to transformers' on-disk names and layout (tied copies dropped, fused experts split per
     expert, as ``save_pretrained`` does) and written to its place in ``model.safetensors`` or, above
-    ``max_shard_size``, ``model-0000k-of-0000n.safetensors`` with ``model.safetensors.index.json``. Peak
-    memory: about twice the checkpoint's largest tensor (DCP deserialises a saved chunk, then copies it into
-    place), whatever the model or shard size.
+    ``max_shard_size``, ``model-0000k-of-0000n.safetensors`` with ``model.safetensors.index.json``. A stacked
+    expert tensor that transformers writes per expert is read and written one expert at a time
+    (:func:`per_row_outputs`, ``CheckpointReader.read_rows``: only the saved chunks holding that expert). Peak
+    memory: about twice the checkpoint's largest tensor other than such stacks, or of its largest saved chunk
+    (DCP deserialises a saved chunk, then copies it into place), whatever the model or shard size.
 
     Args:
         checkpoint: a checkpoint directory written by ``FourDStrategy`` (any layout).
@@ -354,10 +414,15 @@ def export_hf(checkpoint: PathLike, out: PathLike, base: Optional[PathLike] = No
         model.save_pretrained(str(tmp), state_dict={})  # config.json, generation_config.json: as transformers writes
         for stray in [*tmp.glob("*.safetensors"), tmp / SAFE_WEIGHTS_INDEX]:
             stray.unlink(missing_ok=True)
+        revert = lambda sd: revert_conversion(model, sd)  # noqa: E731
         with SafetensorsWriter(tmp, layout) as writer:
-            for keys, _ in groups:  # one group in memory at a time: about one tensor
-                _write_group(writer, {key: (prefix + names[key], own[key].dtype) for key in keys}, reader,
-                             lambda sd: revert_conversion(model, sd))
+            for keys, outputs in groups:  # one group in memory at a time: about one tensor, or one expert
+                rows = per_row_outputs(revert, keys[0], saved[keys[0]], outputs) if len(keys) == 1 else None
+                if rows is not None:  # a stacked expert tensor written per expert: never the whole stack
+                    _write_rows(writer, keys[0], (prefix + names[keys[0]], own[keys[0]].dtype),
+                                saved[keys[0]].shape[0], reader, revert, rows)
+                    continue
+                _write_group(writer, {key: (prefix + names[key], own[key].dtype) for key in keys}, reader, revert)
         if len(layout) > 1:
             write_index(tmp, layout, total_parameters=model.num_parameters())
         _copy_side_files(base_dir, tmp)

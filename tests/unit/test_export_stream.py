@@ -238,3 +238,52 @@ def test_reader_reads_one_key(tmp_path: Path) -> None:
     (tmp_path / "ckpt" / "__0_0.distcp").unlink()
     with pytest.raises(ValueError, match=r"Could not read checkpoint .*__0_0\.distcp is missing"):
         reader.read("norm.weight")
+
+
+def test_reader_reads_rows_from_the_chunks_holding_them(tmp_path: Path) -> None:
+    """``read_rows`` equals the rows of the whole tensor, from a checkpoint whose stack is saved in several chunks
+    (as under ep > 1): rows of one chunk read only that chunk's file."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    torch.manual_seed(0)
+    state = _save(StackedMoE(), tmp_path / "ckpt")
+    reader = stream.CheckpointReader(tmp_path / "ckpt")
+    name = "layer.experts.w2"
+    full = state[name]
+    for start, stop in [(0, 1), (1, full.shape[0]), (0, full.shape[0])]:
+        assert torch.equal(reader.read_rows(name, start, stop), full[start:stop])
+    with pytest.raises(ValueError, match=r"rows \[0, 99\) are outside"):
+        reader.read_rows(name, 0, 99)
+    # The planner's read items: only chunks that intersect the rows, at the right offsets.
+    planner = stream._rows_planner("model." + name, 1, 2)
+    meta = dcp.FileSystemReader(str(tmp_path / "ckpt")).read_metadata()
+    two = ChunkStorageMetadata(offsets=torch.Size([0, 0, 0]), sizes=torch.Size([1, *full.shape[1:]]))
+    rest = ChunkStorageMetadata(offsets=torch.Size([1, 0, 0]), sizes=torch.Size([full.shape[0] - 1, *full.shape[1:]]))
+    meta.state_dict_metadata["model." + name].chunks = [two, rest]
+    planner.set_up_planner({"model." + name: torch.empty(1, *full.shape[1:])}, meta, True)
+    items = planner.create_local_plan().items
+    assert [(list(i.storage_index.offset), list(i.storage_offsets), list(i.dest_offsets), list(i.lengths))
+            for i in items] == [([1, 0, 0], [0, 0, 0], [0, 0, 0], [1, *full.shape[1:]])]
+
+
+def test_experts_exported_one_at_a_time() -> None:
+    """A transformers MoE's fused expert stacks convert per expert (``per_row_outputs``): the export never holds a
+    layer's whole stack; a tensor whose rows do not map to outputs (a dense weight) is written whole."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_4d._compat.hf_saving import revert_conversion, saved_state
+    from lightning_4d.checkpoint.hf_export import conversion_groups, per_row_outputs
+    from tests.hf_tiny import tiny_config
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(tiny_config("qwen3moe", 64))
+    saved = saved_state(model)
+    revert = lambda sd: revert_conversion(model, sd)  # noqa: E731
+    groups = conversion_groups(revert, saved)
+    assert groups is not None
+    per_row = {keys[0]: per_row_outputs(revert, keys[0], saved[keys[0]], out) for keys, out in groups if len(keys) == 1}
+    experts = [k for k in per_row if ".experts." in k]
+    assert experts and all(per_row[k] is not None for k in experts), experts
+    names = per_row["model.layers.0.mlp.experts.down_proj"](3)
+    assert list(names.values()) == ["model.layers.0.mlp.experts.3.down_proj.weight"]
+    assert per_row["model.layers.0.self_attn.q_proj.weight"] is None
