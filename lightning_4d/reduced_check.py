@@ -20,8 +20,8 @@ sharded forward with the unsharded one on real values:
 
 Memory: the copy's embedding, head and ``pp · v`` blocks, unsharded, plus its rewritten copy, before this rank's
 shards exist (so the set-up peak is the larger of the two, not their sum). The copy runs only if that fits a
-budget (:func:`check_budget_bytes`: by default what materialisation needs anyway, this rank's share plus the
-largest tensor, at least 256 MiB), so the check never raises the set-up peak: a model whose blocks are too wide
+budget (:func:`check_budget_bytes`: by default this rank's share plus the largest tensor, at least 256 MiB; the
+planner's set-up term counts it where it runs): a model whose blocks are too wide
 for it (``pp · v`` unsharded blocks of a 100 B+ model) is checked structurally only, with a warning saying so and
 how to force the value check (``FourDStrategy(reduced_check_budget=...)``). What is checked at full size instead, on the meta device: the trace,
 the block discovery, the pipeline split and every rewrite's structural rules (divisibility, head counts,
@@ -61,8 +61,9 @@ CHECK_FLOOR_BYTES = 256 << 20  # the reduced check may always use this much (sma
 
 
 def check_budget_bytes(share_bytes: float, largest_bytes: float) -> float:
-    """Bytes the reduced check may hold by default: what materialisation holds anyway (this rank's share plus the
-    largest single tensor in full), at least :data:`CHECK_FLOOR_BYTES`; the one rule the runtime and the planner
+    """Bytes the reduced check may hold by default: this rank's share plus the largest single tensor in full (a
+    bound set-up may reach for the check's sake; materialisation itself needs only the share plus a chunk of
+    scratch), at least :data:`CHECK_FLOOR_BYTES`; the one rule the runtime and the planner
     (:mod:`lightning_4d.planner.setup_memory`) both use.
 
     Example:

@@ -374,9 +374,10 @@ class FourDStrategy(ParallelStrategy):
         return plan
 
     def _check_budget(self, skeleton: torch.nn.Module, meta: bool) -> float:
-        """Bytes the reduced check may hold, the same on every rank: the option, else what set-up holds anyway —
-        for a meta-built model the largest rank's share (one all-reduce of a number) plus the largest tensor, for
-        one built for real the whole model (every rank held it)."""
+        """Bytes the reduced check may hold, the same on every rank: the option, else
+        :func:`~lightning_4d.reduced_check.check_budget_bytes` — for a meta-built model the largest rank's share
+        (one all-reduce of a number) plus the largest tensor, for one built for real the whole model (every rank
+        held it)."""
         if self._reduced_check_budget is not None:
             return float(self._reduced_check_budget)
         if self.mesh.dims.tp == 1 and self.mesh.dims.pp == 1:
