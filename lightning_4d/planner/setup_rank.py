@@ -53,7 +53,8 @@ class SetupMeasurement:
     share_bytes: int = 0  # this rank's local parameter and buffer bytes
     peak_bytes: int = 0  # peak resident growth over the process before the model was built
     rewrite_s: float = 0.0  # build on meta + parallelize_module
-    materialize_s: float = 0.0  # allocate + initialise this rank's shards
+    materialize_s: float = 0.0  # allocate + initialise this rank's shards (wall clock)
+    materialize_cpu_s: float = 0.0  # the same in CPU seconds of this process (robust to a shared machine)
     calls: int = 0  # initialiser calls of the model
     whole_calls: list[str] = field(default_factory=list)  # calls that ran on whole tensors (not replayable)
     scratch_bytes: int = 0
@@ -67,7 +68,7 @@ class SetupMeasurement:
         text = (f"set-up of rank {self.rank} of {self.world_size}, run here (fake process group, shards "
                 f"materialised for real): share {_size(self.share_bytes)}, peak resident growth "
                 f"{_size(self.peak_bytes)}; rewrite on meta {self.rewrite_s:.1f} s, materialise "
-                f"{self.materialize_s:.1f} s ({self.calls - len(self.whole_calls)} of {self.calls} initialiser calls "
+                f"{self.materialize_s:.1f} s ({self.materialize_cpu_s:.1f} CPU s; {self.calls - len(self.whole_calls)} of {self.calls} initialiser calls "
                 f"replayed piece by piece, scratch {self.scratch_bytes / 2**20:.0f} MiB)")
         if estimate_bytes is not None:
             text += (f"; planner's set-up estimate {_size(estimate_bytes)}: measured / estimate = "
@@ -133,9 +134,9 @@ def simulate_setup(build: Callable[[], nn.Module], dims: ParallelDims, rank: int
         with fake_friendly_mode():
             parallelize_module(module, mesh, config, precision, accumulate=1)
         out.rewrite_s = time.perf_counter() - start
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         report = materialize_local_shards(skeleton, module, torch.device("cpu"), source_names=source_names(module))
-        out.materialize_s = time.perf_counter() - start
+        out.materialize_s, out.materialize_cpu_s = time.perf_counter() - start, time.process_time() - cpu
         out.peak_bytes = kernel_peak() - baseline
         out.share_bytes = report.local_bytes
         out.calls, out.whole_calls, out.scratch_bytes = report.calls, list(report.whole_calls), report.scratch_bytes
