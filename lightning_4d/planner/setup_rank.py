@@ -10,7 +10,7 @@ planner's set-up term (:func:`lightning_4d.planner.setup_memory.setup_peak_bytes
 ``recipes/plan.py plan.materialize_rank=R``.
 
 Example:
-    >>> # not run: allocates a rank's share of the model (8 GB for moe_1t at 512 ranks)
+    >>> # not run: needs a process group (a fake one) and a rank's share of host memory
     >>> simulate_setup(build, ParallelDims.from_world(512, tp=8, pp=8, ep=64), rank=0).describe()  # doctest: +SKIP
     'rank 0 of 512: materialised 8.12 GB of shards ...'
 """

@@ -376,7 +376,7 @@ def run_setup_simulation(setup: PlanSetup, plan: dict) -> str:
     process's own runtime is outside both); the result is stored as ``plan["setup_simulation"]``.
 
     Example:
-        >>> # not run: allocates the rank's share (8 GB for moe_1t at 512 ranks)
+        >>> # not run: needs a process group (a fake one) and files (the recipe's config files)
         >>> print(run_setup_simulation(plan_setup(cfg), plan))  # doctest: +SKIP
         set-up of rank 0 of 512, run here ...
     """
