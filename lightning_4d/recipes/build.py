@@ -359,7 +359,8 @@ def build_model(cfg: Config, trainer: Optional["L.Trainer"] = None) -> "L.Lightn
         net = build_network(c)
     o = c.optim
     return CausalLM(net, lr=o.lr, weight_decay=o.weight_decay, betas=(o.betas[0], o.betas[1]),
-                    warmup_steps=o.warmup_steps)
+                    warmup_steps=o.warmup_steps, schedule=o.schedule, decay_steps=o.decay_steps,
+                    min_lr_ratio=o.min_lr_ratio)
 
 
 # ---------------------------------------------------------------------------------------------- trainer

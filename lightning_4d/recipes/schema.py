@@ -357,11 +357,18 @@ DataConfig = Union[TextDataConfig, SyntheticDataConfig, HFDataConfig]
 # ---------------------------------------------------------------------------------------------- optim
 @dataclass
 class OptimConfig:
-    """AdamW of :class:`~lightning_4d.models.CausalLM` with an optional linear warm-up.
+    """AdamW of :class:`~lightning_4d.models.CausalLM` and its learning-rate schedule: ``warmup_steps`` of linear
+    warm-up, then ``schedule`` = ``constant``, ``cosine`` or ``linear`` decay to ``min_lr_ratio · lr`` at
+    ``decay_steps`` (``null``: the run's last step, ``trainer.max_steps``); the formulas are in
+    :mod:`lightning_4d.models.lr_schedule`.
 
     Example:
         >>> OptimConfig().betas
         [0.9, 0.95]
+        >>> OptimConfig(schedule="step")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lightning_4d.recipes.schema.RecipeConfigError: optim.schedule='step' is not one of constant, cosine, ...
     """
 
     name: str = "adamw"
@@ -369,12 +376,22 @@ class OptimConfig:
     weight_decay: float = 0.0
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     warmup_steps: int = 0
+    schedule: str = "constant"
+    decay_steps: Optional[int] = None
+    min_lr_ratio: float = 0.1
 
     def __post_init__(self) -> None:
+        from lightning_4d.models.lr_schedule import check_schedule
+
         if not self.lr > 0:
             raise RecipeConfigError(f"optim.lr={self.lr} must be > 0.")
         _non_negative("optim.weight_decay", self.weight_decay)
         _non_negative("optim.warmup_steps", self.warmup_steps)
+        _positive("optim.decay_steps", self.decay_steps, allow_none=True)
+        try:
+            check_schedule(self.schedule, self.warmup_steps, self.decay_steps, self.min_lr_ratio, prefix="optim.")
+        except ValueError as err:
+            raise RecipeConfigError(str(err)) from None
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise RecipeConfigError(f"optim.betas={list(self.betas)} must be two numbers in [0, 1).")
 
@@ -382,7 +399,10 @@ class OptimConfig:
 # ---------------------------------------------------------------------------------------------- top level
 @dataclass
 class CallbacksConfig:
-    """Callbacks added by :func:`~lightning_4d.recipes.build.build_callbacks`.
+    """Callbacks added by :func:`~lightning_4d.recipes.build.build_callbacks`: Lightning's progress bar
+    (``progress_bar``, redrawn every ``progress_refresh_rate`` batches), ``ModelCheckpoint`` and the package's
+    monitors named in ``monitors`` (``bubble``, ``comm``, ``experts``, ``throughput``:
+    :data:`lightning_4d.recipes.observe.MONITORS`).
 
     Example:
         >>> CallbacksConfig().checkpoint
