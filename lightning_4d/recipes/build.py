@@ -20,7 +20,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 import sys
 from dataclasses import dataclass, field
@@ -405,13 +404,14 @@ class LossHistory:
 
 
 def build_callbacks(cfg: Config, root: Optional[Path] = None) -> list[L.Callback]:
-    """Progress bar, ``ModelCheckpoint`` (under ``<output_dir>/checkpoints``) and the loss history (always last).
+    """Progress bar, ``ModelCheckpoint`` (under ``<output_dir>/checkpoints``), the monitors of ``callbacks.monitors``,
+    the learning-rate monitor (with a logger) and the loss history (always last).
 
     Example:
         >>> from lightning_4d.recipes.schema import CallbacksConfig
         >>> cbs = build_callbacks(TrainConfig(callbacks=CallbacksConfig(checkpoint=False)), Path("/tmp/x"))
         >>> [type(cb).__name__ for cb in cbs]
-        ['TQDMProgressBar', '_LossHistory']
+        ['TQDMProgressBar', 'LearningRateMonitor', '_LossHistory']
     """
     from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 
@@ -426,28 +426,36 @@ def build_callbacks(cfg: Config, root: Optional[Path] = None) -> list[L.Callback
         cbs.append(ModelCheckpoint(
             dirpath=str(root / "checkpoints"), every_n_train_steps=every, save_last=c.callbacks.save_last,
             save_top_k=1))
+    cbs.extend(_observe_callbacks(c))
     cbs.append(LossHistory.create())
     return cbs
 
 
+def _observe_callbacks(c: TrainConfig) -> list[L.Callback]:
+    """The monitors of ``callbacks.monitors`` and, when there is a logger, Lightning's ``LearningRateMonitor``
+    (the learning rate of every step, key ``lr``)."""
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
+    from lightning_4d.recipes.observe import monitor_callbacks
+
+    cbs = monitor_callbacks(c.callbacks.monitors)
+    if c.logger.csv or c.logger.name != "csv":
+        cbs.append(LearningRateMonitor(logging_interval="step"))
+    return cbs
+
+
 def build_loggers(cfg: Config, root: Optional[Path] = None) -> list[Logger]:
-    """``CSVLogger`` and, when ``tensorboard`` (or ``tensorboardX``) is installed, ``TensorBoardLogger``.
+    """The loggers of ``cfg.logger`` (``logger=csv|tensorboard|wandb|mlflow``), writing under ``root`` (default:
+    :func:`output_dir`); see :func:`lightning_4d.recipes.observe.build_logger_list`.
 
     Example:
-        >>> [type(lg).__name__ for lg in build_loggers(TrainConfig(), Path("/tmp/x"))][:1]
+        >>> [type(lg).__name__ for lg in build_loggers(TrainConfig(), Path("/tmp/x"))]
         ['CSVLogger']
     """
-    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+    from lightning_4d.recipes.observe import build_logger_list
 
     c = _cfg(cfg)
-    root = root if root is not None else output_dir(c)
-    loggers: list[Logger] = []
-    if c.logger.csv:
-        loggers.append(CSVLogger(save_dir=str(root), name="csv"))
-    has_tb = any(importlib.util.find_spec(m) is not None for m in ("tensorboard", "tensorboardX"))
-    if c.logger.tensorboard and has_tb:
-        loggers.append(TensorBoardLogger(save_dir=str(root), name="tensorboard"))
-    return loggers
+    return build_logger_list(c.logger, root if root is not None else output_dir(c))
 
 
 def _with_extra(callbacks: list[L.Callback], extra: Sequence[L.Callback]) -> list[L.Callback]:

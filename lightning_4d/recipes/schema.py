@@ -25,6 +25,7 @@ Schemas registered (group / name):
 - ``data/base_text``, ``data/base_synthetic``, ``data/base_hf_data`` — :class:`TextDataConfig`,
   :class:`SyntheticDataConfig`, :class:`HFDataConfig`.
 - ``optim/base_adamw`` — :class:`OptimConfig`.
+- ``logger/base_logger`` — :class:`LoggerConfig`.
 
 Example:
     >>> from omegaconf import OmegaConf
@@ -414,23 +415,50 @@ class CallbacksConfig:
     checkpoint: bool = True
     checkpoint_every_n_steps: Optional[int] = None
     save_last: bool = False
+    monitors: List[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        from lightning_4d.recipes.observe import check_monitors
+
         _positive("callbacks.progress_refresh_rate", self.progress_refresh_rate)
         _positive("callbacks.checkpoint_every_n_steps", self.checkpoint_every_n_steps, allow_none=True)
+        try:
+            check_monitors(self.monitors)
+        except ValueError as err:
+            raise RecipeConfigError(str(err)) from None
 
 
 @dataclass
 class LoggerConfig:
-    """Loggers: CSV always available; TensorBoard when the ``tensorboard`` package is installed.
+    """The ``logger`` group (``conf/logger/``): ``name`` = ``csv``, ``tensorboard``, ``wandb`` or ``mlflow``, plus a
+    CSV file (``csv``; the only logger of ``logger=csv``; ``logger.csv=false`` there: no logger at all).
+    ``project`` / ``run_name``: the W&B project or MLflow experiment, and the run's name. ``offline`` (W&B;
+    ``null``: offline unless ``WANDB_API_KEY`` is set or ``WANDB_MODE=online``) and ``tracking_uri`` (MLflow;
+    ``null``: ``MLFLOW_TRACKING_URI``, else a file store in ``<output_dir>/mlruns``). Built by
+    :func:`lightning_4d.recipes.observe.build_logger_list`.
 
     Example:
-        >>> LoggerConfig().csv
-        True
+        >>> LoggerConfig().name
+        'csv'
+        >>> LoggerConfig(name="neptune")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lightning_4d.recipes.schema.RecipeConfigError: logger='neptune' is not one of csv, tensorboard, ...
     """
 
+    name: str = "csv"
     csv: bool = True
-    tensorboard: bool = True
+    project: str = "lightning_4d"
+    run_name: Optional[str] = None
+    offline: Optional[bool] = None
+    tracking_uri: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        from lightning_4d.recipes.observe import LOGGERS
+
+        if self.name not in LOGGERS:
+            raise RecipeConfigError(f"logger={self.name!r} is not one of {', '.join(LOGGERS)}; e.g. "
+                                    f"logger=tensorboard (CSV is written as well unless logger.csv=false).")
 
 
 @dataclass
@@ -602,6 +630,7 @@ def register_configs() -> None:
     cs.store(group="data", name="base_synthetic", node=SyntheticDataConfig)
     cs.store(group="data", name="base_hf_data", node=HFDataConfig)
     cs.store(group="optim", name="base_adamw", node=OptimConfig)
+    cs.store(group="logger", name="base_logger", node=LoggerConfig)
     _REGISTERED = True
 
 
