@@ -143,7 +143,8 @@ def test_model_hf_gets_the_fine_tuning_defaults() -> None:
     """The numbers quoted in conf/optim/*.yaml and conf/model_optim/hf.yaml."""
     hf = [f"model.config={Path(__file__).parent / 'data' / 'tiny_llama_config.json'}"]
     o = to_train_config(_compose(["model=hf", *hf])).optim
-    assert (o.name, o.lr, o.schedule, o.min_lr_ratio, o.decay_steps) == ("finetune", 2e-5, "linear", 0.0, None)
+    assert (o.name, o.lr, o.warmup_steps, o.schedule, o.min_lr_ratio, o.decay_steps) == (
+        "finetune", 2e-5, 10, "linear", 0.0, None)
     o = to_train_config(_compose(["model=hf", *hf, "model_optim=none"])).optim
     assert (o.name, o.lr, o.schedule, o.min_lr_ratio, o.warmup_steps) == ("adamw", 3e-3, "cosine", 0.1, 20)
     assert to_train_config(_compose(["model=hf", *hf, "optim.lr=1e-4"])).optim.lr == 1e-4
