@@ -580,7 +580,10 @@ def run(cfg: Config, callbacks: Sequence[L.Callback] = ()) -> RunResult:
     """
     import lightning as L
 
+    from lightning_4d.recipes.observe import check_logger
+
     c = validate(cfg)
+    check_logger(c.logger.name)  # a logger whose package is missing fails before anything is built
     report: Optional[ResourceReport] = check_resources(c) if c.check_resources else None
     root = output_dir(c)
     saved_env = _prepare_subprocess_launch(root)

@@ -85,9 +85,14 @@ def test_mlflow_uses_a_file_store_in_the_run_dir(tmp_path: Path, no_service: Non
 def test_a_missing_backend_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    cfg = to_train_config(_compose([*TINY, "logger=wandb"]))
+    from lightning_4d.recipes import run
+
+    cfg = _compose([*TINY, "logger=wandb", f"output_dir={tmp_path}"])
     with pytest.raises(ValueError, match=r"logger=wandb needs the wandb package.*pip install \"lightning_4d\[wandb\]"):
-        build_loggers(cfg, tmp_path)
+        build_loggers(to_train_config(cfg), tmp_path)
+    with pytest.raises(ValueError, match=r"logger=wandb needs the wandb package"):
+        run(cfg)  # before anything is built: no run directory content
+    assert not (tmp_path / "csv").exists()
 
 
 def test_logger_mistakes_fail_clearly() -> None:
