@@ -156,7 +156,8 @@ class CausalLM(FourDModule, L.LightningModule):
     def configure_optimizers(self) -> OptimizerLRScheduler:
         """AdamW (per-tensor, so parameters on different meshes mix freely) with the learning-rate schedule:
         linear warm-up, then constant or a cosine / linear decay (:class:`~lightning_4d.models.lr_schedule.WarmupDecay`,
-        stepped every optimizer step)."""
+        stepped every optimizer step). A decay without ``decay_steps`` ends with the run, so without a Trainer
+        attached (the planner's dry run tracing one step) the optimizer alone is returned."""
         from lightning_4d.models.lr_schedule import WarmupDecay
 
         hp = self.hparams
@@ -168,6 +169,8 @@ class CausalLM(FourDModule, L.LightningModule):
             return opt
         decay = hp.get("decay_steps")
         if decay is None and schedule != "constant":
+            if self._trainer is None:  # e.g. the planner's dry run traces one step: the run's length is unknown
+                return opt
             decay = self.trainer.estimated_stepping_batches
             if not math.isfinite(decay):
                 raise ValueError(f"CausalLM(schedule={schedule!r}) decays over the run, whose length is unknown "

@@ -71,3 +71,22 @@ def test_recipe_rules_name_the_key(kwargs: dict, match: str) -> None:
 def test_package_rule_without_prefix() -> None:
     with pytest.raises(ValueError, match=r"^warmup_steps=-1 must be an integer >= 0"):
         check_schedule("constant", -1, None, 0.1)
+
+
+def test_causal_lm_without_a_trainer() -> None:
+    """A decay whose horizon is the run's length needs the Trainer; detached (the planner's dry run) the optimizer
+    alone comes back; a given decay_steps gives the schedule at once."""
+    from lightning_4d.models import CausalLM
+
+    net = torch.nn.Sequential(torch.nn.Embedding(8, 8))
+    assert isinstance(CausalLM(net, schedule="cosine", warmup_steps=2).configure_optimizers(), torch.optim.AdamW)
+    out = CausalLM(net, lr=0.01, schedule="linear", warmup_steps=0, decay_steps=4,
+                   min_lr_ratio=0.0).configure_optimizers()
+    sched = out["lr_scheduler"]["scheduler"]
+    assert out["lr_scheduler"]["interval"] == "step" and out["lr_scheduler"]["name"] == "lr"
+    for _ in range(2):
+        out["optimizer"].step()
+        sched.step()
+    assert out["optimizer"].param_groups[0]["lr"] == pytest.approx(0.005)  # halfway down to 0
+    with pytest.raises(ValueError, match=r"schedule='exp' is not one of"):
+        CausalLM(net, schedule="exp")
