@@ -415,6 +415,8 @@ def build_callbacks(cfg: Config, root: Optional[Path] = None) -> list[L.Callback
     """
     from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 
+    from lightning_4d.recipes.observe import observe_callbacks
+
     c = _cfg(cfg)
     root = root if root is not None else output_dir(c)
     cbs: list[L.Callback] = []
@@ -426,21 +428,8 @@ def build_callbacks(cfg: Config, root: Optional[Path] = None) -> list[L.Callback
         cbs.append(ModelCheckpoint(
             dirpath=str(root / "checkpoints"), every_n_train_steps=every, save_last=c.callbacks.save_last,
             save_top_k=1))
-    cbs.extend(_observe_callbacks(c))
+    cbs.extend(observe_callbacks(c.callbacks.monitors, c.logger))
     cbs.append(LossHistory.create())
-    return cbs
-
-
-def _observe_callbacks(c: TrainConfig) -> list[L.Callback]:
-    """The monitors of ``callbacks.monitors`` and, when there is a logger, Lightning's ``LearningRateMonitor``
-    (the learning rate of every step, key ``lr``)."""
-    from lightning.pytorch.callbacks import LearningRateMonitor
-
-    from lightning_4d.recipes.observe import monitor_callbacks
-
-    cbs = monitor_callbacks(c.callbacks.monitors)
-    if c.logger.csv or c.logger.name != "csv":
-        cbs.append(LearningRateMonitor(logging_interval="step"))
     return cbs
 
 

@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 
     from lightning_4d.recipes.schema import LoggerConfig
 
-__all__ = ["LOGGERS", "MONITORS", "build_logger_list", "check_logger", "check_monitors", "monitor_callbacks",
-           "wandb_offline"]
+__all__ = ["LOGGERS", "MONITORS", "build_logger_list", "check_logger", "check_monitors", "has_logger",
+           "monitor_callbacks", "observe_callbacks", "wandb_offline"]
 
 # name -> (the packages any one of which provides it, the pyproject extra that installs it); csv needs none.
 LOGGERS: dict[str, tuple[tuple[str, ...], str]] = {
@@ -107,6 +107,34 @@ def monitor_callbacks(names: Sequence[str]) -> list[L.Callback]:
     return callbacks
 
 
+def observe_callbacks(monitors: Sequence[str], cfg: LoggerConfig) -> list[L.Callback]:
+    """The monitors named and, when ``cfg`` gives a logger (:func:`has_logger`), Lightning's ``LearningRateMonitor``
+    (the learning rate of every optimizer step, key ``lr``).
+
+    Example:
+        >>> from lightning_4d.recipes.schema import LoggerConfig
+        >>> [type(cb).__name__ for cb in observe_callbacks(["comm"], LoggerConfig(csv=False))]
+        ['CommunicationMonitor']
+    """
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
+    callbacks = monitor_callbacks(monitors)
+    if has_logger(cfg):
+        callbacks.append(LearningRateMonitor(logging_interval="step"))
+    return callbacks
+
+
+def has_logger(cfg: LoggerConfig) -> bool:
+    """Whether :func:`build_logger_list` returns a logger: every choice but ``logger=csv logger.csv=false``.
+
+    Example:
+        >>> from lightning_4d.recipes.schema import LoggerConfig
+        >>> has_logger(LoggerConfig()), has_logger(LoggerConfig(csv=False)), has_logger(LoggerConfig("wandb", False))
+        (True, False, True)
+    """
+    return cfg.csv or cfg.name != "csv"
+
+
 def wandb_offline(offline: bool | None) -> bool:
     """Whether W&B runs offline: ``offline`` when set, else unless the environment configures a W&B service
     (``WANDB_API_KEY`` set, or ``WANDB_MODE=online``).
@@ -170,4 +198,5 @@ def build_logger_list(cfg: LoggerConfig, root: Path) -> list[Logger]:
         loggers.append(CSVLogger(save_dir=str(root), name="csv"))
     if cfg.name != "csv":
         loggers.append(_BUILDERS[cfg.name](cfg, root))
+    assert bool(loggers) == has_logger(cfg)
     return loggers
