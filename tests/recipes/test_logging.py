@@ -31,9 +31,17 @@ def _compose(overrides: list[str]) -> Any:
         return compose("train", overrides)
 
 
+NO_SERVICE = ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL", "MLFLOW_TRACKING_URI")
+
+
 def _train(rank: int, overrides: list[str]) -> list[float]:
+    import os
+
     from lightning_4d.recipes import run
 
+    for key in NO_SERVICE:  # the ranks' environment is the forkserver's, not this test's: no W&B / MLflow service
+        os.environ.pop(key, None)
+    os.environ["WANDB_SILENT"] = "true"
     return run(_compose(overrides)).losses
 
 
@@ -50,12 +58,17 @@ def _metrics(root: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-@pytest.fixture
-def no_service(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No W&B account or MLflow server in the environment (the ranks inherit it): offline / file store."""
-    for key in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL", "MLFLOW_TRACKING_URI"):
+def test_wandb_is_offline_unless_the_environment_configures_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_4d.recipes.observe import wandb_offline
+
+    for key in NO_SERVICE:
         monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("WANDB_SILENT", "true")
+    assert wandb_offline(None) is True
+    monkeypatch.setenv("WANDB_MODE", "online")
+    assert wandb_offline(None) is False and wandb_offline(True) is True
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert wandb_offline(None) is False
 
 
 # ---------------------------------------------------------------------------------------------- loggers
@@ -67,7 +80,7 @@ def test_tensorboard_writes_event_files_in_the_run_dir(tmp_path: Path) -> None:
     assert any(r.get("train_loss") for r in _metrics(tmp_path))  # CSV beside it
 
 
-def test_wandb_runs_offline_in_the_run_dir(tmp_path: Path, no_service: None) -> None:
+def test_wandb_runs_offline_in_the_run_dir(tmp_path: Path) -> None:
     pytest.importorskip("wandb", reason="pip install 'lightning_4d[wandb]'")
     _run([*TINY, "trainer.max_steps=2", "logger=wandb", "logger.run_name=tiny", f"output_dir={tmp_path}"])
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
@@ -75,7 +88,7 @@ def test_wandb_runs_offline_in_the_run_dir(tmp_path: Path, no_service: None) -> 
     assert list(runs[0].glob("*.wandb")), list(runs[0].iterdir())  # the run's records, ready for `wandb sync`
 
 
-def test_mlflow_uses_a_file_store_in_the_run_dir(tmp_path: Path, no_service: None) -> None:
+def test_mlflow_uses_a_file_store_in_the_run_dir(tmp_path: Path) -> None:
     pytest.importorskip("mlflow", reason="pip install 'lightning_4d[mlflow]'")
     _run([*TINY, "trainer.max_steps=2", "logger=mlflow", f"output_dir={tmp_path}"])
     logged = {p.name for p in (tmp_path / "mlruns").glob("*/*/metrics/*")}
