@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 MEASURE = ["trainer=cpu", "trainer.val_check_interval=null", "trainer.limit_val_batches=0", "callbacks.checkpoint=false",
-           "callbacks.progress_bar=false", "logger.tensorboard=false", "logger.csv=false", "meta_init=true",
+           "callbacks.progress_bar=false", "logger.csv=false", "meta_init=true",
            "check_resources=false"]
 WARMUP = 2  # steps left out of the step-time median (allocator and autograd warm-up)
 

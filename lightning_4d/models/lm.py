@@ -9,7 +9,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import math
+from typing import TYPE_CHECKING, Any, Optional
 
 import lightning as L
 import torch
@@ -39,8 +40,13 @@ class CausalLM(FourDModule, L.LightningModule):
         lr: AdamW learning rate.
         weight_decay: AdamW weight decay.
         betas: AdamW betas.
-        warmup_steps: linear warm-up steps of the LR (0 = constant LR).
+        warmup_steps: linear warm-up steps of the LR (0: none).
         metrics: log perplexity and accuracy in validation and test.
+        schedule: after the warm-up, ``constant``, ``cosine`` or ``linear`` decay to ``min_lr_ratio · lr``
+            (:mod:`lightning_4d.models.lr_schedule`).
+        decay_steps: the optimizer step where the decay reaches its floor (``None``: the run's length,
+            ``trainer.estimated_stepping_batches``, i.e. ``max_steps`` when set).
+        min_lr_ratio: the floor of the decay, a share of ``lr``.
 
     Example:
         >>> lm = CausalLM(nn.Sequential(nn.Embedding(8, 8)), lr=1e-3)
@@ -56,8 +62,14 @@ class CausalLM(FourDModule, L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 0,
         metrics: bool = True,
+        schedule: str = "constant",
+        decay_steps: Optional[int] = None,
+        min_lr_ratio: float = 0.1,
     ) -> None:
         super().__init__()
+        from lightning_4d.models.lr_schedule import check_schedule
+
+        check_schedule(schedule, warmup_steps, decay_steps, min_lr_ratio)
         self.save_hyperparameters(ignore=["model"])
         self.model = model
         # stage -> {"ppl": TokenPerplexity, "acc": TokenAccuracy}. A plain dict, not submodules: the metrics stay out
@@ -142,13 +154,30 @@ class CausalLM(FourDModule, L.LightningModule):
             checkpoint[CHECKPOINT_KEY] = record
 
     def configure_optimizers(self) -> OptimizerLRScheduler:
-        """AdamW (per-tensor, so parameters on different meshes mix freely), optional linear warm-up."""
+        """AdamW (per-tensor, so parameters on different meshes mix freely) with the learning-rate schedule:
+        linear warm-up, then constant or a cosine / linear decay (:class:`~lightning_4d.models.lr_schedule.WarmupDecay`,
+        stepped every optimizer step). A decay without ``decay_steps`` ends with the run, so without a Trainer
+        attached (the planner's dry run tracing one step) the optimizer alone is returned."""
+        from lightning_4d.models.lr_schedule import WarmupDecay
+
         hp = self.hparams
         opt = torch.optim.AdamW(
             self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas), foreach=False
         )
-        if not hp.warmup_steps:
+        schedule = hp.get("schedule", "constant")
+        if not hp.warmup_steps and schedule == "constant":
             return opt
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / hp.warmup_steps))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        decay = hp.get("decay_steps")
+        if decay is None and schedule != "constant":
+            if self._trainer is None:  # e.g. the planner's dry run traces one step: the run's length is unknown
+                return opt
+            decay = self.trainer.estimated_stepping_batches
+            if not math.isfinite(decay):
+                raise ValueError(f"CausalLM(schedule={schedule!r}) decays over the run, whose length is unknown "
+                                 f"(trainer max_steps=-1 and no epoch limit): pass decay_steps (optim.decay_steps).")
+            decay = max(int(decay), hp.warmup_steps + 1)
+        factor = WarmupDecay(schedule, hp.warmup_steps, decay if decay is not None else hp.warmup_steps + 1,
+                             hp.get("min_lr_ratio", 0.1))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "name": "lr"}}
 

@@ -20,7 +20,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 import sys
 from dataclasses import dataclass, field
@@ -359,7 +358,8 @@ def build_model(cfg: Config, trainer: Optional["L.Trainer"] = None) -> "L.Lightn
         net = build_network(c)
     o = c.optim
     return CausalLM(net, lr=o.lr, weight_decay=o.weight_decay, betas=(o.betas[0], o.betas[1]),
-                    warmup_steps=o.warmup_steps)
+                    warmup_steps=o.warmup_steps, schedule=o.schedule, decay_steps=o.decay_steps,
+                    min_lr_ratio=o.min_lr_ratio)
 
 
 # ---------------------------------------------------------------------------------------------- trainer
@@ -404,15 +404,18 @@ class LossHistory:
 
 
 def build_callbacks(cfg: Config, root: Optional[Path] = None) -> list[L.Callback]:
-    """Progress bar, ``ModelCheckpoint`` (under ``<output_dir>/checkpoints``) and the loss history (always last).
+    """Progress bar, ``ModelCheckpoint`` (under ``<output_dir>/checkpoints``), the monitors of ``callbacks.monitors``,
+    the learning-rate monitor (with a logger) and the loss history (always last).
 
     Example:
         >>> from lightning_4d.recipes.schema import CallbacksConfig
         >>> cbs = build_callbacks(TrainConfig(callbacks=CallbacksConfig(checkpoint=False)), Path("/tmp/x"))
         >>> [type(cb).__name__ for cb in cbs]
-        ['TQDMProgressBar', '_LossHistory']
+        ['TQDMProgressBar', 'LearningRateMonitor', '_LossHistory']
     """
     from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+
+    from lightning_4d.recipes.observe import observe_callbacks
 
     c = _cfg(cfg)
     root = root if root is not None else output_dir(c)
@@ -425,28 +428,23 @@ def build_callbacks(cfg: Config, root: Optional[Path] = None) -> list[L.Callback
         cbs.append(ModelCheckpoint(
             dirpath=str(root / "checkpoints"), every_n_train_steps=every, save_last=c.callbacks.save_last,
             save_top_k=1))
+    cbs.extend(observe_callbacks(c.callbacks.monitors, c.logger))
     cbs.append(LossHistory.create())
     return cbs
 
 
 def build_loggers(cfg: Config, root: Optional[Path] = None) -> list[Logger]:
-    """``CSVLogger`` and, when ``tensorboard`` (or ``tensorboardX``) is installed, ``TensorBoardLogger``.
+    """The loggers of ``cfg.logger`` (``logger=csv|tensorboard|wandb|mlflow``), writing under ``root`` (default:
+    :func:`output_dir`); see :func:`lightning_4d.recipes.observe.build_logger_list`.
 
     Example:
-        >>> [type(lg).__name__ for lg in build_loggers(TrainConfig(), Path("/tmp/x"))][:1]
+        >>> [type(lg).__name__ for lg in build_loggers(TrainConfig(), Path("/tmp/x"))]
         ['CSVLogger']
     """
-    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+    from lightning_4d.recipes.observe import build_logger_list
 
     c = _cfg(cfg)
-    root = root if root is not None else output_dir(c)
-    loggers: list[Logger] = []
-    if c.logger.csv:
-        loggers.append(CSVLogger(save_dir=str(root), name="csv"))
-    has_tb = any(importlib.util.find_spec(m) is not None for m in ("tensorboard", "tensorboardX"))
-    if c.logger.tensorboard and has_tb:
-        loggers.append(TensorBoardLogger(save_dir=str(root), name="tensorboard"))
-    return loggers
+    return build_logger_list(c.logger, root if root is not None else output_dir(c))
 
 
 def _with_extra(callbacks: list[L.Callback], extra: Sequence[L.Callback]) -> list[L.Callback]:
@@ -571,7 +569,10 @@ def run(cfg: Config, callbacks: Sequence[L.Callback] = ()) -> RunResult:
     """
     import lightning as L
 
+    from lightning_4d.recipes.observe import check_logger
+
     c = validate(cfg)
+    check_logger(c.logger.name)  # a logger whose package is missing fails before anything is built
     report: Optional[ResourceReport] = check_resources(c) if c.check_resources else None
     root = output_dir(c)
     saved_env = _prepare_subprocess_launch(root)

@@ -25,6 +25,7 @@ Schemas registered (group / name):
 - ``data/base_text``, ``data/base_synthetic``, ``data/base_hf_data`` — :class:`TextDataConfig`,
   :class:`SyntheticDataConfig`, :class:`HFDataConfig`.
 - ``optim/base_adamw`` — :class:`OptimConfig`.
+- ``logger/base_logger`` — :class:`LoggerConfig`.
 
 Example:
     >>> from omegaconf import OmegaConf
@@ -357,11 +358,18 @@ DataConfig = Union[TextDataConfig, SyntheticDataConfig, HFDataConfig]
 # ---------------------------------------------------------------------------------------------- optim
 @dataclass
 class OptimConfig:
-    """AdamW of :class:`~lightning_4d.models.CausalLM` with an optional linear warm-up.
+    """AdamW of :class:`~lightning_4d.models.CausalLM` and its learning-rate schedule: ``warmup_steps`` of linear
+    warm-up, then ``schedule`` = ``constant``, ``cosine`` or ``linear`` decay to ``min_lr_ratio · lr`` at
+    ``decay_steps`` (``null``: the run's last step, ``trainer.max_steps``); the formulas are in
+    :mod:`lightning_4d.models.lr_schedule`.
 
     Example:
         >>> OptimConfig().betas
         [0.9, 0.95]
+        >>> OptimConfig(schedule="step")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lightning_4d.recipes.schema.RecipeConfigError: optim.schedule='step' is not one of constant, cosine, ...
     """
 
     name: str = "adamw"
@@ -369,12 +377,22 @@ class OptimConfig:
     weight_decay: float = 0.0
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     warmup_steps: int = 0
+    schedule: str = "constant"
+    decay_steps: Optional[int] = None
+    min_lr_ratio: float = 0.1
 
     def __post_init__(self) -> None:
+        from lightning_4d.models.lr_schedule import check_schedule
+
         if not self.lr > 0:
             raise RecipeConfigError(f"optim.lr={self.lr} must be > 0.")
         _non_negative("optim.weight_decay", self.weight_decay)
         _non_negative("optim.warmup_steps", self.warmup_steps)
+        _positive("optim.decay_steps", self.decay_steps, allow_none=True)
+        try:
+            check_schedule(self.schedule, self.warmup_steps, self.decay_steps, self.min_lr_ratio, prefix="optim.")
+        except ValueError as err:
+            raise RecipeConfigError(str(err)) from None
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise RecipeConfigError(f"optim.betas={list(self.betas)} must be two numbers in [0, 1).")
 
@@ -382,7 +400,10 @@ class OptimConfig:
 # ---------------------------------------------------------------------------------------------- top level
 @dataclass
 class CallbacksConfig:
-    """Callbacks added by :func:`~lightning_4d.recipes.build.build_callbacks`.
+    """Callbacks added by :func:`~lightning_4d.recipes.build.build_callbacks`: Lightning's progress bar
+    (``progress_bar``, redrawn every ``progress_refresh_rate`` batches), ``ModelCheckpoint`` and the package's
+    monitors named in ``monitors`` (``bubble``, ``comm``, ``experts``, ``throughput``:
+    :data:`lightning_4d.recipes.observe.MONITORS`).
 
     Example:
         >>> CallbacksConfig().checkpoint
@@ -394,23 +415,50 @@ class CallbacksConfig:
     checkpoint: bool = True
     checkpoint_every_n_steps: Optional[int] = None
     save_last: bool = False
+    monitors: List[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        from lightning_4d.recipes.observe import check_monitors
+
         _positive("callbacks.progress_refresh_rate", self.progress_refresh_rate)
         _positive("callbacks.checkpoint_every_n_steps", self.checkpoint_every_n_steps, allow_none=True)
+        try:
+            check_monitors(self.monitors)
+        except ValueError as err:
+            raise RecipeConfigError(str(err)) from None
 
 
 @dataclass
 class LoggerConfig:
-    """Loggers: CSV always available; TensorBoard when the ``tensorboard`` package is installed.
+    """The ``logger`` group (``conf/logger/``): ``name`` = ``csv``, ``tensorboard``, ``wandb`` or ``mlflow``, plus a
+    CSV file (``csv``; the only logger of ``logger=csv``; ``logger.csv=false`` there: no logger at all).
+    ``project`` / ``run_name``: the W&B project or MLflow experiment, and the run's name. ``offline`` (W&B;
+    ``null``: offline unless ``WANDB_API_KEY`` is set or ``WANDB_MODE=online``) and ``tracking_uri`` (MLflow;
+    ``null``: ``MLFLOW_TRACKING_URI``, else a file store in ``<output_dir>/mlruns``). Built by
+    :func:`lightning_4d.recipes.observe.build_logger_list`.
 
     Example:
-        >>> LoggerConfig().csv
-        True
+        >>> LoggerConfig().name
+        'csv'
+        >>> LoggerConfig(name="neptune")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lightning_4d.recipes.schema.RecipeConfigError: logger='neptune' is not one of csv, tensorboard, ...
     """
 
+    name: str = "csv"
     csv: bool = True
-    tensorboard: bool = True
+    project: str = "lightning_4d"
+    run_name: Optional[str] = None
+    offline: Optional[bool] = None
+    tracking_uri: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        from lightning_4d.recipes.observe import LOGGERS
+
+        if self.name not in LOGGERS:
+            raise RecipeConfigError(f"logger={self.name!r} is not one of {', '.join(LOGGERS)}; e.g. "
+                                    f"logger=tensorboard (CSV is written as well unless logger.csv=false).")
 
 
 @dataclass
@@ -589,6 +637,7 @@ def register_configs() -> None:
     cs.store(group="data", name="base_synthetic", node=SyntheticDataConfig)
     cs.store(group="data", name="base_hf_data", node=HFDataConfig)
     cs.store(group="optim", name="base_adamw", node=OptimConfig)
+    cs.store(group="logger", name="base_logger", node=LoggerConfig)
     _REGISTERED = True
 
 

@@ -56,7 +56,7 @@ PG_TIMEOUT_S = 60
 COMMON = [
     "model=hf", "trainer.max_steps=3", "trainer.log_every_n_steps=1", "trainer.val_check_interval=null",
     "trainer.limit_val_batches=0", "callbacks.progress_bar=false", "callbacks.checkpoint=true",
-    "logger.tensorboard=false", "optim.lr=1e-3", "optim.warmup_steps=0", "parallel=none",
+    "optim.lr=1e-3", "optim.warmup_steps=0", "optim.schedule=constant", "parallel=none",
     "data=synthetic", f"data.vocab_size={DATA_VOCAB}", f"data.seq_len={SEQ}", f"data.batch_size={BATCH}",
     "data.num_train_samples=64", "data.kind=random",
 ]
@@ -229,8 +229,8 @@ def test_moe_finetune_export_roundtrip(layout: str, tmp_path: Path, capsys: pyte
 CHAT_STEPS = 12
 CHAT = ["model=hf", "data.seq_len=48", "data.batch_size=8", "data.val_fraction=0.125",
         f"trainer.max_steps={CHAT_STEPS}", f"trainer.val_check_interval={CHAT_STEPS}", "trainer.log_every_n_steps=1",
-        "callbacks.progress_bar=false", "callbacks.checkpoint=true", "logger.tensorboard=false", "optim.lr=3e-3",
-        "optim.warmup_steps=0", "parallel=none"]
+        "callbacks.progress_bar=false", "callbacks.checkpoint=true", "optim.lr=3e-3",
+        "optim.warmup_steps=0", "optim.schedule=constant", "parallel=none"]
 
 
 @pytest.fixture(scope="module")

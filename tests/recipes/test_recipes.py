@@ -35,7 +35,7 @@ from lightning_4d.recipes.schema import (
 
 REPO = Path(__file__).resolve().parents[2]
 CONF = conf_dir()
-GROUPS = ("model", "parallel", "trainer", "data", "optim")
+GROUPS = ("model", "parallel", "trainer", "data", "optim", "logger")
 # Options whose YAML leaves a mandatory value (???) to the command line.
 REQUIRED = {
     ("data", "text_file"): ["data.text=[README.md]"],
@@ -51,8 +51,8 @@ REQUIRED = {
 TINY = [
     "model=tiny_dense", "model.dim=32", "model.n_layers=2", "model.ffn_hidden=64", "model.max_seq_len=32",
     "trainer.log_every_n_steps=1", "trainer.val_check_interval=null", "trainer.limit_val_batches=0",
-    "callbacks.progress_bar=false", "callbacks.checkpoint=false", "logger.tensorboard=false",
-    "optim.warmup_steps=0", "optim.lr=2e-2",
+    "callbacks.progress_bar=false", "callbacks.checkpoint=false",
+    "optim.warmup_steps=0", "optim.lr=2e-2", "optim.schedule=constant",
 ]
 SYNTHETIC = ["data=synthetic", "data.kind=increment", "data.seq_len=16", "data.batch_size=4",
              "data.num_train_samples=64"]
@@ -82,7 +82,8 @@ def test_groups_have_the_required_options() -> None:
         "parallel": {"none", "dp", "tp", "cpu_4d", "moe_1t", "moe_1t_512"},
         "trainer": {"cpu", "gpu"},
         "data": {"stdlib", "text_file", "synthetic", "token_dir", "moe_1t", "chat", "hf_text"},
-        "optim": {"adamw"},
+        "optim": {"adamw", "finetune"},
+        "logger": {"csv", "tensorboard", "wandb", "mlflow"},
     }
     for group, options in want.items():
         assert options <= set(_options(group)), group
