@@ -26,12 +26,14 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["INPUT_KEYS", "PackedInputs", "batch_tokens", "call_model", "shift_labels", "split_batch"]
+__all__ = ["INPUT_KEYS", "PackedInputs", "batch_tokens", "call_model", "check_takes_positions", "shift_labels",
+           "split_batch"]
 
 INPUT_KEYS = ("inputs", "input_ids", "tokens", "x")
 SHIFTED_KEYS = ("targets", "y")  # already shifted: used as they are
@@ -143,4 +145,30 @@ def call_model(module: Any, inputs: Any) -> Any:
         >>> call_model(lambda t, p=None: p, PackedInputs(torch.ones(1), torch.zeros(1))).tolist()
         [0.0]
     """
-    return module(*inputs) if isinstance(inputs, PackedInputs) else module(inputs)
+    if not isinstance(inputs, PackedInputs):
+        return module(inputs)
+    check_takes_positions(module)
+    return module(*inputs)
+
+
+def check_takes_positions(module: Any) -> None:
+    """Refuse packed inputs for a forward that cannot take ``(tokens, position_ids)``: its attention would cross
+    document boundaries, or the call would fail deep inside.
+
+    Example:
+        >>> check_takes_positions(lambda tokens: tokens)
+        Traceback (most recent call last):
+        ...
+        ValueError: a packed batch (with position_ids) but <lambda> ...
+    """
+    forward = getattr(module, "forward", module)
+    try:
+        inspect.signature(forward).bind(None, None)
+    except TypeError:
+        name = getattr(forward, "__qualname__", type(module).__name__)
+        raise ValueError(
+            f"a packed batch (with position_ids) but {name} takes no second argument: it would be called "
+            f"forward(tokens, position_ids). Add `position_ids=None` to the forward and pass it to the model "
+            f"(CausalLM does), or use batches without position_ids (pack=False).") from None
+    except ValueError:  # no signature (a builtin): let the call itself tell
+        pass

@@ -116,3 +116,22 @@ def test_packed_dataset_is_exact() -> None:
     assert y[4] == -100 and y[11] == tokens[12] and (y[:4] == torch.from_numpy(tokens[1:5])).all()
     x, y, pos = ds[1]  # starts inside document 1: positions from 0 there
     assert pos.tolist() == [0, 1, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5] and y[1] == -100  # token 13 ends document 1
+
+
+def test_packed_batch_for_a_model_without_positions_is_refused() -> None:
+    from lightning_4d.models import GPT2, GPT2Config
+
+    lm = CausalLM(GPT2(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, block_size=T)))
+    x, y, pos, _ = packed_batch()
+    with pytest.raises(ValueError, match=r"packed batch \(with position_ids\) but GPT2.forward takes no position_ids"):
+        lm.fourd_loss((x, y, pos))
+    with pytest.raises(ValueError, match=r"takes no second argument.*Add `position_ids=None`"):
+        from lightning_4d.batches import call_model
+
+        call_model(torch.nn.Identity(), split_packed(x, y, pos))
+
+
+def split_packed(x: torch.Tensor, y: torch.Tensor, pos: torch.Tensor):
+    from lightning_4d.batches import split_batch
+
+    return split_batch((x, y, pos))[0]
