@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 __all__ = ["FourDModule"]
 
 
-
 def _last_stage_rank(strategy: FourDStrategy) -> int:
     """The pp rank of the last pipeline stage, placed as the pipeline runner places it (``stage_to_rank``)."""
     from lightning_4d.pipeline.partition import stage_to_rank
@@ -49,9 +48,10 @@ class FourDModule:
 
     Batches are ``(inputs, targets)`` (targets already shifted), or a dict with ``inputs``/``input_ids`` and
     either ``targets`` (already shifted) or ``labels`` (Hugging Face: aligned with the inputs, shifted here, ``-100``
-    ignored), optionally ``position_ids`` for packed documents (see :mod:`lightning_4d.batches`). The loss is ``loss_fn(forward(inputs), targets)``; the value returned
-    and logged (``train_loss``, ``val_loss``, ``test_loss``) is the global-batch mean on every
-    rank, weighted by the number of valid targets (``ignore_index`` excluded).
+    ignored), optionally ``position_ids`` for packed documents (see :mod:`lightning_4d.batches`). The loss is
+    ``loss_fn(forward(inputs), targets)``; the value returned and logged (``train_loss``, ``val_loss``,
+    ``test_loss``) is the global-batch mean on every rank, weighted by the number of valid targets
+    (``ignore_index`` excluded).
 
     Hooks to override: ``loss_fn`` (required), ``split_batch``, ``count_targets``,
     ``fourd_blocks_path`` (where the repeated blocks are), ``fourd_tp_plan`` (an explicit
