@@ -1,5 +1,5 @@
 """Batch conventions under parallel layouts (gloo, CPU): a Hugging Face dict batch (``labels`` aligned with
-``input_ids``) gives transformers' own loss under tp=2; a packed batch of the package's Llama (``position_ids``
+``input_ids``) gives transformers' own loss under tp=2; a packed batch of the package's Llama or GPT-2 (``position_ids``
 restarting per document) gives, under tp=2 × pp=2, the single-process packed loss, which is the token-weighted
 loss of its documents run one by one, and differs without the positions."""
 
@@ -51,7 +51,7 @@ def test_hf_dict_batch_loss_under_tp() -> None:
         assert abs(value - reference) <= RTOL * abs(reference), (value, reference)
 
 
-def packed_llama_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[torch.Tensor]]]:
+def packed_rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[torch.Tensor]]]:
     """4 rows (2 micro-batches under pp=2) of SEQ tokens packed from documents of different lengths."""
     gen = torch.Generator().manual_seed(3)
     rows = ((5, 7, 4), (16,), (3, 3, 10), (9, 7))
@@ -65,12 +65,12 @@ def packed_llama_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list
     return torch.stack(xs), torch.stack(ys), torch.stack(ps), docs
 
 
-def _llama_lm():
+def _lm(kind: str):
     from lightning_4d.models import CausalLM
     from tests.distributed.common import build_model
 
     torch.manual_seed(0)
-    return CausalLM(build_model("llama"), lr=1e-3)
+    return CausalLM(build_model(kind), lr=1e-3)
 
 
 class _TrainLoss(L.Callback):
@@ -81,27 +81,28 @@ class _TrainLoss(L.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def _packed_world(rank: int) -> dict[str, float]:
-    x, y, pos, _ = packed_llama_batch()
+def _packed_world(rank: int, kind: str) -> dict[str, float]:
+    x, y, pos, _ = packed_rows()
     record = _TrainLoss()
     trainer = _trainer(dict(tp=2, pp=2), 4, max_steps=1, callbacks=[record])
-    lm = _llama_lm()
+    lm = _lm(kind)
     packed = trainer.validate(lm, DataLoader([(x, y, pos)], batch_size=None), verbose=False)[0]["val_loss"]
     crossing = trainer.validate(lm, DataLoader([(x, y)], batch_size=None), verbose=False)[0]["val_loss"]
     trainer.fit(lm, DataLoader([(x, y, pos)], batch_size=None))
     return {"packed": packed, "crossing": crossing, "train": record.losses[0]}
 
 
-def test_packed_llama_under_tp_and_pp() -> None:
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_packed_batch_under_tp_and_pp(kind: str) -> None:
     from tests.unit.test_packing import one_by_one
 
-    x, y, pos, docs = packed_llama_batch()
-    lm = _llama_lm()
+    x, y, pos, docs = packed_rows()
+    lm = _lm(kind)
     with torch.no_grad():
         single = lm.fourd_loss((x, y, pos)).item()
         reference = one_by_one(lm, y, docs)
     assert abs(single - reference) <= RTOL * abs(reference), (single, reference)
-    for got in run_world(_packed_world, 4, pg_timeout_s=60, timeout_s=540):
+    for got in run_world(_packed_world, 4, kind, pg_timeout_s=60, timeout_s=540):
         for name in ("packed", "train"):
             assert abs(got[name] - reference) <= RTOL * abs(reference), (name, got, reference)
         assert abs(got["crossing"] - reference) > 10 * RTOL * abs(reference), (got, reference)

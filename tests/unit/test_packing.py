@@ -53,6 +53,13 @@ def one_by_one(lm: CausalLM, targets: torch.Tensor, docs: list[list[torch.Tensor
     return total / count
 
 
+def gpt2_lm() -> CausalLM:
+    from lightning_4d.models import GPT2, GPT2Config
+
+    torch.manual_seed(0)
+    return CausalLM(GPT2(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, block_size=T)))
+
+
 def llama_lm() -> CausalLM:
     torch.manual_seed(0)
     return CausalLM(Llama(LlamaConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
@@ -68,9 +75,9 @@ def hf_lm(attn: str) -> CausalLM:
     return CausalLM(HFLogits.from_config(tiny_config("llama", VOCAB), attn_implementation=attn))
 
 
-@pytest.mark.parametrize("kind", ["llama", "hf-eager", "hf-sdpa"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "hf-eager", "hf-sdpa"])
 def test_packed_loss_equals_documents_one_by_one(kind: str) -> None:
-    lm = llama_lm() if kind == "llama" else hf_lm(kind.split("-")[1])
+    lm = {"llama": llama_lm, "gpt2": gpt2_lm}[kind]() if "-" not in kind else hf_lm(kind.split("-")[1])
     x, y, pos, docs = packed_batch()
     with torch.no_grad():
         packed = lm.fourd_loss((x, y, pos)).item()
@@ -119,19 +126,12 @@ def test_packed_dataset_is_exact() -> None:
 
 
 def test_packed_batch_for_a_model_without_positions_is_refused() -> None:
-    from lightning_4d.models import GPT2, GPT2Config
+    from lightning_4d.batches import call_model, split_batch
 
-    lm = CausalLM(GPT2(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, block_size=T)))
     x, y, pos, _ = packed_batch()
-    with pytest.raises(ValueError, match=r"packed batch \(with position_ids\) but GPT2.forward takes no position_ids"):
+    lm = CausalLM(torch.nn.Sequential(torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, VOCAB)))
+    with pytest.raises(ValueError, match=r"packed batch \(with position_ids\) but Sequential.forward takes no "
+                                         r"position_ids"):
         lm.fourd_loss((x, y, pos))
     with pytest.raises(ValueError, match=r"takes no second argument.*Add `position_ids=None`"):
-        from lightning_4d.batches import call_model
-
-        call_model(torch.nn.Identity(), split_packed(x, y, pos))
-
-
-def split_packed(x: torch.Tensor, y: torch.Tensor, pos: torch.Tensor):
-    from lightning_4d.batches import split_batch
-
-    return split_batch((x, y, pos))[0]
+        call_model(torch.nn.Identity(), split_batch((x, y, pos))[0])
