@@ -135,3 +135,19 @@ def test_packed_batch_for_a_model_without_positions_is_refused() -> None:
         lm.fourd_loss((x, y, pos))
     with pytest.raises(ValueError, match=r"takes no second argument.*Add `position_ids=None`"):
         call_model(torch.nn.Identity(), split_batch((x, y, pos))[0])
+
+
+def test_packed_batch_through_pipeline_hooks_is_refused() -> None:
+    from types import SimpleNamespace
+
+    from lightning_4d.batches import split_batch
+    from lightning_4d.pipeline.glue import check_packed
+
+    x, y, pos, _ = packed_batch()
+    packed, plain = split_batch((x, y, pos))[0], split_batch((x, y))[0]
+    hooks = SimpleNamespace(inputs_to_every_stage=False, pp=2)  # stages chain pre -> blocks -> post
+    with pytest.raises(ValueError, match=r"packed batch \(with position_ids\) under pp=2 with the pipeline hooks of "
+                                         r"CausalLM.*Remove the hooks"):
+        check_packed(hooks, llama_lm(), packed)
+    check_packed(hooks, llama_lm(), plain)  # plain inputs: nothing to carry
+    check_packed(SimpleNamespace(inputs_to_every_stage=True, pp=2), llama_lm(), packed)  # the model's own forward
