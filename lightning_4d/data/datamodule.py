@@ -588,7 +588,8 @@ class HFDataModule(L.LightningDataModule):
         batch_size: samples per batch **per data-parallel rank**.
         val_files: a separate validation set (else ``val_fraction`` of the data).
         val_fraction: share of tokens (text) or conversations (chat) held out for validation.
-        pack: chat only: pack conversations into ``seq_len`` windows instead of one (padded) per sample.
+        pack: chat only: pack conversations into ``seq_len`` windows instead of one (padded) per sample; the
+            samples are then ``(inputs, targets, position_ids)`` (see :class:`MaskedTokenDataset`).
         mask_prompt: chat only: train on the answers only.
         num_proc: tokenization worker processes (``None``: by data size and CPU cores).
         num_workers: DataLoader worker processes.
