@@ -11,7 +11,9 @@ Two conventions for the targets, told apart by the key:
   position), before any micro-batching or sequence sharding, so the loss is transformers' own: the token mean of
   ``logits[:, :-1]`` against ``labels[:, 1:]`` over the targets that are not ``-100``.
 
-A dict may also carry ``position_ids`` (``(B, T)``, restarting at 0 where a document starts, as transformers'
+A dict's ``attention_mask`` is not passed to the model (attention is causal): right padding is accepted (it changes
+nothing for the tokens before it; their labels are ``-100`` on the padding), left padding is refused. A dict may also
+carry ``position_ids`` (``(B, T)``, restarting at 0 where a document starts, as transformers'
 packed collators write them): the inputs are then :class:`PackedInputs` ``(tokens, position_ids)`` and the model is
 called ``model(tokens, position_ids)``, so attention stays within each document. ``(inputs, targets, position_ids)``
 triples (the package's packed datasets) are the same.
@@ -39,6 +41,7 @@ INPUT_KEYS = ("inputs", "input_ids", "tokens", "x")
 SHIFTED_KEYS = ("targets", "y")  # already shifted: used as they are
 LABELS_KEY = "labels"  # aligned with the inputs (Hugging Face): shifted here
 POSITIONS_KEY = "position_ids"
+MASK_KEY = "attention_mask"  # checked (right padding only), not passed on
 
 
 class PackedInputs(NamedTuple):
@@ -83,12 +86,29 @@ def _with_positions(inputs: Any, position_ids: Optional[Tensor]) -> Any:
     return PackedInputs(inputs, position_ids)
 
 
+def _check_attention_mask(mask: Any, inputs: Any) -> None:
+    """An ``attention_mask`` is not passed to the model (attention is causal, or per document with ``position_ids``):
+    right padding (each row ones, then zeros) changes nothing for the tokens before the padding, anything else
+    (left padding, holes) would be silently ignored, so it is refused."""
+    if not isinstance(mask, Tensor):
+        return
+    _check_same_shape("attention_mask", mask, inputs, "one entry per input token")
+    keep = mask != 0  # (B, T)
+    if bool((keep[..., 1:] & ~keep[..., :-1]).any()):  # a kept token after a padded one
+        raise ValueError(
+            "attention_mask with a padded position before a kept one (left padding or holes): the model is called "
+            "without it (attention is causal, or within documents with position_ids), so the padding would be "
+            "attended to. Pad on the right (tokenizer padding_side='right') with labels -100 on the padding, or pack "
+            "the rows with position_ids (DataCollatorWithFlattening).")
+
+
 def split_batch(batch: Any, ignore_index: int = -100) -> tuple[Any, Any]:
     """``(inputs, targets)`` of a batch, targets shifted (see the module doc for the conventions).
 
     Raises:
         ValueError: a dict without an input key or without a target key, with both ``labels`` and ``targets``
-            (which convention?), ``labels`` or ``position_ids`` shaped unlike the inputs, or another batch type.
+            (which convention?), ``labels`` or ``position_ids`` shaped unlike the inputs, an ``attention_mask``
+            other than right padding (it is not passed to the model), or another batch type.
 
     Example:
         >>> split_batch((torch.ones(1, 2), torch.zeros(1, 2)))[1].tolist()
@@ -118,6 +138,7 @@ def split_batch(batch: Any, ignore_index: int = -100) -> tuple[Any, Any]:
             targets = shift_labels(labels, ignore_index) if isinstance(labels, Tensor) else labels
         else:
             targets = batch[shifted[0]]
+        _check_attention_mask(batch.get(MASK_KEY), inputs)
         return _with_positions(inputs, batch.get(POSITIONS_KEY)), targets
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         return batch[0], batch[1]

@@ -25,7 +25,7 @@ def hf_batch(seed: int = 0) -> dict[str, torch.Tensor]:
         ids[row, length:] = 0
         labels[row, length:] = -100
     labels[0, 2] = -100
-    return {"input_ids": ids, "labels": labels}
+    return {"input_ids": ids, "labels": labels, "attention_mask": (labels != -100).long() | (ids != 0).long()}
 
 
 def tiny_hf_lm():
@@ -42,7 +42,7 @@ def test_hf_labels_loss_equals_transformers_loss() -> None:
     batch = hf_batch()
     with torch.no_grad():
         ours = lm.fourd_loss(batch, "train")
-        theirs = lm.model.model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss
+        theirs = lm.model.model(**batch, use_cache=False).loss  # with the attention mask
         # the bug this fixes: the labels taken as already-shifted targets
         unshifted = lm.loss_fn(lm(batch["input_ids"]), batch["labels"])
     assert abs(ours.item() - theirs.item()) <= 1e-6 * abs(theirs.item()), (ours.item(), theirs.item())
@@ -78,6 +78,8 @@ def test_position_ids_make_packed_inputs() -> None:
      r"position_ids of shape \(2, 3\) but inputs of shape \(2, 4\)"),
     ({"input_ids": torch.zeros(2, 4)}, r"needs an input key .* and a target key"),
     ((torch.zeros(2), torch.zeros(2), torch.zeros(2), torch.zeros(2)), r"got tuple of 4"),
+    ({"input_ids": torch.zeros(1, 3), "labels": torch.zeros(1, 3), "attention_mask": torch.tensor([[0, 1, 1]])},
+     r"attention_mask with a padded position before a kept one \(left padding.*padding_side='right'"),
 ])
 def test_ambiguous_batches_are_refused(batch, match) -> None:
     with pytest.raises(ValueError, match=match):
