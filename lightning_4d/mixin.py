@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from lightning_4d import _compat
+from lightning_4d.batches import batch_tokens, call_model, split_batch
 from lightning_4d.loss import count_targets
 from lightning_4d.mesh import Axis
 
@@ -31,9 +32,6 @@ if TYPE_CHECKING:
     from lightning_4d.strategy import FourDStrategy
 
 __all__ = ["FourDModule"]
-
-_INPUT_KEYS = ("inputs", "input_ids", "tokens", "x")
-_TARGET_KEYS = ("targets", "labels", "y")
 
 
 def _last_stage_rank(strategy: FourDStrategy) -> int:
@@ -48,10 +46,12 @@ def _last_stage_rank(strategy: FourDStrategy) -> int:
 class FourDModule:
     """Mixin for a ``LightningModule`` (put it first: ``class M(FourDModule, L.LightningModule)``).
 
-    Batches are ``(inputs, targets)`` or a dict with ``inputs``/``input_ids`` and
-    ``targets``/``labels``. The loss is ``loss_fn(forward(inputs), targets)``; the value returned
-    and logged (``train_loss``, ``val_loss``, ``test_loss``) is the global-batch mean on every
-    rank, weighted by the number of valid targets (``ignore_index`` excluded).
+    Batches are ``(inputs, targets)`` (targets already shifted), or a dict with ``inputs``/``input_ids`` and
+    either ``targets`` (already shifted) or ``labels`` (Hugging Face: aligned with the inputs, shifted here, ``-100``
+    ignored), optionally ``position_ids`` for packed documents (see :mod:`lightning_4d.batches`). The loss is
+    ``loss_fn(forward(inputs), targets)``; the value returned and logged (``train_loss``, ``val_loss``,
+    ``test_loss``) is the global-batch mean on every rank, weighted by the number of valid targets
+    (``ignore_index`` excluded).
 
     Hooks to override: ``loss_fn`` (required), ``split_batch``, ``count_targets``,
     ``fourd_blocks_path`` (where the repeated blocks are), ``fourd_tp_plan`` (an explicit
@@ -89,21 +89,10 @@ class FourDModule:
         )
 
     def split_batch(self, batch: Any) -> tuple[Any, Any]:
-        """Return ``(inputs, targets)`` from a batch (tuple/list of two, or a dict)."""
-        if isinstance(batch, dict):
-            inputs = next((batch[k] for k in _INPUT_KEYS if k in batch), None)
-            targets = next((batch[k] for k in _TARGET_KEYS if k in batch), None)
-            if inputs is None or targets is None:
-                raise ValueError(
-                    f"A dict batch needs an input key ({'/'.join(_INPUT_KEYS)}) and a target key "
-                    f"({'/'.join(_TARGET_KEYS)}); got keys {sorted(batch)}. Override `split_batch`."
-                )
-            return inputs, targets
-        if isinstance(batch, (tuple, list)) and len(batch) == 2:
-            return batch[0], batch[1]
-        raise ValueError(
-            f"A batch must be (inputs, targets) or a dict, got {type(batch).__name__}. Override `split_batch`."
-        )
+        """Return ``(inputs, targets)`` from a batch, targets shifted (:func:`lightning_4d.batches.split_batch`):
+        ``(inputs, targets)`` as they are; a dict's ``labels`` (Hugging Face, aligned with the inputs) shifted here;
+        ``position_ids`` (packed documents) make the inputs :class:`~lightning_4d.batches.PackedInputs`."""
+        return split_batch(batch, self.ignore_index if self.ignore_index is not None else -100)
 
     def count_targets(self, targets: Any) -> Tensor:
         """How many elements ``loss_fn`` averages over (weights the global mean)."""
@@ -139,7 +128,7 @@ class FourDModule:
         previous, self._fourd_stage = self._fourd_stage, stage
         try:
             if strategy is None:
-                return self.loss_fn(self(inputs), targets)
+                return self.loss_fn(call_model(self, inputs), targets)
             return strategy.compute_loss(self, inputs, targets, stage)
         finally:
             self._fourd_stage = previous
@@ -248,7 +237,7 @@ class FourDModule:
         return value.float()
 
     def _log_loss(self, name: str, loss: Tensor, batch: Any, on_step: bool) -> None:
-        inputs, _ = self.split_batch(batch)
+        inputs = batch_tokens(self.split_batch(batch)[0])
         size = inputs.shape[0] if isinstance(inputs, Tensor) else None
         # The value is already global and equal on every rank. An epoch-level value is still marked
         # sync_dist (one all-reduce of a scalar per epoch, the mean of equal values): Lightning warns otherwise.
@@ -278,7 +267,7 @@ class FourDModule:
         inputs = self.split_batch(batch)[0] if isinstance(batch, (tuple, list, dict)) else batch
         strategy = self._fourd_strategy()
         if strategy is None:
-            return self(inputs)
+            return call_model(self, inputs)
         return strategy.predict(self, inputs)
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Optimizer) -> None:

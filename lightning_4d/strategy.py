@@ -33,6 +33,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from typing_extensions import override
 
 from lightning_4d import _compat
+from lightning_4d.batches import batch_tokens, call_model
 from lightning_4d.comm import internal_comm
 from lightning_4d.checkpoint.resume import normalize_loop_state, skip_first_batches
 from lightning_4d.checkpoint.state import load_sharded, model_state_dict, optimizer_state_dict, save_sharded
@@ -556,7 +557,7 @@ class FourDStrategy(ParallelStrategy):
             >>> # not run: needs a Trainer
             >>> loss = trainer.strategy.compute_loss(module, inputs, targets)  # doctest: +SKIP
         """
-        check_inputs(inputs, self._plan.input_shape if self._plan is not None else None)
+        check_inputs(batch_tokens(inputs), self._plan.input_shape if self._plan is not None else None)
         check_targets(targets, self._plan is not None and self._plan.loss_parallel)
         runner = self._plan.pipeline if self._plan is not None else None
         if runner is not None:
@@ -567,7 +568,7 @@ class FourDStrategy(ParallelStrategy):
                                            module.trainer.accumulate_grad_batches, self.loss_context)
             return pipeline_eval(runner, module, inputs, targets, dp_group, self.loss_context)
         with self.loss_context():
-            outputs = module(inputs)
+            outputs = call_model(module, inputs)
             local = module.loss_fn(outputs, targets)
         n_local = module.count_targets(targets)
         dims = self.dims
@@ -580,11 +581,11 @@ class FourDStrategy(ParallelStrategy):
 
     def predict(self, module: "pl.LightningModule", inputs: Any) -> Any:
         """Full (unsharded) model outputs on every rank."""
-        check_inputs(inputs, self._plan.input_shape if self._plan is not None else None)
+        check_inputs(batch_tokens(inputs), self._plan.input_shape if self._plan is not None else None)
         if self._plan is not None and self._plan.pipeline is not None:
             return pipeline_eval(self._plan.pipeline, module, inputs, None, self.mesh[Axis.DP].get_group(),
                                  self.loss_context)
-        return to_full(module(inputs))
+        return to_full(call_model(module, inputs))
 
     def zero_grad_if_needed(self) -> None:
         """Zero gradients before the first micro-step of an accumulation window (pipeline mode)."""

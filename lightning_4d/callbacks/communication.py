@@ -43,6 +43,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_4d import _compat
+from lightning_4d.batches import batch_tokens
 from lightning_4d.comm import AXIS_ORDER, CommCounter, CommRecord, mesh_axis_groups
 from lightning_4d.precision import PRECISION_NAMES, precision_info
 from lightning_4d.callbacks._common import (
@@ -374,6 +375,7 @@ def _batch_shape(pl_module: "pl.LightningModule", batch: Any) -> Optional[tuple[
     try:
         split = getattr(pl_module, "split_batch", None)
         inputs = split(batch)[0] if callable(split) else (batch[0] if isinstance(batch, (tuple, list)) else batch)
+        inputs = batch_tokens(inputs)  # packed documents: the token ids
     except Exception:  # noqa: BLE001 - an unusual batch: no analytic comparison
         return None
     if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2:

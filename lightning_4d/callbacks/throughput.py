@@ -29,6 +29,7 @@ from lightning.fabric.utilities.throughput import Throughput, get_available_flop
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_4d.batches import batch_tokens
 from lightning_4d.callbacks._common import RunContext, every_n, gather_rows, log_metrics, resolve_every_n
 from lightning_4d.precision import precision_info
 
@@ -181,6 +182,7 @@ class FourDThroughputMonitor(Callback):
         split = getattr(pl_module, "split_batch", None)
         try:
             inputs = split(batch)[0] if callable(split) else (batch[0] if isinstance(batch, (tuple, list)) else batch)
+            inputs = batch_tokens(inputs)  # packed documents: the token ids
         except Exception as err:  # noqa: BLE001 - an unusual batch: said once, then no token rates
             self._cannot_count(f"`split_batch` / `batch[0]` raised {type(err).__name__}: {err}")
             return 0, self._seq

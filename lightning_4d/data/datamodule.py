@@ -97,7 +97,7 @@ class TokenWindowDataset(Dataset):
         return self._len
 
     @override
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
         if index < 0:
             index += self._len
         if not 0 <= index < self._len:
@@ -182,7 +182,12 @@ class MaskedTokenDataset(Dataset):
     are cut; :attr:`truncated` counts them), padded with ``pad_id`` (padding is never a target); inputs and
     targets are that row shifted by one. ``pack=True``: conversations are one stream cut into windows like
     :class:`TokenWindowDataset` (``seq_len`` apart); a window may hold the end of one conversation and the start
-    of the next.
+    of the next. Packed samples are exact: they are ``(inputs, targets, position_ids)`` triples whose positions
+    restart at 0 where a conversation starts (as transformers' ``DataCollatorWithFlattening`` writes them; a window
+    that starts inside a conversation starts at 0 too), so :class:`~lightning_4d.models.CausalLM` keeps attention
+    within each conversation; the last token of a conversation has no target (``ignore_index``), it does not
+    predict the first token of the next. The loss of a packed batch is then the token-weighted loss of its
+    conversations run one by one.
 
     Args:
         tokens: the token stream (a :class:`~lightning_4d.data.tokens.TokenFile` or a 1-D array).
@@ -202,6 +207,9 @@ class MaskedTokenDataset(Dataset):
         [[4, 5, 6, 7], [-100, -100, 7, 8]]
         >>> ds.truncated, ds.num_targets()
         (1, 4)
+        >>> x, y, pos = MaskedTokenDataset(toks, mask, docs=np.array([0, 4, 10]), seq_len=6, pack=True)[0]
+        >>> y.tolist(), pos.tolist()  # token 3 ends conversation 0: no target
+        ([-100, 2, 3, -100, -100, -100], [0, 1, 2, 3, 0, 1])
     """
 
     def __init__(
@@ -248,7 +256,7 @@ class MaskedTokenDataset(Dataset):
         return start, min(end, start + self.seq_len + 1)
 
     @override
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
         if index < 0:
             index += self._len
         if not 0 <= index < self._len:
@@ -258,8 +266,17 @@ class MaskedTokenDataset(Dataset):
         keep = np.zeros(self.seq_len + 1, dtype=bool)
         row[: end - start] = np.asarray(self.tokens[start:end], dtype=np.int64)
         keep[: end - start] = np.asarray(self.mask[start:end]) != 0
+        if not self.pack:
+            targets = np.where(keep[1:], row[1:], self.ignore_index)
+            return torch.from_numpy(row[:-1].copy()), torch.from_numpy(targets)
+        index_in_stream = np.arange(start, end)  # (T + 1,)
+        doc = np.searchsorted(self.docs, index_in_stream, side="right") - 1  # (T + 1,) conversation of each token
+        keep[1:] &= doc[1:] == doc[:-1]  # a conversation's last token does not predict the next one's first
         targets = np.where(keep[1:], row[1:], self.ignore_index)
-        return torch.from_numpy(row[:-1].copy()), torch.from_numpy(targets)
+        # positions restart at 0 where a conversation starts (a window starting inside one: at the window's start)
+        positions = index_in_stream - np.maximum(self.docs[doc], start)  # (T + 1,)
+        return (torch.from_numpy(row[:-1].copy()), torch.from_numpy(targets),
+                torch.from_numpy(positions[:-1].astype(np.int64)))
 
     def num_targets(self) -> int:
         """Targets that are trained on, over the whole dataset (what the loss averages over)."""
@@ -571,7 +588,8 @@ class HFDataModule(L.LightningDataModule):
         batch_size: samples per batch **per data-parallel rank**.
         val_files: a separate validation set (else ``val_fraction`` of the data).
         val_fraction: share of tokens (text) or conversations (chat) held out for validation.
-        pack: chat only: pack conversations into ``seq_len`` windows instead of one (padded) per sample.
+        pack: chat only: pack conversations into ``seq_len`` windows instead of one (padded) per sample; the
+            samples are then ``(inputs, targets, position_ids)`` (see :class:`MaskedTokenDataset`).
         mask_prompt: chat only: train on the answers only.
         num_proc: tokenization worker processes (``None``: by data size and CPU cores).
         num_workers: DataLoader worker processes.

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_4d.models.flops import training_flops_per_token
-from lightning_4d.models.llama import _config_error, _iter_blocks, seeded
+from lightning_4d.models.llama import _config_error, _iter_blocks, packed_causal_mask, seeded
 
 __all__ = ["GPT2", "GPT2Config", "GPT2Embeddings", "Block", "CausalSelfAttention", "MLP", "interleave_qkv"]
 
@@ -89,12 +89,13 @@ class GPT2Embeddings(nn.Module):
         nn.init.normal_(self.wte.weight, std=self.init_std)
         nn.init.normal_(self.wpe.weight, std=self.init_std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``position_ids`` ``(B, T)`` (packed documents): the learned positions at those indices, else ``0..T-1``."""
         T = tokens.shape[1]  # tokens: (B, T)
         if T > self.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size={self.block_size}")
-        pos = torch.arange(T, device=tokens.device)  # (T,)
-        return self.drop(self.wte(tokens) + self.wpe(pos))  # (B, T, C) + (T, C) -> (B, T, C)
+        pos = torch.arange(T, device=tokens.device) if position_ids is None else position_ids  # (T,) or (B, T)
+        return self.drop(self.wte(tokens) + self.wpe(pos))  # (B, T, C) + (T, C) or (B, T, C) -> (B, T, C)
 
 
 class CausalSelfAttention(nn.Module):
@@ -128,12 +129,18 @@ class CausalSelfAttention(nn.Module):
             if lin.bias is not None:
                 nn.init.zeros_(lin.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``position_ids`` ``(B, T)`` of packed documents: attention within each document
+        (:func:`~lightning_4d.models.llama.packed_causal_mask`)."""
         B, T, _ = x.shape  # (B, T, C)
         qkv = self.c_attn(x).view(B, T, self.n_head, 3, self.head_dim)  # (B, T, H, 3, hd)
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # 3 x (B, H, T, hd)
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, H, T, hd)
+        if position_ids is None:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, H, T, hd)
+        else:
+            mask = packed_causal_mask(position_ids)  # (B, 1, T, T)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)  # (B, H, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, H*hd)
         return self.resid_dropout(self.c_proj(y))  # (B, T, C)
 
@@ -188,8 +195,10 @@ class Block(nn.Module):
         for m in (self.ln_1, self.attn, self.ln_2, self.mlp):
             m.reset_parameters()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))  # (B, T, C)
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``position_ids`` ``(B, T)``: packed documents (see :meth:`CausalSelfAttention.forward`)."""
+        h = self.ln_1(x)  # (B, T, C)
+        x = x + (self.attn(h) if position_ids is None else self.attn(h, position_ids=position_ids))  # (B, T, C)
         return x + self.mlp(self.ln_2(x))  # (B, T, C)
 
 
@@ -239,12 +248,15 @@ class GPT2(nn.Module):
             if self.lm_head is not None and not self.config.tie_embeddings:
                 nn.init.normal_(self.lm_head.weight, std=self.config.init_std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``(B, T, V)``. ``position_ids`` ``(B, T)`` of packed documents (restarting at 0 where one
+        starts): each token attends within its document only, with its position in the document."""
         x = tokens  # (B, T) token ids, or (B, T, C) hidden states on a later pipeline stage
+        packed = position_ids is not None
         if self.embeddings is not None:
-            x = self.embeddings(tokens)  # (B, T, C)
+            x = self.embeddings(tokens, position_ids=position_ids) if packed else self.embeddings(tokens)  # (B, T, C)
         for block in _iter_blocks(self.h):
-            x = block(x)  # (B, T, C)
+            x = block(x, position_ids=position_ids) if packed else block(x)  # (B, T, C)
         if self.ln_f is not None:
             x = self.ln_f(x)  # (B, T, C)
         if self.lm_head is not None:

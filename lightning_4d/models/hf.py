@@ -100,9 +100,13 @@ class HFLogits(nn.Module):
         self._config_json: str = model.config.to_json_string(use_diff=False)
         self._architecture = type(model).__name__  # before FSDP2 renames the class
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits ``(B, T, V)`` for token ids ``(B, T)``."""
-        return self.model(input_ids=tokens, use_cache=False).logits
+    def forward(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits ``(B, T, V)`` for token ids ``(B, T)``. ``position_ids`` ``(B, T)`` of packed documents (restarting
+        at 0 where one starts) go to the model: without an attention mask and cache, transformers' masks (sdpa,
+        eager) then keep attention within each document (``masking_utils.find_packed_sequence_indices``)."""
+        if position_ids is None:
+            return self.model(input_ids=tokens, use_cache=False).logits
+        return self.model(input_ids=tokens, position_ids=position_ids, use_cache=False).logits
 
     @classmethod
     def from_pretrained(cls, path: PathLike, dtype: Union[str, torch.dtype] = "float32",

@@ -26,7 +26,8 @@ from torch import nn
 from lightning_4d.models.flops import training_flops_per_token
 
 __all__ = [
-    "Attention", "FeedForward", "Llama", "LlamaConfig", "TransformerBlock", "apply_rope", "rope_cos_sin", "seeded",
+    "Attention", "FeedForward", "Llama", "LlamaConfig", "TransformerBlock", "apply_rope", "document_ids",
+    "packed_causal_mask", "rope_at", "rope_cos_sin", "seeded",
 ]
 
 
@@ -46,6 +47,45 @@ def rope_cos_sin(
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)  # (T, hd/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+    return emb.cos(), emb.sin()
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Which document each token belongs to, ``(B, T)``: a new one starts wherever the position does not follow the
+    previous one by 1 (transformers' rule for packed sequences, ``masking_utils.find_packed_sequence_indices``).
+
+    >>> document_ids(torch.tensor([[0, 1, 2, 0, 1, 0]])).tolist()
+    [[0, 0, 0, 1, 1, 2]]
+    """
+    first = position_ids[:, :1] - 1  # (B, 1): the first token continues nothing
+    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)  # (B, T)
+
+
+def packed_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal causal mask ``(B, 1, T, T)`` (``True``: may attend) of packed documents: token ``i`` sees token
+    ``j <= i`` of its own document only.
+
+    >>> packed_causal_mask(torch.tensor([[0, 1, 0]]))[0, 0].int().tolist()
+    [[1, 0, 0], [1, 1, 0], [0, 0, 1]]
+    """
+    doc = document_ids(position_ids)  # (B, T)
+    T = position_ids.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=position_ids.device).tril()  # (T, T)
+    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]  # (B, 1, T, T)
+
+
+def rope_at(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary tables ``cos, sin`` ``(B, 1, T, head_dim)`` at the given positions (:func:`rope_cos_sin` at
+    ``arange(T)`` for every row).
+
+    >>> cos, _ = rope_at(torch.arange(4)[None], 8, 10000.0)
+    >>> bool((cos[0, 0] == rope_cos_sin(4, 8, 10000.0)[0]).all())
+    True
+    """
+    device = position_ids.device
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    freqs = position_ids.to(torch.float32)[..., None] * inv_freq  # (B, T, hd/2)
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, hd)
     return emb.cos(), emb.sin()
 
 
@@ -172,19 +212,28 @@ class Attention(nn.Module):
             nn.init.normal_(lin.weight, std=self.init_std)
         nn.init.normal_(self.wo.weight, std=self.out_init_std)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``position_ids`` ``(B, T)`` of packed documents: rotary at those positions, attention within each
+        document (:func:`packed_causal_mask`); ``None``: positions ``0..T-1``, plain causal attention."""
         B, T, _ = x.shape  # (B, T, D)
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
-        cos, sin = rope_cos_sin(T, self.head_dim, self.rope_theta, device=x.device)  # (T, hd)
+        if position_ids is None:
+            cos, sin = rope_cos_sin(T, self.head_dim, self.rope_theta, device=x.device)  # (T, hd)
+        else:
+            cos, sin = rope_at(position_ids, self.head_dim, self.rope_theta)  # (B, 1, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         rep = self.n_heads // self.n_kv_heads
         if rep > 1:  # query head i uses kv head i // rep
             k = k.repeat_interleave(rep, dim=1)  # (B, H, T, hd)
             v = v.repeat_interleave(rep, dim=1)  # (B, H, T, hd)
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, H, T, hd)
+        if position_ids is None:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, H, T, hd)
+        else:
+            mask = packed_causal_mask(position_ids)  # (B, 1, T, T)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)  # (B, H, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*hd)
         return self.wo(y)  # (B, T, D)
 
@@ -241,8 +290,11 @@ class TransformerBlock(nn.Module):
         for m in (self.attention_norm, self.attention, self.ffn_norm, self.feed_forward):
             m.reset_parameters()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.attn_dropout(self.attention(self.attention_norm(x)))  # (B, T, D)
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``position_ids`` ``(B, T)``: packed documents (see :meth:`Attention.forward`)."""
+        attn_in = self.attention_norm(x)  # (B, T, D)
+        a = self.attention(attn_in) if position_ids is None else self.attention(attn_in, position_ids=position_ids)
+        h = x + self.attn_dropout(a)  # (B, T, D)
         return h + self.ffn_dropout(self.feed_forward(self.ffn_norm(h)))  # (B, T, D)
 
 
@@ -297,14 +349,16 @@ class Llama(nn.Module):
             if self.output is not None and not self.config.tie_embeddings:
                 nn.init.normal_(self.output.weight, std=self.config.init_std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``(B, T, V)``. ``position_ids`` ``(B, T)`` of packed documents (restarting at 0 where one
+        starts): each token attends within its document only, rotary at its position in the document."""
         h = tokens  # (B, T) token ids, or (B, T, D) hidden states on a later pipeline stage
         if self.tok_embeddings is not None:
             if tokens.shape[1] > self.config.max_seq_len:
                 raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len={self.config.max_seq_len}")
             h = self.tok_embeddings(tokens)  # (B, T, D)
         for layer in _iter_blocks(self.layers):
-            h = layer(h)  # (B, T, D)
+            h = layer(h) if position_ids is None else layer(h, position_ids=position_ids)  # (B, T, D)
         if self.norm is not None:
             h = self.norm(h)  # (B, T, D)
         if self.output is not None:

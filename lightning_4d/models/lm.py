@@ -9,6 +9,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -29,6 +30,11 @@ __all__ = ["CausalLM"]
 
 class CausalLM(FourDModule, L.LightningModule):
     """Wraps a model mapping tokens ``(B, T)`` to logits ``(B, T, V)``.
+
+    Batches: ``(inputs, targets)`` with targets already shifted (the package's data modules), or Hugging Face dicts
+    ``{"input_ids", "labels"}`` with labels aligned with the inputs (shifted once at batch entry, ``-100``
+    ignored: the loss is transformers' own), optionally with ``position_ids`` of packed documents (attention then
+    stays within each document). See :mod:`lightning_4d.batches`.
 
     Validation and test log, besides ``val_loss`` / ``test_loss``, the token-weighted perplexity ``val_ppl`` and
     the next-token accuracy ``val_acc`` (``test_ppl``, ``test_acc``) of every target token that is not
@@ -76,13 +82,25 @@ class CausalLM(FourDModule, L.LightningModule):
         # of the model the strategy rewrites (trace, pipeline split, precision casts, checkpoints).
         self._metrics: dict[str, dict[str, Metric]] = {}
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        """Logits ``(B, T, V)`` for tokens ``(B, T)``."""
-        return self.model(tokens)
+    def forward(self, tokens: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
+        """Logits ``(B, T, V)`` for tokens ``(B, T)``; ``position_ids`` ``(B, T)`` (packed documents, restarting at 0
+        where a document starts) are passed on to the model, which then attends within each document only."""
+        if position_ids is None:
+            return self.model(tokens)
+        if "position_ids" not in inspect.signature(self.model.forward).parameters:
+            raise ValueError(
+                f"a packed batch (with position_ids) but {type(self.model).__name__}.forward takes no position_ids, "
+                f"so its attention would cross document boundaries. Use a model that takes them (Llama, HFLogits) "
+                f"or batches without position_ids (pack=False).")
+        return self.model(tokens, position_ids=position_ids)
 
     def loss_fn(self, logits: Tensor, targets: Tensor) -> Tensor:
         """Mean next-token cross-entropy over targets that are not ``ignore_index``; in validation and test it also
-        updates the perplexity and accuracy metrics with this (micro-)batch."""
+        updates the perplexity and accuracy metrics with this (micro-)batch.
+
+        ``targets`` are shifted (``targets[:, t]`` is the token after ``inputs[:, t]``): the mixin turns Hugging Face
+        ``labels`` (aligned with the inputs) into such targets at batch entry, so a dict batch with ``labels`` gives
+        transformers' own ``model(input_ids, labels=labels).loss`` (see :mod:`lightning_4d.batches`)."""
         ignore = self.ignore_index if self.ignore_index is not None else -100
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=ignore)
         stage = self.fourd_stage

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_4d.batches import PackedInputs, check_takes_positions
 from lightning_4d.config import FourDConfig
 from lightning_4d.distributed import all_reduce_sum, to_full
 from lightning_4d.hooks import PIPELINE_HOOKS, PIPELINE_POST, PIPELINE_PRE, PIPELINE_SPLIT, user_hook
@@ -40,7 +41,7 @@ from lightning_4d.trace import ModelTrace, example_tokens
 from lightning_4d.verify import check_tensor_parallel
 
 __all__ = ["ModelSplit", "check_after_tensor_parallel", "check_pipeline_model", "prepare_pipeline", "split_pipeline",
-           "build_runner", "pipeline_train_loss", "pipeline_eval", "staged_forward", "sync_tied",
+           "build_runner", "check_packed", "pipeline_train_loss", "pipeline_eval", "staged_forward", "sync_tied",
            "uses_pipeline_hooks"]
 
 # How a model is cut into pipeline stages: its own forward run stage by stage (no hooks), or the chain
@@ -171,6 +172,28 @@ def sync_tied(model: nn.Module, runner: PipelineRunner, tied: Sequence[tuple[str
         sync_tied_grads(model, list(tied), runner.group, runner.first_rank, runner.last_rank)
 
 
+def check_packed(runner: PipelineRunner, module: nn.Module, inputs: Any) -> None:
+    """Refuse packed inputs (:class:`~lightning_4d.batches.PackedInputs`) that the stages cannot carry to every
+    block: with user pipeline hooks a stage chains ``pre → blocks → post`` on the activation alone, so the blocks of
+    later stages would not see ``position_ids`` and attention would cross document boundaries. Raised on every rank
+    before the step's first collective.
+
+    Example:
+        >>> # not run: needs a process group
+        >>> check_packed(plan.pipeline, lm, PackedInputs(tokens, position_ids))  # doctest: +SKIP
+    """
+    if not isinstance(inputs, PackedInputs):
+        return
+    if not runner.inputs_to_every_stage:
+        raise ValueError(
+            f"a packed batch (with position_ids) under pp={runner.pp} with the pipeline hooks of "
+            f"{type(module).__name__}: stages chain pre → blocks → post on the activation only, so blocks on later "
+            f"stages would not get position_ids and attention would cross document boundaries. Remove the hooks (the "
+            f"stages then run the model's own forward, which passes position_ids on), use pp=1, or batches without "
+            f"position_ids.")
+    check_takes_positions(module)
+
+
 def _token_total(module: nn.Module, targets: Tensor, dp_group: dist.ProcessGroup) -> float:
     n = module.count_targets(targets).to(torch.float64).reshape(1).clone()
     return float(all_reduce_sum(n, dp_group)[0])
@@ -189,6 +212,7 @@ def pipeline_train_loss(runner: PipelineRunner, module: nn.Module, inputs: Any, 
         >>> # not run: needs a process group
         >>> loss = pipeline_train_loss(runner, lm, x, y, mesh["dp"].get_group(), 2, 1, nullcontext)  # doctest: +SKIP
     """
+    check_packed(runner, module, inputs)
     total = _token_total(module, targets, dp_group)
     with loss_context():
         local = runner.train_step(inputs, targets, grad_scale=dp / accumulate, num_tokens=total or 1.0)
@@ -203,6 +227,7 @@ def pipeline_eval(runner: PipelineRunner, module: nn.Module, inputs: Any, target
         >>> # not run: needs a process group
         >>> out = pipeline_eval(runner, lm, x, None, mesh["dp"].get_group(), nullcontext)  # doctest: +SKIP
     """
+    check_packed(runner, module, inputs)
     if targets is None:
         with loss_context():
             return to_full(runner.eval_step(inputs, None).output)

@@ -303,7 +303,8 @@ class HFDataConfig:
     files give a row per ``text_sample_by``: ``document``, ``paragraph`` or ``line``) or ``chat`` (``messages_field``
     conversations, or ``prompt_field`` / ``response_field`` instruction rows, through the tokenizer's chat
     template; with ``mask_prompt`` only the answers are targets; one conversation per sample, padded, or packed
-    with ``pack``; ``system_prompt`` added where a conversation has none). Validation: ``val_files``, else a
+    with ``pack``, exactly: ``position_ids`` keep attention within each conversation; ``system_prompt`` added
+    where a conversation has none). Validation: ``val_files``, else a
     ``val_fraction`` of the tokens (text) or of the conversations (chat, picked with ``seed``). ``batch_size`` is
     per data-parallel rank.
 

@@ -355,3 +355,16 @@ def test_chat_finetune_with_its_own_tokenizer_tp_pp_ep(chat_model: Path, tmp_pat
         print(f"\nchat tp2×pp2×ep2: loss {losses[0]:.3f} -> {losses[-1]:.3f}, val_ppl {got['metrics']['val_ppl']:.4f} "
               f"(one process {ref['val_ppl']:.4f}), val_acc {got['metrics']['val_acc']:.4f}; {got['prepared']}; "
               f"{time.perf_counter() - start:.1f}s")
+
+
+def test_packed_chat_finetune_pp(chat_model: Path, tmp_path: Path) -> None:
+    """``data.pack=true`` end to end under pp=2 (2 ranks): the packed samples' ``position_ids`` travel through the
+    pipeline stages into the Hugging Face model (attention within each conversation) and the answer-token loss
+    falls, equal on both ranks."""
+    overrides = [*CHAT, "data=chat", f"model.path={chat_model}", f"data.files=[{chat_model / 'chat.jsonl'}]",
+                 f"data.data_dir={tmp_path / 'data'}", "data.pack=true", "trainer.devices=2", "parallel.pp=2",
+                 "callbacks.checkpoint=false", f"output_dir={tmp_path / 'run'}"]
+    ranks = run_world(_chat_world, 2, overrides, str(tmp_path / "run"), timeout_s=300, pg_timeout_s=PG_TIMEOUT_S)
+    losses = ranks[0]["losses"]
+    assert ranks[1]["losses"] == losses and all(math.isfinite(v) for v in losses)
+    assert len(losses) == CHAT_STEPS and sum(losses[-3:]) / 3 < 0.7 * sum(losses[:3]) / 3, losses
