@@ -24,7 +24,6 @@ import importlib.util
 import os
 import sys
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
@@ -364,8 +363,8 @@ def build_model(cfg: Config, trainer: Optional["L.Trainer"] = None) -> "L.Lightn
 
 # ---------------------------------------------------------------------------------------------- trainer
 def build_strategy(cfg: Config) -> FourDStrategy:
-    """``hydra.utils.instantiate`` of ``cfg.parallel``'s ``_target_`` (``FourDStrategy``) with the options of its
-    ``FourDConfig`` and the timeout.
+    """``hydra.utils.instantiate`` of ``cfg.parallel``'s ``_target_`` (``FourDStrategy``) with every option of its
+    ``FourDConfig`` (the strategy's keywords).
 
     Example:
         >>> from lightning_4d.recipes.schema import ParallelConfig
@@ -374,7 +373,7 @@ def build_strategy(cfg: Config) -> FourDStrategy:
     """
     p = _cfg(cfg).parallel
     options = dataclasses.asdict(owned("parallel", p))
-    return instantiate({"_target_": p._target_}, **options, timeout=timedelta(minutes=p.timeout_min))
+    return instantiate({"_target_": p._target_}, **options)
 
 
 class LossHistory:

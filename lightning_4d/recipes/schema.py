@@ -178,10 +178,11 @@ if TYPE_CHECKING:
 
 
 # ---------------------------------------------------------------------------------------------- parallel
-# ``FourDConfig`` is the schema (its options and rules); the recipe adds ``name``, ``timeout_min`` (the
-# process-group timeout in minutes) and ``_target_`` (the strategy, built by ``hydra.utils.instantiate``).
+# ``FourDConfig`` is the schema: every option of ``FourDStrategy`` with its rules (durations such as ``timeout`` and
+# ``heartbeat_timeout`` in seconds, ``preemption_signals`` a list); the recipe adds ``name`` and ``_target_`` (the
+# strategy, built by ``hydra.utils.instantiate``).
 ParallelConfig = structured_schema(FourDConfig, "ParallelConfig", __name__, name=(str, "custom"),
-                                   timeout_min=(float, 30.0), _target_=(str, "lightning_4d.FourDStrategy"))
+                                   _target_=(str, "lightning_4d.FourDStrategy"))
 
 
 # ---------------------------------------------------------------------------------------------- trainer
