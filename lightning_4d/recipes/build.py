@@ -31,6 +31,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_4d.recipes.resources import ResourceReport, check_resources, count_params, model_spec
+from lightning_4d.recipes.resume import RESUME_ENV, checkpoint_dir, resume_checkpoint
 from lightning_4d.recipes.schema import (
     HFDataConfig,
     HFModelConfig,
@@ -422,7 +423,7 @@ def build_callbacks(cfg: Config, root: Optional[Path] = None) -> list[L.Callback
         # Every n steps, by default once at the last step (a run that stops mid-epoch would save nothing).
         every = c.callbacks.checkpoint_every_n_steps or (c.trainer.max_steps if c.trainer.max_steps > 0 else None)
         cbs.append(ModelCheckpoint(
-            dirpath=str(root / "checkpoints"), every_n_train_steps=every, save_last=c.callbacks.save_last,
+            dirpath=str(checkpoint_dir(root)), every_n_train_steps=every, save_last=c.callbacks.save_last,
             save_top_k=1))
     cbs.append(LossHistory.create())
     return cbs
@@ -514,11 +515,12 @@ def _hydra_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-_LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", _RUN_DIR_ENV)
+_LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", _RUN_DIR_ENV, RESUME_ENV)
 
 
-def _prepare_subprocess_launch(root: Path) -> Optional[dict[str, Optional[str]]]:
-    """Make ranks started by Lightning's launcher (which re-runs ``sys.argv``) run *this* job.
+def _prepare_subprocess_launch(root: Path, ckpt: Optional[Path]) -> Optional[dict[str, Optional[str]]]:
+    """Make ranks started by Lightning's launcher (which re-runs ``sys.argv``) run *this* job (its directory and
+    the checkpoint it resumes from).
 
     Returns the launch-related environment to restore after the job (``None`` in a launched rank,
     under torchrun or SLURM, where there is nothing to launch).
@@ -527,6 +529,7 @@ def _prepare_subprocess_launch(root: Path) -> Optional[dict[str, Optional[str]]]
         return None
     saved = {k: os.environ.get(k) for k in _LAUNCH_ENV}
     os.environ[_RUN_DIR_ENV] = str(root)
+    os.environ[RESUME_ENV] = str(ckpt) if ckpt is not None else ""
     if _hydra_multirun():
         from hydra.core.hydra_config import HydraConfig
         from omegaconf import read_write
@@ -560,7 +563,8 @@ def run(cfg: Config, callbacks: Sequence[L.Callback] = ()) -> RunResult:
     """Validate, check resources (fail fast), then build data, Trainer and model, and train.
 
     Order matters: nothing is built, downloaded or allocated before the resource check passes.
-    ``callbacks``: extra Lightning callbacks for this run (when calling ``run`` from Python).
+    ``callbacks``: extra Lightning callbacks for this run (when calling ``run`` from Python). ``resume``
+    (default ``auto``) continues from the newest checkpoint of the run directory (:mod:`~lightning_4d.recipes.resume`).
 
     Example:
         >>> # not run: needs a Trainer (and the recipe's config files)
@@ -573,7 +577,8 @@ def run(cfg: Config, callbacks: Sequence[L.Callback] = ()) -> RunResult:
     c = validate(cfg)
     report: Optional[ResourceReport] = check_resources(c) if c.check_resources else None
     root = output_dir(c)
-    saved_env = _prepare_subprocess_launch(root)
+    ckpt = resume_checkpoint(c.resume, root)
+    saved_env = _prepare_subprocess_launch(root, ckpt)
     try:
         if report is not None:
             _print(report.describe())
@@ -585,7 +590,7 @@ def run(cfg: Config, callbacks: Sequence[L.Callback] = ()) -> RunResult:
             hp = OmegaConf.to_container(OmegaConf.structured(c), resolve=True)
             for lg in trainer.loggers:
                 lg.log_hyperparams({"recipe": hp})
-        trainer.fit(model, datamodule=data)
+        trainer.fit(model, datamodule=data, ckpt_path=str(ckpt) if ckpt is not None else None)
         log_dir = trainer.log_dir  # a broadcast: every rank calls it
         trainer.strategy.barrier("recipe_end")  # no rank tears down while another still communicates
     finally:
