@@ -87,6 +87,45 @@ def test_rerunning_the_command_continues_exactly(tmp_path: Path) -> None:
     assert _same(_logged(run, 2), {0: want[0], 1: want[1]}) <= 1e-5  # resume=false: from scratch again
 
 
+def _preempted_then_rerun(rank: int, conf: str, ref: str, run_dir: str) -> int:
+    """The uninterrupted run, then a run preempted (SIGTERM during step 3: saved and stopped after step 4, the
+    next optimizer step), then the same run again."""
+    import signal
+
+    import lightning as L
+
+    from lightning_4d.recipes import run
+
+    class _Preempt(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+            if trainer.global_step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    register_configs()
+    with initialize_config_dir(conf, version_base=None):
+        run(compose("train", [*TINY, "trainer.max_steps=8", f"output_dir={ref}"]))
+        cfg = compose("train", [*TINY, "trainer.max_steps=8", f"output_dir={run_dir}"])
+    try:
+        run(cfg, callbacks=[_Preempt()])
+    except SystemExit as stop:
+        code = int(stop.code)
+    run(cfg)
+    return code
+
+
+def test_a_preempted_run_continues_when_rerun(tmp_path: Path) -> None:
+    from lightning_4d.testing import run_world
+
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    code = run_world(_preempted_then_rerun, 1, str(CONF), str(ref), str(run), timeout_s=300, pg_timeout_s=60)[0]
+    saved = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert code == 143 and saved == ["epoch=0-step=8.ckpt", "preempted-step=4.ckpt"]  # the re-run's own at 8
+    want = _logged(ref, 0)
+    # the preempted step's own loss is not logged (the stop comes in on_train_batch_end, before Lightning logs)
+    assert _same(_logged(run, 0), {k: want[k] for k in range(3)}) <= 1e-5
+    assert _same(_logged(run, 1), {k: want[k] for k in range(4, 8)}) <= 1e-5  # steps 5-8 only, the same losses
+
+
 def test_resume_path_must_be_a_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(RecipeConfigError, match=r"resume='nowhere': .*no such directory\. Pass a checkpoint directory"):
         resume_checkpoint("nowhere", tmp_path)
