@@ -16,6 +16,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from lightning_4d.checkpoint import find_checkpoints, latest_checkpoint
+from lightning_4d.checkpoint.state import _manifest_bytes
 from lightning_4d.recipes import conf_dir, register_configs
 from lightning_4d.recipes.resume import resume_checkpoint
 from lightning_4d.recipes.schema import RecipeConfigError
@@ -160,6 +161,13 @@ def test_the_newest_complete_checkpoint_is_chosen(tmp_path: Path) -> None:
     # a complete .partial left between the two renames of a save counts as its checkpoint (loading moves it back)
     _fake_checkpoint(d / "epoch=0-step=10.ckpt.partial", 10)
     assert latest_checkpoint(d) == d / "epoch=0-step=10.ckpt"
+    # a truncated copy (a file smaller than its manifest says) is skipped
+    damaged = _fake_checkpoint(d / "epoch=0-step=20.ckpt", 20)
+    files = {".metadata": {"bytes": 2, "sha256": None}}
+    (damaged / "manifest.json").write_bytes(_manifest_bytes(files, checksums=False))
+    found, skipped = find_checkpoints(d)
+    assert latest_checkpoint(d) == d / "epoch=0-step=10.ckpt"
+    assert any("epoch=0-step=20.ckpt" in line and "truncated" in line for line in skipped), skipped
 
 
 def test_slurm_run_directory_is_the_jobs(monkeypatch: pytest.MonkeyPatch) -> None:
