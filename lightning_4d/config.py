@@ -1,5 +1,8 @@
 """``FourDConfig``: every option of ``FourDStrategy``, validated without a process group.
 
+``FourDStrategy``'s keyword arguments *are* these fields (its signature is generated from them), and the
+recipes' ``parallel`` section is their structured-config schema: an option is defined and documented here once.
+
 Example:
     >>> cfg = FourDConfig(tp=2, pp=2)
     >>> cfg.resolve(8).dp
@@ -8,13 +11,17 @@ Example:
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
-from typing import Literal, Optional, Union
+from functools import partial
+from datetime import timedelta
+from typing import Any, Literal, Optional, Sequence, Union
 
 from lightning_4d.mesh import ParallelDims, _check_degree
 
 __all__ = ["FourDConfig", "SCHEDULES", "MULTI_STAGE_SCHEDULES", "ACTIVATION_CHECKPOINTING", "DATA_PARALLEL",
-           "SCHEDULE_SHAPES", "ScheduleShape", "check_data_parallel", "default_virtual_stages", "stage_style"]
+           "DEFAULT_HEARTBEAT_TIMEOUT", "DEFAULT_SIGNALS", "DEFAULT_TIMEOUT", "NONFINITE_MODES", "SCHEDULE_SHAPES",
+           "ScheduleShape", "check_data_parallel", "default_virtual_stages", "resolve_signals", "stage_style"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,48 @@ def stage_style(schedule: str, pp: int) -> str:
     return _shape(schedule).style if pp > 1 else "loop"
 ACTIVATION_CHECKPOINTING = (None, "selective", "full")
 DATA_PARALLEL = ("fsdp", "replicate", "hsdp")
+#: What a step with a non-finite loss or gradient norm does (:mod:`lightning_4d.nonfinite`).
+NONFINITE_MODES = ("raise", "skip", "off")
+#: The process-group timeout by default.
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+#: Silence after which a rank is declared frozen (:mod:`lightning_4d.heartbeat`).
+DEFAULT_HEARTBEAT_TIMEOUT = timedelta(seconds=60)
+#: Signals that save a checkpoint and stop the run (:mod:`lightning_4d.preemption`).
+DEFAULT_SIGNALS: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
+
+
+def resolve_signals(signals: Optional[Sequence[Union[str, int]]]) -> tuple[int, ...]:
+    """Signal numbers from names (``"SIGTERM"``) or numbers; ``None`` or ``()`` disables. Raises ``ValueError``
+    naming an unknown signal, or one that cannot be caught (``SIGKILL``, ``SIGSTOP``). Pure.
+
+    Example:
+        >>> resolve_signals(["SIGUSR2", 15]) == (signal.SIGUSR2, signal.SIGTERM)
+        True
+    """
+    out: list[int] = []
+    for item in signals or ():
+        try:
+            num = signal.Signals[item] if isinstance(item, str) else signal.Signals(item)
+        except (KeyError, ValueError):
+            raise ValueError(
+                f"preemption_signals: {item!r} is not a signal of this platform. Use names such as 'SIGTERM', "
+                f"'SIGUSR1' (or () to disable saving on preemption).") from None
+        if num in (signal.SIGKILL, signal.SIGSTOP):
+            raise ValueError(f"preemption_signals: {num.name} cannot be caught; use e.g. 'SIGTERM' or 'SIGUSR1'.")
+        out.append(int(num))
+    return tuple(dict.fromkeys(out))
+
+
+def _duration(name: str, value: Any, allow_none: bool) -> Optional[timedelta]:
+    """``value`` if it is a positive ``timedelta`` (or ``None`` where allowed); a plain number is refused (seconds?
+    minutes?) — the recipes, which write seconds, convert them first."""
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, timedelta) or value.total_seconds() <= 0:
+        off = " or None (disabled)" if allow_none else ""
+        raise ValueError(f"{name}={value!r} must be a datetime.timedelta longer than 0 (e.g. timedelta(minutes=5)){off}; "
+                         f"a recipe's parallel.{name} is in seconds (e.g. 300).")
+    return value
 
 
 def check_data_parallel(mode: str, dp_shard: Optional[int] = None) -> str:
@@ -113,11 +162,59 @@ def check_data_parallel(mode: str, dp_shard: Optional[int] = None) -> str:
 
 @dataclass(frozen=True)
 class FourDConfig:
-    """The strategy's options. Validation is pure and identical on every rank.
+    """The strategy's options — every keyword of ``FourDStrategy``, in its order. Validation is pure and
+    identical on every rank.
+
+    Attributes:
+        tp: tensor-parallel degree (innermost mesh axis; keep it inside a node).
+        pp: pipeline-parallel degree (outermost axis).
+        ep: expert-parallel degree, folded into the ``dp × tp`` ranks (must divide ``dp·tp``).
+        dp: data-parallel degree or ``"auto"`` (``world / (tp·pp)``).
+        sequence_parallel: shard norms and dropout along the sequence inside TP (default on).
+        microbatches: pipeline micro-batches per step (default: the schedule's minimum).
+        schedule: pipeline schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zbv``, ``dualpipev``.
+        virtual_stages: pipeline stages per rank (default 2 for the multi-stage schedules, else 1).
+        data_parallel: ``"fsdp"`` (FSDP2 ``fully_shard``), ``"replicate"``, or ``"hsdp"`` (FSDP2 over a 2-D
+            ``(dp_replicate, dp_shard)`` mesh: parameters sharded inside each group of ``dp_shard`` ranks,
+            e.g. a node, replicated across the groups; expert parameters stay FSDP2 over ``edp``).
+        activation_checkpointing: ``None``, ``"selective"`` or ``"full"`` (per block).
+        timeout: process-group timeout; a rank blocked on a failed peer raises after it.
+        process_group_backend: ``"gloo"``/``"nccl"``; default (``None``) by device.
+        sync_module_states: every rank starts from rank 0's weights even without a common seed: a model built
+            on the CPU is broadcast from rank 0 (64 MB buckets) before sharding; a model built on the meta device
+            is initialised shard by shard (:mod:`lightning_4d.materialize`) from rank 0's random state when the
+            ranks' states differ (nothing is broadcast but that state).
+        nonfinite: what a step whose loss or global gradient norm is NaN/inf does, decided on every rank
+            together before clipping and the optimizer step: ``"raise"`` (default) stops training with
+            :class:`~lightning_4d.nonfinite.NonFiniteError` naming the step, the ranks and the first
+            non-finite gradient / parameter; ``"skip"`` drops the step (gradients zeroed, no optimizer
+            update), counts it in ``strategy.skipped_steps`` and logs it as ``skipped_steps``; ``"off"``.
+        checkpoint_checksums: record a SHA-256 per file in each checkpoint's ``manifest.json`` and verify
+            them when loading (default). ``False`` for huge runs: sizes only, at save and at load.
+        preemption_signals: signals (names or numbers) that end the run at the next optimizer step with a
+            checkpoint ``preempted-step=N.ckpt`` (in the ``ModelCheckpoint`` directory, else
+            ``<default_root_dir>/checkpoints``) and exit code ``128 + signal`` on every rank (see
+            :mod:`lightning_4d.preemption`); default ``("SIGTERM", "SIGUSR1")``, ``()`` (or ``None``) to leave
+            signals to Lightning. Stored as a tuple; one name alone is a tuple of one.
+        preemption_requeue: after such a save under SLURM, run ``scontrol requeue`` (rank 0).
+        heartbeat_timeout: a rank whose heartbeat (a thread, see :mod:`lightning_4d.heartbeat`) is silent this
+            long — stopped (SIGSTOP), frozen, deadlocked holding the GIL — ends the
+            run: every other rank prints a line naming it (rank, pid, host) and exits with code 1, and a silent
+            rank on the same host is killed, instead of everyone waiting for the process-group ``timeout``.
+            Default 60 s (a frozen rank ends the run within about 80 s); ``None`` disables it (e.g. to pause a
+            rank in a debugger).
+        dp_shard: ``data_parallel="hsdp"`` only: the data-parallel ranks sharding each parameter (divides ``dp``).
+        reduced_check_budget: bytes the set-up value check on a reduced, perturbed copy of the model
+            (:mod:`lightning_4d.reduced_check`) may hold; over it, the rewrite is checked structurally only, with a
+            warning. ``None`` (default): what materialising this rank's shards holds anyway (the largest rank's
+            share plus the largest tensor, at least 256 MiB), so the check never raises the set-up peak; ``0``:
+            never run it.
 
     Example:
         >>> FourDConfig(schedule="zbv", pp=2).stages_per_rank
         2
+        >>> FourDConfig(preemption_signals="SIGUSR1").preemption_signals, FourDConfig().timeout
+        (('SIGUSR1',), datetime.timedelta(seconds=1800))
     """
 
     tp: int = 1
@@ -130,9 +227,19 @@ class FourDConfig:
     virtual_stages: Optional[int] = None
     data_parallel: str = "fsdp"
     activation_checkpointing: Optional[str] = None
+    timeout: timedelta = DEFAULT_TIMEOUT
+    process_group_backend: Optional[str] = None
+    sync_module_states: bool = True
+    nonfinite: str = "raise"
+    checkpoint_checksums: bool = True
+    preemption_signals: Optional[tuple[Union[str, int], ...]] = DEFAULT_SIGNALS
+    preemption_requeue: bool = False
+    heartbeat_timeout: Optional[timedelta] = DEFAULT_HEARTBEAT_TIMEOUT
     dp_shard: Optional[int] = None
+    reduced_check_budget: Optional[int] = None
 
     def __post_init__(self) -> None:
+        self._check_runtime_options()
         for name in ("tp", "pp", "ep"):
             _check_degree(name, getattr(self, name))
         if self.dp != "auto":
@@ -167,6 +274,28 @@ class FourDConfig:
                 f"schedule={self.schedule!r} runs one stage per rank, but virtual_stages={self.virtual_stages}. "
                 f"Use schedule='interleaved_1f1b' for several stages per rank."
             )
+
+    def _check_runtime_options(self) -> None:
+        """The options beyond the layout; flags become ``bool``, signals a tuple."""
+        put = partial(object.__setattr__, self)  # frozen: normalised values are set once, here
+        put("timeout", _duration("timeout", self.timeout, allow_none=False))
+        put("heartbeat_timeout", _duration("heartbeat_timeout", self.heartbeat_timeout, allow_none=True))
+        if self.process_group_backend is not None and not isinstance(self.process_group_backend, str):
+            raise ValueError(f"process_group_backend={self.process_group_backend!r} must be a backend name such as "
+                             f"'gloo' or 'nccl', or None (by device).")
+        if self.nonfinite not in NONFINITE_MODES:
+            raise ValueError(f"nonfinite={self.nonfinite!r} must be one of {', '.join(map(repr, NONFINITE_MODES))}.")
+        for name in ("sync_module_states", "checkpoint_checksums", "preemption_requeue"):
+            put(name, bool(getattr(self, name)))
+        signals = self.preemption_signals
+        signals = () if signals is None else (signals,) if isinstance(signals, (str, int)) else tuple(signals)
+        resolve_signals(signals)
+        put("preemption_signals", signals)
+        budget = self.reduced_check_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget < 0):
+            raise ValueError(f"reduced_check_budget={budget!r} must be a number of bytes >= 0 (0: never run the "
+                             f"value check on a reduced copy) or None (automatic).")
+
     @property
     def stages_per_rank(self) -> int:
         """Pipeline stages held by each rank (``virtual_stages``, defaulted by schedule)."""

@@ -45,13 +45,14 @@ from typing import Callable, Optional, Sequence
 
 import torch.distributed as dist
 
+from lightning_4d.config import DEFAULT_HEARTBEAT_TIMEOUT
 from lightning_4d.peers import Peer, process_state
 
 __all__ = ["DEFAULT_TIMEOUT", "Heartbeat", "silent_peers", "worst_case_s"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT = timedelta(seconds=60)  # FourDStrategy(heartbeat_timeout=...)'s default
+DEFAULT_TIMEOUT = DEFAULT_HEARTBEAT_TIMEOUT  # FourDStrategy(heartbeat_timeout=...)'s default (owned by the options)
 _BEATS_PER_TIMEOUT = 10
 _FINISHED, _FAILED = -1, -2  # a rank's last word in the store: never reported as silent
 _THREAD_STACK_BYTES = 1 << 20  # the beat and watch threads run shallow Python and store calls

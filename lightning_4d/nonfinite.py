@@ -24,10 +24,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_4d import _compat
+from lightning_4d.config import NONFINITE_MODES  # owned by the options
 
 __all__ = ["NonFiniteError", "SkipStep", "local_flags", "check_step", "NONFINITE_MODES"]
 
-NONFINITE_MODES = ("raise", "skip", "off")
 
 
 class NonFiniteError(RuntimeError):

@@ -27,7 +27,7 @@ import signal
 import subprocess
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_4d import _compat
+from lightning_4d.config import DEFAULT_SIGNALS, resolve_signals  # owned by the options
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -42,31 +43,6 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_SIGNALS", "Preempted", "PreemptionSaver", "resolve_signals"]
 
 log = logging.getLogger(__name__)
-
-DEFAULT_SIGNALS: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
-
-
-def resolve_signals(signals: Optional[Sequence[Union[str, int]]]) -> tuple[int, ...]:
-    """Signal numbers from names (``"SIGTERM"``) or numbers; ``None`` or ``()`` disables. Raises ``ValueError``
-    naming an unknown signal, or one that cannot be caught (``SIGKILL``, ``SIGSTOP``). Pure.
-
-    Example:
-        >>> resolve_signals(["SIGUSR2", 15]) == (signal.SIGUSR2, signal.SIGTERM)
-        True
-    """
-    out: list[int] = []
-    for item in signals or ():
-        try:
-            num = signal.Signals[item] if isinstance(item, str) else signal.Signals(item)
-        except (KeyError, ValueError):
-            raise ValueError(
-                f"preemption_signals: {item!r} is not a signal of this platform. Use names such as 'SIGTERM', "
-                f"'SIGUSR1' (or () to disable saving on preemption).") from None
-        if num in (signal.SIGKILL, signal.SIGSTOP):
-            raise ValueError(f"preemption_signals: {num.name} cannot be caught; use e.g. 'SIGTERM' or 'SIGUSR1'.")
-        out.append(int(num))
-    return tuple(dict.fromkeys(out))
-
 
 class Preempted(SystemExit):
     """Raised on every rank after the preemption checkpoint is written; the exit code is ``128 + signal``.

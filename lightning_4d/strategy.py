@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import copy
 import gc
+import inspect
 import logging
 import shutil
 import sys
 import time
+import typing
 from contextlib import contextmanager, nullcontext
-from datetime import timedelta
+from dataclasses import fields
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Generator, Iterable, Literal, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -42,20 +44,19 @@ from lightning_4d.data_parallel import set_gradient_sync
 from lightning_4d.distributed import all_reduce_sum, broadcast_module_state, global_grad_norm, to_full
 from lightning_4d.expert_parallel import update_expert_bias
 from lightning_4d.expert_parallel.rewrite import source_names
-from lightning_4d.heartbeat import DEFAULT_TIMEOUT as DEFAULT_HEARTBEAT_TIMEOUT
 from lightning_4d.heartbeat import Heartbeat
 from lightning_4d.hooks import TP_PLAN, hook_call
 from lightning_4d.loss import check_inputs, check_targets, weighted_global_loss
 from lightning_4d.materialize import MaterializeReport, is_meta_built, materialize_local_shards, meta_skeleton
 from lightning_4d.mesh import Axis, FourDMesh, ParallelDims, build_mesh
-from lightning_4d.nonfinite import NONFINITE_MODES, NonFiniteError, SkipStep, check_step
+from lightning_4d.nonfinite import NonFiniteError, SkipStep, check_step
 from lightning_4d.parallelize import (
     LayoutRow, ParallelPlan, describe_layout, parallelize_module, reduce_tp_partial_grads,
 )
 from lightning_4d.peers import describe_peer_failure, gather_peers
 from lightning_4d.pipeline.glue import pipeline_eval, pipeline_train_loss, sync_tied
 from lightning_4d.reduced_check import check_budget_bytes, check_reduced_model
-from lightning_4d.preemption import DEFAULT_SIGNALS, PreemptionSaver, resolve_signals
+from lightning_4d.preemption import PreemptionSaver, resolve_signals
 from lightning_4d.tensor_parallel.replicas import replica_mismatches
 
 if TYPE_CHECKING:
@@ -85,107 +86,34 @@ class FourDStrategy(ParallelStrategy):
     """Tensor (+sequence), pipeline, expert and data parallelism for a ``FourDModule``.
 
     Args:
-        tp: tensor-parallel degree (innermost mesh axis; keep it inside a node).
-        pp: pipeline-parallel degree (outermost axis).
-        ep: expert-parallel degree, folded into the ``dp × tp`` ranks (must divide ``dp·tp``).
-        dp: data-parallel degree or ``"auto"`` (``world / (tp·pp)``).
-        sequence_parallel: shard norms and dropout along the sequence inside TP (default on).
-        microbatches: pipeline micro-batches per step (default: the schedule's minimum).
-        schedule: pipeline schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zbv``, ``dualpipev``.
-        virtual_stages: pipeline stages per rank (default 2 for the multi-stage schedules, else 1).
-        data_parallel: ``"fsdp"`` (FSDP2 ``fully_shard``), ``"replicate"``, or ``"hsdp"`` (FSDP2 over a 2-D
-            ``(dp_replicate, dp_shard)`` mesh: parameters sharded inside each group of ``dp_shard`` ranks,
-            e.g. a node, replicated across the groups; expert parameters stay FSDP2 over ``edp``).
-        activation_checkpointing: ``None``, ``"selective"`` or ``"full"`` (per block).
-        dp_shard: ``data_parallel="hsdp"`` only: the data-parallel ranks sharding each parameter (divides ``dp``).
-        timeout: process-group timeout; a rank blocked on a failed peer raises after it.
-        process_group_backend: ``"gloo"``/``"nccl"``; default by device.
-        sync_module_states: every rank starts from rank 0's weights even without a common seed: a model built
-            on the CPU is broadcast from rank 0 (64 MB buckets) before sharding; a model built on the meta device
-            is initialised shard by shard (:mod:`lightning_4d.materialize`) from rank 0's random state when the
-            ranks' states differ (nothing is broadcast but that state).
-        nonfinite: what a step whose loss or global gradient norm is NaN/inf does, decided on every rank
-            together before clipping and the optimizer step: ``"raise"`` (default) stops training with
-            :class:`~lightning_4d.nonfinite.NonFiniteError` naming the step, the ranks and the first
-            non-finite gradient / parameter; ``"skip"`` drops the step (gradients zeroed, no optimizer
-            update), counts it in ``strategy.skipped_steps`` and logs it as ``skipped_steps``; ``"off"``.
-        checkpoint_checksums: record a SHA-256 per file in each checkpoint's ``manifest.json`` and verify
-            them when loading (default). ``False`` for huge runs: sizes only, at save and at load.
-        preemption_signals: signals (names or numbers) that end the run at the next optimizer step with a
-            checkpoint ``preempted-step=N.ckpt`` (in the ``ModelCheckpoint`` directory, else
-            ``<default_root_dir>/checkpoints``) and exit code ``128 + signal`` on every rank (see
-            :mod:`lightning_4d.preemption`); default ``("SIGTERM", "SIGUSR1")``, ``()`` to leave signals to
-            Lightning.
-        preemption_requeue: after such a save under SLURM, run ``scontrol requeue`` (rank 0).
-        heartbeat_timeout: a rank whose heartbeat (a thread, see :mod:`lightning_4d.heartbeat`) is silent this
-            long — stopped (SIGSTOP), frozen, deadlocked holding the GIL — ends the run: every other rank prints
-            a line naming it (rank, pid, host) and exits with code 1, and a silent rank on the same host is
-            killed, instead of everyone waiting for the process-group ``timeout``. Default 60 s (a frozen rank
-            ends the run within about 80 s); ``None`` disables it (e.g. to pause a rank in a debugger).
-        reduced_check_budget: bytes the set-up value check on a reduced, perturbed copy of the model
-            (:mod:`lightning_4d.reduced_check`) may hold; over it, the rewrite is checked structurally only, with a
-            warning. ``None`` (default): what materialising this rank's shards holds anyway (the largest rank's
-            share plus the largest tensor, at least 256 MiB), so the check never raises the set-up peak.
+        **options: every field of :class:`~lightning_4d.config.FourDConfig` (``tp``, ``pp``, ``ep``, ``dp``,
+            ``schedule``, ``timeout``, ``nonfinite``, ``preemption_signals``, …), documented there once; the
+            signature is generated from that dataclass, in its field order (so they may also be passed
+            positionally, as before). Validated together in :attr:`config`.
+        **kwargs: the rest go to Lightning's ``ParallelStrategy`` (``accelerator``, ``parallel_devices``,
+            ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``).
 
     Example:
         >>> strategy = FourDStrategy(tp=2, pp=2, ep=2)
         >>> strategy.config.tp
         2
+        >>> list(inspect.signature(FourDStrategy).parameters)[:4]
+        ['tp', 'pp', 'ep', 'dp']
     """
 
     strategy_name = "fourd"
 
-    def __init__(
-        self,
-        tp: int = 1,
-        pp: int = 1,
-        ep: int = 1,
-        dp: Union[int, Literal["auto"]] = "auto",
-        sequence_parallel: bool = True,
-        microbatches: Optional[int] = None,
-        schedule: str = "1f1b",
-        virtual_stages: Optional[int] = None,
-        data_parallel: str = "fsdp",
-        activation_checkpointing: Optional[str] = None,
-        timeout: timedelta = timedelta(minutes=30),
-        process_group_backend: Optional[str] = None,
-        sync_module_states: bool = True,
-        nonfinite: str = "raise",
-        checkpoint_checksums: bool = True,
-        preemption_signals: Optional[Sequence[Union[str, int]]] = DEFAULT_SIGNALS,
-        preemption_requeue: bool = False,
-        heartbeat_timeout: Optional[timedelta] = DEFAULT_HEARTBEAT_TIMEOUT,
-        dp_shard: Optional[int] = None,
-        reduced_check_budget: Optional[int] = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
-        self.config = FourDConfig(
-            tp=tp, pp=pp, ep=ep, dp=dp, sequence_parallel=sequence_parallel, microbatches=microbatches,
-            schedule=schedule, virtual_stages=virtual_stages, data_parallel=data_parallel,
-            activation_checkpointing=activation_checkpointing, dp_shard=dp_shard,
-        )
-        if not isinstance(timeout, timedelta):
-            raise ValueError(f"timeout={timeout!r} must be a datetime.timedelta, e.g. timedelta(minutes=5).")
-        self._timeout = timeout
-        self._process_group_backend = process_group_backend
-        self._sync_module_states = sync_module_states
-        if reduced_check_budget is not None and (isinstance(reduced_check_budget, bool)
-                                                 or not isinstance(reduced_check_budget, (int, float))
-                                                 or reduced_check_budget < 0):
-            raise ValueError(f"reduced_check_budget={reduced_check_budget!r} must be a number of bytes >= 0 (0: "
-                             f"never run the value check on a reduced copy) or None (automatic).")
-        self._reduced_check_budget = reduced_check_budget
-
-        if nonfinite not in NONFINITE_MODES:
-            raise ValueError(f"nonfinite={nonfinite!r} must be one of {', '.join(map(repr, NONFINITE_MODES))}.")
-        self._nonfinite = nonfinite
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        bound = _SIGNATURE.bind(None, *args, **kwargs)  # a TypeError names a positional surplus or a duplicate
+        options = {k: v for k, v in bound.arguments.items() if k not in ("self", "kwargs")}
+        super().__init__(**bound.arguments.get("kwargs", {}))
+        self.config = FourDConfig(**options)
+        self._process_group_backend = self.config.process_group_backend  # the chosen one after set-up
         self.skipped_steps = 0  # steps dropped by nonfinite="skip"
         self.parameter_counts: Optional[tuple[int, int]] = None  # whole model (total, trainable), set in setup
         self.module_parameter_counts: dict[str, int] = {}  # whole-model parameters per submodule name
-        self._checkpoint_checksums = bool(checkpoint_checksums)
-        signals = resolve_signals(preemption_signals)
-        self.preemption = PreemptionSaver(signals, requeue=bool(preemption_requeue)) if signals else None
+        signals = resolve_signals(self.config.preemption_signals)
+        self.preemption = PreemptionSaver(signals, requeue=self.config.preemption_requeue) if signals else None
         self._num_nodes = 1
         self._mesh: Optional[FourDMesh] = None
         self._plan: Optional[ParallelPlan] = None
@@ -193,11 +121,6 @@ class FourDStrategy(ParallelStrategy):
         self._replicas_checked = False  # replicated TP parameters are compared after the first step
         self._resume_loops: Optional[dict[str, Any]] = None
         self._peers: list[Peer] = []
-        if heartbeat_timeout is not None and (not isinstance(heartbeat_timeout, timedelta)
-                                              or heartbeat_timeout.total_seconds() <= 0):
-            raise ValueError(f"heartbeat_timeout={heartbeat_timeout!r} must be a positive datetime.timedelta "
-                             f"(e.g. timedelta(seconds=60)) or None to disable the heartbeat.")
-        self._heartbeat_timeout = heartbeat_timeout
         self._heartbeat: Optional[Heartbeat] = None
         self._failed = False
         self.materialize_report: Optional[MaterializeReport] = None  # set when the model was built on meta
@@ -290,13 +213,13 @@ class FourDStrategy(ParallelStrategy):
         backend = self._process_group_backend or _compat.default_pg_backend(self.root_device)
         self._process_group_backend = backend
         assert self.cluster_environment is not None
-        _compat.init_dist_connection(self.cluster_environment, backend, self._timeout, self.root_device)
+        _compat.init_dist_connection(self.cluster_environment, backend, self.config.timeout, self.root_device)
         if dist.get_world_size() != self.world_size:
             raise ValueError(
                 f"The existing process group has {dist.get_world_size()} ranks but the Trainer asks for "
                 f"{self.world_size} (devices × num_nodes). Make them equal."
             )
-        self._mesh = build_mesh(dims, self.root_device.type, backend=backend, timeout=self._timeout)
+        self._mesh = build_mesh(dims, self.root_device.type, backend=backend, timeout=self.config.timeout)
 
         self._peers = gather_peers()  # (rank, host, pid): a dead peer can be named if a collective fails
         assert self.lightning_module is not None
@@ -331,7 +254,7 @@ class FourDStrategy(ParallelStrategy):
         # The unsharded model on meta (no memory): initialisation of a meta-built model and the set-up check.
         skeleton = meta_skeleton(self.model)
         buffers = None if meta else {n: b.detach().clone() for n, b in self.model.named_buffers()}
-        if not meta and self._sync_module_states and self.world_size > 1:
+        if not meta and self.config.sync_module_states and self.world_size > 1:
             broadcast_module_state(self.model, src=0)
         self.model = self.precision_plugin.convert_module(self.model)
         params = list(self.model.parameters())  # the whole model, each tied weight once
@@ -356,7 +279,7 @@ class FourDStrategy(ParallelStrategy):
         if meta:
             start = time.perf_counter()
             report = materialize_local_shards(skeleton, self.model, self.root_device,
-                                              sync_module_states=self._sync_module_states,
+                                              sync_module_states=self.config.sync_module_states,
                                               source_names=source_names(self.model))
             del skeleton
             gc.collect()
@@ -379,8 +302,8 @@ class FourDStrategy(ParallelStrategy):
         :func:`~lightning_4d.reduced_check.check_budget_bytes` — for a meta-built model the largest rank's share
         (one all-reduce of a number) plus the largest tensor, for one built for real the whole model (every rank
         held it)."""
-        if self._reduced_check_budget is not None:
-            return float(self._reduced_check_budget)
+        if self.config.reduced_check_budget is not None:
+            return float(self.config.reduced_check_budget)
         if self.mesh.dims.tp == 1 and self.mesh.dims.pp == 1:
             return 0.0  # nothing to check (check_reduced_model returns at once): no collective either
         tensors = {id(t): t for t in [*skeleton.parameters(), *skeleton.buffers()]}.values()
@@ -399,9 +322,9 @@ class FourDStrategy(ParallelStrategy):
         if self._heartbeat is not None:
             self._heartbeat.stop(finished=True)
         self._heartbeat, self._failed = None, False
-        if self._heartbeat_timeout is not None and self.world_size > 1:
+        if self.config.heartbeat_timeout is not None and self.world_size > 1:
             self._heartbeat = Heartbeat(self.global_rank, self.world_size,
-                                        self._heartbeat_timeout.total_seconds(), self._peers)
+                                        self.config.heartbeat_timeout.total_seconds(), self._peers)
             self._heartbeat.start()
 
     @override
@@ -509,7 +432,7 @@ class FourDStrategy(ParallelStrategy):
             saver.agree(step, int(agreed[0]))  # the batch-end check then needs no collective of its own
         if message is None:
             return loss
-        if self._nonfinite == "skip":
+        if self.config.nonfinite == "skip":
             raise SkipStep(message)
         raise NonFiniteError(
             f"{message} Training stopped before the optimizer step: the weights (and any checkpoint) are still "
@@ -525,7 +448,7 @@ class FourDStrategy(ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
                        model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None, **kwargs: Any) -> Any:
-        if self._nonfinite == "off" or self.lightning_module.automatic_optimization is False:
+        if self.config.nonfinite == "off" or self.lightning_module.automatic_optimization is False:
             out = super().optimizer_step(optimizer, closure, model, **kwargs)
         else:
             try:
@@ -539,7 +462,7 @@ class FourDStrategy(ParallelStrategy):
                     rank_zero_warn(f"Skipped step ({self.skipped_steps} so far): {skipped}")
                 self._log_skipped()
                 return None
-            if self._nonfinite == "skip":
+            if self.config.nonfinite == "skip":
                 self._log_skipped()
         self._grads_stale = True
         if not self._replicas_checked and self.dims.tp > 1:
@@ -704,14 +627,14 @@ class FourDStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError("FourDStrategy.save_checkpoint(storage_options=...) is not supported.")
         save_sharded(checkpoint, self.broadcast(str(filepath)), is_global_zero=self.is_global_zero,
-                     checksums=self._checkpoint_checksums)
+                     checksums=self.config.checkpoint_checksums)
 
     @override
     def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
         assert self.model is not None
         strict = bool(getattr(self.lightning_module, "strict_loading", True))
         meta = load_sharded(self.broadcast(str(checkpoint_path)), self.model, self.optimizers,
-                            verify=self._checkpoint_checksums, strict=strict)
+                            verify=self.config.checkpoint_checksums, strict=strict)
         # Re-positioned once the training dataloader (and so the epoch length) is known.
         self._resume_loops = copy.deepcopy(meta.get("loops"))
         return meta
@@ -749,4 +672,18 @@ class FourDStrategy(ParallelStrategy):
             strategy_registry.register("fourd", cls, description="4D parallelism: TP/SP, PP, EP and DP")
 
 
+def _options_signature() -> inspect.Signature:
+    """``FourDStrategy.__init__``'s signature: ``self``, the fields of ``FourDConfig`` (their defaults and types),
+    then ``**kwargs`` for Lightning."""
+    hints = typing.get_type_hints(FourDConfig)
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    return inspect.Signature([
+        inspect.Parameter("self", kind),
+        *(inspect.Parameter(f.name, kind, default=f.default, annotation=hints[f.name]) for f in fields(FourDConfig)),
+        inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD, annotation=Any),
+    ], return_annotation=None)
+
+
+_SIGNATURE = _options_signature()
+FourDStrategy.__init__.__signature__ = _SIGNATURE  # type: ignore[attr-defined]
 FourDStrategy.register_strategies(StrategyRegistry)

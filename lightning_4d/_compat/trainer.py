@@ -113,10 +113,15 @@ def set_fit_loop_position(checkpoint: dict[str, Any], epoch: int, in_epoch: int,
     """Rewrite ``checkpoint``'s fit-loop state in place to "saved on train-batch end after batch ``in_epoch``
     (1-based) of epoch ``epoch``, ``total`` batches in all" — the form Lightning restores consistently.
 
-    Also undoes the private ``_batches_that_stepped`` increment Lightning applies on this kind of restart
-    (it is never saved at ``on_train_batch_end``) and resets a half-done validation loop.
+    Also undoes the private ``_batches_that_stepped`` increment Lightning applies on this kind of restart when
+    the checkpoint already counts the last batch (saved after it, e.g. ``trainer.save_checkpoint`` after a fit);
+    one saved in ``on_train_batch_end`` (``ModelCheckpoint(every_n_train_steps)``, a preemption save: the batch
+    is processed, not completed) does not count it yet, and the increment completes it. Resets a half-done
+    validation loop.
     """
     fit = checkpoint["loops"]["fit_loop"]
+    saved = fit.get("epoch_loop.batch_progress", {}).get("total", {})
+    in_batch_end = saved.get("completed") == saved.get("processed", 0) - 1
     fit["epoch_progress"] = {
         "total": _progress(epoch + 1, epoch + 1, epoch, epoch),
         "current": _progress(epoch + 1, epoch + 1, epoch, epoch),
@@ -126,7 +131,7 @@ def set_fit_loop_position(checkpoint: dict[str, Any], epoch: int, in_epoch: int,
     batch["current"] = _progress(in_epoch, in_epoch, in_epoch, in_epoch - 1)
     batch["is_last_batch"] = last_batch
     state = fit.setdefault("epoch_loop.state_dict", {})
-    if "_batches_that_stepped" in state:
+    if "_batches_that_stepped" in state and not in_batch_end:
         state["_batches_that_stepped"] = max(0, int(state["_batches_that_stepped"]) - 1)
     val = fit.get("epoch_loop.val_loop.batch_progress")
     if isinstance(val, dict):

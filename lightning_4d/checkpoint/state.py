@@ -44,6 +44,7 @@ __all__ = ["model_state_dict", "optimizer_state_dict", "save_sharded", "load_sha
 META_FILE = "meta.pt"
 MANIFEST_FILE = "manifest.json"
 _COMPLETE = ".complete"
+_REQUIRED = (_COMPLETE, META_FILE, ".metadata")  # what every complete checkpoint directory holds
 _HASH_CHUNK = 8 << 20
 
 
@@ -137,7 +138,7 @@ def check_checkpoint(path: str | os.PathLike) -> Path:
         raise FileNotFoundError(f"{path} is not a lightning_4d checkpoint: no such directory.")
     if p.name.endswith(".partial"):
         raise ValueError(f"{path} is an interrupted save (a '.partial' directory); use the previous checkpoint.")
-    for required in (_COMPLETE, META_FILE, ".metadata"):
+    for required in _REQUIRED:
         if not (p / required).exists():
             raise FileNotFoundError(
                 f"{path} is not a complete lightning_4d checkpoint: {p / required} is missing (interrupted or "

@@ -23,7 +23,6 @@ import dataclasses
 import os
 import sys
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
@@ -31,6 +30,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_4d.recipes.resources import ResourceReport, check_resources, count_params, model_spec
+from lightning_4d.recipes.resume import RESUME_ENV, checkpoint_dir, resume_checkpoint
 from lightning_4d.recipes.schema import (
     HFDataConfig,
     HFModelConfig,
@@ -364,8 +364,8 @@ def build_model(cfg: Config, trainer: Optional["L.Trainer"] = None) -> "L.Lightn
 
 # ---------------------------------------------------------------------------------------------- trainer
 def build_strategy(cfg: Config) -> FourDStrategy:
-    """``hydra.utils.instantiate`` of ``cfg.parallel``'s ``_target_`` (``FourDStrategy``) with the options of its
-    ``FourDConfig`` and the timeout.
+    """``hydra.utils.instantiate`` of ``cfg.parallel``'s ``_target_`` (``FourDStrategy``) with every option of its
+    ``FourDConfig`` (the strategy's keywords).
 
     Example:
         >>> from lightning_4d.recipes.schema import ParallelConfig
@@ -374,7 +374,7 @@ def build_strategy(cfg: Config) -> FourDStrategy:
     """
     p = _cfg(cfg).parallel
     options = dataclasses.asdict(owned("parallel", p))
-    return instantiate({"_target_": p._target_}, **options, timeout=timedelta(minutes=p.timeout_min))
+    return instantiate({"_target_": p._target_}, **options)
 
 
 class LossHistory:
@@ -426,7 +426,7 @@ def build_callbacks(cfg: Config, root: Optional[Path] = None) -> list[L.Callback
         # Every n steps, by default once at the last step (a run that stops mid-epoch would save nothing).
         every = c.callbacks.checkpoint_every_n_steps or (c.trainer.max_steps if c.trainer.max_steps > 0 else None)
         cbs.append(ModelCheckpoint(
-            dirpath=str(root / "checkpoints"), every_n_train_steps=every, save_last=c.callbacks.save_last,
+            dirpath=str(checkpoint_dir(root)), every_n_train_steps=every, save_last=c.callbacks.save_last,
             save_top_k=1))
     cbs.extend(observe_callbacks(c.callbacks.monitors, c.logger))
     cbs.append(LossHistory.create())
@@ -513,11 +513,12 @@ def _hydra_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-_LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", _RUN_DIR_ENV)
+_LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", _RUN_DIR_ENV, RESUME_ENV)
 
 
-def _prepare_subprocess_launch(root: Path) -> Optional[dict[str, Optional[str]]]:
-    """Make ranks started by Lightning's launcher (which re-runs ``sys.argv``) run *this* job.
+def _prepare_subprocess_launch(root: Path, ckpt: Optional[Path]) -> Optional[dict[str, Optional[str]]]:
+    """Make ranks started by Lightning's launcher (which re-runs ``sys.argv``) run *this* job (its directory and
+    the checkpoint it resumes from).
 
     Returns the launch-related environment to restore after the job (``None`` in a launched rank,
     under torchrun or SLURM, where there is nothing to launch).
@@ -526,6 +527,7 @@ def _prepare_subprocess_launch(root: Path) -> Optional[dict[str, Optional[str]]]
         return None
     saved = {k: os.environ.get(k) for k in _LAUNCH_ENV}
     os.environ[_RUN_DIR_ENV] = str(root)
+    os.environ[RESUME_ENV] = str(ckpt) if ckpt is not None else ""
     if _hydra_multirun():
         from hydra.core.hydra_config import HydraConfig
         from omegaconf import read_write
@@ -559,7 +561,8 @@ def run(cfg: Config, callbacks: Sequence[L.Callback] = ()) -> RunResult:
     """Validate, check resources (fail fast), then build data, Trainer and model, and train.
 
     Order matters: nothing is built, downloaded or allocated before the resource check passes.
-    ``callbacks``: extra Lightning callbacks for this run (when calling ``run`` from Python).
+    ``callbacks``: extra Lightning callbacks for this run (when calling ``run`` from Python). ``resume``
+    (default ``auto``) continues from the newest checkpoint of the run directory (:mod:`~lightning_4d.recipes.resume`).
 
     Example:
         >>> # not run: needs a Trainer (and the recipe's config files)
@@ -575,7 +578,8 @@ def run(cfg: Config, callbacks: Sequence[L.Callback] = ()) -> RunResult:
     check_logger(c.logger.name)  # a logger whose package is missing fails before anything is built
     report: Optional[ResourceReport] = check_resources(c) if c.check_resources else None
     root = output_dir(c)
-    saved_env = _prepare_subprocess_launch(root)
+    ckpt = resume_checkpoint(c.resume, root)
+    saved_env = _prepare_subprocess_launch(root, ckpt)
     try:
         if report is not None:
             _print(report.describe())
@@ -587,7 +591,7 @@ def run(cfg: Config, callbacks: Sequence[L.Callback] = ()) -> RunResult:
             hp = OmegaConf.to_container(OmegaConf.structured(c), resolve=True)
             for lg in trainer.loggers:
                 lg.log_hyperparams({"recipe": hp})
-        trainer.fit(model, datamodule=data)
+        trainer.fit(model, datamodule=data, ckpt_path=str(ckpt) if ckpt is not None else None)
         log_dir = trainer.log_dir  # a broadcast: every rank calls it
         trainer.strategy.barrier("recipe_end")  # no rank tears down while another still communicates
     finally:

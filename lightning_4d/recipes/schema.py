@@ -179,10 +179,11 @@ if TYPE_CHECKING:
 
 
 # ---------------------------------------------------------------------------------------------- parallel
-# ``FourDConfig`` is the schema (its options and rules); the recipe adds ``name``, ``timeout_min`` (the
-# process-group timeout in minutes) and ``_target_`` (the strategy, built by ``hydra.utils.instantiate``).
+# ``FourDConfig`` is the schema: every option of ``FourDStrategy`` with its rules (durations such as ``timeout`` and
+# ``heartbeat_timeout`` in seconds, ``preemption_signals`` a list); the recipe adds ``name`` and ``_target_`` (the
+# strategy, built by ``hydra.utils.instantiate``).
 ParallelConfig = structured_schema(FourDConfig, "ParallelConfig", __name__, name=(str, "custom"),
-                                   timeout_min=(float, 30.0), _target_=(str, "lightning_4d.FourDStrategy"))
+                                   _target_=(str, "lightning_4d.FourDStrategy"))
 
 
 # ---------------------------------------------------------------------------------------------- trainer
@@ -468,7 +469,9 @@ class TrainConfig:
 
     ``output_dir`` (``null``: Hydra's run directory, else ``outputs/recipes``) receives logs and
     checkpoints; ``check_resources`` runs the fail-fast device/memory check before anything is built;
-    ``meta_init`` builds the model on the meta device (``null``: when it has over 100M parameters).
+    ``meta_init`` builds the model on the meta device (``null``: when it has over 100M parameters);
+    ``resume``: ``auto`` continues from the newest checkpoint of the run directory, ``false`` starts over, a path
+    names the checkpoint (:mod:`lightning_4d.recipes.resume`).
 
     Example:
         >>> TrainConfig().seed
@@ -486,6 +489,12 @@ class TrainConfig:
     output_dir: Optional[str] = None
     check_resources: bool = True
     meta_init: Optional[bool] = None
+    resume: str = "auto"
+
+    def __post_init__(self) -> None:
+        from lightning_4d.recipes.resume import resume_mode
+
+        resume_mode(self.resume)
 
 
 # ---------------------------------------------------------------------------------------------- plan
@@ -625,6 +634,9 @@ def register_configs() -> None:
         return
     from hydra.core.config_store import ConfigStore
 
+    from lightning_4d.recipes.resume import register_resolvers
+
+    register_resolvers()  # ${l4d.run_name:...} of hydra.run.dir
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
     cs.store(name="plan_schema", node=PlanRecipeConfig)

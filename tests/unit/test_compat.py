@@ -227,3 +227,13 @@ def test_fit_loop_state_layout_is_lightnings(tmp_path) -> None:
     _compat.set_fit_loop_position(ckpt, epoch=0, in_epoch=3, total=3, last_batch=False)
     assert fit["epoch_loop.state_dict"]["_batches_that_stepped"] == 2
     assert fit["epoch_progress"]["current"] == {"ready": 1, "started": 1, "processed": 0, "completed": 0}
+
+
+def test_a_save_on_train_batch_end_keeps_its_logged_step() -> None:
+    # ModelCheckpoint(every_n_train_steps) and preemption save in on_train_batch_end: the batch is processed, not
+    # completed, and Lightning has not counted it in _batches_that_stepped yet; its restart increment does.
+    progress = {"ready": 4, "started": 4, "processed": 4, "completed": 3}
+    ckpt = {"loops": {"fit_loop": {"epoch_loop.batch_progress": {"total": dict(progress), "current": dict(progress)},
+                                   "epoch_progress": {}, "epoch_loop.state_dict": {"_batches_that_stepped": 3}}}}
+    _compat.set_fit_loop_position(ckpt, epoch=0, in_epoch=4, total=4, last_batch=False)
+    assert ckpt["loops"]["fit_loop"]["epoch_loop.state_dict"]["_batches_that_stepped"] == 3

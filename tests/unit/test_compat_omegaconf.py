@@ -4,6 +4,7 @@ workaround is still needed (OmegaConf cannot type ``Literal``; when it can, drop
 from __future__ import annotations
 
 import dataclasses
+from datetime import timedelta
 from typing import Literal
 
 import omegaconf
@@ -33,7 +34,9 @@ def test_schema_has_the_owners_fields_and_defaults(owner: type) -> None:
     node = OmegaConf.structured(schema)  # OmegaConf accepts it
     fields = dataclasses.fields(owner)
     assert [f.name for f in dataclasses.fields(schema)] == [f.name for f in fields] + ["name"]
-    assert all(node[f.name] == f.default for f in fields)
+    # as a recipe writes them: a timedelta in seconds, a tuple as a list
+    written = {timedelta: timedelta.total_seconds, tuple: list}
+    assert all(node[f.name] == written.get(type(f.default), lambda v: v)(f.default) for f in fields)
     assert owner_of(OmegaConf.to_object(node)) == owner()  # the owner builds it, defaults equal
 
 
@@ -47,3 +50,6 @@ def test_owner_rules_run_and_types_are_checked() -> None:
     with pytest.raises(ValueError, match="schedule='2f2b' is not known"):
         owner_of(schema(schedule="2f2b"))
     assert owner_of("not a schema") == "not a schema"
+    node.timeout, node.preemption_signals = 90, ["SIGUSR2"]  # seconds and a list: the owner converts them back
+    owned = owner_of(OmegaConf.to_object(node))
+    assert owned.timeout == timedelta(seconds=90) and owned.preemption_signals == ("SIGUSR2",)
