@@ -56,3 +56,17 @@ def test_readme_quotes_the_chunk_and_scratch_of_the_code() -> None:
     readme = (DOC.parents[1] / "README.md").read_text()
     assert f"{CHUNK_ELEMENTS // 1024} Ki elements at a time" in readme
     assert f"a scratch of at most {scratch_bytes() / 2**20:.0f} MiB" in readme
+
+
+def test_readme_summary_is_the_documents() -> None:
+    """README's summary table and seconds line are computed here from ``docs/moe_setup.md``."""
+    readme = (DOC.parents[1] / "README.md").read_text()
+    tables = _tables()
+    for path, label in (("pretrained", "`from_pretrained` under the strategy"), ("random", "random init from the config")):
+        rows = next(v for k, v in tables.items() if k.startswith(f"`{path}`"))
+        setup, ratio = [float(r[2]) for r in rows], [float(r[4]) for r in rows]
+        line = (f"| {label} | {rows[0][1]} | {min(setup):.1f}–{max(setup):.1f} | "
+                f"{min(ratio):.2f}–{max(ratio):.2f} |")
+        assert line in readme, f"README's row should read: {line}"
+    sweep = next(v for k, v in tables.items() if k.startswith("Initialisation seconds"))
+    assert f"mean over ranks): {', '.join(r[1] for r in sweep)}." in readme
