@@ -163,7 +163,8 @@ def apply_inplace_expert_parallel(model: nn.Module, ep_mesh: Optional["DeviceMes
     parameters (transformers 5, TorchTitan style) and return their specs. Everything is validated first, on
     every rank and before any change: an MoE-looking module that is not recognised raises when ``ep > 1``
     (listing each with the reason), as does an expert count ``ep`` does not divide or a forward that the
-    one-process replay (:func:`~.inplace.verify_experts`) does not reproduce. Issues no collective.
+    one-process replay (:func:`~.inplace.verify_experts`) does not reproduce. At ``ep == 1`` nothing is sharded: an
+    experts module the replay cannot split is left as written (not returned). Issues no collective.
 
     Example:
         >>> apply_inplace_expert_parallel(nn.Linear(2, 2), None)
@@ -193,8 +194,16 @@ def apply_inplace_expert_parallel(model: nn.Module, ep_mesh: Optional["DeviceMes
     specs = [s for s in specs if not is_inplace_experts(model.get_submodule(s.name))]
     for spec in specs:
         check_expert_parallel(spec.num_experts, 1, ep, spec.name)
+    verified = []
     for spec in specs:
-        verify_experts(model.get_submodule(spec.name), spec, parts=max(ep, 2))
+        try:
+            verify_experts(model.get_submodule(spec.name), spec, parts=max(ep, 2))
+        except ValueError:
+            if ep > 1:
+                raise
+            continue  # ep=1 shards no expert: a forward the replay cannot split runs as written (e.g. JetMoE)
+        verified.append(spec)
+    specs = verified
     for spec in specs:
         install_expert_parallel(model.get_submodule(spec.name), spec, ep_mesh if ep > 1 else None, grad_scale)
     return specs

@@ -33,6 +33,8 @@ Families (``kind``: what it exercises under tensor parallelism):
 - ``hf-qwen3next``: Qwen3-Next, linear attention (gated delta net: per-value-head ``dt_bias`` / ``A_log``, a fused
   ``in_proj_qkvz`` viewed per key-head group, a depthwise conv) alternating with gated full attention, MoE with a
   shared expert; transformers' PyTorch fallbacks of its kernels run on the CPU.
+- ``hf-jetmoe``: JetMoE, a mixture of attention heads and of MLP experts whose forward splits tokens with a tensor
+  of sizes (expert parallelism cannot replay it: refused under ep, run as written at ep=1, e.g. under pp).
 - ``tt-llama3`` / ``tt-qwen3moe``: the ``torchtitan`` package's own Llama 3 (fused ``wqkv`` interleaved by KV group)
   and Qwen3 MoE (its ``MoE`` with ``router.gate`` beside ``routed_experts``), with TorchTitan's
   ``ScaledDotProductAttention`` inner attention (its flex attention compiles kernels).
@@ -56,8 +58,9 @@ MOE_FFN = 32
 
 ZOO_KINDS = ("hf-stablelm", "hf-gemma2", "hf-gemma3", "hf-phi3", "hf-olmo2", "hf-olmoe", "hf-gptoss", "hf-bigcode",
              "hf-falcon-mq", "hf-falcon", "hf-llama4", "hf-opt", "hf-mq", "hf-bloom", "hf-mpt", "hf-qwen3next",
-             "hf-xglm", "hf-gptneo", "hf-codegen", "hf-cohere", "hf-apertus", "hf-dbrx", "tt-llama3", "tt-qwen3moe")
-ZOO_MOE_KINDS = ("hf-olmoe", "hf-gptoss", "hf-llama4", "hf-qwen3next", "tt-qwen3moe")
+             "hf-xglm", "hf-gptneo", "hf-codegen", "hf-cohere", "hf-apertus", "hf-dbrx", "hf-jetmoe", "tt-llama3",
+             "tt-qwen3moe")
+ZOO_MOE_KINDS = ("hf-olmoe", "hf-gptoss", "hf-llama4", "hf-qwen3next", "hf-jetmoe", "tt-qwen3moe")
 
 
 def _common(layers: int) -> dict[str, Any]:
@@ -133,6 +136,9 @@ def _hf(family: str, layers: int) -> nn.Module:
                                  linear_conv_kernel_dim=4,
                                  layer_types=["linear_attention", "full_attention"] * (layers // 2)
                                  + ["linear_attention"] * (layers % 2))
+    elif family == "jetmoe":  # mixture of attention heads and of MLP experts; experts split tokens by a tensor
+        cfg = tf.JetMoeConfig(**_common(layers), num_key_value_heads=KV_HEADS, kv_channels=HIDDEN // HEADS,
+                              intermediate_size=MOE_FFN, num_local_experts=MOE_EXPERTS, num_experts_per_tok=2)
     elif family == "xglm":  # eager attention: bmm(q, k.transpose(1, 2)) hands a transposed gradient to k_proj
         cfg = tf.XGLMConfig(vocab_size=VOCAB, d_model=HIDDEN, ffn_dim=FFN, num_layers=layers, attention_heads=HEADS,
                             max_position_embeddings=SEQ, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,

@@ -105,6 +105,7 @@ REFUSED: dict[tuple[str, str], str] = {
     ("tt-llama3", "tp4"): "attention.qkv_linear.wqkv: its features 0:64 form 2 interleaved groups",
     # DBRX keeps its two norms inside one module with the attention: sequence parallelism cannot reach them.
     ("hf-dbrx", "tp2"): "norm_attn_norm.norm_1 holds parameters (weight) outside the attention/MLP regions",
+    ("hf-jetmoe", "ep2"): "running its forward on a subset of its experts failed",
 }
 
 ERRORS: dict[str, str] = {}  # "family layout" -> worst relative error, or the refusal
@@ -246,8 +247,9 @@ EP = [("tt-qwen3moe", "dp2"), ("tt-qwen3moe", "ep2"), ("tt-qwen3moe", "tp2-ep2")
       ("tt-qwen3moe", "tp2-nosp"), ("hf-olmoe", "ep2"), ("hf-olmoe", "tp2-ep2"), ("hf-gptoss", "ep2"),
       ("hf-gptoss", "tp2-ep2"), ("hf-llama4", "ep2"), ("hf-llama4", "tp2-ep2"), ("hf-qwen3next", "ep2")]
 # Pipeline alone where tensor parallelism is not the point: Llama 4 reads its embedding's weight on every stage
-# (a shape-only stand-in on later ones); Qwen3-Next, whose linear attention refuses tp.
-PP = ["hf-llama4", "hf-qwen3next"]
+# (a shape-only stand-in on later ones); Qwen3-Next, whose linear attention refuses tp; JetMoE, whose experts
+# cannot be split over ep (its refusal below) but need not be at ep=1 (it was refused under pp alone).
+PP = ["hf-llama4", "hf-qwen3next", "hf-jetmoe"]
 PP_TP = ["hf-stablelm"] + DENSE_TP + ["tt-qwen3moe"]
 # tp=4 with 2 KV heads (StableLM: its per-KV-head norm list too; Phi-3: replicated KV pieces of a fused projection)
 # and 1 KV head (hf-mq): each rank computes the KV head its query heads use; GPT-OSS: sinks over 4 ranks.
