@@ -206,8 +206,8 @@ class FourDConfig:
         dp_shard: ``data_parallel="hsdp"`` only: the data-parallel ranks sharding each parameter (divides ``dp``).
         reduced_check_budget: bytes the set-up value check on a reduced, perturbed copy of the model
             (:mod:`lightning_4d.reduced_check`) may hold; over it, the rewrite is checked structurally only, with a
-            warning. ``None`` (default): what materialising this rank's shards holds anyway (the largest rank's
-            share plus the largest tensor, at least 256 MiB), so the check never raises the set-up peak; ``0``:
+            warning. ``None`` (default): the largest rank's share plus the largest tensor, at least 256 MiB
+            (:func:`~lightning_4d.reduced_check.check_budget_bytes`; the planner's set-up term counts it); ``0``:
             never run it.
 
     Example:
