@@ -16,40 +16,19 @@ Example:
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from lightning_4d.recipes.schema import LOGGERS, MONITORS, LoggerConfig, check_monitors
+
 if TYPE_CHECKING:
     import lightning as L
     from lightning.pytorch.loggers import Logger
 
-    from lightning_4d.recipes.schema import LoggerConfig
-
 __all__ = ["LOGGERS", "MONITORS", "build_logger_list", "check_logger", "check_monitors", "has_logger",
            "monitor_callbacks", "observe_callbacks", "wandb_offline"]
-
-# name -> (the packages any one of which provides it, the pyproject extra that installs it); csv needs none.
-LOGGERS: dict[str, tuple[tuple[str, ...], str]] = {
-    "csv": ((), ""),
-    "tensorboard": (("tensorboard", "tensorboardX"), "tensorboard"),
-    "wandb": (("wandb",), "wandb"),
-    "mlflow": (("mlflow",), "mlflow"),
-}
-"""The ``logger`` choices: the modules that provide each and the extra of ``pyproject.toml`` that installs them."""
-
-# name -> "module:class" of the package's monitor (lightning_4d.callbacks), built with no arguments.
-MONITORS: dict[str, str] = {
-    "bubble": "lightning_4d.callbacks.pipeline:PipelineBubbleMonitor",
-    "comm": "lightning_4d.callbacks.communication:CommunicationMonitor",
-    "experts": "lightning_4d.callbacks.experts:ExpertLoadMonitor",
-    "throughput": "lightning_4d.callbacks.throughput:FourDThroughputMonitor",
-}
-"""The names of ``callbacks.monitors`` and the callbacks they stand for (each logs every
-``trainer.log_every_n_steps`` batches; see :mod:`lightning_4d.callbacks`)."""
-
 
 def check_logger(name: str) -> None:
     """Raise ``ValueError`` unless ``name`` is a logger choice whose package is installed; the message names the
@@ -70,26 +49,6 @@ def check_logger(name: str) -> None:
         raise ValueError(f"logger={name} needs the {' or '.join(modules)} package, which is not installed: "
                          f"pip install \"lightning_4d[{extra}]\" (or pip install {modules[0]}), or choose "
                          f"logger=csv.")
-
-
-def check_monitors(names: Sequence[str]) -> None:
-    """Raise ``ValueError`` for a name of ``callbacks.monitors`` that is not a monitor, listing the valid ones.
-
-    Example:
-        >>> check_monitors(["bubble", "throughput"])
-        >>> check_monitors(["bubbles"])  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        ValueError: callbacks.monitors: 'bubbles' is not a monitor (did you mean 'bubble'?); ...
-    """
-    for name in names:
-        if name not in MONITORS:
-            near = difflib.get_close_matches(str(name), list(MONITORS), n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
-            raise ValueError(f"callbacks.monitors: {name!r} is not a monitor{hint}; the monitors are "
-                             f"{', '.join(MONITORS)}, e.g. callbacks.monitors=[bubble,comm,experts,throughput].")
-    if len(set(names)) != len(names):
-        raise ValueError(f"callbacks.monitors={list(names)} names a monitor twice; name each once.")
 
 
 def monitor_callbacks(names: Sequence[str]) -> list[L.Callback]:

@@ -25,31 +25,12 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from lightning_4d.recipes.schema import RecipeConfigError
+from lightning_4d.recipes.schema import RecipeConfigError, register_resolvers, resume_mode, run_name
 
 __all__ = ["RESUME_ENV", "checkpoint_dir", "register_resolvers", "resume_checkpoint", "resume_mode", "run_name"]
 
 #: Set by the process that launches the ranks: the checkpoint it chose ("" for none), so that every rank agrees.
 RESUME_ENV = "LIGHTNING_4D_RESUME"
-_AUTO, _OFF = ("auto", "true"), ("false",)
-
-
-def resume_mode(value: str) -> str:
-    """``"auto"``, ``"false"`` or ``"path"`` for a value of ``resume`` (case-insensitive words).
-
-    Example:
-        >>> resume_mode("true")
-        'auto'
-    """
-    word = str(value).strip().lower()
-    if word in _AUTO:
-        return "auto"
-    if word in _OFF:
-        return "false"
-    if not word:
-        raise RecipeConfigError("resume='' is empty: use resume=auto (the newest checkpoint of the run directory), "
-                                "resume=false (start over) or resume=PATH (a checkpoint directory).")
-    return "path"
 
 
 def checkpoint_dir(root: Path) -> Path:
@@ -112,29 +93,3 @@ def resume_checkpoint(value: str, root: Path) -> Optional[Path]:
     return newest.path
 
 
-def run_name(default: str) -> str:
-    """The run directory's name under ``outputs/``: ``slurm-<SLURM_JOB_ID>`` in a SLURM job (a requeued job keeps
-    its id, so a re-run finds its checkpoints), else ``default`` (the date and time). The resolver
-    ``${l4d.run_name:...}`` of ``conf/train.yaml``'s ``hydra.run.dir``.
-
-    Example:
-        >>> run_name("2026-01-01/12-00-00") in ("2026-01-01/12-00-00", f"slurm-{os.environ.get('SLURM_JOB_ID')}")
-        True
-    """
-    job = os.environ.get("SLURM_JOB_ID")
-    return f"slurm-{job}" if job else default
-
-
-def register_resolvers() -> None:
-    """Register ``${l4d.run_name:DEFAULT}`` with OmegaConf (idempotent).
-
-    Example:
-        >>> register_resolvers()
-        >>> from omegaconf import OmegaConf
-        >>> OmegaConf.has_resolver("l4d.run_name")
-        True
-    """
-    from omegaconf import OmegaConf
-
-    if not OmegaConf.has_resolver("l4d.run_name"):
-        OmegaConf.register_new_resolver("l4d.run_name", run_name)

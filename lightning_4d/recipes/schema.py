@@ -43,8 +43,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, List, Optional, Union
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Union
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
@@ -55,6 +56,8 @@ from lightning_4d.models.moe import MoEConfig
 from lightning_4d.precision import PRECISION_NAMES
 
 __all__ = [
+    "LOGGERS",
+    "MONITORS",
     "CallbacksConfig",
     "GPT2ModelConfig",
     "HFDataConfig",
@@ -71,6 +74,10 @@ __all__ = [
     "SyntheticDataConfig",
     "TextDataConfig",
     "TrainConfig",
+    "check_monitors",
+    "register_resolvers",
+    "resume_mode",
+    "run_name",
     "TrainerConfig",
     "owned",
     "register_configs",
@@ -399,13 +406,103 @@ class OptimConfig:
             raise RecipeConfigError(f"optim.betas={list(self.betas)} must be two numbers in [0, 1).")
 
 
+# name -> (the packages any one of which provides it, the pyproject extra that installs it); csv needs none.
+LOGGERS: dict[str, tuple[tuple[str, ...], str]] = {
+    "csv": ((), ""),
+    "tensorboard": (("tensorboard", "tensorboardX"), "tensorboard"),
+    "wandb": (("wandb",), "wandb"),
+    "mlflow": (("mlflow",), "mlflow"),
+}
+"""The ``logger`` choices (built by :mod:`lightning_4d.recipes.observe`): the modules that provide each and the extra of ``pyproject.toml`` that installs them."""
+
+# name -> "module:class" of the package's monitor (lightning_4d.callbacks), built with no arguments.
+MONITORS: dict[str, str] = {
+    "bubble": "lightning_4d.callbacks.pipeline:PipelineBubbleMonitor",
+    "comm": "lightning_4d.callbacks.communication:CommunicationMonitor",
+    "experts": "lightning_4d.callbacks.experts:ExpertLoadMonitor",
+    "throughput": "lightning_4d.callbacks.throughput:FourDThroughputMonitor",
+}
+"""The names of ``callbacks.monitors`` and the callbacks they stand for (each logs every
+``trainer.log_every_n_steps`` batches; see :mod:`lightning_4d.callbacks`)."""
+
+
+
+def check_monitors(names: Sequence[str]) -> None:
+    """Raise ``ValueError`` for a name of ``callbacks.monitors`` that is not a monitor, listing the valid ones.
+
+    Example:
+        >>> check_monitors(["bubble", "throughput"])
+        >>> check_monitors(["bubbles"])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: callbacks.monitors: 'bubbles' is not a monitor (did you mean 'bubble'?); ...
+    """
+    for name in names:
+        if name not in MONITORS:
+            near = difflib.get_close_matches(str(name), list(MONITORS), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ValueError(f"callbacks.monitors: {name!r} is not a monitor{hint}; the monitors are "
+                             f"{', '.join(MONITORS)}, e.g. callbacks.monitors=[bubble,comm,experts,throughput].")
+    if len(set(names)) != len(names):
+        raise ValueError(f"callbacks.monitors={list(names)} names a monitor twice; name each once.")
+
+
+_AUTO, _OFF = ("auto", "true"), ("false",)  # the words of resume (lightning_4d.recipes.resume)
+
+
+def resume_mode(value: str) -> str:
+    """``"auto"``, ``"false"`` or ``"path"`` for a value of ``resume`` (case-insensitive words).
+
+    Example:
+        >>> resume_mode("true")
+        'auto'
+    """
+    word = str(value).strip().lower()
+    if word in _AUTO:
+        return "auto"
+    if word in _OFF:
+        return "false"
+    if not word:
+        raise RecipeConfigError("resume='' is empty: use resume=auto (the newest checkpoint of the run directory), "
+                                "resume=false (start over) or resume=PATH (a checkpoint directory).")
+    return "path"
+
+
+def run_name(default: str) -> str:
+    """The run directory's name under ``outputs/``: ``slurm-<SLURM_JOB_ID>`` in a SLURM job (a requeued job keeps
+    its id, so a re-run finds its checkpoints), else ``default`` (the date and time). The resolver
+    ``${l4d.run_name:...}`` of ``conf/train.yaml``'s ``hydra.run.dir``.
+
+    Example:
+        >>> run_name("2026-01-01/12-00-00") in ("2026-01-01/12-00-00", f"slurm-{os.environ.get('SLURM_JOB_ID')}")
+        True
+    """
+    job = os.environ.get("SLURM_JOB_ID")
+    return f"slurm-{job}" if job else default
+
+
+def register_resolvers() -> None:
+    """Register ``${l4d.run_name:DEFAULT}`` with OmegaConf (idempotent).
+
+    Example:
+        >>> register_resolvers()
+        >>> from omegaconf import OmegaConf
+        >>> OmegaConf.has_resolver("l4d.run_name")
+        True
+    """
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("l4d.run_name"):
+        OmegaConf.register_new_resolver("l4d.run_name", run_name)
+
+
 # ---------------------------------------------------------------------------------------------- top level
 @dataclass
 class CallbacksConfig:
     """Callbacks added by :func:`~lightning_4d.recipes.build.build_callbacks`: Lightning's progress bar
     (``progress_bar``, redrawn every ``progress_refresh_rate`` batches), ``ModelCheckpoint`` and the package's
     monitors named in ``monitors`` (``bubble``, ``comm``, ``experts``, ``throughput``:
-    :data:`lightning_4d.recipes.observe.MONITORS`).
+    :data:`MONITORS`).
 
     Example:
         >>> CallbacksConfig().checkpoint
@@ -420,8 +517,6 @@ class CallbacksConfig:
     monitors: List[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        from lightning_4d.recipes.observe import check_monitors
-
         _positive("callbacks.progress_refresh_rate", self.progress_refresh_rate)
         _positive("callbacks.checkpoint_every_n_steps", self.checkpoint_every_n_steps, allow_none=True)
         try:
@@ -456,8 +551,6 @@ class LoggerConfig:
     tracking_uri: Optional[str] = None
 
     def __post_init__(self) -> None:
-        from lightning_4d.recipes.observe import LOGGERS
-
         if self.name not in LOGGERS:
             raise RecipeConfigError(f"logger={self.name!r} is not one of {', '.join(LOGGERS)}; e.g. "
                                     f"logger=tensorboard (CSV is written as well unless logger.csv=false).")
@@ -492,8 +585,6 @@ class TrainConfig:
     resume: str = "auto"
 
     def __post_init__(self) -> None:
-        from lightning_4d.recipes.resume import resume_mode
-
         resume_mode(self.resume)
 
 
@@ -633,8 +724,6 @@ def register_configs() -> None:
     if _REGISTERED:
         return
     from hydra.core.config_store import ConfigStore
-
-    from lightning_4d.recipes.resume import register_resolvers
 
     register_resolvers()  # ${l4d.run_name:...} of hydra.run.dir
     cs = ConfigStore.instance()

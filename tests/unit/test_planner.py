@@ -312,11 +312,12 @@ def test_search_ranks_pure_dp_first_on_a_toy_cluster():
 
 
 def test_search_prefers_model_parallel_when_memory_forces_it():
-    spec = TransformerSpec(vocab_size=256, hidden=64, layers=4, heads=4, seq_len=32)
-    every = search(spec, ClusterSpec(1, 4, CPU_TOY), TrainSpec(16), top=1000, distinct=False)
+    # Wide enough that the training step, not set-up's fixed scratch, sets every layout's peak.
+    spec = TransformerSpec(vocab_size=256, hidden=256, layers=4, heads=4, seq_len=256)
+    every = search(spec, ClusterSpec(1, 4, CPU_TOY), TrainSpec(32), top=1000, distinct=False)
     cap = min(c.peak_memory for c in every if c.dims.dp == 4) - 1  # pure data parallelism no longer fits
     expected = min((c for c in every if c.peak_memory <= cap), key=lambda c: (c.estimate.step_s, c.peak_memory))
-    res = search(spec, ClusterSpec(1, 4, CPU_TOY.with_(memory_bytes=cap)), TrainSpec(16))
+    res = search(spec, ClusterSpec(1, 4, CPU_TOY.with_(memory_bytes=cap)), TrainSpec(32))
     assert res[0].label == expected.label and res[0].dims.tp * res[0].dims.pp > 1
     assert all(c.peak_memory <= cap for c in res)
 
