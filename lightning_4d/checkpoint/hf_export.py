@@ -336,6 +336,7 @@ def _write_rows(writer: SafetensorsWriter, key: str, source: tuple[str, torch.dt
         rename = names(i)
         for out, tensor in revert({key: value}).items():
             writer.write(rename[out], tensor)
+        del value, tensor  # before the next expert is read: one expert in memory at a time
 
 
 def export_hf(checkpoint: PathLike, out: PathLike, base: Optional[PathLike] = None, verify: bool = True,

@@ -19,21 +19,32 @@ from lightning_4d.checkpoint.stream import SafetensorsWriter, TensorSpec, parse_
 
 
 class LiveReads:
-    """Bytes of the tensors ``CheckpointReader.read`` returned that are still alive: now and at most."""
+    """Bytes of the tensors ``CheckpointReader.read`` / ``read_rows`` returned that are still alive: now and at
+    most; ``whole`` / ``rows``: the names read whole / in rows."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.live = self.peak = self.reads = 0
-        real = stream.CheckpointReader.read
+        self.whole: set[str] = set()
+        self.rows: set[str] = set()
+        real, real_rows = stream.CheckpointReader.read, stream.CheckpointReader.read_rows
 
-        def read(reader: Any, name: str) -> torch.Tensor:
-            value = real(reader, name)
+        def track(value: torch.Tensor) -> torch.Tensor:
             self.reads += 1
             self.live += value.nbytes
             self.peak = max(self.peak, self.live)
             weakref.finalize(value, self._free, value.nbytes)
             return value
 
+        def read(reader: Any, name: str) -> torch.Tensor:
+            self.whole.add(name)
+            return track(real(reader, name))
+
+        def read_rows(reader: Any, name: str, start: int, stop: int) -> torch.Tensor:
+            self.rows.add(name)
+            return track(real_rows(reader, name, start, stop))
+
         monkeypatch.setattr(stream.CheckpointReader, "read", read)
+        monkeypatch.setattr(stream.CheckpointReader, "read_rows", read_rows)
 
     def _free(self, nbytes: int) -> None:
         self.live -= nbytes
