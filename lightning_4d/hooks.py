@@ -129,8 +129,9 @@ class WeightSource(Protocol):
     meta device) gets its tensors from it instead of its initialisers; ``names()`` are the tensor names relative
     to that module (``module.named_parameters()`` / ``named_buffers()`` names). A source may also define
     ``get_rows(name, start, stop)`` (rows ``[start, stop)`` of dim 0, e.g. experts of a stacked tensor): a rank
-    then reads only the rows holding its elements (:mod:`lightning_4d.load_sources`); with ``get`` alone it reads
-    each tensor it holds a part of whole, one at a time.
+    then reads only the rows holding its elements (:mod:`lightning_4d.load_sources`; an optional ``release()`` is
+    called after each tensor's pieces); with ``get`` alone it reads each tensor it holds a part of whole, one at a
+    time.
 
     Example:
         >>> import torch

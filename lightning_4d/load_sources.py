@@ -137,6 +137,10 @@ def load_sources(skeleton: nn.Module, by_name: dict[str, object], places: Callab
                 for target, perm, index in where:
                     for chunk in local_chunks(target, shape, perm, index, CHUNK_ELEMENTS):
                         chunk.put(reader.values(chunk.positions))
+                del reader
+                release = getattr(source, "release", None)
+                if callable(release):
+                    release()  # whatever the source kept for this tensor's pieces
                 pieces += 1
             else:
                 full = source.get(rel)

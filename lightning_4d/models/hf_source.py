@@ -200,6 +200,7 @@ class HFWeightSource:
         self.whole_reads: set[str] = set()
         """Model tensors :meth:`get_rows` had to read whole (a conversion whose rows are not checkpoint tensors)."""
         self._rows: dict[str, Optional[list[list[tuple[Optional[str], str]]]]] = {}
+        self._whole: Optional[tuple[str, Tensor]] = None
         self.missing: list[str] = []
         """Model tensors the files do not hold (they keep their initialisation; tied aliases excluded)."""
         self.unexpected: list[str] = []
@@ -289,11 +290,16 @@ class HFWeightSource:
         group = self._groups[self._owner[name]]
         shape, dtype = self._shapes[group.target]
         if group.converter is None:
+            self._whole = None
             return self._read_rows(group.sources[0][1], start, stop, dtype)
         per_row = self._row_sources(group)
-        if per_row is None:
+        if per_row is None:  # read whole once, kept until another tensor is asked for (the chunks of one tensor)
             self.whole_reads.add(name)
-            return self.get(name)[start:stop].clone()
+            if self._whole is None or self._whole[0] != name:
+                self._whole = None
+                self._whole = (name, self.get(name))
+            return self._whole[1][start:stop].clone()
+        self._whole = None
         if group.converter == _STACK:
             return torch.stack([self.read(key, dtype) for i in range(start, stop) for _, key in per_row[i]])
         return self._convert_rows(group, per_row[start:stop], self._reader(dtype))[name]
@@ -346,6 +352,16 @@ class HFWeightSource:
                     break
         self._rows[group.target] = found
         return found
+
+    def release(self) -> None:
+        """Drop the whole tensor :meth:`get_rows` keeps between calls for a conversion it cannot read by rows
+        (:func:`lightning_4d.load_sources.load_sources` calls it after each tensor).
+
+        Example:
+            >>> # not run: needs files (a model directory)
+            >>> src.release()  # doctest: +SKIP
+        """
+        self._whole = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "HFWeightSource":
         return self  # read-only: a meta skeleton of the model shares it

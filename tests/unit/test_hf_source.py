@@ -223,3 +223,20 @@ def test_recipe_builds_on_meta_under_the_strategy(tmp_path: Path) -> None:
     assert isinstance(lm.model.model.fourd_weight_source, HFWeightSource)
     whole = build_model(to_train_config(_compose([*base, "meta_init=false"])), trainer)
     assert not any(p.is_meta for p in whole.parameters()), "meta_init=false loads the whole model"
+
+
+def test_rows_of_a_conversion_without_rows_read_the_tensor_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group whose rows are not per-index keys is read whole once for all its pieces, and released after."""
+    directory = save_model("qwen3moe", tmp_path / "m")
+    with torch.device("meta"):
+        net = HFLogits.from_pretrained(directory)
+    source = net.model.fourd_weight_source
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    monkeypatch.setattr(source, "_row_sources", lambda group: None)  # as for a conversion that needs every row
+    full, calls = source.get(name), []
+    real_get = source.get
+    monkeypatch.setattr(source, "get", lambda n: calls.append(n) or real_get(n))
+    assert torch.equal(torch.cat([source.get_rows(name, i, i + 1) for i in range(full.shape[0])]), full)
+    assert calls == [name] and source.whole_reads == {name}
+    source.release()
+    assert source._whole is None
