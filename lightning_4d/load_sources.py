@@ -5,8 +5,8 @@ a Hugging Face directory). :func:`load_sources` overwrites the initialised value
 
 - a tensor of which this rank holds nothing (another stage's, another rank's expert) is not read at all;
 - when the source can read rows (``get_rows(name, start, stop)``: rows of dim 0, i.e. experts of a stacked expert
-  tensor, rows of an embedding), a rank reads only the rows its elements lie in, in pieces of at most
-  one chunk of local elements spans (at least one row: one expert), and copies its elements out;
+  tensor, rows of an embedding), a rank reads only the rows its elements lie in, a piece at a time: the rows one
+  chunk of its local elements spans (at least one row: one expert), and copies its elements out;
 - otherwise (a source with ``get`` only) the whole tensor is read, this rank's part kept, the rest freed.
 
 The positions of a rank's elements come from :func:`~lightning_4d.shard_slices.local_chunks`, the same walk the

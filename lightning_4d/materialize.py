@@ -58,6 +58,7 @@ from torch import Tensor, nn
 from lightning_4d._compat import init_calls, release_freed_host_memory, returnable_host_empty, to_empty_keeping_ties
 from lightning_4d._compat.dispatch import dispatch_mode_base
 from lightning_4d.init_pieces import CHUNK_ELEMENTS, Region, Step, covers, evaluate, scratch_bytes, unwritten_fill
+from lightning_4d.hooks import WeightSource  # noqa: F401 - re-exported (the protocol's historical home)
 from lightning_4d.init_record import Recorder, RecordingTensor
 from lightning_4d.load_sources import load_sources, weight_sources
 from lightning_4d.shard_slices import chunkable, local_chunks, local_of, local_slice, read_local, write_full
