@@ -12,11 +12,13 @@ Example:
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 from dataclasses import dataclass
 from functools import partial
 from datetime import timedelta
 from typing import Any, Literal, Optional, Sequence, Union
 
+from lightning_4d.layout_plan import LayoutPlan
 from lightning_4d.mesh import ParallelDims, _check_degree
 
 __all__ = ["FourDConfig", "SCHEDULES", "MULTI_STAGE_SCHEDULES", "ACTIVATION_CHECKPOINTING", "DATA_PARALLEL",
@@ -209,6 +211,10 @@ class FourDConfig:
             warning. ``None`` (default): the largest rank's share plus the largest tensor, at least 256 MiB
             (:func:`~lightning_4d.reduced_check.check_budget_bytes`; the planner's set-up term counts it); ``0``:
             never run it.
+        plan: a :class:`~lightning_4d.layout_plan.LayoutPlan`, or the path of its JSON file (``layout_plan.json``,
+            written by the recipes; edit it to change what is sharded), applied instead of the derived one. It
+            is checked against the model and the mesh (paths, styles, degrees) and by the set-up value check
+            like a derived plan. ``None`` (default): derive it from the model.
 
     Example:
         >>> FourDConfig(schedule="zbv", pp=2).stages_per_rank
@@ -237,6 +243,7 @@ class FourDConfig:
     heartbeat_timeout: Optional[timedelta] = DEFAULT_HEARTBEAT_TIMEOUT
     dp_shard: Optional[int] = None
     reduced_check_budget: Optional[int] = None
+    plan: Union[str, Path, LayoutPlan, None] = None
 
     def __post_init__(self) -> None:
         self._check_runtime_options()
@@ -291,6 +298,8 @@ class FourDConfig:
         signals = () if signals is None else (signals,) if isinstance(signals, (str, int)) else tuple(signals)
         resolve_signals(signals)
         put("preemption_signals", signals)
+        if self.plan is not None and not isinstance(self.plan, (str, Path, LayoutPlan)):
+            raise ValueError(f"plan={self.plan!r} must be a LayoutPlan, the path of its JSON file, or None.")
         budget = self.reduced_check_budget
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget < 0):
             raise ValueError(f"reduced_check_budget={budget!r} must be a number of bytes >= 0 (0: never run the "

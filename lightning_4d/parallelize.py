@@ -1,11 +1,14 @@
-"""Apply the layout to a LightningModule: pipeline split, TP/SP, EP, activation checkpointing, DP.
+"""Apply a :class:`~lightning_4d.layout_plan.LayoutPlan` to a LightningModule, and check it on a copy.
 
-The order follows TorchTitan: split into stages first (on full tensors), then tensor and expert
-parallelism on each stage, then data parallelism around everything.
+Set-up runs in one direction: plan (:func:`~lightning_4d.derive_plan.plan_layout`, one traced forward on the
+unsharded model, nothing changed) → check (:func:`check_layout` on a reduced copy with perturbed weights, before
+the real model is touched: :mod:`lightning_4d.reduced_check`) → apply (:func:`apply_layout`, in TorchTitan's
+order: prune to this rank's stages, expert parallelism, TP/SP, activation checkpointing, data parallelism) →
+materialise (:mod:`lightning_4d.materialize`, for a model built on the meta device).
 
 Example:
     >>> # not run: needs a process group
-    >>> plan = parallelize_module(lightning_module, mesh, FourDConfig(tp=2), "32-true")  # doctest: +SKIP
+    >>> record = parallelize_module(lightning_module, mesh, FourDConfig(tp=2), "32-true")  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Placement
 
-from lightning_4d._compat import meta_scalar_mode, registered_submodule
 from lightning_4d.activation_checkpoint import apply_activation_checkpointing
 from lightning_4d.config import FourDConfig
 from lightning_4d.data_parallel import apply_data_parallel, reshards_after_forward, wrap_mode
@@ -32,16 +34,25 @@ from lightning_4d.expert_parallel.parallel import (
     install_token_shard_check,
 )
 from lightning_4d.expert_parallel.rewrite import find_moe_modules
-from lightning_4d.expert_replay import ExpertCalls, check_with_experts_replayed, record_expert_layers
+from lightning_4d.expert_replay import check_with_experts_replayed, record_expert_layers
 from lightning_4d.mesh import Axis, FourDMesh
 from lightning_4d.hooks import BLOCKS_PATH, TP_PLAN, user_hook
-from lightning_4d.pipeline.glue import build_runner, check_after_tensor_parallel, prepare_pipeline, split_pipeline
+from lightning_4d.derive_plan import _check_tied_across_v_stages, plan_layout
+from lightning_4d.layout_plan import LayoutPlan
+from lightning_4d.pipeline.glue import (
+    ModelSplit,
+    build_runner,
+    check_after_tensor_parallel,
+    check_pipeline_model,
+    split_pipeline,
+)
 from lightning_4d.pipeline.runner import PipelineRunner
-from lightning_4d.pipeline.schedules import get_schedule_info
-from lightning_4d.tensor_parallel import apply_tensor_parallel, plan_tensor_parallel
-from lightning_4d.trace import example_tokens, trace_model
+from lightning_4d.pipeline.staged import StagedForward, check_staged
+from lightning_4d.tensor_parallel import apply_tensor_parallel
+from lightning_4d.trace import example_tokens
 
-__all__ = ["LayoutRow", "ParallelPlan", "describe_layout", "parallelize_module", "reduce_tp_partial_grads"]
+__all__ = ["LayoutRow", "ParallelPlan", "apply_layout", "check_layout", "describe_layout", "parallelize_module",
+           "plan_layout", "reduce_tp_partial_grads"]
 
 
 @dataclass
@@ -63,6 +74,7 @@ class ParallelPlan:
     bias_update: bool = False
     pipeline_tied: list[tuple[str, str]] = field(default_factory=list)
     input_shape: Optional[tuple[int, ...]] = None  # the traced example's shape: inputs must have its rank
+    layout: Optional[LayoutPlan] = None  # the plan this rank applied
 
 
 @dataclass(frozen=True)
@@ -115,100 +127,80 @@ def _placement(p: Placement) -> str:
 
 
 def check_tied_across_v_stages(module: nn.Module, blocks_path: str, schedule: str, dp: int) -> None:
-    """Refuse weights tied outside the blocks (embedding and head) under a V-shaped schedule with ``dp > 1``:
-    the first and last stage share one rank, each stage module is its own data-parallel root, and torch's
-    FSDP2 / replicate cannot manage one parameter from two roots (the copies would drift). Pure, identical on
-    every rank, before any collective.
+    """Refuse weights tied outside the blocks under a V-shaped schedule with ``dp > 1`` (see
+    :mod:`lightning_4d.derive_plan`, which runs it while planning).
 
     Example:
         >>> check_tied_across_v_stages(nn.Linear(2, 2), "layers", "zbv", dp=2)  # nothing tied: fine
     """
-    if dp == 1 or get_schedule_info(schedule).style != "v":
-        return
-    names: dict[int, list[str]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    prefix = blocks_path + "."
-    tied = [n for n in names.values() if len(n) > 1 and not all(x.startswith(prefix) for x in n)]
-    if tied:
-        raise ValueError(
-            f"schedule={schedule!r} places the first and last pipeline stage on one rank, and {type(module).__name__} "
-            f"ties {' = '.join(tied[0])} across them; with dp={dp} data parallelism would wrap that weight in two "
-            f"roots and its copies would drift. Use schedule='1f1b' or 'interleaved_1f1b', dp=1, or untie the "
-            f"weights."
-        )
+    _check_tied_across_v_stages(module, blocks_path, schedule, dp)
 
 
 def parallelize_module(
     module: nn.Module, mesh: FourDMesh, config: FourDConfig, precision: str, accumulate: int = 1,
-    device: Optional[torch.device] = None,
+    device: Optional[torch.device] = None, plan: Optional[LayoutPlan] = None,
 ) -> ParallelPlan:
-    """Rewrite ``module`` (a LightningModule, usually a ``FourDModule``) in place for ``mesh``.
-
-    Order: trace one forward of the full model on a tiny input → pipeline split decided and checked
-    (full model) → expert parallel → TP/SP on the full model, checked against the traced output (MoE layers
-    replaying their traced calls: :mod:`lightning_4d.expert_replay`) →
-    pipeline pruning → activation checkpointing → data parallel → pipeline schedule. ``module`` may be on the meta
-    device (then the value checks are skipped: see :mod:`lightning_4d.reduced_check`); ``device``: where its
-    pipeline stages will run once materialised (default: where its parameters are).
+    """Plan (unless ``plan`` is given) and apply the layout to ``module`` in place: :func:`plan_layout` then
+    :func:`apply_layout` (what the planner's dry run and set-up simulation call; the strategy runs the two steps
+    itself, with the value check between them).
 
     Example:
         >>> # not run: needs a process group
         >>> parallelize_module(lm, mesh, FourDConfig(), "32-true").blocks_path  # doctest: +SKIP
         'model.layers'
     """
+    if plan is None:
+        plan = plan_layout(module, mesh.dims, config, mesh[Axis.TP] if mesh.dims.tp > 1 else None)
+    return apply_layout(module, plan, mesh, config, precision, accumulate=accumulate, device=device)
+
+
+def _stage_split(module: nn.Module, plan: LayoutPlan) -> ModelSplit:
+    """The plan's pipeline split installed on the (still whole) model: stages that run the model's own forward,
+    or the chain the user's pipeline hooks name."""
+    if plan.pipeline_hooks:
+        return check_pipeline_model(module, plan.blocks_path, values=False)
+    staged = StagedForward(module, plan.model_trace(), plan.stage_keys())
+    staged.make_stubs()
+    staged.install()
+    return staged
+
+
+def apply_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, config: FourDConfig, precision: str,
+                 accumulate: int = 1, device: Optional[torch.device] = None) -> ParallelPlan:
+    """Rewrite ``module`` in place as ``plan`` says, in TorchTitan's order: prune to this rank's pipeline stages,
+    then expert parallelism, TP/SP, activation checkpointing, data parallelism, and the pipeline schedule. The
+    only code that changes the model; it reads every decision from the plan (checked against the model and the
+    mesh first: :meth:`LayoutPlan.check`). ``module`` may be on the meta device; ``device``: where its pipeline
+    stages will run once materialised (default: where its parameters are). Values are not compared here:
+    :func:`check_layout` does that on a copy, before.
+
+    Example:
+        >>> # not run: needs a process group
+        >>> apply_layout(lm, plan_layout(lm, mesh.dims, config), mesh, config, "32-true")  # doctest: +SKIP
+    """
     dims = mesh.dims
-    path_hook = user_hook(module, BLOCKS_PATH)
-    blocks_path, container = find_blocks(module, path_hook() if path_hook else None)
-    plan = ParallelPlan(blocks_path=blocks_path, blocks=_blocks_of(container))
-
-    # On the meta device a forward's data-dependent shortcuts (``if mask.all():``) read as False: the structure
-    # is all the trace and the split need; values are checked on a materialised reduced copy instead.
-    on_meta = any(p.is_meta for p in module.parameters())
-    trace, example = None, None
-    expert_calls: ExpertCalls = {}  # the MoE layers' inputs and outputs in the unsharded forward (the TP check)
-    if dims.tp > 1 or dims.pp > 1:
-        example = example_tokens(module, dims.tp)
-        record = record_expert_layers(module) if dims.tp > 1 and not on_meta else nullcontext({})
-        with meta_scalar_mode() if on_meta else nullcontext(), record as expert_calls:
-            trace = trace_model(module, blocks_path, example)
-        first = example[0] if isinstance(example, tuple) else example
-        plan.input_shape = tuple(first.shape) if hasattr(first, "shape") else None
-
-    split = None
+    plan.check(module, dims)
+    record = ParallelPlan(blocks_path=plan.blocks_path, blocks=_blocks_of(module.get_submodule(plan.blocks_path)),
+                          input_shape=plan.input_shape, layout=plan)
+    parts = split = None
     if dims.pp > 1:
-        with meta_scalar_mode() if on_meta else nullcontext():
-            split = prepare_pipeline(module, mesh, config, trace, example)
-        check_tied_across_v_stages(module, blocks_path, config.schedule, dims.dp)
-
-    _apply_experts(module, mesh, plan, accumulate)
-
+        split = _stage_split(module, plan)
+        parts = split_pipeline(module, mesh, config, split)
+        record.blocks = _blocks_of(module.get_submodule(plan.blocks_path))
+    _apply_experts(module, mesh, record, accumulate)
     if dims.tp > 1:
-        apply_tensor_parallel(module, mesh, plan, plan_tensor_parallel(module, mesh, trace))
-        # MoE layers replay the unsharded forward's calls: routing is data-dependent, experts are spread over ep.
-        check_with_experts_replayed(module, expert_calls, mesh[Axis.TP],
-                                    lambda: check_after_tensor_parallel(module, split, example, trace.output))
-        del expert_calls
+        assert plan.tensor_parallel is not None
+        apply_tensor_parallel(module, mesh, record, plan.tensor_parallel)
         if dims.ep > 1 and user_hook(module, TP_PLAN) is not None:
             # A user's plan must give the expert layers sequence shards; the automatic plan does by construction.
             # In-place experts get the routed tokens themselves; the package's MoE layer gets them (its experts not).
-            # Installed after the value check, whose replay skips the experts: the first training forward decides.
             names = [n if is_inplace_experts(module.get_submodule(n)) else n.rpartition(".")[0]
-                     for n in plan.expert_modules]
+                     for n in record.expert_modules]
             install_token_shard_check({n: module.get_submodule(n) for n in names}, mesh[Axis.TP].get_group())
 
-    parts = None
-    if dims.pp > 1:
-        parts = split_pipeline(module, mesh, config, split)
-        plan.blocks = _blocks_of(module.get_submodule(blocks_path))
-        kept = [n for n in plan.expert_modules if registered_submodule(module, n) is not None]
-        plan.expert_modules = kept
-        plan.tp_partial_params = [n for n in plan.tp_partial_params
-                                  if registered_submodule(module, n.rpartition(".")[0]) is not None]
+    apply_activation_checkpointing(record.blocks, config.activation_checkpointing)
 
-    apply_activation_checkpointing(plan.blocks, config.activation_checkpointing)
-
-    experts = [module.get_submodule(name) for name in plan.expert_modules]
+    experts = [module.get_submodule(name) for name in record.expert_modules]
     # With edp == 1 no rank shares an expert: experts stay out of every data-parallel wrapper.
     unwrapped_experts = {p for e in experts for p in e.parameters()} if dims.edp == 1 else None
     if experts and dims.edp > 1:
@@ -227,15 +219,57 @@ def parallelize_module(
         # Under PP the stage modules are what the schedule calls: they are the data-parallel roots.
         roots = parts.modules if parts is not None else [child for _, child in top_level_modules(module)]
         for root in roots:
-            inner = [b for b in plan.blocks if _is_within(b, root)]
+            inner = [b for b in record.blocks if _is_within(b, root)]
             apply_data_parallel(root, mesh.data_parallel, blocks=inner, mode=wrap_mode(config.data_parallel),
                                 precision=precision, ignored_params=unwrapped_experts,
                                 reshard_after_forward=reshards_after_forward(dims.pp))
 
     if parts is not None:
-        plan.pipeline = build_runner(module, mesh, config, parts, split, device=device)
-        plan.pipeline_tied = list(parts.tied)
-    return plan
+        assert split is not None
+        record.pipeline = build_runner(module, mesh, config, parts, split, device=device)
+        record.pipeline_tied = list(parts.tied)
+    return record
+
+
+def check_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, accumulate: int = 1) -> None:
+    """The value check of ``plan`` on ``module`` (a model with values, small enough for one rank: the set-up
+    check's reduced copy, :mod:`lightning_4d.reduced_check`): the unsharded forward on a tiny input is recorded,
+    then the pipeline split (every stage in order, in one process) and the expert + tensor-parallel rewrite
+    (MoE layers replaying the recorded calls: :mod:`lightning_4d.expert_replay`) must reproduce it. ``module``
+    is rewritten in place (all stages kept) and is to be thrown away. Collective over ``tp``.
+
+    Raises:
+        ValueError: naming the module whose sharded forward differs or fails.
+    """
+    dims = mesh.dims
+    plan.check(module, dims)
+    if dims.tp == 1 and dims.pp == 1:
+        return
+    example = example_tokens(module, dims.tp)
+    args = example if isinstance(example, tuple) else (example,)
+    was_training = module.training
+    module.eval()
+    record = record_expert_layers(module) if dims.tp > 1 else nullcontext({})
+    try:
+        with torch.no_grad(), record as expert_calls:
+            expected = module(*args)
+    finally:
+        module.train(was_training)
+    split = None
+    if dims.pp > 1:
+        split = _stage_split(module, plan)
+        if plan.pipeline_hooks:
+            check_pipeline_model(module, plan.blocks_path)  # the chain pre -> blocks -> post, before sharding
+        else:
+            check_staged(split, example, expected)
+    if dims.tp == 1:
+        return
+    record_plan = ParallelPlan(blocks_path=plan.blocks_path, layout=plan)
+    _apply_experts(module, mesh, record_plan, accumulate)
+    assert plan.tensor_parallel is not None
+    apply_tensor_parallel(module, mesh, record_plan, plan.tensor_parallel)
+    check_with_experts_replayed(module, expert_calls, mesh[Axis.TP],
+                                lambda: check_after_tensor_parallel(module, split, example, expected))
 
 
 def reduce_tp_partial_grads(plan: Optional[ParallelPlan], mesh: FourDMesh, model: nn.Module) -> None:

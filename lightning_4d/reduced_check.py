@@ -3,9 +3,10 @@
 A model built on the meta device is rewritten and materialised shard by shard
 (:mod:`lightning_4d.materialize`), so the full-size check of :func:`lightning_4d.verify.check_tensor_parallel`
 cannot run (there is no unsharded output to compare with). Instead :func:`check_reduced_model` materialises
-a *reduced copy* of the unsharded model, small enough for one rank, and runs the very same rewrite on it
-(:func:`lightning_4d.parallelize.parallelize_module`, same mesh, same options), whose checks then compare the
-sharded forward with the unsharded one on real values:
+a *reduced copy* of the unsharded model, small enough for one rank, and applies the very same plan to it
+(:func:`lightning_4d.parallelize.check_layout`, the plan filtered to the kept blocks), comparing the sharded
+forward with the unsharded one on real values. It runs for every model (meta-built or not, MoE included) before
+the real model is rewritten:
 
 - depth: the first block of each distinct structure (:func:`block_signature`: sliding-window and global
   attention, MoE and dense layers are each represented), then the earliest others up to ``pp ·
@@ -29,7 +30,7 @@ tied weights, expert placement).
 
 Example:
     >>> # not run: needs a process group
-    >>> check_reduced_model(skeleton, mesh, FourDConfig(tp=2), "32-true")  # doctest: +SKIP
+    >>> check_reduced_model(skeleton, plan, mesh)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -42,17 +43,17 @@ from torch import nn
 
 from lightning_4d._compat import meta_scalar_mode, to_empty_keeping_ties
 from lightning_4d.comm import internal_comm
-from lightning_4d.config import FourDConfig
-from lightning_4d.discovery import find_blocks
-from lightning_4d.hooks import BLOCKS_PATH, PIPELINE_PRE, PIPELINE_SPLIT, user_hook
+from lightning_4d.hooks import PIPELINE_PRE, PIPELINE_SPLIT, user_hook
 from lightning_4d.materialize import materialize, module_copy
-from lightning_4d.mesh import FourDMesh
-from lightning_4d.parallelize import parallelize_module
+from lightning_4d.mesh import FourDMesh, ParallelDims
+from lightning_4d.layout_plan import LayoutPlan
+from lightning_4d.parallelize import check_layout
+from lightning_4d.pipeline.partition import partition_blocks
 from lightning_4d.trace import _opaque_moe_on_meta as opaque_moe_on_meta
 from lightning_4d.trace import example_tokens
 
-__all__ = ["CHECK_FLOOR_BYTES", "block_signature", "check_budget_bytes", "check_reduced_model", "reduce_depth",
-           "reduce_vocabulary", "perturb_", "reduced_copy_bytes"]
+__all__ = ["CHECK_FLOOR_BYTES", "block_signature", "check_budget_bytes", "check_reduced_model", "plan_share_bytes",
+           "reduce_depth", "reduce_vocabulary", "perturb_", "reduced_copy_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -248,12 +249,14 @@ def _forward_runs(model: nn.Module, tp: int) -> bool:
             del mod.forward
 
 
-def check_reduced_model(skeleton: nn.Module, mesh: FourDMesh, config: FourDConfig, precision: str,
+def check_reduced_model(skeleton: nn.Module, plan: LayoutPlan, mesh: FourDMesh,
                         accumulate: int = 1, device: Optional[torch.device] = None,
                         buffers: Optional[dict[str, torch.Tensor]] = None,
                         budget_bytes: Optional[float] = None) -> Optional[str]:
-    """Run the layout's rewrite and its value checks on a reduced, perturbed copy of ``skeleton`` (the unsharded
-    model on the meta device; left unchanged). Collective over the world (every rank calls it). ``buffers``: the
+    """Apply ``plan`` (filtered to the kept blocks: :meth:`~lightning_4d.layout_plan.LayoutPlan.for_blocks`, no second
+    trace) to a reduced, perturbed copy of ``skeleton`` (the unsharded model on the meta device; left unchanged) and
+    compare its forward with the unsharded one (:func:`~lightning_4d.parallelize.check_layout`). Collective over
+    ``tp``; run before the real model is rewritten. ``buffers``: the
     values of the model's buffers by name when it was built for real (else its initialisers make them).
     Returns a one-line description of what was checked, or ``None`` when nothing needed checking (no TP, no PP).
     ``budget_bytes``: skip the value check (with a warning) when the reduced copy would hold more
@@ -267,12 +270,17 @@ def check_reduced_model(skeleton: nn.Module, mesh: FourDMesh, config: FourDConfi
         return None
     device = device or torch.device("cpu")
     clone = module_copy(skeleton)
-    path_hook = user_hook(clone, BLOCKS_PATH)
-    blocks_path, container = find_blocks(clone, path_hook() if path_hook else None)
-    depth = len(container)
+    blocks_path = plan.blocks_path
+    container = clone.get_submodule(blocks_path)
+    keys = [k for k, _ in container.named_children()]
+    depth = len(keys)
     keep = max(1, dims.pp * dims.virtual_stages)
     uses_hooks = any(user_hook(clone, h) for h in (PIPELINE_SPLIT, PIPELINE_PRE))
     kept = reduce_depth(clone, blocks_path, keep) if not uses_hooks else list(range(depth))
+    listed = not isinstance(container, nn.ModuleDict)  # a list's kept blocks are renumbered from 0
+    renamed = {keys[i]: (str(j) if listed else keys[i]) for j, i in enumerate(kept)}
+    reduced = plan.for_blocks([k for k in plan.block_order if k in renamed], renamed,
+                              partition_blocks(len(kept), keep)) if len(kept) < depth else plan
     vocab_rows = 16 * dims.tp
     trial = module_copy(clone)
     vocab = reduce_vocabulary(trial, vocab_rows, blocks_path)
@@ -294,9 +302,46 @@ def check_reduced_model(skeleton: nn.Module, mesh: FourDMesh, config: FourDConfi
         return what
     _fill(clone, device, buffers)
     with internal_comm():  # a set-up check, not the training step's communication
-        parallelize_module(clone, mesh, config, precision, accumulate=accumulate)
+        check_layout(clone, reduced, mesh, accumulate=accumulate)
     what = (f"rewrite checked on a reduced copy: blocks {kept} of {depth}"
             f"{f', vocabulary {vocab_rows} of {vocab}' if vocab else ''}, perturbed weights")
     log.info("lightning_4d: %s", what)
     del clone
     return what
+
+
+_SHARDING = ("Colwise", "Rowwise", "ColwiseParallel", "RowwiseParallel")  # styles that split a module's weights
+
+
+def plan_share_bytes(model: nn.Module, plan: LayoutPlan, dims: ParallelDims) -> float:
+    """Bytes of the largest rank's share of ``model`` (on the meta device) under ``plan``, from the plan alone
+    (before anything is rewritten): weights of a sharding TP style ÷ tp, experts ÷ ep, the largest pipeline
+    stage's blocks plus everything outside the blocks, then ÷ the data-parallel sharding (FSDP2 over dp, HSDP
+    over dp_shard, experts over edp). What the check's default budget starts from
+    (:func:`check_budget_bytes`).
+
+    Example:
+        >>> from lightning_4d.mesh import ParallelDims
+        >>> net = nn.Sequential(nn.ModuleList([nn.Linear(4, 4, bias=False)]))
+        >>> plan = LayoutPlan(degrees=(), blocks_path="0", block_order=("0",))
+        >>> plan_share_bytes(net, plan, ParallelDims(world_size=2, dp=2))
+        32.0
+    """
+    tpl = plan.tensor_parallel
+    sharded = {p for p, s in tpl.styles.items() if s.kind in _SHARDING} if tpl is not None else set()
+    experts = tuple(e.path + "." for e in plan.experts)
+    stage_of = {f"{plan.blocks_path}.{k}.": s for s, keys in enumerate(plan.stages) for k in keys}
+    per_stage = [0.0] * max(1, len(plan.stages))
+    outside = 0.0
+    dense_dp = 1 if plan.data_parallel == "replicate" else (dims.dp_shard or dims.dp)
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        size = float(t.numel() * t.element_size())
+        if name.rpartition(".")[0] in sharded:
+            size /= dims.tp
+        size /= (dims.ep * dims.edp) if name.startswith(experts) else dense_dp
+        stage = next((s for prefix, s in stage_of.items() if name.startswith(prefix)), None)
+        if stage is None:
+            outside += size
+        else:
+            per_stage[stage] += size
+    return outside + max(per_stage)

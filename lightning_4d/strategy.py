@@ -51,11 +51,12 @@ from lightning_4d.materialize import MaterializeReport, is_meta_built, materiali
 from lightning_4d.mesh import Axis, FourDMesh, ParallelDims, build_mesh
 from lightning_4d.nonfinite import NonFiniteError, SkipStep, check_step
 from lightning_4d.parallelize import (
-    LayoutRow, ParallelPlan, describe_layout, parallelize_module, reduce_tp_partial_grads,
+    LayoutRow, ParallelPlan, apply_layout, describe_layout, plan_layout, reduce_tp_partial_grads,
 )
 from lightning_4d.peers import describe_peer_failure, gather_peers
 from lightning_4d.pipeline.glue import pipeline_eval, pipeline_train_loss, sync_tied
-from lightning_4d.reduced_check import check_budget_bytes, check_reduced_model
+from lightning_4d.layout_plan import LayoutPlan, load_plan
+from lightning_4d.reduced_check import check_budget_bytes, check_reduced_model, plan_share_bytes
 from lightning_4d.preemption import PreemptionSaver, resolve_signals
 from lightning_4d.tensor_parallel.replicas import replica_mismatches
 
@@ -117,6 +118,7 @@ class FourDStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._mesh: Optional[FourDMesh] = None
         self._plan: Optional[ParallelPlan] = None
+        self.layout_plan: Optional[LayoutPlan] = None  # the plan applied at set-up (save it: .save(path))
         self._grads_stale = True
         self._replicas_checked = False  # replicated TP parameters are compared after the first step
         self._resume_loops: Optional[dict[str, Any]] = None
@@ -261,21 +263,29 @@ class FourDStrategy(ParallelStrategy):
         self.parameter_counts = (sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad))
         self.module_parameter_counts = {name: sum(p.numel() for p in sub.parameters())
                                         for name, sub in self.model.named_modules() if name}
-        plan = parallelize_module(self.model, self.mesh, self.config, self.precision_plugin.precision,
-                                  accumulate=trainer.accumulate_grad_batches, device=self.root_device)
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("lightning_4d: rank %d layout:\n  %s", self.global_rank,
-                      "\n  ".join(map(str, describe_layout(self.model))))
-        # The rewrite checked on a reduced copy with perturbed weights (a meta-built model has no other check;
-        # a real one's full-size check compares initial weights, which symmetric values such as norms of ones
-        # can fool). First, so its memory is gone before this rank's shards exist.
-        check_reduced_model(skeleton, self.mesh, self.config, self.precision_plugin.precision,
-                            accumulate=trainer.accumulate_grad_batches, device=self.root_device, buffers=buffers,
-                            budget_bytes=self._check_budget(skeleton, meta))
+        # Plan (one traced forward on the unsharded model, or the given plan checked against it) -> check (the plan
+        # applied to a reduced copy with perturbed weights, for every model, before the real one is touched: its
+        # memory is gone before this rank's shards exist) -> apply -> materialise.
+        dims = self.mesh.dims
+        tp_mesh = self.mesh[Axis.TP] if dims.tp > 1 else None
+        plan = load_plan(self.config.plan) if self.config.plan is not None else \
+            plan_layout(self.model, dims, self.config, tp_mesh)
+        plan.check(self.model, dims)
+        self.layout_plan = plan
+        if self.global_rank == 0:
+            log.info("lightning_4d: %s", plan.summary())
+        check_reduced_model(skeleton, plan, self.mesh, accumulate=trainer.accumulate_grad_batches,
+                            device=self.root_device, buffers=buffers,
+                            budget_bytes=self._check_budget(skeleton, plan, meta))
         del buffers
         gc.collect()  # the reduced copy's rewrite leaves reference cycles (hooks, closures) holding its tensors
         if self.root_device.type == "cpu":
             _compat.release_freed_host_memory()  # the reduced copy's memory, before the shards are allocated
+        record = apply_layout(self.model, plan, self.mesh, self.config, self.precision_plugin.precision,
+                              accumulate=trainer.accumulate_grad_batches, device=self.root_device)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("lightning_4d: rank %d layout:\n  %s", self.global_rank,
+                      "\n  ".join(map(str, describe_layout(self.model))))
         if meta:
             start = time.perf_counter()
             report = materialize_local_shards(skeleton, self.model, self.root_device,
@@ -295,28 +305,20 @@ class FourDStrategy(ParallelStrategy):
                 log.warning("lightning_4d: %d initialiser call(s) need tensor values and ran on whole tensors "
                             "(largest %s: %.1f MB in full): %s", len(report.whole_calls), report.largest_call,
                             report.largest_call_bytes / 2**20, "; ".join(report.whole_calls[:8]))
-        return plan
+        return record
 
-    def _check_budget(self, skeleton: torch.nn.Module, meta: bool) -> float:
+    def _check_budget(self, skeleton: torch.nn.Module, plan: LayoutPlan, meta: bool) -> float:
         """Bytes the reduced check may hold, the same on every rank: the option, else
         :func:`~lightning_4d.reduced_check.check_budget_bytes` — for a meta-built model the largest rank's share
-        (one all-reduce of a number) plus the largest tensor, for one built for real the whole model (every rank
-        held it)."""
+        (:func:`~lightning_4d.reduced_check.plan_share_bytes`, from the plan) plus the largest tensor, for one
+        built for real the whole model (every rank held it)."""
         if self.config.reduced_check_budget is not None:
             return float(self.config.reduced_check_budget)
-        if self.mesh.dims.tp == 1 and self.mesh.dims.pp == 1:
-            return 0.0  # nothing to check (check_reduced_model returns at once): no collective either
         tensors = {id(t): t for t in [*skeleton.parameters(), *skeleton.buffers()]}.values()
         sizes = [t.numel() * t.element_size() for t in tensors]
         if not meta:
             return check_budget_bytes(float(sum(sizes)), 0.0)
-        local = {id(t): t for t in [*self.model.parameters(), *self.model.buffers()]}.values()
-        share = torch.tensor(float(sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size()
-                                       for t in local)), dtype=torch.float64, device=self.root_device)
-        if dist.is_initialized() and self.world_size > 1:
-            with internal_comm():
-                dist.all_reduce(share, op=dist.ReduceOp.MAX)
-        return check_budget_bytes(float(share), float(max(sizes, default=0)))
+        return check_budget_bytes(plan_share_bytes(skeleton, plan, self.mesh.dims), float(max(sizes, default=0)))
 
     def _start_heartbeat(self) -> None:
         if self._heartbeat is not None:

@@ -34,13 +34,13 @@ from lightning_4d.pipeline.checks import check_sequential
 from lightning_4d.pipeline.partition import PipelineSplit, stage_ids_for_rank
 from lightning_4d.pipeline.runner import PipelineRunner
 from lightning_4d.pipeline.schedules import get_schedule_info
-from lightning_4d.pipeline.staged import StagedForward, check_staged, prepare_staged, prune_staged
+from lightning_4d.pipeline.staged import StagedForward, check_staged, prune_staged
 from lightning_4d.pipeline.stages import PipelineParts, build_pipeline_stages, find_pipeline_split
 from lightning_4d.pipeline.tied import sync_tied_grads
-from lightning_4d.trace import ModelTrace, example_tokens
+from lightning_4d.trace import example_tokens
 from lightning_4d.verify import check_tensor_parallel
 
-__all__ = ["ModelSplit", "check_after_tensor_parallel", "check_pipeline_model", "prepare_pipeline", "split_pipeline",
+__all__ = ["ModelSplit", "check_after_tensor_parallel", "check_pipeline_model", "split_pipeline",
            "build_runner", "check_packed", "pipeline_train_loss", "pipeline_eval", "staged_forward", "sync_tied",
            "uses_pipeline_hooks"]
 
@@ -60,20 +60,20 @@ def staged_forward(split: ModelSplit) -> Optional[StagedForward]:
     return split if isinstance(split, StagedForward) else None
 
 
-def check_pipeline_model(module: nn.Module, blocks_path: str) -> PipelineSplit:
+def check_pipeline_model(module: nn.Module, blocks_path: str, values: bool = True) -> PipelineSplit:
     """Find the split and check on a tiny input (:func:`~lightning_4d.trace.example_tokens`, the one builder of
     example inputs) that pre → blocks → post equals ``module(inputs)``.
 
     Runs on the full (unsharded) model on every rank before any collective; a mismatch raises a
     ``ValueError`` naming the hooks ``pipeline_pre_blocks`` / ``pipeline_post_blocks`` /
-    ``configure_pipeline_split``. On the meta device (a planner dry run) there is no data to compare:
-    the split only, as :func:`~lightning_4d.pipeline.staged.check_staged` does.
+    ``configure_pipeline_split``. On the meta device (a planner dry run), or with ``values=False`` (planning),
+    there is no data to compare: the split only, as :func:`~lightning_4d.pipeline.staged.check_staged` does.
     """
     hook = user_hook(module, PIPELINE_SPLIT)
     split = hook() if hook else find_pipeline_split(module, blocks_path)
     if isinstance(split, str):
         split = find_pipeline_split(module, split)
-    if any(p.is_meta for p in module.parameters()):
+    if not values or any(p.is_meta for p in module.parameters()):
         return split
     with torch.no_grad():
         was_training = module.training
@@ -89,23 +89,6 @@ def check_pipeline_model(module: nn.Module, blocks_path: str) -> PipelineSplit:
 def uses_pipeline_hooks(module: nn.Module) -> bool:
     """Whether the user split the model by hand (then stages chain pre → blocks → post as told)."""
     return any(user_hook(module, name) for name in PIPELINE_HOOKS)
-
-
-def prepare_pipeline(module: nn.Module, mesh: FourDMesh, config: FourDConfig, trace: ModelTrace,
-                     example: Any) -> ModelSplit:
-    """Decide the split on the full model, before anything is sharded, and check it on ``example``.
-
-    Without user hooks: stages run the model's own forward (:mod:`lightning_4d.pipeline.staged`), and
-    the stage-by-stage composition is compared with the traced plain forward. With hooks: the chain
-    the hooks describe is checked (:func:`check_pipeline_model`).
-    """
-    if uses_pipeline_hooks(module):
-        return check_pipeline_model(module, trace.blocks_path)
-    num_stages = mesh.dims.pp * mesh.dims.virtual_stages
-    get_schedule_info(config.schedule)  # an unknown schedule fails here, before anything changes
-    staged = prepare_staged(module, trace, num_stages)
-    check_staged(staged, example, trace.output)
-    return staged
 
 
 def check_after_tensor_parallel(module: nn.Module, split: Optional[ModelSplit], example: Any, expected: Any) -> None:

@@ -49,7 +49,7 @@ from lightning_4d.pipeline.tied import find_tied_parameters
 from lightning_4d.precision import allowed_difference, max_difference
 from lightning_4d.trace import ModelTrace
 
-__all__ = ["INPUTS_KW", "ShapeStub", "StageDone", "StagedBlocks", "StagedForward", "check_staged", "prepare_staged",
+__all__ = ["INPUTS_KW", "check_stage_owners", "ShapeStub", "StageDone", "StagedBlocks", "StagedForward", "check_staged", "prepare_staged",
            "prune_staged"]
 
 INPUTS_KW = "fourd_inputs"  # the micro-batch's model inputs, passed by the schedule to every stage
@@ -318,6 +318,23 @@ def check_staged(staged: StagedForward, example: Any, expected: Any) -> None:
         )
 
 
+def check_stage_owners(root: nn.Module, trace: ModelTrace) -> None:
+    """Refuse modules with parameters that run both before and after the blocks (or between them): no single
+    pipeline stage can own them.
+
+    Example:
+        >>> check_stage_owners(nn.Linear(2, 2), ModelTrace())  # nothing runs on both sides: fine
+    """
+    shared = [p for p in trace.elsewhere
+              if (m := registered_submodule(root, p)) is not None and any(True for _ in m.parameters())]
+    if shared:
+        raise ValueError(
+            f"{type(root).__name__}: {', '.join(shared)} hold(s) parameters and run(s) both before and after the "
+            f"blocks of {trace.blocks_path} (or between them), so no single pipeline stage can own them. Call them "
+            f"on one side only, or {HOOK_HINT}."
+        )
+
+
 def prepare_staged(root: nn.Module, trace: ModelTrace, num_stages: int) -> StagedForward:
     """Partition the blocks over ``num_stages`` stages, make the shape stubs and install the staged
     container on the full model (nothing is removed yet; :func:`prune_staged` does that).
@@ -332,14 +349,7 @@ def prepare_staged(root: nn.Module, trace: ModelTrace, num_stages: int) -> Stage
         >>> staged.stage_keys, list(staged.stubs)  # later stages get a stand-in for the embedding
         ({0: ('0',), 1: ('1',)}, ['tok_embeddings'])
     """
-    shared = [p for p in trace.elsewhere
-              if (m := registered_submodule(root, p)) is not None and any(True for _ in m.parameters())]
-    if shared:
-        raise ValueError(
-            f"{type(root).__name__}: {', '.join(shared)} hold(s) parameters and run(s) both before and after the "
-            f"blocks of {trace.blocks_path} (or between them), so no single pipeline stage can own them. Call them "
-            f"on one side only, or {HOOK_HINT}."
-        )
+    check_stage_owners(root, trace)
     parts = partition_blocks(len(trace.block_order), num_stages)
     staged = StagedForward(root, trace, {s: [trace.block_order[i] for i in idx] for s, idx in enumerate(parts)})
     staged.make_stubs()

@@ -405,17 +405,18 @@ class LossHistory:
 
 def build_callbacks(cfg: Config, root: Optional[Path] = None) -> list[L.Callback]:
     """Progress bar, ``ModelCheckpoint`` (under ``<output_dir>/checkpoints``), the monitors of ``callbacks.monitors``,
-    the learning-rate monitor (with a logger) and the loss history (always last).
+    the learning-rate monitor (with a logger), the layout plan's writer (``<output_dir>/layout_plan.json``) and the
+    loss history (always last).
 
     Example:
         >>> from lightning_4d.recipes.schema import CallbacksConfig
         >>> cbs = build_callbacks(TrainConfig(callbacks=CallbacksConfig(checkpoint=False)), Path("/tmp/x"))
         >>> [type(cb).__name__ for cb in cbs]
-        ['TQDMProgressBar', 'LearningRateMonitor', '_LossHistory']
+        ['TQDMProgressBar', 'LearningRateMonitor', 'PlanWriter', '_LossHistory']
     """
     from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 
-    from lightning_4d.recipes.observe import observe_callbacks
+    from lightning_4d.recipes.observe import observe_callbacks, plan_writer
 
     c = _cfg(cfg)
     root = root if root is not None else output_dir(c)
@@ -429,6 +430,7 @@ def build_callbacks(cfg: Config, root: Optional[Path] = None) -> list[L.Callback
             dirpath=str(checkpoint_dir(root)), every_n_train_steps=every, save_last=c.callbacks.save_last,
             save_top_k=1))
     cbs.extend(observe_callbacks(c.callbacks.monitors, c.logger))
+    cbs.append(plan_writer(root))
     cbs.append(LossHistory.create())
     return cbs
 

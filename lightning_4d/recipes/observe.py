@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from lightning.pytorch.loggers import Logger
 
 __all__ = ["LOGGERS", "MONITORS", "build_logger_list", "check_logger", "check_monitors", "has_logger",
-           "monitor_callbacks", "observe_callbacks", "wandb_offline"]
+           "monitor_callbacks", "observe_callbacks", "plan_writer", "wandb_offline"]
 
 def check_logger(name: str) -> None:
     """Raise ``ValueError`` unless ``name`` is a logger choice whose package is installed; the message names the
@@ -159,3 +159,25 @@ def build_logger_list(cfg: LoggerConfig, root: Path) -> list[Logger]:
         loggers.append(_BUILDERS[cfg.name](cfg, root))
     assert bool(loggers) == has_logger(cfg)
     return loggers
+
+
+def plan_writer(root: Path) -> L.Callback:
+    """A callback writing the layout plan the strategy applied to ``<root>/layout_plan.json`` when a fit starts
+    (global rank 0): the file ``parallel.plan=<it>`` gives back, edited or not.
+
+    Example:
+        >>> type(plan_writer(Path("/tmp/run"))).__name__
+        'PlanWriter'
+    """
+    import lightning as L
+
+    from lightning_4d.layout_plan import PLAN_FILE
+
+    class PlanWriter(L.Callback):
+        def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            plan = getattr(trainer.strategy, "layout_plan", None)
+            if plan is not None and trainer.is_global_zero:
+                root.mkdir(parents=True, exist_ok=True)
+                plan.save(root / PLAN_FILE)
+
+    return PlanWriter()

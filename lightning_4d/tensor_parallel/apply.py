@@ -23,9 +23,10 @@ from lightning_4d._compat import registered_submodule
 from lightning_4d.head_bias import ArgKey, install_head_inputs
 from lightning_4d.hooks import LOSS_PARALLEL, TP_PLAN, hook_call, user_hook
 from lightning_4d.layer_kinds import is_conv1d
-from lightning_4d.mesh import Axis, FourDMesh
+from lightning_4d.mesh import Axis, FourDMesh, ParallelDims
 from lightning_4d.tensor_parallel.layouts import register_permutation
 from lightning_4d.tensor_parallel.plan import block_plan, model_plan
+from lightning_4d.tensor_parallel.specs import StyleSpec, spec_of
 from lightning_4d.tensor_parallel.rng import ShardedRNG, install_sharded_rng, sharded_dropout_modules
 from lightning_4d.tensor_parallel.styles import (
     Colwise,
@@ -41,7 +42,7 @@ from lightning_4d.tensor_parallel.styles import (
 from lightning_4d.trace import HiddenArg, ModelTrace
 
 if TYPE_CHECKING:
-    from torch.distributed.tensor.parallel import ParallelStyle
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["TPLayout", "apply_tensor_parallel", "plan_tensor_parallel", "tp_styles"]
 
@@ -81,7 +82,7 @@ class TPLayout:
         False
     """
 
-    styles: dict[str, ParallelStyle] = field(default_factory=dict)
+    styles: dict[str, StyleSpec] = field(default_factory=dict)  # module -> its style, as data
     heads: dict[str, dict[str, int]] = field(default_factory=dict)  # region -> {attr: global value}
     local_heads: dict[str, dict[str, int]] = field(default_factory=dict)  # region -> {attr: per-rank value}
     configs: dict[str, dict[str, int]] = field(default_factory=dict)  # region -> {config attr: per-rank value}
@@ -108,7 +109,7 @@ def tp_styles(root: nn.Module, trace: ModelTrace, tp: int, sp: bool) -> TPLayout
         >>> tokens = torch.randint(0, 32, (2, 8))
         >>> trace = trace_model(lm, "layers", tokens)
         >>> layout = tp_styles(lm, trace, 2, True)
-        >>> [type(layout.styles[f"layers.0.attention.{n}"]).__name__ for n in ("wq", "wo")], layout.loss_parallel
+        >>> [layout.styles[f"layers.0.attention.{n}"].kind for n in ("wq", "wo")], layout.loss_parallel
         (['Colwise', 'Rowwise'], True)
     """
     from torch.distributed.tensor import Replicate, Shard
@@ -190,20 +191,24 @@ def tp_styles(root: nn.Module, trace: ModelTrace, tp: int, sp: bool) -> TPLayout
     if mp.head is not None:
         styles[mp.head] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False)
         layout.loss_parallel = True
+    layout.styles = {name: spec_of(style) for name, style in styles.items()}
     return layout
 
 
-def plan_tensor_parallel(module: nn.Module, mesh: FourDMesh, trace: ModelTrace) -> TPLayout:
-    """Plan TP/SP for the full model (pure; validates divisibility before anything changes).
+def plan_tensor_parallel(module: nn.Module, dims: ParallelDims, trace: ModelTrace,
+                         tp_mesh: Optional[DeviceMesh] = None) -> TPLayout:
+    """Plan TP/SP for the full model (pure; validates divisibility before anything changes). A
+    ``fourd_tp_plan(self, tp_mesh, sequence_parallel)`` method on the module replaces the automatic plan: it
+    returns a plan fragment ``{fqn: ParallelStyle}`` (``tp_mesh`` is ``None`` when planning without a process
+    group), stored as :class:`~lightning_4d.tensor_parallel.specs.StyleSpec` values.
 
     Example:
         >>> # not run: needs a process group
-        >>> layout = plan_tensor_parallel(lm, mesh, trace)  # doctest: +SKIP
+        >>> layout = plan_tensor_parallel(lm, mesh.dims, trace, mesh[Axis.TP])  # doctest: +SKIP
     """
-    dims = mesh.dims
     hook = user_hook(module, TP_PLAN)
     if hook is not None:
-        return TPLayout(styles=dict(hook(mesh[Axis.TP], dims.sp)),
+        return TPLayout(styles={name: spec_of(style) for name, style in dict(hook(tp_mesh, dims.sp)).items()},
                         loss_parallel=bool(getattr(module, LOSS_PARALLEL, False)))
     return tp_styles(module, trace, dims.tp, dims.sp)
 
@@ -239,7 +244,7 @@ def apply_tensor_parallel(module: nn.Module, mesh: FourDMesh, plan: TPRecord, la
         found = registered_submodule(module, name)
         return found is not None and not getattr(found, "fourd_stub", False)
 
-    styles = {name: style for name, style in layout.styles.items() if present(name)}
+    styles = {name: spec.build() for name, spec in layout.styles.items() if present(name)}
     parallelize_module(module, tp_mesh, styles)
     rank = tp_mesh.get_local_rank()
     for region, attrs in layout.local_heads.items():

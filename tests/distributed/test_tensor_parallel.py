@@ -65,7 +65,7 @@ def _tensor_parallel(lm: Any, mesh: Any, path: str) -> None:
     from lightning_4d.trace import example_tokens, trace_model
 
     trace = trace_model(lm, path, example_tokens(lm, mesh.dims.tp))
-    apply_tensor_parallel(lm, mesh, ParallelPlan(blocks_path=path), plan_tensor_parallel(lm, mesh, trace))
+    apply_tensor_parallel(lm, mesh, ParallelPlan(blocks_path=path), plan_tensor_parallel(lm, mesh.dims, trace))
 
 
 def _count_comm(rank: int, model: str, sp: bool) -> dict[str, Any]:

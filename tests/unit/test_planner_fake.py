@@ -25,7 +25,7 @@ def _tp_plan(model: Llama, tp_mesh) -> None:
 
     tokens = torch.zeros(2, 16, dtype=torch.long, device="meta")
     layout = tp_styles(model, trace_model(model, "layers", tokens), tp_mesh.size(), sp=True)
-    parallelize_module(model, tp_mesh, layout.styles)
+    parallelize_module(model, tp_mesh, {name: spec.build() for name, spec in layout.styles.items()})
     for region, attrs in layout.heads.items():
         for attr, value in attrs.items():
             setattr(model.get_submodule(region), attr, value // tp_mesh.size())

@@ -16,6 +16,7 @@ from lightning_4d.planner.memory import memory_per_rank
 from lightning_4d.planner.setup_memory import (largest_tensor_params, reduced_check_params, setup_peak_bytes,
                                                setup_scratch_bytes)
 from lightning_4d.planner.spec import TrainSpec, TransformerSpec, seed_moe_1t
+from lightning_4d.derive_plan import plan_layout
 from lightning_4d.reduced_check import CHECK_FLOOR_BYTES, check_budget_bytes, check_reduced_model, reduced_copy_bytes
 
 SPEC = TransformerSpec(vocab_size=32000, hidden=768, layers=12, heads=12, ffn_hidden=2688)
@@ -90,10 +91,12 @@ def _meta_llama() -> CausalLM:
 
 
 def test_the_runtime_skips_a_check_over_its_budget_before_any_collective(caplog: pytest.LogCaptureFixture) -> None:
-    mesh = SimpleNamespace(dims=ParallelDims.from_world(4, tp=2, pp=2))  # no process group: it must not be used
+    dims = ParallelDims.from_world(4, tp=2, pp=2)
+    mesh = SimpleNamespace(dims=dims)  # no process group: it must not be used
+    model = _meta_llama()
+    plan = plan_layout(model, dims, FourDConfig(tp=2, pp=2))
     with caplog.at_level(logging.WARNING, logger="lightning_4d.reduced_check"):
-        what = check_reduced_model(_meta_llama(), mesh, FourDConfig(tp=2, pp=2), "32-true",  # type: ignore[arg-type]
-                                   budget_bytes=1024)
+        what = check_reduced_model(model, plan, mesh, budget_bytes=1024)  # type: ignore[arg-type]
     assert what is not None and "structurally only" in what and "budget of 0 MiB" in what
     assert any("reduced_check_budget" in r.getMessage() for r in caplog.records)
 
