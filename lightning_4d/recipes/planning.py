@@ -396,6 +396,43 @@ def run_setup_simulation(setup: PlanSetup, plan: dict) -> str:
     return measured.describe(estimate)
 
 
+def target_dir(output: str, out_dir: Optional[Union[str, Path]], setup: PlanSetup) -> Path:
+    """The directory ``plan.output`` names (relative to ``out_dir``, default the run's output directory)."""
+    target = Path(output)
+    if not target.is_absolute():
+        target = Path(out_dir if out_dir is not None else output_dir(setup.config)) / target
+    return target.parent
+
+
+def write_layout_plan(setup: PlanSetup, directory: Path) -> str:
+    """Derive the layout plan the strategy would apply (:func:`~lightning_4d.derive_plan.plan_layout` on a meta
+    build of the configured model: no weights), write it as ``layout_plan.json`` and ``layout_plan.txt`` (one line
+    per module) in ``directory``, and return a short report; a model that cannot be built on meta is reported,
+    not raised (the analytic plan stands without it).
+
+    Example:
+        >>> # not run: needs files (the recipe's config files)
+        >>> print(write_layout_plan(plan_setup(cfg), tmp_path))  # doctest: +SKIP
+        layout plan tp=2 pp=1 ep=1 dp=4: 2 blocks at 'model.layers'; ... -> .../layout_plan.json
+    """
+    import torch
+
+    from lightning_4d.derive_plan import plan_layout
+    from lightning_4d.layout_plan import PLAN_FILE
+    from lightning_4d.planner.dry_run import strategy_config
+
+    try:
+        with torch.device("meta"):
+            model = build_model(setup.config)
+        layout = plan_layout(model, setup.dims, strategy_config(setup.dims, setup.train))
+    except Exception as err:  # noqa: BLE001 - reported: the analytic plan does not depend on it
+        return f"layout plan not derived ({type(err).__name__}: {err})"
+    directory.mkdir(parents=True, exist_ok=True)
+    path = layout.save(directory / PLAN_FILE)
+    (directory / "layout_plan.txt").write_text(str(layout) + "\n")
+    return f"{layout.summary()} -> {path} (one line per module: {directory / 'layout_plan.txt'})"
+
+
 # ---------------------------------------------------------------------------------------------- run
 def _format_search(cands: list) -> str:
     lines = [f"layout search: the {len(cands)} fastest layouts that fit"]
@@ -490,13 +527,12 @@ def run_plan(cfg: Union[DictConfig, TrainConfig], out_dir: Optional[Union[str, P
         text += ["", _format_search(cands)]
     if plan_cfg.materialize_rank is not None:
         text += ["", run_setup_simulation(setup, plan)]
+    text += ["", write_layout_plan(setup, target_dir(plan_cfg.output, out_dir, setup))]
     if not plan["memory"]["fits"]:
         text += ["", does_not_fit_message(plan, setup.cluster.device)]
         exit_code = EXIT_DOES_NOT_FIT
     plan["planner_seconds"] = time.perf_counter() - start
-    target = Path(plan_cfg.output)
-    if not target.is_absolute():
-        target = Path(out_dir if out_dir is not None else output_dir(setup.config)) / target
+    target = target_dir(plan_cfg.output, out_dir, setup) / Path(plan_cfg.output).name
     path = write_plan(plan, target)
     text.append(f"\nplan written to {path}")
     return PlanOutcome(plan, "\n".join(text), path, exit_code, time.perf_counter() - start)
