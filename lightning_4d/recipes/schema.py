@@ -307,8 +307,9 @@ class HFDataConfig:
     model's own Hugging Face tokenizer (``tokenizer``: a local directory, or ``auto``: ``model.path``) once, in
     ``num_proc`` worker processes (``null``: by size and CPU cores), into ``data_dir``; later runs reuse the files.
 
-    ``format``: ``text`` (each document + EOS, packed into ``seq_len`` windows; the text in ``text_field``; text
-    files give a row per ``text_sample_by``: ``document``, ``paragraph`` or ``line``) or ``chat`` (``messages_field``
+    ``format``: ``text`` (each document + EOS, packed into ``seq_len`` windows; with ``pack`` exactly:
+    ``position_ids`` restart after each EOS; the text in ``text_field``; text files give a row per
+    ``text_sample_by``: ``document``, ``paragraph`` or ``line``) or ``chat`` (``messages_field``
     conversations, or ``prompt_field`` / ``response_field`` instruction rows, through the tokenizer's chat
     template; with ``mask_prompt`` only the answers are targets; one conversation per sample, padded, or packed
     with ``pack``, exactly: ``position_ids`` keep attention within each conversation; ``system_prompt`` added
