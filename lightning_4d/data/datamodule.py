@@ -375,6 +375,9 @@ class TextDataModule(L.LightningDataModule):
         seed: seed of the training shuffle.
         stride: distance between training window starts (default ``seq_len``: no overlap).
         pin_memory: passed to the DataLoaders.
+        pack: exact packing: samples are ``(inputs, targets, position_ids)`` whose positions restart after each
+            file's end-of-text id, so attention stays within a document (:class:`TokenWindowDataset` ``doc_end``);
+            needs a tokenizer with an end-of-text id (tiktoken, Hugging Face; not ``byte``).
 
     Example:
         >>> import tempfile
@@ -400,6 +403,7 @@ class TextDataModule(L.LightningDataModule):
         seed: int = 0,
         stride: Optional[int] = None,
         pin_memory: bool = False,
+        pack: bool = False,
     ) -> None:
         super().__init__()
         if seq_len <= 0 or batch_size <= 0:
@@ -419,11 +423,21 @@ class TextDataModule(L.LightningDataModule):
         self.seed = seed
         self.stride = stride
         self.pin_memory = pin_memory
+        self.pack = pack
         self.train_file: Optional[TokenFile] = None
         self.val_file: Optional[TokenFile] = None
         self.train_dataset: Optional[TokenWindowDataset] = None
         self.val_dataset: Optional[TokenWindowDataset] = None
         self._tokenizer_record: Optional[dict[str, Any]] = None
+
+    def _doc_end(self, tokens: TokenFile) -> int:
+        """The end-of-text id that ends every document of ``tokens`` (``pack=True``)."""
+        eos = (tokens.tokenizer_record.get("special_ids") or {}).get("eos")
+        if eos is None:
+            raise ValueError(f"pack=True needs documents ended by an end-of-text id, but {str(tokens.path)!r} was "
+                             f"tokenized by {tokens.tokenizer_record.get('name')!r}, which has none; use a tokenizer "
+                             f"with one (a tiktoken name, a Hugging Face tokenizer directory) or pack=False")
+        return int(eos)
 
     @property
     def train_path(self) -> Path:
@@ -494,8 +508,10 @@ class TextDataModule(L.LightningDataModule):
             f.check(tokenizer=expected if "vocab_size" in expected else expected["name"],
                     fix=f"re-run prepare with tokenizer={self.tokenizer!r}, or point data_dir elsewhere")
         val_file.check(vocab_size=train_file.vocab_size)
-        self.train_dataset = TokenWindowDataset(train_file, self.seq_len, self.stride)
-        self.val_dataset = TokenWindowDataset(val_file, self.seq_len) if len(val_file) > self.seq_len else None
+        doc_end = self._doc_end(train_file) if self.pack else None
+        self.train_dataset = TokenWindowDataset(train_file, self.seq_len, self.stride, doc_end=doc_end)
+        self.val_dataset = (TokenWindowDataset(val_file, self.seq_len, doc_end=doc_end)
+                            if len(val_file) > self.seq_len else None)
         self.train_file, self.val_file = train_file, val_file
 
     def _require_setup(self) -> None:

@@ -241,7 +241,8 @@ class TextDataConfig:
     ``text`` (files or directories; ``null``: the Python standard library's sources) on first use.
     ``prepare: false`` requires existing files (a directory made by ``python -m lightning_4d.data
     prepare``). A relative ``data_dir`` is relative to the directory the command was started in.
-    ``batch_size`` is per data-parallel rank.
+    ``batch_size`` is per data-parallel rank. ``pack: true``: exact packing, ``position_ids`` restarting after each
+    file's end-of-text id (a tokenizer with one: tiktoken, Hugging Face), so attention stays within a file.
 
     Example:
         >>> TextDataConfig(seq_len=64).tokenizer
@@ -260,6 +261,7 @@ class TextDataConfig:
     stride: Optional[int] = None
     num_workers: int = 0
     seed: int = 0
+    pack: bool = False
 
     def __post_init__(self) -> None:
         _positive("data.seq_len", self.seq_len)

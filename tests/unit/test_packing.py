@@ -178,3 +178,25 @@ def test_packed_batch_through_pipeline_hooks_is_refused() -> None:
         check_packed(hooks, llama_lm(), packed)
     check_packed(hooks, llama_lm(), plain)  # plain inputs: nothing to carry
     check_packed(SimpleNamespace(inputs_to_every_stage=True, pp=2), llama_lm(), packed)  # the model's own forward
+
+
+def test_text_datamodule_packs_files_exactly(tmp_path) -> None:
+    """``TextDataModule(pack=True)``: positions restart after each file's end-of-text id; a tokenizer without one
+    (``byte``) is refused by name."""
+    from lightning_4d.data import TextDataModule
+    from lightning_4d.data.tokenizer import EOT, ByteTokenizer
+
+    for name, text in (("a.txt", "first file"), ("b.txt", "second one, longer"), ("c.txt", "third")):
+        (tmp_path / name).write_text(text)
+    tok = ByteTokenizer(special_tokens=[EOT])
+    dm = TextDataModule(tmp_path / "tok", text=[str(tmp_path)], seq_len=24, batch_size=1, tokenizer=tok,
+                        val_fraction=0.1, pack=True)
+    dm.prepare_data()
+    dm.setup("fit")
+    x, y, pos = dm.train_dataset[0]
+    ends = (x == tok.eot_id).nonzero().flatten().tolist()
+    assert ends == [10] and pos[10].item() == 10 and pos[11].item() == 0 and y[10].item() == -100
+    plain = TextDataModule(tmp_path / "byte", text=[str(tmp_path)], seq_len=8, batch_size=1, pack=True)
+    plain.prepare_data()
+    with pytest.raises(ValueError, match=r"pack=True needs documents ended by an end-of-text id.*'byte'"):
+        plain.setup("fit")
