@@ -59,10 +59,18 @@ class TokenWindowDataset(Dataset):
     ``seq_len`` tokens and ``targets`` its last ``seq_len`` (shifted by one). With the default
     ``stride=seq_len`` windows do not overlap in their inputs.
 
+    With ``doc_end`` (the id ending every document, e.g. the EOS a packed text stream puts after each one) the
+    windows are exact packed samples, ``(inputs, targets, position_ids)`` triples: positions restart at 0 after
+    each ``doc_end`` (a window starting inside a document starts at 0 too), and a ``doc_end`` token has no target
+    (``ignore_index``: it does not predict the next document's first token), so
+    :class:`~lightning_4d.models.CausalLM` keeps attention within each document.
+
     Args:
         tokens: a :class:`~lightning_4d.data.tokens.TokenFile` or any 1-D integer array.
         seq_len: tokens per sample.
         stride: distance between window starts (default ``seq_len``).
+        doc_end: the id that ends a document; ``None``: plain ``(inputs, targets)`` windows.
+        ignore_index: target of a ``doc_end`` token.
 
     Raises:
         ValueError: fewer than ``seq_len + 1`` tokens, or a non-positive length or stride.
@@ -74,9 +82,13 @@ class TokenWindowDataset(Dataset):
         >>> x, y = ds[1]
         >>> x.tolist(), y.tolist()
         ([4, 5, 6, 7], [5, 6, 7, 8])
+        >>> x, y, pos = TokenWindowDataset([7, 1, 2, 0, 7, 3, 0, 7, 4], seq_len=8, doc_end=0)[0]
+        >>> y.tolist(), pos.tolist()
+        ([1, 2, 0, -100, 3, 0, -100, 4], [0, 1, 2, 3, 0, 1, 2, 0])
     """
 
-    def __init__(self, tokens: Union[TokenFile, np.ndarray, Sequence[int]], seq_len: int, stride: Optional[int] = None):
+    def __init__(self, tokens: Union[TokenFile, np.ndarray, Sequence[int]], seq_len: int,
+                 stride: Optional[int] = None, doc_end: Optional[int] = None, ignore_index: int = -100):
         if seq_len <= 0:
             raise ValueError(f"seq_len must be positive, got {seq_len}")
         stride = seq_len if stride is None else stride
@@ -85,6 +97,7 @@ class TokenWindowDataset(Dataset):
         self.tokens = tokens if isinstance(tokens, TokenFile) else np.asarray(tokens)
         self.seq_len = seq_len
         self.stride = stride
+        self.doc_end, self.ignore_index = doc_end, ignore_index
         n = len(self.tokens)
         if n < seq_len + 1:
             where = f" in {str(tokens.path)!r}" if isinstance(tokens, TokenFile) else ""
@@ -104,7 +117,24 @@ class TokenWindowDataset(Dataset):
             raise IndexError(f"window {index} out of range for {self._len} windows")
         start = index * self.stride
         window = torch.from_numpy(np.array(self.tokens[start : start + self.seq_len + 1], dtype=np.int64))
-        return window[:-1], window[1:]
+        if self.doc_end is None:
+            return window[:-1], window[1:]
+        inputs = window[:-1]  # (T,)
+        ends = inputs == self.doc_end  # (T,) token t ends its document
+        targets = window[1:].masked_fill(ends, self.ignore_index)  # (T,)
+        return inputs, targets, positions_after(ends)
+
+
+def positions_after(ends: torch.Tensor) -> torch.Tensor:
+    """Position of each token in its document, ``(T,)``: 0 at the start and after every token where ``ends`` is
+    true (the ``position_ids`` of packed documents, :mod:`lightning_4d.batches`).
+
+    >>> positions_after(torch.tensor([False, False, True, False, True, False])).tolist()
+    [0, 1, 2, 0, 1, 0]
+    """
+    idx = torch.arange(len(ends))  # (T,)
+    starts = torch.cat([torch.ones(1, dtype=torch.bool), ends[:-1]])  # (T,) a document starts here
+    return idx - torch.where(starts, idx, 0).cummax(0).values  # (T,)
 
 
 class SyntheticTokenDataset(Dataset):
@@ -345,6 +375,9 @@ class TextDataModule(L.LightningDataModule):
         seed: seed of the training shuffle.
         stride: distance between training window starts (default ``seq_len``: no overlap).
         pin_memory: passed to the DataLoaders.
+        pack: exact packing: samples are ``(inputs, targets, position_ids)`` whose positions restart after each
+            file's end-of-text id, so attention stays within a document (:class:`TokenWindowDataset` ``doc_end``);
+            needs a tokenizer with an end-of-text id (tiktoken, Hugging Face; not ``byte``).
 
     Example:
         >>> import tempfile
@@ -370,6 +403,7 @@ class TextDataModule(L.LightningDataModule):
         seed: int = 0,
         stride: Optional[int] = None,
         pin_memory: bool = False,
+        pack: bool = False,
     ) -> None:
         super().__init__()
         if seq_len <= 0 or batch_size <= 0:
@@ -389,11 +423,21 @@ class TextDataModule(L.LightningDataModule):
         self.seed = seed
         self.stride = stride
         self.pin_memory = pin_memory
+        self.pack = pack
         self.train_file: Optional[TokenFile] = None
         self.val_file: Optional[TokenFile] = None
         self.train_dataset: Optional[TokenWindowDataset] = None
         self.val_dataset: Optional[TokenWindowDataset] = None
         self._tokenizer_record: Optional[dict[str, Any]] = None
+
+    def _doc_end(self, tokens: TokenFile) -> int:
+        """The end-of-text id that ends every document of ``tokens`` (``pack=True``)."""
+        eos = (tokens.tokenizer_record.get("special_ids") or {}).get("eos")
+        if eos is None:
+            raise ValueError(f"pack=True needs documents ended by an end-of-text id, but {str(tokens.path)!r} was "
+                             f"tokenized by {tokens.tokenizer_record.get('name')!r}, which has none; use a tokenizer "
+                             f"with one (a tiktoken name, a Hugging Face tokenizer directory) or pack=False")
+        return int(eos)
 
     @property
     def train_path(self) -> Path:
@@ -464,8 +508,10 @@ class TextDataModule(L.LightningDataModule):
             f.check(tokenizer=expected if "vocab_size" in expected else expected["name"],
                     fix=f"re-run prepare with tokenizer={self.tokenizer!r}, or point data_dir elsewhere")
         val_file.check(vocab_size=train_file.vocab_size)
-        self.train_dataset = TokenWindowDataset(train_file, self.seq_len, self.stride)
-        self.val_dataset = TokenWindowDataset(val_file, self.seq_len) if len(val_file) > self.seq_len else None
+        doc_end = self._doc_end(train_file) if self.pack else None
+        self.train_dataset = TokenWindowDataset(train_file, self.seq_len, self.stride, doc_end=doc_end)
+        self.val_dataset = (TokenWindowDataset(val_file, self.seq_len, doc_end=doc_end)
+                            if len(val_file) > self.seq_len else None)
         self.train_file, self.val_file = train_file, val_file
 
     def _require_setup(self) -> None:
@@ -588,8 +634,11 @@ class HFDataModule(L.LightningDataModule):
         batch_size: samples per batch **per data-parallel rank**.
         val_files: a separate validation set (else ``val_fraction`` of the data).
         val_fraction: share of tokens (text) or conversations (chat) held out for validation.
-        pack: chat only: pack conversations into ``seq_len`` windows instead of one (padded) per sample; the
-            samples are then ``(inputs, targets, position_ids)`` (see :class:`MaskedTokenDataset`).
+        pack: exact packing. Chat: pack conversations into ``seq_len`` windows instead of one (padded) per
+            sample; the samples are then ``(inputs, targets, position_ids)`` (see :class:`MaskedTokenDataset`).
+            Text (always packed into windows): the samples carry ``position_ids`` restarting after each EOS, so
+            attention stays within each document (``False``: ``(inputs, targets)`` windows whose attention
+            crosses documents; see :class:`TokenWindowDataset`).
         mask_prompt: chat only: train on the answers only.
         num_proc: tokenization worker processes (``None``: by data size and CPU cores).
         num_workers: DataLoader worker processes.
@@ -698,7 +747,9 @@ class HFDataModule(L.LightningDataModule):
                                                  pad_id=int(tokens.meta.get("pad_id", 0)),
                                                  ignore_index=self.ignore_index))
             else:
-                splits.append(TokenWindowDataset(tokens, self.seq_len))
+                doc_end = self.tokenizer_object.eot_id if self.pack else None
+                splits.append(TokenWindowDataset(tokens, self.seq_len, doc_end=doc_end,
+                                                 ignore_index=self.ignore_index))
         self.train_dataset, self.val_dataset = splits
 
     def _require_setup(self) -> None:

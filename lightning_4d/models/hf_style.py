@@ -16,7 +16,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_4d.models.flops import training_flops_per_token
-from lightning_4d.models.llama import _config_error, _iter_blocks, apply_rope, rope_cos_sin, seeded
+from lightning_4d.models.llama import (
+    _config_error,
+    _iter_blocks,
+    apply_rope,
+    packed_causal_mask,
+    rope_at,
+    rope_cos_sin,
+    seeded,
+)
 
 __all__ = ["HFStyleAttention", "HFStyleConfig", "HFStyleDecoderLayer", "HFStyleLM", "HFStyleMLP"]
 
@@ -101,18 +109,27 @@ class HFStyleAttention(nn.Module):
                 nn.init.zeros_(lin.bias)
         nn.init.normal_(self.o_proj.weight, std=self.out_std)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``position_ids`` ``(B, T)`` of packed documents: rotary at those positions, attention within each
+        document (:func:`~lightning_4d.models.llama.packed_causal_mask`); ``None``: positions ``0..T-1``."""
         B, T, _ = hidden_states.shape  # (B, T, D)
         q = self.q_proj(hidden_states).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = self.k_proj(hidden_states).view(B, T, self.num_key_value_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(hidden_states).view(B, T, self.num_key_value_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rope_cos_sin(T, self.head_dim, self.rope_theta, device=hidden_states.device)  # (T, hd)
+        if position_ids is None:
+            cos, sin = rope_cos_sin(T, self.head_dim, self.rope_theta, device=hidden_states.device)  # (T, hd)
+        else:
+            cos, sin = rope_at(position_ids, self.head_dim, self.rope_theta)  # (B, 1, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # k, v: (B, KV, T, hd)
         groups = self.num_heads // self.num_key_value_heads
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)  # (B, H, T, hd)
             v = v.repeat_interleave(groups, dim=1)  # (B, H, T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd)
+        if position_ids is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd)
+        else:
+            mask = packed_causal_mask(position_ids)  # (B, 1, T, T)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # (B, T, H*hd)
         return self.o_proj(y)  # (B, T, D)
 
@@ -163,8 +180,11 @@ class HFStyleDecoderLayer(nn.Module):
         for m in (self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp):
             m.reset_parameters()
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        h = hidden_states + self.self_attn(self.input_layernorm(hidden_states))  # (B, T, D)
+    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``position_ids`` ``(B, T)``: packed documents (see :meth:`HFStyleAttention.forward`)."""
+        attn_in = self.input_layernorm(hidden_states)  # (B, T, D)
+        a = self.self_attn(attn_in) if position_ids is None else self.self_attn(attn_in, position_ids=position_ids)
+        h = hidden_states + a  # (B, T, D)
         return h + self.mlp(self.post_attention_layernorm(h))  # (B, T, D)
 
 
@@ -210,7 +230,9 @@ class HFStyleLM(nn.Module):
             if self.lm_head is not None and not self.config.tie_word_embeddings:
                 nn.init.normal_(self.lm_head.weight, std=std)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``(B, T, V)``. ``position_ids`` ``(B, T)`` of packed documents (restarting at 0 where one starts):
+        rotary positions and attention per document, so a packed row equals its documents run one by one."""
         h = input_ids  # (B, T) ids, or (B, T, D) hidden states on a later pipeline stage
         if self.embed_tokens is not None:
             if input_ids.shape[1] > self.config.max_position_embeddings:
@@ -218,7 +240,7 @@ class HFStyleLM(nn.Module):
                                  f"{self.config.max_position_embeddings}")
             h = self.embed_tokens(input_ids)  # (B, T, D)
         for layer in _iter_blocks(self.layers):
-            h = layer(h)  # (B, T, D)
+            h = layer(h) if position_ids is None else layer(h, position_ids=position_ids)  # (B, T, D)
         if self.norm is not None:
             h = self.norm(h)  # (B, T, D)
         if self.lm_head is not None:

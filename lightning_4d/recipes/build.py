@@ -310,7 +310,8 @@ def build_data(cfg: Config) -> "L.LightningDataModule":
             raise RecipeConfigError(f"data.text entry {t!r} does not exist.")
     return TextDataModule(
         data_dir=data_dir, text=text, seq_len=d.seq_len, batch_size=d.batch_size, num_workers=d.num_workers,
-        tokenizer=d.tokenizer, max_bytes=d.max_bytes, val_fraction=d.val_fraction, seed=d.seed, stride=d.stride)
+        tokenizer=d.tokenizer, max_bytes=d.max_bytes, val_fraction=d.val_fraction, seed=d.seed, stride=d.stride,
+        pack=d.pack)
 
 
 # ---------------------------------------------------------------------------------------------- model

@@ -241,7 +241,8 @@ class TextDataConfig:
     ``text`` (files or directories; ``null``: the Python standard library's sources) on first use.
     ``prepare: false`` requires existing files (a directory made by ``python -m lightning_4d.data
     prepare``). A relative ``data_dir`` is relative to the directory the command was started in.
-    ``batch_size`` is per data-parallel rank.
+    ``batch_size`` is per data-parallel rank. ``pack: true``: exact packing, ``position_ids`` restarting after each
+    file's end-of-text id (a tokenizer with one: tiktoken, Hugging Face), so attention stays within a file.
 
     Example:
         >>> TextDataConfig(seq_len=64).tokenizer
@@ -260,6 +261,7 @@ class TextDataConfig:
     stride: Optional[int] = None
     num_workers: int = 0
     seed: int = 0
+    pack: bool = False
 
     def __post_init__(self) -> None:
         _positive("data.seq_len", self.seq_len)
@@ -307,8 +309,9 @@ class HFDataConfig:
     model's own Hugging Face tokenizer (``tokenizer``: a local directory, or ``auto``: ``model.path``) once, in
     ``num_proc`` worker processes (``null``: by size and CPU cores), into ``data_dir``; later runs reuse the files.
 
-    ``format``: ``text`` (each document + EOS, packed into ``seq_len`` windows; the text in ``text_field``; text
-    files give a row per ``text_sample_by``: ``document``, ``paragraph`` or ``line``) or ``chat`` (``messages_field``
+    ``format``: ``text`` (each document + EOS, packed into ``seq_len`` windows; with ``pack`` exactly:
+    ``position_ids`` restart after each EOS; the text in ``text_field``; text files give a row per
+    ``text_sample_by``: ``document``, ``paragraph`` or ``line``) or ``chat`` (``messages_field``
     conversations, or ``prompt_field`` / ``response_field`` instruction rows, through the tokenizer's chat
     template; with ``mask_prompt`` only the answers are targets; one conversation per sample, padded, or packed
     with ``pack``, exactly: ``position_ids`` keep attention within each conversation; ``system_prompt`` added

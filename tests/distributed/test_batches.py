@@ -92,7 +92,7 @@ def _packed_world(rank: int, kind: str) -> dict[str, float]:
     return {"packed": packed, "crossing": crossing, "train": record.losses[0]}
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "hf"])
 def test_packed_batch_under_tp_and_pp(kind: str) -> None:
     from tests.unit.test_packing import one_by_one
 

@@ -19,7 +19,8 @@ bf16 rounding noise: it is held to 10× its noise floor, measured in the same wo
 parallelism (which changes only how the batch is split, not the math). ``fit_spec`` also checks under tp>1 that every parameter the TP ranks hold whole is identical on each.
 
 Layouts run many families in one world (a world costs seconds to start; an expected set-up refusal does not end it);
-the worst relative error per family × layout is printed at the end of the module (the README's table).
+the worst relative error per family × layout is printed at the end of the module (the table
+of ``docs/zoo.md``).
 """
 
 from __future__ import annotations

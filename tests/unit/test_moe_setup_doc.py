@@ -1,5 +1,5 @@
-"""``docs/moe_setup.md`` (written by ``bench/bench_moe_setup.py --markdown``) supports what README and the
-CHANGELOG claim from it: under ep=8, every rank's set-up peak is within ``1.5 · share + one expert's largest
+"""``docs/moe_setup.md`` (written by ``bench/bench_moe_setup.py --markdown``) supports what the README,
+``docs/measurements.md`` and the CHANGELOG claim from it: under ep=8, every rank's set-up peak is within ``1.5 · share + one expert's largest
 matrix`` for both pretrained and random initialisation, a rank reads only its experts' keys (1/8 of them), and
 initialisation seconds per rank fall with ep. A re-run of the benchmark that broke a claim fails here."""
 
@@ -58,15 +58,15 @@ def test_readme_quotes_the_chunk_and_scratch_of_the_code() -> None:
     assert f"a scratch of at most {scratch_bytes() / 2**20:.0f} MiB" in readme
 
 
-def test_readme_summary_is_the_documents() -> None:
-    """README's summary table and seconds line are computed here from ``docs/moe_setup.md``."""
-    readme = (DOC.parents[1] / "README.md").read_text()
+def test_measurements_summary_is_the_documents() -> None:
+    """``docs/measurements.md``'s summary table and seconds line are computed here from ``docs/moe_setup.md``."""
+    readme = (DOC.parent / "measurements.md").read_text()
     tables = _tables()
     for path, label in (("pretrained", "`from_pretrained` under the strategy"), ("random", "random init from the config")):
         rows = next(v for k, v in tables.items() if k.startswith(f"`{path}`"))
         setup, ratio = [float(r[2]) for r in rows], [float(r[4]) for r in rows]
         line = (f"| {label} | {rows[0][1]} | {min(setup):.1f}–{max(setup):.1f} | "
                 f"{min(ratio):.2f}–{max(ratio):.2f} |")
-        assert line in readme, f"README's row should read: {line}"
+        assert line in readme, f"docs/measurements.md's row should read: {line}"
     sweep = next(v for k, v in tables.items() if k.startswith("Initialisation seconds"))
     assert f"mean over ranks): {', '.join(r[1] for r in sweep)}." in readme

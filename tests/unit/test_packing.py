@@ -1,7 +1,7 @@
 """Exact packing: a packed batch (documents side by side in a row, ``position_ids`` restarting at 0 where one
 starts, the last token of a document without a target) has the token-weighted loss of its documents run one by
-one, for the package's Llama and a transformers Llama (``HFLogits``, eager and sdpa); without the positions the
-loss differs (so the check can fail)."""
+one, for the package's Llama, GPT-2 and ``HFStyleLM`` and a transformers Llama (``HFLogits``, eager and sdpa); without
+the positions the loss differs (so the check can fail). Packed text windows (EOS-ended documents) are exact too."""
 
 from __future__ import annotations
 
@@ -66,6 +66,14 @@ def llama_lm() -> CausalLM:
                                       max_seq_len=T)))
 
 
+def hf_style_lm() -> CausalLM:
+    from lightning_4d.models import HFStyleConfig, HFStyleLM
+
+    torch.manual_seed(0)
+    return CausalLM(HFStyleLM(HFStyleConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T)))
+
+
 def hf_lm(attn: str) -> CausalLM:
     pytest.importorskip("transformers")
     from lightning_4d.models import HFLogits
@@ -75,9 +83,10 @@ def hf_lm(attn: str) -> CausalLM:
     return CausalLM(HFLogits.from_config(tiny_config("llama", VOCAB), attn_implementation=attn))
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2", "hf-eager", "hf-sdpa"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "hf_style", "hf-eager", "hf-sdpa"])
 def test_packed_loss_equals_documents_one_by_one(kind: str) -> None:
-    lm = {"llama": llama_lm, "gpt2": gpt2_lm}[kind]() if "-" not in kind else hf_lm(kind.split("-")[1])
+    builders = {"llama": llama_lm, "gpt2": gpt2_lm, "hf_style": hf_style_lm}
+    lm = builders[kind]() if "-" not in kind else hf_lm(kind.split("-")[1])
     x, y, pos, docs = packed_batch()
     with torch.no_grad():
         packed = lm.fourd_loss((x, y, pos)).item()
@@ -125,6 +134,24 @@ def test_packed_dataset_is_exact() -> None:
     assert pos.tolist() == [0, 1, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5] and y[1] == -100  # token 13 ends document 1
 
 
+def test_packed_text_windows_are_exact() -> None:
+    """EOS-ended documents in one stream (``data=hf_text data.pack=true``): a window's loss is its documents' losses
+    run one by one (the EOS predicts nothing; a document the window cuts counts from the window's start)."""
+    from lightning_4d.data import TokenWindowDataset
+
+    eos, lengths = VOCAB - 1, [4, 6, 5, 7]
+    gen = np.random.default_rng(1)
+    docs = [np.append(gen.integers(0, eos, n - 1), eos) for n in lengths]  # each document ends with its EOS
+    x, y, pos = TokenWindowDataset(np.concatenate(docs), seq_len=T, doc_end=eos)[0]  # docs 0, 1 and 2 of doc 2
+    assert pos.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 0, 1] and y[3] == y[9] == -100
+    lm = hf_style_lm()
+    pieces = [torch.from_numpy(docs[0]), torch.from_numpy(docs[1]), torch.from_numpy(docs[2][:2])]
+    with torch.no_grad():
+        packed = lm.fourd_loss((x[None], y[None], pos[None])).item()
+        reference = one_by_one(lm, y[None], [pieces])
+    assert abs(packed - reference) <= RTOL * abs(reference), (packed, reference)
+
+
 def test_packed_batch_for_a_model_without_positions_is_refused() -> None:
     from lightning_4d.batches import call_model, split_batch
 
@@ -151,3 +178,25 @@ def test_packed_batch_through_pipeline_hooks_is_refused() -> None:
         check_packed(hooks, llama_lm(), packed)
     check_packed(hooks, llama_lm(), plain)  # plain inputs: nothing to carry
     check_packed(SimpleNamespace(inputs_to_every_stage=True, pp=2), llama_lm(), packed)  # the model's own forward
+
+
+def test_text_datamodule_packs_files_exactly(tmp_path) -> None:
+    """``TextDataModule(pack=True)``: positions restart after each file's end-of-text id; a tokenizer without one
+    (``byte``) is refused by name."""
+    from lightning_4d.data import TextDataModule
+    from lightning_4d.data.tokenizer import EOT, ByteTokenizer
+
+    for name, text in (("a.txt", "first file"), ("b.txt", "second one, longer"), ("c.txt", "third")):
+        (tmp_path / name).write_text(text)
+    tok = ByteTokenizer(special_tokens=[EOT])
+    dm = TextDataModule(tmp_path / "tok", text=[str(tmp_path)], seq_len=24, batch_size=1, tokenizer=tok,
+                        val_fraction=0.1, pack=True)
+    dm.prepare_data()
+    dm.setup("fit")
+    x, y, pos = dm.train_dataset[0]
+    ends = (x == tok.eot_id).nonzero().flatten().tolist()
+    assert ends == [10] and pos[10].item() == 10 and pos[11].item() == 0 and y[10].item() == -100
+    plain = TextDataModule(tmp_path / "byte", text=[str(tmp_path)], seq_len=8, batch_size=1, pack=True)
+    plain.prepare_data()
+    with pytest.raises(ValueError, match=r"pack=True needs documents ended by an end-of-text id.*'byte'"):
+        plain.setup("fit")
