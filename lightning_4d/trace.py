@@ -231,7 +231,9 @@ class ColumnLayout:
     the features, or a slice of the heads after a per-head ``view``); ``units``: for a range, the width of the
     groups a ``view`` / ``reshape`` makes of it (``view(B, T, -1, head_dim)``: ``head_dim``; an interleaved
     ``view(B, T, n_kv, r, head_dim)``: ``r·head_dim``). Sharding a range over ``tp`` ranks must keep those groups
-    whole.
+    whole. ``depthwise``: ranges that went through a depthwise convolution along the sequence (``groups`` equal to
+    the channels: a state-space or short-convolution mixer's ``conv1d`` on ``x.transpose(1, 2)``), each channel on
+    its own, so the convolution's channels follow the features over the ranks.
 
     Example:
         >>> c = ColumnLayout(48, {(0, 32), (32, 40), (40, 48)}, {(0, 32): 8, (32, 40): 8, (40, 48): 8})
@@ -243,6 +245,7 @@ class ColumnLayout:
     cuts: set[tuple[int, int]] = field(default_factory=set)
     units: dict[tuple[int, int], int] = field(default_factory=dict)
     groups: dict[tuple[int, int], bool] = field(default_factory=dict)  # range -> viewed as interleaved groups
+    depthwise: set[tuple[int, int]] = field(default_factory=set)  # ranges convolved channel by channel
 
     def pieces(self) -> list[tuple[int, int, Optional[int]]]:
         """Consecutive feature ranges ``(start, stop, unit)`` between every cut point, each with the width of the
@@ -302,6 +305,9 @@ class _Columns:
         # id -> (tensor kept alive, linear, start, stop, group width: None = the last dim is the features,
         # d = the last two dims are (groups, d) over the features)
         self.tracked: dict[int, tuple[torch.Tensor, str, int, int, Optional[int]]] = {}
+        # id -> (tensor kept alive, linear, start, stop, dim): the features moved to dimension ``dim`` (channels
+        # first, ``(B, C, T)``, for a convolution along the sequence)
+        self.channels: dict[int, tuple[torch.Tensor, str, int, int, int]] = {}
 
     def watch(self, rel: str, out: torch.Tensor) -> None:
         width = int(out.shape[-1]) if out.dim() else 0
@@ -318,8 +324,45 @@ class _Columns:
         if isinstance(t, torch.Tensor):
             self.tracked[id(t)] = (t, rel, a, b, sub)
 
+    def _follow_channels(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
+        """A tracked range whose features sit at dimension ``dim`` (``(B, C, T)``): through a depthwise ``conv1d``
+        (recorded in :attr:`ColumnLayout.depthwise`), slices along the other dimensions, elementwise ops, and back
+        to the last dimension by a transpose."""
+        first = args[0]
+        t, rel, a, b, dim = self.channels[id(first)]
+        if t is not first or not isinstance(out, torch.Tensor) or out.dim() != first.dim():
+            return
+        ndim = first.dim()
+        if name == "conv1d":
+            groups = args[6] if len(args) > 6 else kwargs.get("groups", 1)
+            if dim == 1 and ndim == 3 and groups == b - a and int(out.shape[1]) == b - a:
+                self.layouts[rel].depthwise.add((a, b))
+                self.channels[id(out)] = (out, rel, a, b, 1)
+        elif name in _MOVE:
+            if name == "permute":
+                dims = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
+                order = [d % ndim for d in dims if isinstance(d, int)]
+                new = order.index(dim) if len(order) == ndim and dim in order else None
+            else:
+                moved = [d % ndim for d in args[1:3] if isinstance(d, int)]
+                new = (moved[1] if moved[0] == dim else moved[0] if moved[1] == dim else dim) \
+                    if len(moved) == 2 else None
+            if new == ndim - 1:
+                self._track(out, rel, a, b, None)
+            elif new is not None:
+                self.channels[id(out)] = (out, rel, a, b, new)
+        elif name == "__getitem__" and len(args) > 1:
+            if _dim_entry(args[1], ndim, dim) == slice(None) and int(out.shape[dim]) == b - a:
+                self.channels[id(out)] = (out, rel, a, b, dim)
+        elif name in _ELEMENTWISE + ("contiguous", "clone", "to", "float", "type_as", "silu", "mul", "__mul__",
+                                     "__rmul__") and tuple(out.shape) == tuple(first.shape):
+            self.channels[id(out)] = (out, rel, a, b, dim)
+
     def follow(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
         first = args[0] if args else None
+        if isinstance(first, torch.Tensor) and id(first) in self.channels:
+            self._follow_channels(name, args, kwargs, out)
+            return
         entry = self.tracked.get(id(first)) if isinstance(first, torch.Tensor) else None
         if entry is None or entry[0] is not first or first.dim() == 0:
             return
@@ -366,6 +409,12 @@ class _Columns:
                 moved = [d for d in args[1:3] if isinstance(d, int)]
                 keep = len(moved) == 2 and not {d % ndim for d in moved} & ({ndim - 1} if sub is None
                                                                             else {ndim - 1, ndim - 2})
+                if sub is None and name != "movedim" and len(moved) == 2 and ndim - 1 in {d % ndim for d in moved}:
+                    # the features moved to another dimension (channels first, for a convolution)
+                    other = next(d % ndim for d in moved if d % ndim != ndim - 1) if moved[0] % ndim != moved[1] % ndim \
+                        else None
+                    if other is not None and isinstance(out, torch.Tensor):
+                        self.channels[id(out)] = (out, rel, a, b, other)
             if keep:
                 self._track(out, rel, a, b, sub)
             return

@@ -148,7 +148,7 @@ def tp_styles(root: nn.Module, trace: ModelTrace, tp: int, sp: bool) -> TPLayout
         for region in plan.regions:
             # One DTensor input shared by all column projections of the region: their input gradients add
             # up as a Partial and are reduced once (one all-reduce, or one reduce-scatter with SP).
-            styles[f"{block_name}.{region}"] = RegionInput(sequence_parallel=sp)
+            styles[f"{block_name}.{region}"] = RegionInput(sequence_parallel=sp, rows=plan.channel_rows.get(region))
         for norm in plan.dist_norms:
             styles[f"{block_name}.{norm}"] = DistributedNorm()
         if sp:
