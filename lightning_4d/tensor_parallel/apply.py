@@ -120,7 +120,7 @@ def tp_styles(root: nn.Module, trace: ModelTrace, tp: int, sp: bool) -> TPLayout
     container = root.get_submodule(trace.blocks_path)
     blocks = [(f"{trace.blocks_path}.{key}", child) for key, child in container.named_children()]
     for block_name, block in blocks:
-        plan = block_plan(block, block_name, tp, trace, sequence_parallel=sp)
+        plan = block_plan(block, block_name, tp, trace.for_block(block_name.rpartition(".")[2]), sequence_parallel=sp)
         layout.regions[block_name] = list(plan.regions)
         for name, kind in plan.linears.items():
             fqn = f"{block_name}.{name}"

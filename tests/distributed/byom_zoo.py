@@ -59,7 +59,7 @@ MOE_FFN = 32
 ZOO_KINDS = ("hf-stablelm", "hf-gemma2", "hf-gemma3", "hf-phi3", "hf-olmo2", "hf-olmoe", "hf-gptoss", "hf-bigcode",
              "hf-falcon-mq", "hf-falcon", "hf-llama4", "hf-opt", "hf-mq", "hf-bloom", "hf-mpt", "hf-qwen3next",
              "hf-xglm", "hf-gptneo", "hf-codegen", "hf-cohere", "hf-apertus", "hf-dbrx", "hf-jetmoe", "hf-mamba2",
-             "hf-mamba2grp", "tt-llama3",
+             "hf-mamba2grp", "hf-granite4h", "tt-llama3",
              "tt-qwen3moe")
 ZOO_MOE_KINDS = ("hf-olmoe", "hf-gptoss", "hf-llama4", "hf-qwen3next", "hf-jetmoe", "tt-qwen3moe")
 
@@ -169,6 +169,13 @@ def _hf(family: str, layers: int) -> nn.Module:
                               num_heads=HEADS * 2, head_dim=HIDDEN // HEADS, state_size=12, chunk_size=SEQ // 2,
                               n_groups=1 if family == "mamba2" else 2, conv_kernel=4, use_cache=False,
                               bos_token_id=0, eos_token_id=1, pad_token_id=None)
+    elif family == "granite4h":  # Granite 4.0-H: Mamba-2 layers and attention layers in one list, each with an MLP
+        cfg = tf.GraniteMoeHybridConfig(**_common(layers), **gqa, intermediate_size=FFN, shared_intermediate_size=FFN,
+                                        num_local_experts=0, mamba_n_heads=HEADS * 2, mamba_n_groups=1,
+                                        mamba_d_state=12, mamba_d_head=HIDDEN // HEADS, mamba_expand=2,
+                                        mamba_chunk_size=SEQ // 2, position_embedding_type="rope",
+                                        layer_types=["linear_attention", "attention"] * (layers // 2)
+                                        + ["linear_attention"] * (layers % 2))
     elif family == "mq":
         cfg = tf.LlamaConfig(**_common(layers), num_attention_heads=HEADS, num_key_value_heads=1,
                              intermediate_size=FFN)
