@@ -343,9 +343,19 @@ class _Columns:
         to the last dimension by a transpose."""
         first = args[0]
         t, rel, a, b, dim = self.channels[id(first)]
+        ndim = first.dim()
+        if t is first and name in SPLIT_OPS and name != "unbind" and isinstance(out, (tuple, list)):
+            at = kwargs.get("dim", args[2] if len(args) > 2 else 0)
+            if isinstance(at, int) and at % ndim == dim:  # LFM2's ``B, C, x = BCx.chunk(3, dim=-2)``
+                cur = a
+                for piece in out:
+                    size = int(piece.shape[dim])
+                    self.layouts[rel].cuts.add((cur, cur + size))
+                    self.channels[id(piece)] = (piece, rel, cur, cur + size, dim)
+                    cur += size
+            return
         if t is not first or not isinstance(out, torch.Tensor) or out.dim() != first.dim():
             return
-        ndim = first.dim()
         if name == "conv1d":
             groups = args[6] if len(args) > 6 else kwargs.get("groups", 1)
             if dim == 1 and ndim == 3 and groups == b - a and int(out.shape[1]) == b - a:

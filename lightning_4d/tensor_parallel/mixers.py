@@ -133,8 +133,8 @@ def plan_mixer(block_name: str, block: nn.Module, region: str, plan: "BlockPlan"
         for pname, _ in convs[conv].named_parameters(recurse=False):
             out.rows[f"{conv}.{pname}"] = channels
             plan.partial_params.append(f"{prefix}{conv}.{pname}")
-        local = plan.local_attrs.setdefault(region, {})
-        found = plan.head_attrs.setdefault(region, {})
+        local: dict[str, int] = dict(plan.local_attrs.get(region, {}))
+        found: dict[str, int] = dict(plan.head_attrs.get(region, {}))
         for attr, value in vars(module).items():
             if isinstance(value, bool) or not isinstance(value, int) or attr in local:
                 continue
@@ -150,6 +150,8 @@ def plan_mixer(block_name: str, block: nn.Module, region: str, plan: "BlockPlan"
                 found[attr], local[attr] = value, 1
             elif any(p.heads == value for p in shared):
                 found[attr], local[attr] = value, value // tp
+        if local:
+            plan.local_attrs[region], plan.head_attrs[region] = local, found
         inner |= {int(m.weight.shape[1]) for n, m in module.named_modules()
                   if f"{prefix}{n}" in plan.linears and plan.linears[f"{prefix}{n}"] == "rowwise"}
         _plan_norms(block_name, module, region, plan, inner, {name}, tp, out)

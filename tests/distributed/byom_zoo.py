@@ -59,7 +59,7 @@ MOE_FFN = 32
 ZOO_KINDS = ("hf-stablelm", "hf-gemma2", "hf-gemma3", "hf-phi3", "hf-olmo2", "hf-olmoe", "hf-gptoss", "hf-bigcode",
              "hf-falcon-mq", "hf-falcon", "hf-llama4", "hf-opt", "hf-mq", "hf-bloom", "hf-mpt", "hf-qwen3next",
              "hf-xglm", "hf-gptneo", "hf-codegen", "hf-cohere", "hf-apertus", "hf-dbrx", "hf-jetmoe", "hf-mamba2",
-             "hf-mamba2grp", "hf-granite4h", "tt-llama3",
+             "hf-mamba2grp", "hf-granite4h", "hf-lfm2", "tt-llama3",
              "tt-qwen3moe")
 ZOO_MOE_KINDS = ("hf-olmoe", "hf-gptoss", "hf-llama4", "hf-qwen3next", "hf-jetmoe", "tt-qwen3moe")
 
@@ -176,6 +176,10 @@ def _hf(family: str, layers: int) -> nn.Module:
                                         mamba_chunk_size=SEQ // 2, position_embedding_type="rope",
                                         layer_types=["linear_attention", "attention"] * (layers // 2)
                                         + ["linear_attention"] * (layers % 2))
+    elif family == "lfm2":  # LFM2: gated short convolutions (B | C | x in_proj, depthwise conv) beside attention
+        cfg = tf.Lfm2Config(**_common(layers), **gqa, intermediate_size=FFN, block_auto_adjust_ff_dim=False,
+                            conv_L_cache=3, layer_types=["conv", "full_attention"] * (layers // 2)
+                            + ["conv"] * (layers % 2))
     elif family == "mq":
         cfg = tf.LlamaConfig(**_common(layers), num_attention_heads=HEADS, num_key_value_heads=1,
                              intermediate_size=FFN)
