@@ -59,7 +59,8 @@ MOE_FFN = 32
 ZOO_KINDS = ("hf-stablelm", "hf-gemma2", "hf-gemma3", "hf-phi3", "hf-olmo2", "hf-olmoe", "hf-gptoss", "hf-bigcode",
              "hf-falcon-mq", "hf-falcon", "hf-llama4", "hf-opt", "hf-mq", "hf-bloom", "hf-mpt", "hf-qwen3next",
              "hf-xglm", "hf-gptneo", "hf-codegen", "hf-cohere", "hf-apertus", "hf-dbrx", "hf-jetmoe", "hf-mamba2",
-             "hf-mamba2grp", "hf-granite4h", "hf-lfm2", "tt-llama3",
+             "hf-mamba2grp", "hf-granite4h", "hf-lfm2", "hf-falconh1",
+             "tt-llama3",
              "tt-qwen3moe")
 ZOO_MOE_KINDS = ("hf-olmoe", "hf-gptoss", "hf-llama4", "hf-qwen3next", "hf-jetmoe", "tt-qwen3moe")
 
@@ -180,6 +181,11 @@ def _hf(family: str, layers: int) -> nn.Module:
         cfg = tf.Lfm2Config(**_common(layers), **gqa, intermediate_size=FFN, block_auto_adjust_ff_dim=False,
                             conv_L_cache=3, layer_types=["conv", "full_attention"] * (layers // 2)
                             + ["conv"] * (layers % 2))
+    elif family == "falconh1":  # Falcon-H1: attention and a Mamba-2 mixer side by side in every layer, then an MLP
+        cfg = tf.FalconH1Config(**_common(layers), **gqa, head_dim=HIDDEN // HEADS, intermediate_size=FFN,
+                                mamba_d_ssm=2 * HIDDEN, mamba_n_heads=HEADS * 2, mamba_d_head=HIDDEN // HEADS,
+                                mamba_n_groups=1, mamba_d_state=12, mamba_d_conv=4, mamba_expand=2,
+                                mamba_chunk_size=SEQ // 2, mamba_rms_norm=True)
     elif family == "mq":
         cfg = tf.LlamaConfig(**_common(layers), num_attention_heads=HEADS, num_key_value_heads=1,
                              intermediate_size=FFN)

@@ -117,6 +117,9 @@ REFUSED: dict[tuple[str, str], str] = {
     # DBRX keeps its two norms inside one module with the attention: sequence parallelism cannot reach them.
     ("hf-dbrx", "tp2"): "norm_attn_norm.norm_1 holds parameters (weight) outside the attention/MLP regions",
     ("hf-jetmoe", "ep2"): "running its forward on a subset of its experts failed",
+    # Falcon-H1 scales the mixer's input (ssm_in_multiplier) before in_proj and its output by a per-feature buffer
+    # (mup_vector): the role of in_proj is not found and the buffer would need cutting with the features.
+    ("hf-falconh1", "tp2"): "layers.0.mamba.in_proj is a linear layer whose role is unknown",
     # two B/C groups for four ranks: the gated norm's groups would straddle ranks
     ("hf-mamba2grp", "tp4"): "mixer.norm normalises the mixer's inner width (64 features) in 2 groups of 32",
 }
@@ -262,7 +265,7 @@ EP = [("tt-qwen3moe", "dp2"), ("tt-qwen3moe", "ep2"), ("tt-qwen3moe", "tp2-ep2")
 # Pipeline alone where tensor parallelism is not the point: Llama 4 reads its embedding's weight on every stage
 # (a shape-only stand-in on later ones); Qwen3-Next, whose linear attention refuses tp; JetMoE, whose experts
 # cannot be split over ep (its refusal below) but need not be at ep=1 (it was refused under pp alone).
-PP = ["hf-llama4", "hf-qwen3next", "hf-jetmoe", "hf-mamba2", "hf-granite4h", "hf-lfm2"]
+PP = ["hf-llama4", "hf-qwen3next", "hf-jetmoe", "hf-mamba2", "hf-granite4h", "hf-lfm2", "hf-falconh1"]
 PP_TP = ["hf-stablelm"] + DENSE_TP + ["tt-qwen3moe"]
 # tp=4 with 2 KV heads (StableLM: its per-KV-head norm list too; Phi-3: replicated KV pieces of a fused projection)
 # and 1 KV head (hf-mq): each rank computes the KV head its query heads use; GPT-OSS: sinks over 4 ranks.
