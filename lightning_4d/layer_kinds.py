@@ -62,8 +62,9 @@ def is_linear(module: nn.Module) -> bool:
 
 
 def is_norm(module: nn.Module) -> bool:
-    """LayerNorm / RMSNorm, or a user class whose name ends in ``Norm`` and holds no modules (DBRX's
-    ``DbrxNormAttentionNorm`` holds two norms and the attention: a container, not a norm).
+    """LayerNorm / RMSNorm, or a user class whose name ends in ``Norm`` (or ``NormGated``: a state-space mixer's
+    gated RMSNorm) and holds no modules (DBRX's ``DbrxNormAttentionNorm`` holds two norms and the attention: a
+    container, not a norm).
 
     Example:
         >>> is_norm(nn.RMSNorm(4)), is_norm(nn.Linear(4, 4))
@@ -77,7 +78,7 @@ def is_norm(module: nn.Module) -> bool:
     """
     if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
         return True
-    return type(module).__name__.endswith("Norm") and next(module.children(), None) is None
+    return type(module).__name__.endswith(("Norm", "NormGated")) and next(module.children(), None) is None
 
 
 def holds_routed_experts(module: nn.Module) -> bool:

@@ -30,7 +30,7 @@ Example:
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -112,6 +112,8 @@ class ModelTrace:
         score_biases: for modules inside the first block, the tensor arguments added to attention scores along the
             heads (ALiBi; :mod:`lightning_4d.head_bias`): ``{module: {argument: (shape, batch)}}``.
         output: the model's output.
+        kinds: for each block whose structure (module paths and classes) differs from the first block's, the
+            same facts recorded in the first block of its structure (see :meth:`for_block`).
     """
 
     order: list[str] = field(default_factory=list)
@@ -130,6 +132,17 @@ class ModelTrace:
     columns: dict[str, "ColumnLayout"] = field(default_factory=dict)
     score_biases: dict[str, dict[ArgKey, tuple[tuple[int, ...], int]]] = field(default_factory=dict)
     output: Any = None
+    kinds: dict[str, "ModelTrace"] = field(default_factory=dict)  # block key -> the facts of its kind's first block
+
+    def for_block(self, key: str) -> "ModelTrace":
+        """The trace whose per-block facts (sources, columns, ...) are those of block ``key``'s kind: a hybrid's
+        Mamba layers are described by its first Mamba layer, its attention layers by its first attention layer.
+
+        Example:
+            >>> ModelTrace().for_block("3").blocks_path
+            ''
+        """
+        return self.kinds.get(key, self)
 
     @property
     def _index(self) -> dict[str, int]:
@@ -231,7 +244,9 @@ class ColumnLayout:
     the features, or a slice of the heads after a per-head ``view``); ``units``: for a range, the width of the
     groups a ``view`` / ``reshape`` makes of it (``view(B, T, -1, head_dim)``: ``head_dim``; an interleaved
     ``view(B, T, n_kv, r, head_dim)``: ``r·head_dim``). Sharding a range over ``tp`` ranks must keep those groups
-    whole.
+    whole. ``depthwise``: ranges that went through a depthwise convolution along the sequence (``groups`` equal to
+    the channels: a state-space or short-convolution mixer's ``conv1d`` on ``x.transpose(1, 2)``), each channel on
+    its own, so the convolution's channels follow the features over the ranks.
 
     Example:
         >>> c = ColumnLayout(48, {(0, 32), (32, 40), (40, 48)}, {(0, 32): 8, (32, 40): 8, (40, 48): 8})
@@ -243,6 +258,7 @@ class ColumnLayout:
     cuts: set[tuple[int, int]] = field(default_factory=set)
     units: dict[tuple[int, int], int] = field(default_factory=dict)
     groups: dict[tuple[int, int], bool] = field(default_factory=dict)  # range -> viewed as interleaved groups
+    depthwise: set[tuple[int, int]] = field(default_factory=set)  # ranges convolved channel by channel
 
     def pieces(self) -> list[tuple[int, int, Optional[int]]]:
         """Consecutive feature ranges ``(start, stop, unit)`` between every cut point, each with the width of the
@@ -302,6 +318,9 @@ class _Columns:
         # id -> (tensor kept alive, linear, start, stop, group width: None = the last dim is the features,
         # d = the last two dims are (groups, d) over the features)
         self.tracked: dict[int, tuple[torch.Tensor, str, int, int, Optional[int]]] = {}
+        # id -> (tensor kept alive, linear, start, stop, dim): the features moved to dimension ``dim`` (channels
+        # first, ``(B, C, T)``, for a convolution along the sequence)
+        self.channels: dict[int, tuple[torch.Tensor, str, int, int, int]] = {}
 
     def watch(self, rel: str, out: torch.Tensor) -> None:
         width = int(out.shape[-1]) if out.dim() else 0
@@ -318,8 +337,55 @@ class _Columns:
         if isinstance(t, torch.Tensor):
             self.tracked[id(t)] = (t, rel, a, b, sub)
 
+    def _follow_channels(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
+        """A tracked range whose features sit at dimension ``dim`` (``(B, C, T)``): through a depthwise ``conv1d``
+        (recorded in :attr:`ColumnLayout.depthwise`), slices along the other dimensions, elementwise ops, and back
+        to the last dimension by a transpose."""
+        first = args[0]
+        t, rel, a, b, dim = self.channels[id(first)]
+        ndim = first.dim()
+        if t is first and name in SPLIT_OPS and name != "unbind" and isinstance(out, (tuple, list)):
+            at = kwargs.get("dim", args[2] if len(args) > 2 else 0)
+            if isinstance(at, int) and at % ndim == dim:  # LFM2's ``B, C, x = BCx.chunk(3, dim=-2)``
+                cur = a
+                for piece in out:
+                    size = int(piece.shape[dim])
+                    self.layouts[rel].cuts.add((cur, cur + size))
+                    self.channels[id(piece)] = (piece, rel, cur, cur + size, dim)
+                    cur += size
+            return
+        if t is not first or not isinstance(out, torch.Tensor) or out.dim() != first.dim():
+            return
+        if name == "conv1d":
+            groups = args[6] if len(args) > 6 else kwargs.get("groups", 1)
+            if dim == 1 and ndim == 3 and groups == b - a and int(out.shape[1]) == b - a:
+                self.layouts[rel].depthwise.add((a, b))
+                self.channels[id(out)] = (out, rel, a, b, 1)
+        elif name in _MOVE:
+            if name == "permute":
+                dims = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
+                order = [d % ndim for d in dims if isinstance(d, int)]
+                new = order.index(dim) if len(order) == ndim and dim in order else None
+            else:
+                moved = [d % ndim for d in args[1:3] if isinstance(d, int)]
+                new = (moved[1] if moved[0] == dim else moved[0] if moved[1] == dim else dim) \
+                    if len(moved) == 2 else None
+            if new == ndim - 1:
+                self._track(out, rel, a, b, None)
+            elif new is not None:
+                self.channels[id(out)] = (out, rel, a, b, new)
+        elif name == "__getitem__" and len(args) > 1:
+            if _dim_entry(args[1], ndim, dim) == slice(None) and int(out.shape[dim]) == b - a:
+                self.channels[id(out)] = (out, rel, a, b, dim)
+        elif name in _ELEMENTWISE + ("contiguous", "clone", "to", "float", "type_as", "silu", "mul", "__mul__",
+                                     "__rmul__") and tuple(out.shape) == tuple(first.shape):
+            self.channels[id(out)] = (out, rel, a, b, dim)
+
     def follow(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
         first = args[0] if args else None
+        if isinstance(first, torch.Tensor) and id(first) in self.channels:
+            self._follow_channels(name, args, kwargs, out)
+            return
         entry = self.tracked.get(id(first)) if isinstance(first, torch.Tensor) else None
         if entry is None or entry[0] is not first or first.dim() == 0:
             return
@@ -366,6 +432,12 @@ class _Columns:
                 moved = [d for d in args[1:3] if isinstance(d, int)]
                 keep = len(moved) == 2 and not {d % ndim for d in moved} & ({ndim - 1} if sub is None
                                                                             else {ndim - 1, ndim - 2})
+                if sub is None and name != "movedim" and len(moved) == 2 and ndim - 1 in {d % ndim for d in moved}:
+                    # the features moved to another dimension (channels first, for a convolution)
+                    other = next(d % ndim for d in moved if d % ndim != ndim - 1) if moved[0] % ndim != moved[1] % ndim \
+                        else None
+                    if other is not None and isinstance(out, torch.Tensor):
+                        self.channels[id(out)] = (out, rel, a, b, other)
             if keep:
                 self._track(out, rel, a, b, sub)
             return
@@ -483,8 +555,42 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
+def _structure(block: nn.Module) -> tuple[tuple[str, str], ...]:
+    """What makes two blocks the same kind: their module paths and classes (a Mamba layer and an attention layer of
+    one hybrid list differ; the layers of a plain decoder do not)."""
+    return tuple((n, type(m).__qualname__) for n, m in block.named_modules())
+
+
+@dataclass
+class _Facts:
+    """What the hooks record inside one representative block (relative paths)."""
+
+    inputs: dict[str, int] = field(default_factory=dict)
+    parent_inputs: dict[str, int] = field(default_factory=dict)
+    last_linear: dict[str, str] = field(default_factory=dict)
+    sources: dict[str, frozenset[str]] = field(default_factory=dict)
+    module_sources: dict[str, frozenset[str]] = field(default_factory=dict)
+    input_ndim: dict[str, int] = field(default_factory=dict)
+    mode: Optional[_Consumers] = None
+
+    def into(self, trace: ModelTrace) -> ModelTrace:
+        """``trace`` with this block's facts."""
+        assert self.mode is not None
+        takes = set()
+        for rel, tid in self.inputs.items():
+            parent = rel.rpartition(".")[0]
+            if parent and self.parent_inputs.get(parent) == tid:
+                takes.add(rel)
+        return replace(trace, consumers=dict(self.mode.seen), columns=dict(self.mode.columns.layouts),
+                       score_biases=dict(self.mode.biases.found), last_linear=self.last_linear,
+                       sources=self.sources, module_sources=self.module_sources, input_ndim=self.input_ndim,
+                       takes_block_input=takes, kinds={})
+
+
 def trace_model(root: nn.Module, blocks_path: str, example: Any) -> ModelTrace:
-    """Run ``root(example)`` once (eval, no grad) and record what :class:`ModelTrace` describes.
+    """Run ``root(example)`` once (eval, no grad) and record what :class:`ModelTrace` describes. The per-block facts
+    are those of the first block; a block of another structure (a hybrid's Mamba layer after an attention layer) has
+    those of the first block like it, in :meth:`ModelTrace.for_block`.
 
     Raises:
         ValueError: when the blocks are not each called once, in order, on the previous block's output.
@@ -498,50 +604,70 @@ def trace_model(root: nn.Module, blocks_path: str, example: Any) -> ModelTrace:
     names: dict[int, str] = {}
     for name, mod in root.named_modules(remove_duplicate=False):
         names.setdefault(id(mod), name)
-    first_block = next(iter(blocks.values()))
-    in_first = {id(m): n for n, m in first_block.named_modules() if n}
+    first_of_kind: dict[tuple, str] = {}
+    rep_of = {key: first_of_kind.setdefault(_structure(block), key) for key, block in blocks.items()}
+    facts = {key: _Facts() for key in set(rep_of.values())}
+    # module id -> (path inside its block, block key), for the blocks that stand for their kind
+    in_rep = {id(m): (n, key) for key in facts for n, m in blocks[key].named_modules() if n}
     block_calls: list[tuple[str, tuple, dict, Any]] = []
     events: list[tuple[str, str]] = []  # ("block", key) or ("module", path) in entry order
-    mode = _Consumers()
-    inputs: dict[str, int] = {}
-    parent_inputs: dict[str, int] = {}
-    last_linear: dict[str, str] = {}
+    recording: list[str] = []  # the representative block running now (its first call)
     module_inputs: dict[int, torch.Tensor] = {}
+    mode = _Consumers()
+
+    def current(mod: nn.Module) -> Optional[tuple[str, _Facts]]:
+        found = in_rep.get(id(mod))
+        if found is None or not recording or found[1] != recording[-1]:
+            return None
+        return found[0], facts[found[1]]
 
     def pre(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        nonlocal mode
         path = names.get(id(mod))
         if path is None:
             return
         if path not in trace.order:
             trace.order.append(path)
         events.append(("module", path))
-        if id(mod) in in_first and not block_calls:
-            rel = in_first[id(mod)]
-            main = args[0] if args else (kwargs.get(first_param_name(mod) or "") if kwargs else None)
-            if isinstance(main, torch.Tensor):
-                parent_inputs.setdefault(rel, id(main))
-                trace.input_ndim.setdefault(rel, main.dim())
-                if is_linear(mod):
-                    inputs.setdefault(rel, id(main))
-                    trace.sources.setdefault(rel, mode.origin_of(main))
-                else:
-                    trace.module_sources.setdefault(rel, mode.origin_of(main))
-                    module_inputs[id(mod)] = main
-                mode.biases.label_call(rel, args, kwargs, main)
+        key = block_ids.get(id(mod))
+        if key in facts and facts[key].mode is None:
+            # a fresh recorder per kind: what this block's linears produce, from nothing earlier blocks left
+            mode.__exit__(None, None, None)
+            mode = _Consumers()
+            mode.__enter__()
+            facts[key].mode = mode
+            recording.append(key)
+        here = current(mod)
+        if here is None:
+            return
+        rel, f = here
+        main = args[0] if args else (kwargs.get(first_param_name(mod) or "") if kwargs else None)
+        if isinstance(main, torch.Tensor):
+            f.parent_inputs.setdefault(rel, id(main))
+            f.input_ndim.setdefault(rel, main.dim())
+            if is_linear(mod):
+                f.inputs.setdefault(rel, id(main))
+                f.sources.setdefault(rel, mode.origin_of(main))
+            else:
+                f.module_sources.setdefault(rel, mode.origin_of(main))
+                module_inputs[id(mod)] = main
+            mode.biases.label_call(rel, args, kwargs, main)
 
     def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         main = module_inputs.pop(id(mod), None)
         if main is not None and isinstance(out, torch.Tensor) and out.shape == main.shape and is_norm(mod):
             mode.columns.same(main, out)  # a norm keeps the features where they are
-        if id(mod) in block_ids:
-            block_calls.append((block_ids[id(mod)], args, kwargs, out))
-        if id(mod) in in_first and len(block_calls) == 0 and is_linear(mod) and isinstance(out, torch.Tensor):
-            rel = in_first[id(mod)]
+        here = current(mod)
+        if here is not None and is_linear(mod) and isinstance(out, torch.Tensor):
+            rel, f = here
             mode.watch[id(out)] = (rel, out)
             mode.tag(out, frozenset({rel}))
             mode.columns.watch(rel, out)
-            parent = rel.rpartition(".")[0]
-            last_linear[parent] = rel
+            f.last_linear[rel.rpartition(".")[0]] = rel
+        if id(mod) in block_ids:
+            block_calls.append((block_ids[id(mod)], args, kwargs, out))
+            if recording and recording[-1] == block_ids[id(mod)]:
+                recording.pop()
 
     handles = []
     for mod in {id(m): m for m in root.modules()}.values():
@@ -552,24 +678,26 @@ def trace_model(root: nn.Module, blocks_path: str, example: Any) -> ModelTrace:
     args = example if isinstance(example, tuple) else (example,)
     opaque = _opaque_moe_on_meta(root)
     try:
-        with torch.no_grad(), mode:
-            trace.output = root(*args)
+        with torch.no_grad():
+            mode.__enter__()
+            try:
+                trace.output = root(*args)
+            finally:
+                mode.__exit__(None, None, None)
     finally:
         for h in handles:
             h.remove()
         for mod in opaque:
             del mod.forward
         root.train(was_training)
-    trace.consumers = dict(mode.seen)
-    trace.columns = dict(mode.columns.layouts)
-    trace.score_biases = dict(mode.biases.found)
-    trace.last_linear = last_linear
-    for rel, tid in inputs.items():
-        parent = rel.rpartition(".")[0]
-        if parent and parent_inputs.get(parent) == tid:
-            trace.takes_block_input.add(rel)
     _analyse_blocks(trace, root, blocks, block_calls)
     _classify_outside(trace, root, blocks_path, events)
+    first = next(iter(blocks))
+    done = {key: f.into(trace) for key, f in facts.items() if f.mode is not None}
+    own = done.get(first)
+    if own is not None:
+        trace = replace(own, kinds={})
+    trace.kinds = {key: done[rep] for key, rep in rep_of.items() if rep != first and rep in done}
     return trace
 
 

@@ -121,7 +121,7 @@ def tp_styles(root: nn.Module, trace: ModelTrace, tp: int, sp: bool) -> TPLayout
     container = root.get_submodule(trace.blocks_path)
     blocks = [(f"{trace.blocks_path}.{key}", child) for key, child in container.named_children()]
     for block_name, block in blocks:
-        plan = block_plan(block, block_name, tp, trace, sequence_parallel=sp)
+        plan = block_plan(block, block_name, tp, trace.for_block(block_name.rpartition(".")[2]), sequence_parallel=sp)
         layout.regions[block_name] = list(plan.regions)
         for name, kind in plan.linears.items():
             fqn = f"{block_name}.{name}"
@@ -149,7 +149,7 @@ def tp_styles(root: nn.Module, trace: ModelTrace, tp: int, sp: bool) -> TPLayout
         for region in plan.regions:
             # One DTensor input shared by all column projections of the region: their input gradients add
             # up as a Partial and are reduced once (one all-reduce, or one reduce-scatter with SP).
-            styles[f"{block_name}.{region}"] = RegionInput(sequence_parallel=sp)
+            styles[f"{block_name}.{region}"] = RegionInput(sequence_parallel=sp, rows=plan.channel_rows.get(region))
         for norm in plan.dist_norms:
             styles[f"{block_name}.{norm}"] = DistributedNorm()
         if sp:

@@ -52,6 +52,7 @@ from lightning_4d.hooks import TP_PLAN, hook_call
 from lightning_4d.layer_kinds import holds_routed_experts, is_linear, is_norm
 from lightning_4d.precision import allowed_difference, max_difference
 from lightning_4d.tensor_parallel.layouts import concat_permutation
+from lightning_4d.tensor_parallel.mixers import plan_mixer
 from lightning_4d.tensor_parallel.styles import linear_features
 from lightning_4d.trace import ModelTrace
 
@@ -114,6 +115,9 @@ class BlockPlan:
     direct: list[str] = field(default_factory=list)  # linears held by the block itself (outside any region)
     head_lists: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # per-head module list -> slices
     head_params: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # per-head parameter -> slices
+    # region -> {parameter inside it: rows per rank}: a depthwise convolution's channels, cut with the features
+    # of the projection feeding it (:mod:`lightning_4d.tensor_parallel.mixers`)
+    channel_rows: dict[str, dict[str, list[list[int]]]] = field(default_factory=dict)
     dist_norms: dict[str, str] = field(default_factory=dict)  # full-width norm -> the linear it normalises
     local_norms: list[str] = field(default_factory=list)  # SP norms on non-(B, T, H) inputs: local, grads summed
     # region -> {argument: (heads, per-rank [lo, hi))}: per-head score biases it receives (ALiBi), cut with its heads
@@ -239,7 +243,7 @@ def _pieces(block_name: str, name: str, width: int, trace: Optional[ModelTrace],
     layout = trace.columns.get(name) if trace is not None else None
     raw = layout.pieces() if layout is not None else [(0, width, None)]
     known = {u for *_, u in raw if u}
-    if len(known) == 1:  # pieces of one fused projection share its head width (a key used without a view)
+    if len(known) == 1 and not (layout is not None and layout.depthwise):  # pieces of one fused projection share its head width (a key used without a view)
         (u,) = known
         raw = [(a, b, unit or (u if (b - a) % u == 0 else None)) for a, b, unit in raw]
     where = f"{block_name}.{name}"
@@ -405,7 +409,10 @@ def block_plan(block: nn.Module, block_name: str, tp: int, trace: Optional[Model
             _, conf_local = _local_attrs(f"{block_name}.{region}.config", config, heads, widths, tp, names=names)
             if conf_local:
                 plan.config_attrs[region] = conf_local
-        plan.partial_params += _region_params(block_name, block, region, plan, heads, trace, tp)
+        mixer = plan_mixer(block_name, block, region, plan, pieces_of, trace, tp)
+        if mixer.rows:
+            plan.channel_rows[region] = mixer.rows
+        plan.partial_params += _region_params(block_name, block, region, plan, heads, trace, tp, mixer.handled)
         biases = _score_bias_heads(trace.score_biases.get(region, {}) if trace is not None else {}, heads, tp)
         if biases:
             plan.head_inputs[region] = biases
@@ -529,7 +536,7 @@ def _score_bias_heads(found: dict[ArgKey, tuple[tuple[int, ...], int]], heads: _
 
 
 def _region_params(block_name: str, block: nn.Module, region: str, plan: BlockPlan, heads: _Heads,
-                   trace: Optional[ModelTrace], tp: int) -> list[str]:
+                   trace: Optional[ModelTrace], tp: int, handled: frozenset[str] | set[str] = frozenset()) -> list[str]:
     """Parameters inside a region besides its linears: per-head norms (``q_norm`` over ``head_dim``), per-head
     module lists (StableLM's ``norms`` zipped with the heads) and per-head parameters (attention sinks) are used
     per rank on that rank's heads and get their gradients summed over ``tp``; a norm over the full sharded width of
@@ -548,7 +555,7 @@ def _region_params(block_name: str, block: nn.Module, region: str, plan: BlockPl
     done: list[str] = []  # per-head lists: their members are handled with them
     for sub_name, sub in module.named_modules():
         path = f"{region}.{sub_name}" if sub_name else region
-        if path in plan.linears or any(sub_name.startswith(d + ".") for d in done):
+        if path in plan.linears or path in handled or any(sub_name.startswith(d + ".") for d in done):
             continue
         if sub_name and isinstance(sub, nn.ModuleList) and len(sub) > 1 and any(
                 True for _ in sub.parameters()):

@@ -31,7 +31,7 @@ from lightning_4d.layer_kinds import is_conv1d
 from lightning_4d.trace import HiddenArg, first_param_name
 
 __all__ = ["Colwise", "Rowwise", "RegionInput", "GatheredColumns", "DistributedNorm", "install_sequence_boundary",
-           "install_head_slices", "install_head_lists", "fresh_local", "linear_features"]
+           "install_head_slices", "install_head_lists", "install_row_views", "fresh_local", "linear_features"]
 
 
 def linear_features(module: nn.Module) -> tuple[int, int]:
@@ -291,11 +291,16 @@ class DistributedNorm(ParallelStyle):
             for pname, p in list(mod.named_parameters(recurse=False)):
                 _param(mod, pname, distribute_tensor(p.detach(), mesh, [Shard(0)]))
 
-        def inputs(_mod: nn.Module, args: tuple, mesh: DeviceMesh) -> tuple:
-            x = args[0]
-            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
-                x = DTensor.from_local(x, mesh, [Shard(x.dim() - 1)], run_check=False)
-            return (x,) + tuple(args[1:])
+        def inputs(_mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            # The input, and a gate of the same shape (a gated norm's ``norm(x, gate)``): this rank's features.
+            shape = args[0].shape if args and isinstance(args[0], torch.Tensor) else None
+
+            def shard(x: Any) -> Any:
+                if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.shape == shape:
+                    return DTensor.from_local(x, device_mesh, [Shard(x.dim() - 1)], run_check=False)
+                return x
+
+            return tuple(shard(a) for a in args), {k: shard(v) for k, v in kwargs.items()}
 
         def outputs(_mod: nn.Module, out: Any, _mesh: DeviceMesh) -> Any:
             if isinstance(out, DTensor):
@@ -303,7 +308,9 @@ class DistributedNorm(ParallelStyle):
                 out = out.redistribute(placements=[last]) if out.placements != (last,) else out
             return fresh_local(out)
 
-        return distribute_module(module, device_mesh, partition, inputs, outputs)
+        module = distribute_module(module, device_mesh, partition, None, outputs)
+        module.register_forward_pre_hook(inputs, with_kwargs=True)
+        return module
 
 
 def install_head_slices(owner: nn.Module, slices: dict[str, tuple[int, int]]) -> None:
@@ -319,6 +326,35 @@ def install_head_slices(owner: nn.Module, slices: dict[str, tuple[int, int]]) ->
     swap = _Swap(owner, views)
     owner.register_forward_pre_hook(lambda mod, _args: swap.enter(mod))
     owner.register_forward_hook(lambda _mod, _args, _out: swap.leave())
+
+
+def install_row_views(owner: nn.Module, rows: dict[str, Sequence[int]]) -> None:
+    """During ``owner``'s forward each parameter named in ``rows`` (a path inside ``owner``, e.g. ``conv1d.weight``)
+    is its rows ``param[rows]`` along dim 0, whether the model calls the module holding it or reads the parameter
+    itself (Mamba-2 passes ``self.conv1d.weight`` to its convolution function); the full parameters stay registered
+    (their gradients, zero outside this rank's rows, are summed over ``tp`` by the strategy).
+
+    Example:
+        >>> owner = nn.Module(); owner.conv = nn.Conv1d(4, 4, 2, groups=4)
+        >>> install_row_views(owner, {"conv.weight": [0, 3], "conv.bias": [0, 3]})
+    """
+    by_module: dict[str, dict[str, Callable[[nn.Parameter], torch.Tensor]]] = {}
+    for path, idx in rows.items():
+        sub, _, pname = path.rpartition(".")
+        index = torch.tensor(list(idx), dtype=torch.long)
+        by_module.setdefault(sub, {})[pname] = lambda p, index=index: p.index_select(0, index.to(p.device))
+    swaps = [(sub, _Swap(owner.get_submodule(sub), views)) for sub, views in by_module.items()]
+
+    def enter(mod: nn.Module, _args: tuple) -> None:
+        for sub, swap in swaps:
+            swap.enter(mod.get_submodule(sub))
+
+    def leave(_mod: nn.Module, _args: tuple, _out: Any) -> None:
+        for _, swap in swaps:
+            swap.leave()
+
+    owner.register_forward_pre_hook(enter)
+    owner.register_forward_hook(leave)
 
 
 class _HeadView:
@@ -388,18 +424,24 @@ class RegionInput(ParallelStyle):
 
     A local tensor is taken as this rank's sequence shard (``sequence_parallel``) or as the full
     replicated activation; one DTensor feeds every column projection of the region, so their input
-    gradients are reduced once.
+    gradients are reduced once. ``rows``: parameters inside the region (``{"conv1d.weight": rows per rank}``, a
+    depthwise convolution's channels) that this rank uses only in part during the region's forward: they stay whole
+    and replicated, the region sees ``param[rows[rank]]`` (see :func:`install_row_views`).
 
     Example:
         >>> RegionInput(sequence_parallel=True).sequence_parallel
         True
     """
 
-    def __init__(self, sequence_parallel: bool) -> None:
+    def __init__(self, sequence_parallel: bool, rows: Optional[dict[str, list[list[int]]]] = None) -> None:
         super().__init__()
         self.sequence_parallel = sequence_parallel
+        self.rows = dict(rows or {})
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.rows:
+            rank = device_mesh.get_local_rank()
+            install_row_views(module, {name: rows[rank] for name, rows in self.rows.items()})
         keyword = first_param_name(module)
         layout = Shard(1) if self.sequence_parallel else Replicate()
 

@@ -58,7 +58,9 @@ MOE_FFN = 32
 
 ZOO_KINDS = ("hf-stablelm", "hf-gemma2", "hf-gemma3", "hf-phi3", "hf-olmo2", "hf-olmoe", "hf-gptoss", "hf-bigcode",
              "hf-falcon-mq", "hf-falcon", "hf-llama4", "hf-opt", "hf-mq", "hf-bloom", "hf-mpt", "hf-qwen3next",
-             "hf-xglm", "hf-gptneo", "hf-codegen", "hf-cohere", "hf-apertus", "hf-dbrx", "hf-jetmoe", "tt-llama3",
+             "hf-xglm", "hf-gptneo", "hf-codegen", "hf-cohere", "hf-apertus", "hf-dbrx", "hf-jetmoe", "hf-mamba2",
+             "hf-mamba2grp", "hf-granite4h", "hf-lfm2", "hf-falconh1",
+             "tt-llama3",
              "tt-qwen3moe")
 ZOO_MOE_KINDS = ("hf-olmoe", "hf-gptoss", "hf-llama4", "hf-qwen3next", "hf-jetmoe", "tt-qwen3moe")
 
@@ -163,6 +165,27 @@ def _hf(family: str, layers: int) -> nn.Module:
                             attn_config=dict(kv_n_heads=KV_HEADS, clip_qkv=8.0, rope_theta=10000.0),
                             ffn_config=dict(ffn_hidden_size=MOE_FFN, moe_num_experts=MOE_EXPERTS, moe_top_k=2),
                             use_cache=False, resid_pdrop=0.0, emb_pdrop=0.0, pad_token_id=None)
+    elif family in ("mamba2", "mamba2grp"):  # pure SSM: fused z|x|B|C|dt in_proj, depthwise conv, per-head A_log
+        cfg = tf.Mamba2Config(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers, expand=2,
+                              num_heads=HEADS * 2, head_dim=HIDDEN // HEADS, state_size=12, chunk_size=SEQ // 2,
+                              n_groups=1 if family == "mamba2" else 2, conv_kernel=4, use_cache=False,
+                              bos_token_id=0, eos_token_id=1, pad_token_id=None)
+    elif family == "granite4h":  # Granite 4.0-H: Mamba-2 layers and attention layers in one list, each with an MLP
+        cfg = tf.GraniteMoeHybridConfig(**_common(layers), **gqa, intermediate_size=FFN, shared_intermediate_size=FFN,
+                                        num_local_experts=0, mamba_n_heads=HEADS * 2, mamba_n_groups=1,
+                                        mamba_d_state=12, mamba_d_head=HIDDEN // HEADS, mamba_expand=2,
+                                        mamba_chunk_size=SEQ // 2, position_embedding_type="rope",
+                                        layer_types=["linear_attention", "attention"] * (layers // 2)
+                                        + ["linear_attention"] * (layers % 2))
+    elif family == "lfm2":  # LFM2: gated short convolutions (B | C | x in_proj, depthwise conv) beside attention
+        cfg = tf.Lfm2Config(**_common(layers), **gqa, intermediate_size=FFN, block_auto_adjust_ff_dim=False,
+                            conv_L_cache=3, layer_types=["conv", "full_attention"] * (layers // 2)
+                            + ["conv"] * (layers % 2))
+    elif family == "falconh1":  # Falcon-H1: attention and a Mamba-2 mixer side by side in every layer, then an MLP
+        cfg = tf.FalconH1Config(**_common(layers), **gqa, head_dim=HIDDEN // HEADS, intermediate_size=FFN,
+                                mamba_d_ssm=2 * HIDDEN, mamba_n_heads=HEADS * 2, mamba_d_head=HIDDEN // HEADS,
+                                mamba_n_groups=1, mamba_d_state=12, mamba_d_conv=4, mamba_expand=2,
+                                mamba_chunk_size=SEQ // 2, mamba_rms_norm=True)
     elif family == "mq":
         cfg = tf.LlamaConfig(**_common(layers), num_attention_heads=HEADS, num_key_value_heads=1,
                              intermediate_size=FFN)
@@ -170,7 +193,7 @@ def _hf(family: str, layers: int) -> nn.Module:
         raise ValueError(f"unknown family {family!r}")
     # Soft-capping (Gemma 2) and attention sinks (GPT-OSS) need transformers' eager attention.
     cfg._attn_implementation = "eager" if family in ("gemma2", "gptoss", "mpt", "bloom", "xglm", "gptneo",
-                                                     "codegen") else "sdpa"
+                                                     "codegen", "mamba2", "mamba2grp") else "sdpa"
     from tests.distributed.byom_models import HFLogits
 
     model = tf.AutoModelForCausalLM.from_config(cfg).float()

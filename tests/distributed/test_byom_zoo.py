@@ -55,6 +55,7 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any], int]] = {
 }
 
 _HF0 = "model.model.model.layers.0"
+_MAMBA0 = "model.model.backbone.layers.0.mixer"
 _LLAMA_LIKE = [f"{_HF0}.self_attn.q_proj.weight", f"{_HF0}.self_attn.o_proj.weight", f"{_HF0}.mlp.down_proj.weight"]
 # Under tp>1 these parameters (LightningModule names) must be DTensors sharded on tp: a layout that silently
 # replicated the projections would train correctly but be no tensor parallelism.
@@ -83,6 +84,14 @@ SHARDED: dict[str, list[str]] = {
                                                                        "mlp.fc_in")],
     "hf-cohere": _LLAMA_LIKE, "hf-apertus": _LLAMA_LIKE,
     "hf-dbrx": [f"model.model.transformer.blocks.0.norm_attn_norm.attn.{n}.weight" for n in ("Wqkv", "out_proj")],
+    # Mamba-2 with one B/C group: the gated norm over the inner width runs distributed (its weight sharded); with
+    # two groups (tp=2) the fused in_proj is sharded piece by piece.
+    "hf-mamba2": [f"{_MAMBA0}.{n}" for n in ("out_proj.weight", "norm.weight")],
+    "hf-mamba2grp": [f"{_MAMBA0}.{n}.weight" for n in ("in_proj", "out_proj")],
+    "hf-granite4h": [f"{_HF0}.mamba.out_proj.weight", f"{_HF0}.mamba.norm.weight",
+                     "model.model.model.layers.1.self_attn.q_proj.weight", f"{_HF0}.shared_mlp.output_linear.weight"],
+    "hf-lfm2": [f"{_HF0}.conv.in_proj.weight", f"{_HF0}.conv.out_proj.weight",
+                "model.model.model.layers.1.self_attn.q_proj.weight", f"{_HF0}.feed_forward.w2.weight"],
 }
 # Parameters a layout must leave whole and replicated (the projections computing KV heads fewer than tp): by family,
 # then by (family, layout) where it depends on tp.
@@ -92,6 +101,8 @@ REPLICATED: dict[Any, list[str]] = {
     "hf-falcon-mq": ["model.model.transformer.h.0.self_attention.query_key_value.weight"],
     ("hf-phi3", "tp4"): [f"{_HF0}.self_attn.qkv_proj.weight"],  # q | k | v fused, 2 KV heads for 4 ranks
     ("hf-stablelm", "tp4"): [f"{_HF0}.self_attn.k_proj.weight"],
+    # one B/C group for 2 ranks: z | x | B | C | dt read whole, each rank computing its heads' rows and the group
+    "hf-mamba2": [f"{_MAMBA0}.in_proj.weight"], "hf-granite4h": [f"{_HF0}.mamba.in_proj.weight"],
 }
 # Models that compute part of their forward in bf16 by design (TorchTitan's grouped experts): every gradient
 # downstream of that rounding is held to 10x the noise floor of plain data parallelism, measured in the same world.
@@ -107,6 +118,11 @@ REFUSED: dict[tuple[str, str], str] = {
     # DBRX keeps its two norms inside one module with the attention: sequence parallelism cannot reach them.
     ("hf-dbrx", "tp2"): "norm_attn_norm.norm_1 holds parameters (weight) outside the attention/MLP regions",
     ("hf-jetmoe", "ep2"): "running its forward on a subset of its experts failed",
+    # Falcon-H1 scales the mixer's input (ssm_in_multiplier) before in_proj and its output by a per-feature buffer
+    # (mup_vector): the role of in_proj is not found and the buffer would need cutting with the features.
+    ("hf-falconh1", "tp2"): "layers.0.mamba.in_proj is a linear layer whose role is unknown",
+    # two B/C groups for four ranks: the gated norm's groups would straddle ranks
+    ("hf-mamba2grp", "tp4"): "mixer.norm normalises the mixer's inner width (64 features) in 2 groups of 32",
 }
 
 ERRORS: dict[str, str] = {}  # "family layout" -> worst relative error, or the refusal
@@ -241,7 +257,7 @@ def test_per_head_norm_list_shards_with_its_heads(references: References) -> Non
 # world, after its noise floor.
 DENSE_TP = ["hf-gemma2", "hf-gemma3", "hf-phi3", "hf-olmo2", "hf-gptoss", "hf-bigcode", "hf-falcon-mq", "hf-falcon",
             "hf-opt", "hf-mq", "hf-llama4", "hf-olmoe", "hf-bloom", "hf-mpt", "hf-xglm", "hf-gptneo", "hf-codegen",
-            "hf-cohere", "hf-apertus", "tt-llama3"]
+            "hf-cohere", "hf-apertus", "hf-mamba2", "hf-mamba2grp", "hf-granite4h", "hf-lfm2", "tt-llama3"]
 # DBRX: without sequence parallelism (with it: refused, see REFUSED); its fused Wqkv is clamped before the split.
 NO_SP = ["hf-dbrx"]
 EP = [("tt-qwen3moe", "dp2"), ("tt-qwen3moe", "ep2"), ("tt-qwen3moe", "tp2-ep2"), ("tt-qwen3moe", "tp2"),
@@ -250,12 +266,12 @@ EP = [("tt-qwen3moe", "dp2"), ("tt-qwen3moe", "ep2"), ("tt-qwen3moe", "tp2-ep2")
 # Pipeline alone where tensor parallelism is not the point: Llama 4 reads its embedding's weight on every stage
 # (a shape-only stand-in on later ones); Qwen3-Next, whose linear attention refuses tp; JetMoE, whose experts
 # cannot be split over ep (its refusal below) but need not be at ep=1 (it was refused under pp alone).
-PP = ["hf-llama4", "hf-qwen3next", "hf-jetmoe"]
+PP = ["hf-llama4", "hf-qwen3next", "hf-jetmoe", "hf-mamba2", "hf-granite4h", "hf-lfm2", "hf-falconh1"]
 PP_TP = ["hf-stablelm"] + DENSE_TP + ["tt-qwen3moe"]
 # tp=4 with 2 KV heads (StableLM: its per-KV-head norm list too; Phi-3: replicated KV pieces of a fused projection)
 # and 1 KV head (hf-mq): each rank computes the KV head its query heads use; GPT-OSS: sinks over 4 ranks.
-TP4 = ["hf-mq", "hf-stablelm", "hf-phi3", "hf-gptoss"]
-FSDP = ["hf-stablelm", "hf-gptoss"]
+TP4 = ["hf-mq", "hf-stablelm", "hf-phi3", "hf-gptoss", "hf-mamba2"]
+FSDP = ["hf-stablelm", "hf-gptoss", "hf-mamba2"]
 
 
 def _titan_importable() -> bool:

@@ -1,0 +1,190 @@
+r"""State-space and short-convolution mixers under tensor parallelism (pure planning: no process group).
+
+A Mamba-2 mixer (transformers' ``Mamba2Mixer``, and the hybrids built on it) is a region like an attention: one
+fused input projection read by every rank, the whole sequence of its channels, one row-parallel output projection.
+What differs is found from the traced forward (:class:`~lightning_4d.trace.ColumnLayout`):
+
+- the fused ``in_proj`` (``z | x | B | C | dt``) is cut by the sizes the forward splits it into, *through* the
+  depthwise convolution (``x | B | C`` is convolved channel by channel, then split): ``x`` is viewed per head, ``B``
+  / ``C`` per group (sharded with the groups when they divide by ``tp``, else each rank computes the group its heads
+  use, as for a KV head fewer than ``tp``), ``z`` and ``dt`` follow the heads one feature at a time;
+- the depthwise convolution (``groups == channels``) keeps the rows of the channels this rank's projection computes
+  (:func:`conv_rows`; read whole, its gradient summed over ``tp``), whether the model calls the module or reads
+  ``conv1d.weight`` itself;
+- per-head parameters (``A_log``, ``dt_bias``, ``D``) follow the heads (the region's per-head rule);
+- a (gated) norm over the inner width: per group on each rank when its groups divide by ``tp``, a distributed norm
+  (statistics all-reduced) when it has one group, refused otherwise;
+- the head and group counts and the cut widths the forward reads (``num_heads``, ``n_groups``, ``conv_dim``) become
+  per-rank values. The scan runs unchanged on each rank's heads.
+
+Example:
+    >>> conv_rows([list(range(0, 4)) + [8, 9], list(range(4, 8)) + [8, 9]], 0, 10)
+    [[0, 1, 2, 3, 8, 9], [4, 5, 6, 7, 8, 9]]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+from torch import nn
+
+from lightning_4d.hooks import TP_PLAN, hook_call
+from lightning_4d.layer_kinds import is_norm
+
+if TYPE_CHECKING:
+    from lightning_4d.tensor_parallel.plan import BlockPlan, Piece
+    from lightning_4d.trace import ModelTrace
+
+__all__ = ["GROUP_COUNT_ATTRS", "MixerPlan", "conv_rows", "linear_rows", "plan_mixer"]
+
+# Group counts of a state-space mixer's B / C (heads of its fused projection that several value heads share): per
+# rank like a KV head count (1 where each rank computes the one group its heads use).
+GROUP_COUNT_ATTRS = ("n_groups", "ngroups", "num_groups", "mamba_n_groups", "num_k_heads")
+
+_HOOK = f"{hook_call(TP_PLAN)} on your FourDModule (returns {{module path: ParallelStyle}})"
+
+
+@dataclass
+class MixerPlan:
+    """What :func:`plan_mixer` decided for one region (paths relative to the block).
+
+    Example:
+        >>> MixerPlan().handled
+        set()
+    """
+
+    handled: set[str] = field(default_factory=set)  # modules of the region planned here (not per-head rules)
+    rows: dict[str, list[list[int]]] = field(default_factory=dict)  # parameter -> its rows per rank
+
+
+def linear_rows(width: int, tp: int, gathered: Optional[list[list[int]]] = None,
+                permutation: Optional[list[int]] = None) -> list[list[int]]:
+    """The output features of a column-parallel linear each rank computes, in the order of its local output: a
+    replicated-heads linear's ``gathered`` rows, a permuted fused one's contiguous shard of ``permutation``, else
+    the contiguous shard.
+
+    Example:
+        >>> linear_rows(4, 2), linear_rows(4, 2, permutation=[0, 2, 1, 3])
+        ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    """
+    if gathered is not None:
+        return [list(r) for r in gathered]
+    order = permutation if permutation is not None else list(range(width))
+    chunk = width // tp
+    return [order[r * chunk:(r + 1) * chunk] for r in range(tp)]
+
+
+def conv_rows(rows: list[list[int]], start: int, stop: int) -> list[list[int]]:
+    """Per rank, the channels of a depthwise convolution fed by features ``start:stop`` of a linear whose rank
+    rows are ``rows``: that rank's features in the range, shifted to the convolution's channel numbers.
+
+    Example:
+        >>> conv_rows([[0, 1, 4], [2, 3, 4]], 2, 5)
+        [[2], [0, 1, 2]]
+    """
+    return [[f - start for f in r if start <= f < stop] for r in rows]
+
+
+def _depthwise_convs(region: nn.Module) -> dict[str, nn.Module]:
+    """The region's depthwise 1-D convolutions (``groups`` equal to the channels), by path inside it."""
+    return {n: m for n, m in region.named_modules()
+            if n and isinstance(m, nn.Conv1d) and m.groups == m.in_channels == m.out_channels and m.groups > 1}
+
+
+def plan_mixer(block_name: str, block: nn.Module, region: str, plan: "BlockPlan",
+               pieces_of: dict[str, list["Piece"]], trace: Optional["ModelTrace"], tp: int) -> MixerPlan:
+    """Plan the convolution, norms and per-rank sizes of one region whose projection feeds a depthwise convolution
+    (nothing for any other region); records into ``plan`` (``local_attrs``, ``head_params``, ``dist_norms``,
+    ``partial_params``) and returns what it handled. Raises naming the module when no exact layout exists.
+
+    Example:
+        >>> plan_mixer("h.0", nn.Linear(2, 2), "", None, {}, None, 2).rows  # type: ignore[arg-type]
+        {}
+    """
+    out = MixerPlan()
+    if trace is None:
+        return out
+    module = block.get_submodule(region)
+    prefix = f"{region}." if region else ""
+    ranges: list[tuple[str, int, int]] = []
+    for name, kind in plan.linears.items():
+        layout = trace.columns.get(name)
+        if kind == "colwise" and name.startswith(prefix) and layout is not None:
+            ranges += [(name, a, b) for a, b in sorted(layout.depthwise)]
+    if not ranges:
+        return out
+    convs = _depthwise_convs(module)
+    inner: set[int] = set()  # widths of the sharded inner activation (the row-parallel input)
+    for name, lo, hi in ranges:
+        width = sum(p.size for p in pieces_of[name])
+        rows = linear_rows(width, tp, plan.gathered.get(name), plan.permutations.get(name))
+        channels = conv_rows(rows, lo, hi)
+        matching = [c for c, m in convs.items() if m.in_channels == hi - lo]
+        if len(matching) != 1:
+            raise ValueError(
+                f"{block_name}.{name}: its features {lo}:{hi} go through a depthwise convolution along the sequence, "
+                f"but {len(matching)} depthwise Conv1d modules of {block_name}.{region or '(the block)'} have "
+                f"{hi - lo} channels ({', '.join(sorted(convs)) or 'none'}), so which one to cut with the features is "
+                f"unknown. Implement {_HOOK}, or use tp=1."
+            )
+        conv = matching[0]
+        out.handled.add(f"{prefix}{conv}")
+        for pname, _ in convs[conv].named_parameters(recurse=False):
+            out.rows[f"{conv}.{pname}"] = channels
+            plan.partial_params.append(f"{prefix}{conv}.{pname}")
+        local: dict[str, int] = dict(plan.local_attrs.get(region, {}))
+        found: dict[str, int] = dict(plan.head_attrs.get(region, {}))
+        for attr, value in vars(module).items():
+            if isinstance(value, bool) or not isinstance(value, int) or attr in local:
+                continue
+            if value == hi - lo:  # the convolved width (``conv_dim``): the split after the convolution reads it
+                found[attr], local[attr] = value, len(channels[0])
+        groups = [p for p in pieces_of[name] if lo <= p.start and p.stop <= hi and p.heads and not p.sharded]
+        shared = [p for p in pieces_of[name] if lo <= p.start and p.stop <= hi and p.heads and p.sharded]
+        for attr in GROUP_COUNT_ATTRS:
+            value = getattr(module, attr, None)
+            if isinstance(value, bool) or not isinstance(value, int) or attr in local:
+                continue
+            if any(p.heads == value for p in groups):
+                found[attr], local[attr] = value, 1
+            elif any(p.heads == value for p in shared):
+                found[attr], local[attr] = value, value // tp
+        if local:
+            plan.local_attrs[region], plan.head_attrs[region] = local, found
+        inner |= {int(m.weight.shape[1]) for n, m in module.named_modules()
+                  if f"{prefix}{n}" in plan.linears and plan.linears[f"{prefix}{n}"] == "rowwise"}
+        _plan_norms(block_name, module, region, plan, inner, {name}, tp, out)
+    return out
+
+
+def _plan_norms(block_name: str, module: nn.Module, region: str, plan: "BlockPlan", inner: set[int],
+                sources: set[str], tp: int, out: MixerPlan) -> None:
+    """A norm of a mixer region over its whole sharded inner width (Mamba-2's gated ``norm`` before ``out_proj``):
+    per group on each rank's features when its groups (``group_size``) divide by ``tp``, a distributed norm when it
+    is one group, refused otherwise."""
+    prefix = f"{region}." if region else ""
+    for sub_name, sub in module.named_modules():
+        path = f"{prefix}{sub_name}"
+        if not sub_name or not is_norm(sub) or path in out.handled:
+            continue
+        weight = getattr(sub, "weight", None)
+        size = int(weight.shape[-1]) if weight is not None and weight.dim() == 1 else None
+        if size not in inner:
+            continue
+        group = getattr(sub, "group_size", size)
+        groups = size // group if isinstance(group, int) and group > 0 and size % group == 0 else None
+        if groups is not None and groups % tp == 0:
+            for pname, p in sub.named_parameters(recurse=False):
+                plan.head_params[f"{path}.{pname}"] = [(r * size // tp, (r + 1) * size // tp) for r in range(tp)]
+                plan.partial_params.append(f"{path}.{pname}")
+        elif groups == 1:
+            plan.dist_norms[path] = sorted(sources)[0]
+        else:
+            raise ValueError(
+                f"{block_name}.{path} normalises the mixer's inner width ({size} features) in {groups or 'unknown'} "
+                f"groups of {group}, which neither divide by tp={tp} (each rank normalising its own groups) nor form "
+                f"one group (a distributed norm), so a group would straddle ranks. Fix: use a tp that divides the "
+                f"number of groups, or implement {_HOOK}."
+            )
+        out.handled.add(path)
