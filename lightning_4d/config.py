@@ -209,6 +209,10 @@ class FourDConfig:
             warning. ``None`` (default): the largest rank's share plus the largest tensor, at least 256 MiB
             (:func:`~lightning_4d.reduced_check.check_budget_bytes`; the planner's set-up term counts it); ``0``:
             never run it.
+        cp: context-parallel degree: every sample's sequence is split over ``cp`` ranks (a mesh axis between
+            ``dp`` and ``tp``; parameters replicated over it, gradients reduced over ``dp × cp``), attention
+            across them exact (:mod:`lightning_4d.context_parallel`). The sequence length must be divisible
+            by ``2·cp`` (zigzag load balancing).
 
     Example:
         >>> FourDConfig(schedule="zbv", pp=2).stages_per_rank
@@ -237,10 +241,11 @@ class FourDConfig:
     heartbeat_timeout: Optional[timedelta] = DEFAULT_HEARTBEAT_TIMEOUT
     dp_shard: Optional[int] = None
     reduced_check_budget: Optional[int] = None
+    cp: int = 1
 
     def __post_init__(self) -> None:
         self._check_runtime_options()
-        for name in ("tp", "pp", "ep"):
+        for name in ("tp", "pp", "ep", "cp"):
             _check_degree(name, getattr(self, name))
         if self.dp != "auto":
             _check_degree("dp", self.dp)
@@ -315,4 +320,5 @@ class FourDConfig:
         return ParallelDims.from_world(
             world_size, tp=self.tp, pp=self.pp, ep=self.ep, dp=self.dp,
             sequence_parallel=self.sequence_parallel, virtual_stages=self.stages_per_rank, dp_shard=self.dp_shard,
+            cp=self.cp,
         )
