@@ -34,8 +34,8 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["INPUT_KEYS", "PackedInputs", "batch_tokens", "call_model", "check_takes_positions", "shift_labels",
-           "split_batch"]
+__all__ = ["INPUT_KEYS", "PackedInputs", "batch_tokens", "call_model", "check_takes_positions", "document_ids",
+           "shift_labels", "split_batch"]
 
 INPUT_KEYS = ("inputs", "input_ids", "tokens", "x")
 SHIFTED_KEYS = ("targets", "y")  # already shifted: used as they are
@@ -56,6 +56,17 @@ class PackedInputs(NamedTuple):
 
     tokens: Tensor
     position_ids: Tensor
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Which document each token belongs to, ``(B, T)``: a new one starts wherever the position does not follow the
+    previous one by 1 (transformers' rule for packed sequences, ``masking_utils.find_packed_sequence_indices``).
+
+    >>> document_ids(torch.tensor([[0, 1, 2, 0, 1, 0]])).tolist()
+    [[0, 0, 0, 1, 1, 2]]
+    """
+    first = position_ids[:, :1] - 1  # (B, 1): the first token continues nothing
+    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)  # (B, T)
 
 
 def shift_labels(labels: Tensor, ignore_index: int = -100) -> Tensor:

@@ -215,6 +215,10 @@ class FourDConfig:
             written by the recipes; edit it to change what is sharded), applied instead of the derived one. It
             is checked against the model and the mesh (paths, styles, degrees) and by the set-up value check
             like a derived plan. ``None`` (default): derive it from the model.
+        cp: context-parallel degree: every sample's sequence is split over ``cp`` ranks (a mesh axis between
+            ``dp`` and ``tp``; parameters replicated over it, gradients reduced over ``dp × cp``), attention
+            across them exact (:mod:`lightning_4d.context_parallel`). The sequence length must be divisible
+            by ``2·cp`` (zigzag load balancing).
 
     Example:
         >>> FourDConfig(schedule="zbv", pp=2).stages_per_rank
@@ -243,11 +247,12 @@ class FourDConfig:
     heartbeat_timeout: Optional[timedelta] = DEFAULT_HEARTBEAT_TIMEOUT
     dp_shard: Optional[int] = None
     reduced_check_budget: Optional[int] = None
+    cp: int = 1
     plan: Union[str, Path, LayoutPlan, None] = None
 
     def __post_init__(self) -> None:
         self._check_runtime_options()
-        for name in ("tp", "pp", "ep"):
+        for name in ("tp", "pp", "ep", "cp"):
             _check_degree(name, getattr(self, name))
         if self.dp != "auto":
             _check_degree("dp", self.dp)
@@ -324,4 +329,5 @@ class FourDConfig:
         return ParallelDims.from_world(
             world_size, tp=self.tp, pp=self.pp, ep=self.ep, dp=self.dp,
             sequence_parallel=self.sequence_parallel, virtual_stages=self.stages_per_rank, dp_shard=self.dp_shard,
+            cp=self.cp,
         )

@@ -88,11 +88,11 @@ def plan_layout(module: nn.Module, dims: ParallelDims, config: FourDConfig,
             check_stage_owners(module, trace)
             order = tuple(trace.block_order)
         stages = tuple(tuple(order[i] for i in idx) for idx in partition_blocks(len(order), num_stages))
-        _check_tied_across_v_stages(module, blocks_path, config.schedule, dims.dp)
+        _check_tied_across_v_stages(module, blocks_path, config.schedule, dims.dp_cp)
     block_order = tuple(trace.block_order) if trace is not None else keys
     hidden = trace.hidden if trace is not None else None
     return LayoutPlan(
-        degrees=(("tp", dims.tp), ("pp", dims.pp), ("ep", dims.ep), ("dp", dims.dp)),
+        degrees=(("tp", dims.tp), ("pp", dims.pp), ("ep", dims.ep), ("dp", dims.dp), ("cp", dims.cp)),
         blocks_path=blocks_path, block_order=block_order, sequence_parallel=dims.sp,
         virtual_stages=dims.virtual_stages, schedule=config.schedule,
         hidden=(hidden.position, hidden.keyword, hidden.tuple_out) if hidden is not None else (0, None, None),

@@ -1,8 +1,9 @@
 """Parallel degrees (pure validation) and the 4D device mesh.
 
 Rank order is ``(pp, dp, tp)`` with ``tp`` innermost (fastest varying), so a TP group stays
-inside one node's fast interconnect and pipeline stages span nodes.
-Experts use a second view over the same ``dp × tp`` ranks of one stage: ``(pp, edp, ep)``
+inside one node's fast interconnect and pipeline stages span nodes; with context parallelism (``cp > 1``) it is
+``(pp, dp, cp, tp)``, and parameters are data-parallel over the flattened ``dp × cp`` ranks (``dp_cp``).
+Experts use a second view over the same ``dp × cp × tp`` ranks of one stage: ``(pp, edp, ep)``
 with ``ep`` innermost ("MoE parallel folding").
 
 Example:
@@ -38,6 +39,8 @@ class Axis(str, enum.Enum):
     TP = "tp"
     EDP = "edp"
     EP = "ep"
+    CP = "cp"
+    DP_CP = "dp_cp"
 
 
 def _check_degree(name: str, value: object) -> int:
@@ -59,12 +62,14 @@ class ParallelDims:
         world_size: number of ranks in the job.
         tp: tensor-parallel degree (innermost axis).
         pp: pipeline-parallel degree (outermost axis).
-        ep: expert-parallel degree, folded into the ``dp × tp`` ranks of a stage.
-        dp: data-parallel degree; ``world_size / (tp · pp)``.
+        ep: expert-parallel degree, folded into the ``dp × cp × tp`` ranks of a stage.
+        dp: data-parallel degree; ``world_size / (tp · pp · cp)``.
         sequence_parallel: shard norms/dropout along the sequence inside TP regions.
         virtual_stages: pipeline stages per rank (``> 1`` for interleaved / ZBV schedules).
         dp_shard: HSDP only: the data-parallel ranks that shard each parameter (FSDP2 inside a group of
             ``dp_shard`` ranks, e.g. one node, replicated over ``dp / dp_shard`` groups); ``None``: no HSDP.
+        cp: context-parallel degree (between ``dp`` and ``tp``): the sequence of every sample is split over ``cp``
+            ranks (:mod:`lightning_4d.context_parallel`).
 
     Every broken rule raises ``ValueError`` naming the value, the rule and a fix.
 
@@ -81,23 +86,33 @@ class ParallelDims:
     sequence_parallel: bool = True
     virtual_stages: int = 1
     dp_shard: Optional[int] = None
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "tp", "pp", "ep", "dp", "virtual_stages"):
+        for name in ("world_size", "tp", "pp", "ep", "dp", "virtual_stages", "cp"):
             _check_degree(name, getattr(self, name))
         if not isinstance(self.sequence_parallel, bool):
             raise ValueError(f"sequence_parallel={self.sequence_parallel!r} must be True or False.")
-        if self.tp * self.pp * self.dp != self.world_size:
+        if self.tp * self.pp * self.dp * self.cp != self.world_size:
+            cp = "·cp" if self.cp > 1 else ""
             raise ValueError(
-                f"tp·pp·dp = {self.tp}·{self.pp}·{self.dp} = {self.tp * self.pp * self.dp} does not equal the "
-                f"world size {self.world_size}. The world must be exactly tp·pp·dp ranks; leave dp='auto' or "
-                f"change devices/num_nodes."
+                f"tp·pp·dp{cp} = {self.tp}·{self.pp}·{self.dp}{f'·{self.cp}' if cp else ''} = "
+                f"{self.tp * self.pp * self.dp * self.cp} does not equal the world size {self.world_size}. The world "
+                f"must be exactly tp·pp·dp{cp} ranks; leave dp='auto' or change devices/num_nodes."
             )
-        if (self.dp * self.tp) % self.ep != 0:
+        if (self.dp * self.cp * self.tp) % self.ep != 0:
+            folded = "dp·cp·tp" if self.cp > 1 else "dp·tp"
+            values = f"{self.dp}·{self.cp}·{self.tp}" if self.cp > 1 else f"{self.dp}·{self.tp}"
             raise ValueError(
-                f"ep={self.ep} does not divide dp·tp = {self.dp}·{self.tp} = {self.dp * self.tp}. Experts are "
-                f"folded into the dp×tp ranks of a stage, so ep must divide dp·tp; choose ep among "
-                f"{_divisors(self.dp * self.tp)}."
+                f"ep={self.ep} does not divide {folded} = {values} = {self.dp * self.cp * self.tp}. Experts are folded "
+                f"into the {folded.replace('·', '×')} ranks of a stage, so ep must divide {folded}; choose ep among "
+                f"{_divisors(self.dp * self.cp * self.tp)}."
+            )
+        if self.cp > 1 and self.dp_shard is not None:
+            raise ValueError(
+                f"cp={self.cp} with data_parallel='hsdp' (dp_shard={self.dp_shard}) is not supported yet: context "
+                f"parallelism shards parameters over the flattened dp×cp ranks. Use data_parallel='fsdp' or "
+                f"'replicate' with cp, or cp=1."
             )
         if self.ep > 1 and self.tp > 1 and not self.sequence_parallel:
             raise ValueError(
@@ -129,31 +144,41 @@ class ParallelDims:
         sequence_parallel: bool = True,
         virtual_stages: int = 1,
         dp_shard: Optional[int] = None,
+        cp: int = 1,
     ) -> "ParallelDims":
-        """Infer ``dp = world / (tp · pp)`` when ``dp="auto"`` and validate everything.
+        """Infer ``dp = world / (tp · pp · cp)`` when ``dp="auto"`` and validate everything.
 
         Example:
             >>> ParallelDims.from_world(8, tp=2, pp=2).dp
+            2
+            >>> ParallelDims.from_world(8, tp=2, cp=2).dp
             2
         """
         _check_degree("world_size", world_size)
         _check_degree("tp", tp)
         _check_degree("pp", pp)
+        _check_degree("cp", cp)
         if dp == "auto":
-            if world_size % (tp * pp) != 0:
+            if world_size % (tp * pp * cp) != 0:
+                cps, cpv = ("·cp", f"·{cp}") if cp > 1 else ("", "")
                 raise ValueError(
-                    f"The world size {world_size} is not divisible by tp·pp = {tp}·{pp} = {tp * pp}, so dp cannot "
-                    f"be inferred. Use a world that is a multiple of tp·pp, or change tp/pp."
+                    f"The world size {world_size} is not divisible by tp·pp{cps} = {tp}·{pp}{cpv} = {tp * pp * cp}, "
+                    f"so dp cannot be inferred. Use a world that is a multiple of tp·pp{cps}, or change the degrees."
                 )
-            dp = world_size // (tp * pp)
+            dp = world_size // (tp * pp * cp)
         elif isinstance(dp, str):
             raise ValueError(f"dp={dp!r} is not understood: pass an integer or 'auto'.")
-        return cls(world_size, tp, pp, ep, dp, sequence_parallel, virtual_stages, dp_shard)
+        return cls(world_size, tp, pp, ep, dp, sequence_parallel, virtual_stages, dp_shard, cp)
 
     @property
     def edp(self) -> int:
-        """Data-parallel degree of expert parameters: ``dp · tp / ep``."""
-        return self.dp * self.tp // self.ep
+        """Data-parallel degree of expert parameters: ``dp · cp · tp / ep``."""
+        return self.dp * self.cp * self.tp // self.ep
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks holding different tokens for the same parameters, ``dp · cp``: gradients are reduced over them."""
+        return self.dp * self.cp
 
     @property
     def dp_replicate(self) -> int:
@@ -181,18 +206,23 @@ def rank_coordinates(dims: ParallelDims, rank: int) -> dict[str, int]:
     Example:
         >>> rank_coordinates(ParallelDims.from_world(8, tp=2, pp=2), 5)
         {'pp': 1, 'dp': 0, 'tp': 1, 'edp': 1, 'ep': 0}
+        >>> rank_coordinates(ParallelDims.from_world(8, tp=2, cp=2), 6)  # "cp" only when cp > 1
+        {'pp': 0, 'dp': 1, 'tp': 0, 'edp': 6, 'ep': 0, 'cp': 1}
     """
     if not 0 <= rank < dims.world_size:
         raise ValueError(f"rank={rank} is outside the world of {dims.world_size} ranks.")
-    pp, rest = divmod(rank, dims.dp * dims.tp)
-    dp, tp = divmod(rest, dims.tp)
+    pp, rest = divmod(rank, dims.dp * dims.cp * dims.tp)
+    dp_cp, tp = divmod(rest, dims.tp)
+    dp, cp = divmod(dp_cp, dims.cp)
     edp, ep = divmod(rest, dims.ep)
-    return {"pp": pp, "dp": dp, "tp": tp, "edp": edp, "ep": ep}
+    coords = {"pp": pp, "dp": dp, "tp": tp, "edp": edp, "ep": ep}
+    return {**coords, "cp": cp} if dims.cp > 1 else coords
 
 
 @dataclass
 class FourDMesh:
-    """The dense mesh ``(pp, dp, tp)`` and the expert view ``(pp, edp, ep)`` over the same ranks.
+    """The dense mesh ``(pp, dp, tp)`` (``(pp, dp, cp, tp)`` with context parallelism) and the expert view
+    ``(pp, edp, ep)`` over the same ranks.
 
     Example:
         >>> # not run: needs a process group
@@ -205,6 +235,7 @@ class FourDMesh:
     dense: "DeviceMesh"
     expert: "DeviceMesh"
     flat_dp: Optional["DeviceMesh"] = None  # HSDP: dp_replicate × dp_shard as one dimension
+    dp_cp: Optional["DeviceMesh"] = None  # cp > 1: dp × cp as one dimension (gradients, loss, metrics)
 
     def __getitem__(self, name: Union[str, Axis]) -> "DeviceMesh":
         name = name.value if isinstance(name, Axis) else name
@@ -212,12 +243,17 @@ class FourDMesh:
             return self.expert[name]
         if name == "dp" and self.flat_dp is not None:
             return self.flat_dp
+        if name == "dp_cp":
+            return self.dp_cp if self.dp_cp is not None else self.dense["dp"]
         return self.dense[name]
 
     @property
     def data_parallel(self) -> "DeviceMesh":
-        """The mesh dense parameters are data-parallel over: ``dp``, or the 2-D ``(dp_replicate, dp_shard)``
-        under HSDP (FSDP2 then shards over the second dimension and replicates over the first)."""
+        """The mesh dense parameters are data-parallel over: ``dp``, the flattened ``dp × cp`` with context
+        parallelism, or the 2-D ``(dp_replicate, dp_shard)`` under HSDP (FSDP2 then shards over the second
+        dimension and replicates over the first)."""
+        if self.dp_cp is not None:
+            return self.dp_cp
         if self.dims.dp_shard is None:
             return self.dense["dp"]
         return self.dense["dp_replicate", "dp_shard"]
@@ -252,8 +288,13 @@ def build_mesh(
     override = mesh_backend_override(backend, timeout, 3)
     kwargs = {"backend_override": override} if override is not None else {}
     ranks = torch.arange(dims.world_size)
-    flat_dp = None
-    if dims.dp_shard is None:
+    flat_dp, dp_cp = None, None
+    if dims.cp > 1:  # (pp, dp, cp, tp); "dp_cp": the ranks holding different tokens of the same parameters
+        kwargs4 = {"backend_override": mesh_backend_override(backend, timeout, 4)} if override is not None else {}
+        dense = DeviceMesh(device_type, ranks.view(dims.pp, dims.dp, dims.cp, dims.tp),
+                           mesh_dim_names=("pp", "dp", "cp", "tp"), **kwargs4)
+        dp_cp = flatten_mesh(dense, ("dp", "cp"), "dp_cp", override[0] if override is not None else None)
+    elif dims.dp_shard is None:
         dense = DeviceMesh(
             device_type, ranks.view(dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"), **kwargs
         )
@@ -265,4 +306,4 @@ def build_mesh(
     expert = DeviceMesh(
         device_type, ranks.view(dims.pp, dims.edp, dims.ep), mesh_dim_names=("pp", "edp", "ep"), **kwargs
     )
-    return FourDMesh(dims, dense, expert, flat_dp)
+    return FourDMesh(dims, dense, expert, flat_dp, dp_cp)

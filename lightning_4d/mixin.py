@@ -166,7 +166,7 @@ class FourDModule:
                 f"{type(self).__name__}.fourd_dp_group: the data-parallel group exists once the Trainer has set up "
                 f"the processes. Create metrics in `setup(self, stage)` (or later), not in `__init__`."
             ) from err
-        return mesh[Axis.DP].get_group()
+        return mesh[Axis.DP_CP].get_group()  # dp × cp with context parallelism: ranks of different tokens
 
     @property
     def fourd_holds_outputs(self) -> bool:

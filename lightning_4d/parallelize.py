@@ -209,7 +209,7 @@ def apply_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, config: F
             apply_data_parallel(expert, mesh[Axis.EDP], mode=wrap_mode(config.data_parallel, experts=True),
                                 precision=precision,
                                 reshard_root=reshards_after_forward(dims.pp))
-    if dims.dp > 1:
+    if dims.dp_cp > 1:  # dp, or dp × cp with context parallelism
         direct = [name for name, p in module.named_parameters(recurse=False)]
         if direct:
             raise ValueError(
@@ -323,9 +323,9 @@ def _apply_experts(module: nn.Module, mesh: FourDMesh, plan: ParallelPlan, accum
                 f"MoE). Use ep=1 for a dense model."
             )
         return
-    stats = None if (dims.sp or dims.tp == 1) else ([("dp", mesh[Axis.DP].get_group())] if dims.dp > 1 else [])
+    stats = None if (dims.sp or dims.tp == 1) else ([("dp", mesh[Axis.DP_CP].get_group())] if dims.dp_cp > 1 else [])
     apply_expert_parallel(module, mesh, grad_scale=grad_scale, stats_groups=stats,
-                          aux_grad_scale=dims.dp / max(accumulate, 1))
+                          aux_grad_scale=dims.dp_cp / max(accumulate, 1))
     for name, moe in module.named_modules():
         if isinstance(moe, MoE):
             plan.expert_modules.append(f"{name}.experts")

@@ -40,6 +40,7 @@ from lightning_4d.comm import internal_comm
 from lightning_4d.checkpoint.resume import normalize_loop_state, skip_first_batches
 from lightning_4d.checkpoint.state import load_sharded, model_state_dict, optimizer_state_dict, save_sharded
 from lightning_4d.config import FourDConfig
+from lightning_4d.context_parallel import ContextParallelAttention, SequenceShard, shard_batch, takes_positions
 from lightning_4d.data_parallel import set_gradient_sync
 from lightning_4d.distributed import all_reduce_sum, broadcast_module_state, global_grad_norm, to_full
 from lightning_4d.expert_parallel import update_expert_bias
@@ -62,7 +63,6 @@ from lightning_4d.tensor_parallel.replicas import replica_mismatches
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
-    from contextlib import AbstractContextManager
 
     import lightning.pytorch as pl
     from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -126,6 +126,7 @@ class FourDStrategy(ParallelStrategy):
         self._heartbeat: Optional[Heartbeat] = None
         self._failed = False
         self.materialize_report: Optional[MaterializeReport] = None  # set when the model was built on meta
+        self._cp_shard: Optional[SequenceShard] = None  # cp > 1: this rank's share of the current batch
 
     # ------------------------------------------------------------------ properties
     @property
@@ -485,24 +486,38 @@ class FourDStrategy(ParallelStrategy):
         check_inputs(batch_tokens(inputs), self._plan.input_shape if self._plan is not None else None)
         check_targets(targets, self._plan is not None and self._plan.loss_parallel)
         runner = self._plan.pipeline if self._plan is not None else None
+        inputs, targets = self._shard_sequence(module, inputs, targets, pipelined=runner is not None)
+        # The ranks holding different tokens of one model replica: dp, or dp × cp with context parallelism.
+        batch_ranks = self.dims.dp_cp
         if runner is not None:
-            dp_group = self.mesh[Axis.DP].get_group()
+            dp_group = self.mesh[Axis.DP_CP].get_group()
             if stage == "train" and module.training and torch.is_grad_enabled():
                 self.zero_grad_if_needed()
-                return pipeline_train_loss(runner, module, inputs, targets, dp_group, self.dims.dp,
+                return pipeline_train_loss(runner, module, inputs, targets, dp_group, batch_ranks,
                                            module.trainer.accumulate_grad_batches, self.loss_context)
             return pipeline_eval(runner, module, inputs, targets, dp_group, self.loss_context)
         with self.loss_context():
             outputs = call_model(module, inputs)
             local = module.loss_fn(outputs, targets)
         n_local = module.count_targets(targets)
-        dims = self.dims
-        # Always the dp group (size 1 when dp == 1: no reduction). Never None: torch.distributed reads
+        # Always the dp (× cp) group (size 1 when dp == 1: no reduction). Never None: torch.distributed reads
         # None as the *world*, which would count the targets once per tp/pp peer and scale the backward
         # loss by 1/(tp·pp) while the logged value stays right (it broke the task-loss : MoE aux-loss
         # gradient ratio under tp=2 with dp=1).
-        group = self.mesh[Axis.DP].get_group()
-        return weighted_global_loss(local, n_local.to(local.device), group, dims.dp)
+        group = self.mesh[Axis.DP_CP].get_group()
+        return weighted_global_loss(local, n_local.to(local.device), group, batch_ranks)
+
+    def _shard_sequence(self, module: "pl.LightningModule", inputs: Any, targets: Any,
+                        pipelined: bool) -> tuple[Any, Any]:
+        """With context parallelism, this rank's zigzag share of the batch (:mod:`lightning_4d.context_parallel`);
+        :meth:`loss_context` then makes the model's attention global. Unchanged without."""
+        dims = self.dims
+        if dims.cp == 1:
+            return inputs, targets
+        inputs, targets, self._cp_shard = shard_batch(
+            inputs, targets, self.mesh[Axis.CP].get_group(), dims.cp, self.mesh.rank(Axis.CP),
+            takes_positions(module), tp=dims.tp if dims.sp else 1, pipelined=pipelined)
+        return inputs, targets
 
     def predict(self, module: "pl.LightningModule", inputs: Any) -> Any:
         """Full (unsharded) model outputs on every rank."""
@@ -519,13 +534,15 @@ class FourDStrategy(ParallelStrategy):
                 optimizer.zero_grad(set_to_none=True)
             self._grads_stale = False
 
-    def loss_context(self) -> AbstractContextManager[None]:
-        """Context for computing the loss and its backward (``loss_parallel`` under TP)."""
+    @contextmanager
+    def loss_context(self) -> Generator[None, None, None]:
+        """Context for computing the loss and its backward (``loss_parallel`` under TP; with context parallelism
+        the model's attention made global for the current batch, in the backward too: recomputed activations)."""
         plan = self._plan
-        if plan is not None and getattr(plan, "loss_parallel", False):
-
-            return loss_parallel()
-        return nullcontext()
+        parallel_loss = plan is not None and getattr(plan, "loss_parallel", False)
+        with loss_parallel() if parallel_loss else nullcontext():
+            with ContextParallelAttention(self._cp_shard) if self._cp_shard is not None else nullcontext():
+                yield
 
     def clip_grad_norm_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip gradients by the global norm across every tp / pp / ep / dp shard.

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_4d.batches import document_ids
 from lightning_4d.models.flops import training_flops_per_token
 
 __all__ = [
@@ -48,17 +49,6 @@ def rope_cos_sin(
     freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)  # (T, hd/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
     return emb.cos(), emb.sin()
-
-
-def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """Which document each token belongs to, ``(B, T)``: a new one starts wherever the position does not follow the
-    previous one by 1 (transformers' rule for packed sequences, ``masking_utils.find_packed_sequence_indices``).
-
-    >>> document_ids(torch.tensor([[0, 1, 2, 0, 1, 0]])).tolist()
-    [[0, 0, 0, 1, 1, 2]]
-    """
-    first = position_ids[:, :1] - 1  # (B, 1): the first token continues nothing
-    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)  # (B, T)
 
 
 def packed_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional  # plan: a tensor_parallel.plan.BlockPlan (it imports this module)
 
 from torch import nn
 
@@ -33,7 +33,6 @@ from lightning_4d.hooks import TP_PLAN, hook_call
 from lightning_4d.layer_kinds import is_norm
 
 if TYPE_CHECKING:
-    from lightning_4d.tensor_parallel.plan import BlockPlan, Piece
     from lightning_4d.trace import ModelTrace
 
 __all__ = ["GROUP_COUNT_ATTRS", "MixerPlan", "conv_rows", "linear_rows", "plan_mixer"]
@@ -92,8 +91,8 @@ def _depthwise_convs(region: nn.Module) -> dict[str, nn.Module]:
             if n and isinstance(m, nn.Conv1d) and m.groups == m.in_channels == m.out_channels and m.groups > 1}
 
 
-def plan_mixer(block_name: str, block: nn.Module, region: str, plan: "BlockPlan",
-               pieces_of: dict[str, list["Piece"]], trace: Optional["ModelTrace"], tp: int) -> MixerPlan:
+def plan_mixer(block_name: str, block: nn.Module, region: str, plan: Any,
+               pieces_of: dict[str, list[Any]], trace: Optional["ModelTrace"], tp: int) -> MixerPlan:
     """Plan the convolution, norms and per-rank sizes of one region whose projection feeds a depthwise convolution
     (nothing for any other region); records into ``plan`` (``local_attrs``, ``head_params``, ``dist_norms``,
     ``partial_params``) and returns what it handled. Raises naming the module when no exact layout exists.
@@ -158,7 +157,7 @@ def plan_mixer(block_name: str, block: nn.Module, region: str, plan: "BlockPlan"
     return out
 
 
-def _plan_norms(block_name: str, module: nn.Module, region: str, plan: "BlockPlan", inner: set[int],
+def _plan_norms(block_name: str, module: nn.Module, region: str, plan: Any, inner: set[int],
                 sources: set[str], tp: int, out: MixerPlan) -> None:
     """A norm of a mixer region over its whole sharded inner width (Mamba-2's gated ``norm`` before ``out_proj``):
     per group on each rank's features when its groups (``group_size``) divide by ``tp``, a distributed norm when it

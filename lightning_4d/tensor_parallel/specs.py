@@ -48,7 +48,7 @@ _OPTIONS: dict[type, dict[str, Any]] = {
     Rowwise: {"output_layouts": "R", "sequence": False},
     LowRankDown: {},
     GatheredColumns: {"rows": None},
-    RegionInput: {"sequence_parallel": None},
+    RegionInput: {"sequence_parallel": None, "rows": ()},
     DistributedNorm: {},
     ColwiseParallel: {"input_layouts": "R", "output_layouts": "S(-1)", "use_local_output": True},
     RowwiseParallel: {"input_layouts": "S(-1)", "output_layouts": "R", "use_local_output": True},
@@ -108,7 +108,9 @@ def _encode(value: Any) -> Any:
     return value
 
 
-def _decode(name: str, value: Any) -> Any:
+def _decode(name: str, value: Any, cls: type) -> Any:
+    if cls is RegionInput and name == "rows":  # {parameter path: rows of every rank}
+        return {k: [list(r) for r in v] for k, v in value or ()}
     if name == "permutation" or name == "rows":
         if value is None:
             return None
@@ -151,7 +153,7 @@ class StyleSpec:
         wrong = [k for k, _ in self.options if k not in known]
         if wrong:
             raise ValueError(f"style {self.kind} has no option {wrong[0]!r}; its options: {', '.join(known) or 'none'}")
-        return cls(**{k: _decode(k, v) for k, v in self.options})
+        return cls(**{k: _decode(k, v, cls) for k, v in self.options})
 
     def __str__(self) -> str:
         if self.kind == "object":
@@ -221,6 +223,6 @@ def _read(style: ParallelStyle, name: str) -> Any:
         return value[0]  # a single placement, as the constructor takes it
     if isinstance(style, PrepareModuleInput) and name.endswith("kwarg_layouts") and value == {}:
         return None
-    if name == "rows" and value is not None:
+    if isinstance(style, GatheredColumns) and name == "rows":
         return tuple(tuple(r) for r in value)
     return value

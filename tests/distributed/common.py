@@ -203,7 +203,7 @@ def fit_spec(spec: dict[str, Any]) -> dict[str, Any]:
 
             kwargs["timeout"] = timedelta(seconds=kwargs.pop("timeout_s"))
         strategy = FourDStrategy(**kwargs)
-        dp = devices // (kwargs.get("tp", 1) * kwargs.get("pp", 1))
+        dp = devices // (kwargs.get("tp", 1) * kwargs.get("pp", 1) * kwargs.get("cp", 1))
         batch = global_batch // dp
     data = make_dataset(global_batch * steps * accum, seed=spec.get("data_seed", 1234))
     if strategy_kwargs is None:
