@@ -25,6 +25,7 @@ from torch import nn
 from lightning_4d._compat import meta_scalar_mode
 from lightning_4d.config import FourDConfig
 from lightning_4d.discovery import find_blocks
+from lightning_4d.distributed import is_on_meta
 from lightning_4d.expert_parallel import MoE
 from lightning_4d.expert_parallel.inplace import find_expert_modules
 from lightning_4d.expert_parallel.rewrite import find_moe_modules
@@ -41,18 +42,7 @@ from lightning_4d.trace import example_tokens, trace_model
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["is_on_meta", "plan_layout"]
-
-
-def is_on_meta(module: nn.Module) -> bool:
-    """Whether any parameter or buffer of ``module`` is on the meta device (built without weights): the one
-    definition the set-up path uses.
-
-    Example:
-        >>> is_on_meta(nn.Linear(1, 1)), is_on_meta(nn.Linear(1, 1, device="meta"))
-        (False, True)
-    """
-    return any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
+__all__ = ["plan_layout"]
 
 
 def plan_layout(module: nn.Module, dims: ParallelDims, config: FourDConfig,

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from lightning_4d import _compat
 
-__all__ = ["all_reduce_sum", "broadcast_module_state", "global_grad_norm", "to_full"]
+__all__ = ["all_reduce_sum", "broadcast_module_state", "global_grad_norm", "is_on_meta", "local_of", "to_full"]
 
 
 def all_reduce_sum(tensor: Tensor, group: Optional[dist.ProcessGroup] = None) -> Tensor:
@@ -129,6 +129,28 @@ def global_grad_norm(params: Iterable[nn.Parameter], norm_type: float = 2.0, pp:
     if world > 1:
         all_reduce_sum(total, group)
     return total.cpu().pow(1.0 / norm_type)
+
+
+def local_of(tensor: Any) -> Any:
+    """This rank's local tensor: a DTensor's shard (differentiable), a plain tensor (or ``None``) itself; the one
+    owner of "DTensor to local" for the package.
+
+    Example:
+        >>> local_of(torch.ones(2)).shape, local_of(None)
+        (torch.Size([2]), None)
+    """
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def is_on_meta(module: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` is on the meta device (built without weights): the one
+    definition the package uses (set-up, value checks, tracing).
+
+    Example:
+        >>> is_on_meta(nn.Linear(1, 1)), is_on_meta(nn.Linear(1, 1, device="meta"))
+        (False, True)
+    """
+    return any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
 
 
 def to_full(value: Any) -> Any:

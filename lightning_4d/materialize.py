@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_4d.distributed import is_on_meta
 from lightning_4d._compat import init_calls, release_freed_host_memory, returnable_host_empty, to_empty_keeping_ties
 from lightning_4d._compat.dispatch import dispatch_mode_base
 from lightning_4d.init_pieces import CHUNK_ELEMENTS, Region, Step, covers, evaluate, scratch_bytes, unwritten_fill
@@ -70,7 +71,7 @@ if TYPE_CHECKING:
     from lightning_4d._compat import InitCall
 
 __all__ = ["MaterializeReport", "UninitializedError", "WeightSource", "module_copy", "materialize",
-           "materialize_local_shards", "meta_skeleton", "is_meta_built", "local_slice", "read_local", "write_full"]
+           "materialize_local_shards", "meta_skeleton", "local_slice", "read_local", "write_full"]
 
 
 class UninitializedError(ValueError):
@@ -96,16 +97,6 @@ class MaterializeReport:
     local_bytes: int = 0  # this rank's shards
     loaded: int = 0  # tensors read from a WeightSource instead of initialised
     loaded_in_pieces: int = 0  # of those, read in row pieces (only the rows holding this rank's elements)
-
-
-def is_meta_built(module: nn.Module) -> bool:
-    """Whether any parameter or buffer of ``module`` is on the meta device.
-
-    Example:
-        >>> is_meta_built(nn.Linear(1, 1))
-        False
-    """
-    return any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
 
 
 def module_copy(module: nn.Module, to_meta: bool = False) -> nn.Module:
@@ -156,7 +147,7 @@ def meta_skeleton(module: nn.Module) -> nn.Module:
         >>> meta_skeleton(nn.Linear(1, 1, device="meta")).weight.is_meta
         True
     """
-    return module_copy(module, to_meta=not is_meta_built(module))
+    return module_copy(module, to_meta=not is_on_meta(module))
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -325,7 +316,7 @@ def materialize(module: nn.Module, device: Union[str, torch.device] = "cpu", pre
         >>> materialize(net).weight.is_meta
         False
     """
-    if is_meta_built(module):
+    if is_on_meta(module):
         materialize_local_shards(meta_skeleton(module), module, torch.device(device), pretrained=pretrained)
     return module
 

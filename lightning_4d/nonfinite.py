@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from lightning_4d import _compat
 from lightning_4d.config import NONFINITE_MODES  # owned by the options
+from lightning_4d.distributed import local_of
 
 __all__ = ["NonFiniteError", "SkipStep", "local_flags", "check_step", "NONFINITE_MODES"]
 
@@ -38,17 +39,13 @@ class SkipStep(Exception):
     """Internal: the step is non-finite and the strategy skips it (``nonfinite="skip"``)."""
 
 
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def local_flags(loss: Optional[Tensor], params: Iterable[nn.Parameter], device: Any = None) -> Tensor:
     """``[loss not finite, this rank's gradient norm² not finite]`` as a float tensor (pure, no collective)."""
     loss_bad = loss is not None and isinstance(loss, Tensor) and not bool(torch.isfinite(loss.detach()).all())
     by_device: dict[Any, list[Tensor]] = defaultdict(list)
     for p in params:
         if p.grad is not None:
-            g = _local(p.grad)
+            g = local_of(p.grad)
             if g.numel():
                 by_device[g.device].append(g)
     grad_bad = False
@@ -62,7 +59,7 @@ def local_flags(loss: Optional[Tensor], params: Iterable[nn.Parameter], device: 
 
 def _first_bad(named: Iterable[tuple[str, Tensor]]) -> Optional[str]:
     for name, t in named:
-        if t is not None and t.numel() and not bool(torch.isfinite(_local(t).detach()).all()):
+        if t is not None and t.numel() and not bool(torch.isfinite(local_of(t).detach()).all()):
             return name
     return None
 

@@ -25,7 +25,8 @@ from torch.distributed.tensor import DTensor, Partial, Placement
 from lightning_4d.activation_checkpoint import apply_activation_checkpointing
 from lightning_4d.config import FourDConfig
 from lightning_4d.data_parallel import apply_data_parallel, reshards_after_forward, wrap_mode
-from lightning_4d.discovery import find_blocks, top_level_modules
+from lightning_4d.discovery import top_level_modules
+from lightning_4d.distributed import local_of
 from lightning_4d.expert_parallel import MoE, apply_expert_parallel
 from lightning_4d.expert_parallel.inplace import is_inplace_experts
 from lightning_4d.expert_parallel.parallel import (
@@ -36,7 +37,7 @@ from lightning_4d.expert_parallel.parallel import (
 from lightning_4d.expert_parallel.rewrite import find_moe_modules
 from lightning_4d.expert_replay import check_with_experts_replayed, record_expert_layers
 from lightning_4d.mesh import Axis, FourDMesh
-from lightning_4d.hooks import BLOCKS_PATH, TP_PLAN, user_hook
+from lightning_4d.hooks import TP_PLAN, user_hook
 from lightning_4d.derive_plan import _check_tied_across_v_stages, plan_layout
 from lightning_4d.layout_plan import LayoutPlan
 from lightning_4d.pipeline.glue import (
@@ -49,6 +50,7 @@ from lightning_4d.pipeline.glue import (
 from lightning_4d.pipeline.runner import PipelineRunner
 from lightning_4d.pipeline.staged import StagedForward, check_staged
 from lightning_4d.tensor_parallel import apply_tensor_parallel
+from lightning_4d.tensor_parallel.layouts import attach_plan
 from lightning_4d.trace import example_tokens
 
 __all__ = ["LayoutRow", "ParallelPlan", "apply_layout", "check_layout", "describe_layout", "parallelize_module",
@@ -180,6 +182,7 @@ def apply_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, config: F
     """
     dims = mesh.dims
     plan.check(module, dims)
+    attach_plan(module, plan)  # materialisation, checkpoints and exports read the row permutations from it
     record = ParallelPlan(blocks_path=plan.blocks_path, blocks=_blocks_of(module.get_submodule(plan.blocks_path)),
                           input_shape=plan.input_shape, layout=plan)
     parts = split = None
@@ -292,7 +295,7 @@ def reduce_tp_partial_grads(plan: Optional[ParallelPlan], mesh: FourDMesh, model
     group = mesh[Axis.TP].get_group()
     for name, p in model.named_parameters():
         if name in names and p.grad is not None:
-            dist.all_reduce(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad, group=group)
+            dist.all_reduce(local_of(p.grad), group=group)
 
 
 def _blocks_of(container: nn.Module) -> list[nn.Module]:

@@ -19,6 +19,8 @@ from typing import Iterator, NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
+from lightning_4d.distributed import local_of  # re-exported: its owner is lightning_4d.distributed
+
 __all__ = ["LocalChunk", "chunkable", "local_chunks", "local_of", "local_slice", "read_local", "shards_only", "write_full"]
 
 
@@ -111,16 +113,6 @@ def shards_only(target: Tensor) -> bool:
 
     placements = list(target.placements) if isinstance(target, DTensor) else []
     return all(p.is_replicate() or getattr(p, "dim", None) is not None for p in placements)
-
-
-def local_of(target: Tensor) -> Tensor:
-    """The local tensor of a DTensor, else the tensor itself.
-
-    Example:
-        >>> local_of(torch.ones(2)).shape
-        torch.Size([2])
-    """
-    return target.to_local() if hasattr(target, "to_local") else target
 
 
 def _positions(target: Tensor, perm: Optional[tuple[list[int], int]]) -> Tensor:

@@ -30,7 +30,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from typing_extensions import override
 
@@ -42,13 +41,13 @@ from lightning_4d.checkpoint.state import load_sharded, model_state_dict, optimi
 from lightning_4d.config import FourDConfig
 from lightning_4d.context_parallel import ContextParallelAttention, SequenceShard, shard_batch, takes_positions
 from lightning_4d.data_parallel import set_gradient_sync
-from lightning_4d.distributed import all_reduce_sum, broadcast_module_state, global_grad_norm, to_full
+from lightning_4d.distributed import all_reduce_sum, broadcast_module_state, global_grad_norm, is_on_meta, to_full
 from lightning_4d.expert_parallel import update_expert_bias
 from lightning_4d.expert_parallel.rewrite import source_names
 from lightning_4d.heartbeat import Heartbeat
 from lightning_4d.hooks import TP_PLAN, hook_call
 from lightning_4d.loss import check_inputs, check_targets, weighted_global_loss
-from lightning_4d.materialize import MaterializeReport, is_meta_built, materialize_local_shards, meta_skeleton
+from lightning_4d.materialize import MaterializeReport, materialize_local_shards, meta_skeleton
 from lightning_4d.mesh import Axis, FourDMesh, ParallelDims, build_mesh
 from lightning_4d.nonfinite import NonFiniteError, SkipStep, check_step
 from lightning_4d.parallelize import (
@@ -253,7 +252,7 @@ class FourDStrategy(ParallelStrategy):
         whole model; a model built for real is (optionally) synchronised from rank 0 in 64 MB buckets, then
         rewritten."""
         assert self.model is not None
-        meta = is_meta_built(self.model)
+        meta = is_on_meta(self.model)
         # The unsharded model on meta (no memory): initialisation of a meta-built model and the set-up check.
         skeleton = meta_skeleton(self.model)
         buffers = None if meta else {n: b.detach().clone() for n, b in self.model.named_buffers()}

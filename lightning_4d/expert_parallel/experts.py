@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_4d import _compat
+from lightning_4d.distributed import local_of
 
 __all__ = ["GroupedExperts", "grouped_linear", "swiglu_experts", "scale_grad", "SwiGLU", "init_experts_", "GroupedMM"]
 
@@ -142,10 +143,8 @@ def init_experts_(local: torch.Tensor, std: float, seed: int, first_expert: int)
 
 
 def local_tensor(p: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (differentiable), or ``p`` itself."""
-    from torch.distributed.tensor import DTensor
-
-    return p.to_local() if isinstance(p, DTensor) else p
+    """The local shard of a DTensor (differentiable), or ``p`` itself (:func:`lightning_4d.distributed.local_of`)."""
+    return local_of(p)
 
 
 def first_local_expert(p: torch.Tensor) -> int:

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from lightning_4d.batches import PackedInputs, check_takes_positions
 from lightning_4d.config import FourDConfig
-from lightning_4d.distributed import all_reduce_sum, to_full
+from lightning_4d.distributed import all_reduce_sum, is_on_meta, to_full
 from lightning_4d.hooks import PIPELINE_HOOKS, PIPELINE_POST, PIPELINE_PRE, PIPELINE_SPLIT, user_hook
 from lightning_4d.mesh import Axis, FourDMesh
 from lightning_4d.pipeline.checks import check_sequential
@@ -73,7 +73,7 @@ def check_pipeline_model(module: nn.Module, blocks_path: str, values: bool = Tru
     split = hook() if hook else find_pipeline_split(module, blocks_path)
     if isinstance(split, str):
         split = find_pipeline_split(module, split)
-    if not values or any(p.is_meta for p in module.parameters()):
+    if not values or is_on_meta(module):
         return split
     with torch.no_grad():
         was_training = module.training

@@ -31,6 +31,7 @@ from torch import nn
 
 from lightning_4d import _compat
 from lightning_4d._compat import pytree
+from lightning_4d.distributed import local_of
 from lightning_4d.pipeline.partition import stage_ids_for_rank, stage_to_rank
 from lightning_4d.pipeline.schedules import get_schedule_info, validate_microbatches
 from lightning_4d.pipeline.tied import sync_tied_grads
@@ -69,11 +70,6 @@ def _leaves(value: Any) -> list[torch.Tensor]:
 def _batch_size(value: Any) -> Optional[int]:
     leaves = _leaves(value)
     return int(leaves[0].shape[0]) if leaves else None
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A replicated DTensor (e.g. the loss under ``loss_parallel``) as a plain tensor."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class PipelineRunner:
@@ -241,7 +237,7 @@ class PipelineRunner:
                            return_outputs=False, **self._kwargs(inputs))
         loss = torch.zeros((), device=self.device)
         if self.has_last:
-            loss = torch.stack([_local(t).detach().float() for t in losses]).sum() / self._grad_scale
+            loss = torch.stack([local_of(t).detach().float() for t in losses]).sum() / self._grad_scale
         if self.tied and self.model is not None:
             sync_tied_grads(self.model, self.tied, self.group, self.first_rank, self.last_rank)
         return self._broadcast_loss(loss)
@@ -279,7 +275,7 @@ class PipelineRunner:
         if targets is not None:
             value = torch.zeros((), device=self.device)
             if self.has_last:
-                value = torch.stack([_local(t).detach().float() for t in losses]).sum()
+                value = torch.stack([local_of(t).detach().float() for t in losses]).sum()
             loss = self._broadcast_loss(value)
         if broadcast_outputs:
             from lightning_4d.distributed import to_full

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from lightning_4d._compat import registered_submodule
+from lightning_4d.distributed import local_of
 
 from lightning_4d.pipeline.partition import PipelineSplit
 
@@ -116,7 +117,7 @@ def sync_tied_grads(
             # e.g. a vocab-parallel embedding's gradient comes back replicated: lay it out like the weight
             p.grad = p.grad.redistribute(p.device_mesh, p.placements)
     # Local shards (DTensor under TP / FSDP): both copies are laid out identically on their meshes.
-    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in plist]
+    grads = [local_of(p.grad) for p in plist]
     flat = torch.cat([g.reshape(-1) for g in grads])
     other = torch.empty_like(flat)
     peer = last_rank if me == first_rank else first_rank

@@ -97,6 +97,7 @@ from lightning_4d.comm import CommRecord, mesh_axis_groups, name_axis
 from lightning_4d.expert_parallel.permute import FIXED_ROUTING, FixedRouting
 from lightning_4d.config import FourDConfig
 from lightning_4d.data_parallel import reshards_after_forward
+from lightning_4d.distributed import local_of
 from lightning_4d.mesh import FourDMesh, ParallelDims, rank_coordinates
 from lightning_4d.planner.comm import comm_per_rank, summarize
 from lightning_4d.planner.memory import micro_batch_size, stage_layout
@@ -375,7 +376,7 @@ def _leaves(x: Any) -> list[torch.Tensor]:
 
 def _measured_send(t: torch.Tensor) -> CommRecord:
     """A pp send of the stage boundary tensor ``t`` (measured: torch's schedule is not run)."""
-    local = t.to_local() if hasattr(t, "to_local") else t
+    local = local_of(t)
     nbytes = float(local.numel() * local.element_size())
     return CommRecord("send", "pp", 2, nbytes, nbytes, op="boundary (measured)")
 

@@ -24,7 +24,6 @@ from lightning_4d.head_bias import ArgKey, install_head_inputs
 from lightning_4d.hooks import LOSS_PARALLEL, TP_PLAN, hook_call, user_hook
 from lightning_4d.layer_kinds import is_conv1d
 from lightning_4d.mesh import Axis, FourDMesh, ParallelDims
-from lightning_4d.tensor_parallel.layouts import register_permutation
 from lightning_4d.tensor_parallel.plan import block_plan, model_plan
 from lightning_4d.tensor_parallel.specs import StyleSpec, spec_of
 from lightning_4d.tensor_parallel.rng import ShardedRNG, install_sharded_rng, sharded_dropout_modules
@@ -271,9 +270,6 @@ def apply_tensor_parallel(module: nn.Module, mesh: FourDMesh, plan: TPRecord, la
         if present(owner):
             install_head_inputs(module.get_submodule(owner), {k: (h, s[rank]) for k, (h, s) in inputs.items()})
     _retie(module, groups)
-    for fqn, (perm, dim) in layout.permutations.items():
-        if present(fqn.rpartition(".")[0]):
-            register_permutation(module, fqn, perm, dim)
     if layout.boundary is not None:
         first, last = (module.get_submodule(n) if present(n) else None for n in layout.boundary)
         install_sequence_boundary(first, last, layout.hidden, tp_mesh)

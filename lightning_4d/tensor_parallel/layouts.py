@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["concat_permutation", "inverse_permutation", "register_permutation", "permutations_of",
+__all__ = ["attach_plan", "concat_permutation", "inverse_permutation", "permutations_of",
            "canonical_state", "sharded_state", "canonical_tensor", "full_tensors"]
 
-_ATTR = "_fourd_row_permutations"
+_PLAN = "_fourd_layout_plan"  # the LayoutPlan applied to a root module (lightning_4d.layout_plan)
 
 
 def concat_permutation(sizes: Sequence[int], tp: int) -> list[int]:
@@ -60,15 +60,25 @@ def inverse_permutation(perm: Sequence[int]) -> list[int]:
     return inv
 
 
-def register_permutation(root: nn.Module, fqn: str, perm: Sequence[int], dim: int) -> None:
-    """Remember that parameter ``fqn`` of ``root`` holds its rows (along ``dim``) in order ``perm``."""
-    table = root.__dict__.setdefault(_ATTR, {})
-    table[fqn] = (list(perm), int(dim))
+def attach_plan(root: nn.Module, plan: Any) -> None:
+    """Remember the layout plan applied to ``root`` (a :class:`~lightning_4d.layout_plan.LayoutPlan`): what
+    materialisation, checkpoints and exports read the row permutations from (:func:`permutations_of`)."""
+    root.__dict__[_PLAN] = plan
 
 
 def permutations_of(root: nn.Module) -> dict[str, tuple[list[int], int]]:
-    """``{fqn: (perm, dim)}`` of the permuted parameters of ``root`` (empty for most models)."""
-    return dict(root.__dict__.get(_ATTR, {}))
+    """``{fqn: (perm, dim)}`` of the permuted parameters ``root`` holds (empty for most models), read from the
+    layout plan applied to it (:func:`attach_plan`); modules a pipeline split removed are left out.
+
+    Example:
+        >>> permutations_of(nn.Linear(2, 2))
+        {}
+    """
+    tpl = getattr(root.__dict__.get(_PLAN), "tensor_parallel", None)
+    if tpl is None:
+        return {}
+    held = {name for name, _ in root.named_parameters(remove_duplicate=False)}
+    return {fqn: (list(perm), int(dim)) for fqn, (perm, dim) in tpl.permutations.items() if fqn in held}
 
 
 def _permute(value: torch.Tensor, index: Sequence[int], dim: int) -> torch.Tensor:
