@@ -66,10 +66,14 @@ def packed_rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[t
 
 
 def _lm(kind: str):
-    from lightning_4d.models import CausalLM
+    """``CausalLM`` around the package's ``kind`` model, or (``transformers``) a transformers Llama in ``HFLogits``."""
+    from lightning_4d.models import CausalLM, HFLogits
     from tests.distributed.common import build_model
+    from tests.hf_tiny import tiny_config
 
     torch.manual_seed(0)
+    if kind == "transformers":
+        return CausalLM(HFLogits.from_config(tiny_config("llama", 64), attn_implementation="sdpa"), lr=1e-3)
     return CausalLM(build_model(kind), lr=1e-3)
 
 
@@ -92,8 +96,10 @@ def _packed_world(rank: int, kind: str) -> dict[str, float]:
     return {"packed": packed, "crossing": crossing, "train": record.losses[0]}
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2", "hf"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "hf", "transformers"])
 def test_packed_batch_under_tp_and_pp(kind: str) -> None:
+    if kind == "transformers":
+        pytest.importorskip("transformers")
     from tests.unit.test_packing import one_by_one
 
     x, y, pos, docs = packed_rows()

@@ -1,5 +1,5 @@
-"""The README's examples: every ```python block compiles and its imports resolve, and every dotted
-``lightning_4d.…`` name it quotes exists.
+"""The README's examples: every ```python block compiles and its imports resolve, every dotted
+``lightning_4d.…`` name it quotes exists, and the relative links of the README and the docs pages resolve.
 
 Example:
     >>> sorted(_quoted_names("see `lightning_4d.trace` and `lightning_4d.models.CausalLM`"))
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+README_PATH = Path(__file__).resolve().parents[2] / "README.md"
+README = README_PATH.read_text(encoding="utf-8")
 BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)
 
 
@@ -47,3 +48,13 @@ def test_quoted_name_exists(name: str) -> None:
         for attr in parts[i:]:
             obj = getattr(obj, attr)
         return
+
+
+@pytest.mark.parametrize("page", ["README.md", "recipes/README.md", *sorted(
+    str(p.relative_to(README_PATH.parent)) for p in (README_PATH.parent / "docs").glob("*.md"))])
+def test_relative_links_exist(page: str) -> None:
+    """Every relative Markdown link of the README, the recipes' README and the docs pages names a file that exists."""
+    path = README_PATH.parent / page
+    targets = re.findall(r"\]\((?!https?://|#)([^)#\s]+)", path.read_text(encoding="utf-8"))
+    missing = [t for t in targets if not (path.parent / t).exists()]
+    assert not missing, f"{page} links to missing files: {missing}"
