@@ -23,7 +23,7 @@ from lightning_4d.distributed import all_reduce_sum
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-__all__ = ["check_inputs", "check_targets", "count_targets", "weighted_global_loss", "with_value"]
+__all__ = ["check_inputs", "check_targets", "count_targets", "token_weighted", "weighted_global_loss", "with_value"]
 
 
 def check_targets(targets: Any, loss_parallel: bool) -> None:
@@ -95,6 +95,18 @@ def with_value(grad_source: Tensor, value: Tensor) -> Tensor:
     return grad_source + (value.to(grad_source.dtype) - grad_source).detach()
 
 
+def token_weighted(mean: Tensor, n: float, total: float, scale: float = 1.0) -> Tensor:
+    """A mean loss over ``n`` targets as its share of a mean over ``total``, times ``scale``: ``mean · n / total ·
+    scale``. The one weighting rule of the package: data parallelism (:func:`weighted_global_loss`, ``scale = dp``
+    because gradients are averaged over ``dp``) and pipeline micro-batches (:mod:`lightning_4d.pipeline.runner`).
+
+    Example:
+        >>> token_weighted(torch.tensor(2.0), 3, 12, scale=2.0).item()
+        1.0
+    """
+    return mean * (float(n) * scale / float(total))
+
+
 def weighted_global_loss(local_loss: Tensor, n_local: Tensor, dp_group: Optional[dist.ProcessGroup],
                          dp_size: int) -> Tensor:
     """Turn a rank's mean loss into the global-batch mean (value) with DP-averaged-correct gradients.
@@ -113,5 +125,4 @@ def weighted_global_loss(local_loss: Tensor, n_local: Tensor, dp_group: Optional
     total_loss, n_total = stats[0], stats[1]
     if float(n_total) == 0.0:
         return with_value(local_loss * 0.0, torch.zeros((), device=local_loss.device))
-    weight = float(n_local) * dp_size / float(n_total)
-    return with_value(local_loss * weight, total_loss / n_total)
+    return with_value(token_weighted(local_loss, float(n_local), float(n_total), dp_size), total_loss / n_total)

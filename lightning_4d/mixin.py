@@ -35,12 +35,10 @@ __all__ = ["FourDModule"]
 
 
 def _last_stage_rank(strategy: FourDStrategy) -> int:
-    """The pp rank of the last pipeline stage, placed as the pipeline runner places it (``stage_to_rank``)."""
-    from lightning_4d.pipeline.partition import stage_to_rank
-    from lightning_4d.pipeline.schedules import get_schedule_info
-
-    dims = strategy.dims
-    return stage_to_rank(dims.num_stages - 1, dims.pp, get_schedule_info(strategy.config.schedule).style)
+    """The pp rank of the last pipeline stage, as the pipeline runner placed it (its ``last_rank``)."""
+    plan = strategy.plan
+    assert plan is not None and plan.pipeline is not None, "pp > 1: the strategy built a pipeline runner"
+    return plan.pipeline.last_rank
 
 
 class FourDModule:

@@ -32,6 +32,7 @@ from torch import nn
 from lightning_4d import _compat
 from lightning_4d._compat import pytree
 from lightning_4d.distributed import local_of
+from lightning_4d.loss import count_targets, token_weighted
 from lightning_4d.pipeline.partition import stage_ids_for_rank, stage_to_rank
 from lightning_4d.pipeline.schedules import get_schedule_info, validate_microbatches
 from lightning_4d.pipeline.tied import sync_tied_grads
@@ -52,15 +53,13 @@ class EvalOutput(NamedTuple):
 
 
 def default_token_count(target: torch.Tensor, ignore_index: int = -100) -> int:
-    """Valid targets in ``target``: entries ``!= ignore_index`` for integer targets, all elements otherwise.
+    """Valid targets in ``target`` (:func:`lightning_4d.loss.count_targets`, as an int).
 
     Example:
         >>> default_token_count(torch.tensor([[1, -100], [2, 3]]))
         3
     """
-    if target.dtype.is_floating_point or target.dtype.is_complex:
-        return target.numel()
-    return int((target != ignore_index).sum())
+    return int(count_targets(target, ignore_index))
 
 
 def _leaves(value: Any) -> list[torch.Tensor]:
@@ -178,7 +177,7 @@ class PipelineRunner:
             n = self._count(target)
             if n == 0:  # a mean over nothing is NaN; contribute an exact zero that keeps the graph
                 return sum((t.sum() * 0.0 for t in _leaves(output)), torch.zeros((), device=self.device))
-            contrib = value * (n / self._total)
+            return token_weighted(value, n, self._total, self._grad_scale)
         return contrib * self._grad_scale
 
     # -- steps ------------------------------------------------------------------------------
