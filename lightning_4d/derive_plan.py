@@ -81,6 +81,13 @@ def plan_layout(module: nn.Module, dims: ParallelDims, config: FourDConfig,
         _check_tied_across_v_stages(module, blocks_path, config.schedule, dims.dp_cp)
     block_order = tuple(trace.block_order) if trace is not None else keys
     hidden = trace.hidden if trace is not None else None
+    experts = _expert_entries(module)
+    tpl = plan_tensor_parallel(module, dims, trace, tp_mesh) if dims.tp > 1 and trace else None
+    if tpl is not None:
+        # Expert parallelism takes these over: their experts (and a whole MoE layer it rewrites) are accounted
+        # for by the expert rewrite, not summed over tp as replicated parameters.
+        owned = tuple(f"{e.path if e.kind == 'in-place' else _moe_layer(e)}." for e in experts)
+        tpl.partial_params = [n for n in tpl.partial_params if not n.startswith(owned)]
     return LayoutPlan(
         degrees=(("tp", dims.tp), ("pp", dims.pp), ("ep", dims.ep), ("dp", dims.dp), ("cp", dims.cp)),
         blocks_path=blocks_path, block_order=block_order, sequence_parallel=dims.sp,
@@ -89,8 +96,8 @@ def plan_layout(module: nn.Module, dims: ParallelDims, config: FourDConfig,
         pre=tuple(trace.pre) if trace else (), post=tuple(trace.post) if trace else (),
         elsewhere=tuple(trace.elsewhere) if trace else (), input_shape=input_shape,
         stages=stages, pipeline_hooks=hooks,
-        tensor_parallel=plan_tensor_parallel(module, dims, trace, tp_mesh) if dims.tp > 1 and trace else None,
-        experts=_expert_entries(module),
+        tensor_parallel=tpl,
+        experts=experts,
         activation_checkpointing=config.activation_checkpointing or "none",
         data_parallel=config.data_parallel,
     )
@@ -107,6 +114,11 @@ def _expert_entries(module: nn.Module) -> tuple[ExpertEntry, ...]:
         else:
             out.append(ExpertEntry(name, "mixtral", len(getattr(mod, "experts", ()))))
     return tuple(out)
+
+
+def _moe_layer(entry: ExpertEntry) -> str:
+    """The MoE layer an expert entry belongs to (lightning_4d's layer: the parent of its ``experts``)."""
+    return entry.path.rpartition(".")[0] if entry.kind == "moe" else entry.path
 
 
 def _check_tied_across_v_stages(module: nn.Module, blocks_path: str, schedule: str, dp: int) -> None:

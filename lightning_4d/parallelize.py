@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Placement
 
+from lightning_4d._compat import registered_submodule
 from lightning_4d.activation_checkpoint import apply_activation_checkpointing
 from lightning_4d.config import FourDConfig
 from lightning_4d.data_parallel import apply_data_parallel, reshards_after_forward, wrap_mode
@@ -194,6 +195,14 @@ def apply_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, config: F
     if dims.tp > 1:
         assert plan.tensor_parallel is not None
         apply_tensor_parallel(module, mesh, record, plan.tensor_parallel)
+        if dims.sp:
+            # In-place experts the plan lists but expert parallelism left as written (ep=1, a forward its replay
+            # cannot split) run on this rank's tokens like any replicated parameter: gradients summed over tp.
+            taken = set(record.expert_modules)
+            for entry in plan.experts:
+                found = registered_submodule(module, entry.path)
+                if entry.kind == "in-place" and entry.path not in taken and found is not None:
+                    record.tp_partial_params += [f"{entry.path}.{n}" for n, _ in found.named_parameters()]
         if dims.ep > 1 and user_hook(module, TP_PLAN) is not None:
             # A user's plan must give the expert layers sequence shards; the automatic plan does by construction.
             # In-place experts get the routed tokens themselves; the package's MoE layer gets them (its experts not).
