@@ -15,7 +15,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -25,13 +25,42 @@ from lightning_4d.distributed import is_on_meta, to_full
 from lightning_4d.hooks import TP_PLAN, hook_call
 from lightning_4d.precision import allowed_difference, max_difference
 
-__all__ = ["changed_output_error", "check_tensor_parallel"]
+__all__ = ["changed_output_error", "check_tensor_parallel", "compare_forward"]
+
+
+def compare_forward(module: nn.Module, run: Callable[[], Any], expected: Any,
+                    failed: Callable[[Exception], ValueError], differs: Callable[[float, float], ValueError]) -> None:
+    """The package's one forward-compare check: ``run()`` (a forward of ``module`` or of its pieces) in eval mode
+    without grad, compared with ``expected`` within :func:`lightning_4d.precision.allowed_difference`. An exception
+    raises ``failed(err)``; a difference raises ``differs(diff, allowed)`` (called in eval mode without grad, so it
+    may run more forwards to say where). Nothing is compared on the meta device.
+
+    Example:
+        >>> lin, x = nn.Linear(2, 2), torch.ones(1, 2)
+        >>> compare_forward(lin, lambda: lin(x), lin(x).detach(), ValueError, lambda d, a: ValueError(d))  # equal
+    """
+    if is_on_meta(module):
+        return  # a dry run on the meta device: no values to compare
+    was_training = module.training
+    module.eval()  # dropout off for the comparison
+    try:
+        with torch.no_grad():
+            try:
+                got = run()
+            except Exception as err:  # noqa: BLE001 - reported by the caller's message
+                raise failed(err) from err
+            diff, scale = max_difference(to_full(got), expected) or (0.0, 0.0)
+            allowed = allowed_difference(expected, scale)
+            if diff > allowed:
+                raise differs(diff, allowed)
+    finally:
+        module.train(was_training)
 
 
 def check_tensor_parallel(module: nn.Module, example: Any, expected: Any) -> None:
     """Run the sharded model (no pipeline) on the traced input and compare with the unsharded output (every rank,
-    same input). A rewrite that changes the forward fails here, loudly, naming the innermost module whose
-    forward failed, instead of training on.
+    same input): :func:`compare_forward`. A rewrite that changes the forward fails here, loudly, naming the
+    innermost module whose forward failed, instead of training on.
 
     Example:
         >>> lin, x = nn.Linear(2, 2), torch.ones(1, 2)
@@ -40,10 +69,6 @@ def check_tensor_parallel(module: nn.Module, example: Any, expected: Any) -> Non
         ...
         ValueError: Linear: the tensor-parallel rewrite changes its output (max abs difference 1 on a test input)...
     """
-    if is_on_meta(module):
-        return  # a dry run on the meta device: no values to compare
-    was_training = module.training
-    module.eval()
     names = {id(m): n for n, m in module.named_modules()}
     stack: list[str] = []
 
@@ -54,27 +79,26 @@ def check_tensor_parallel(module: nn.Module, example: Any, expected: Any) -> Non
         if stack:
             stack.pop()
 
-    hooks = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
-    try:
-        with torch.no_grad():
-            got = to_full(module(*(example if isinstance(example, tuple) else (example,))))
-    except Exception as err:  # noqa: BLE001 - reported with the hint
-        failed = [n for n in stack if n]
-        where = failed[-1] if failed else type(module).__name__
-        raise ValueError(
+    def run() -> Any:
+        hooks = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
+        try:
+            return module(*(example if isinstance(example, tuple) else (example,)))
+        finally:
+            for h in hooks:
+                h.remove()
+
+    def failed(err: Exception) -> ValueError:
+        inner = [n for n in stack if n]
+        where = inner[-1] if inner else type(module).__name__
+        return ValueError(
             f"{type(module).__name__}: the forward of {where} fails after the tensor-parallel rewrite "
             f"({type(err).__name__}: {err}). Attention/MLP code must take head counts and widths from attributes "
             f"(divided by tp, e.g. `self.n_head`, `self.split_size`) or from `-1` in view/reshape, not from its "
             f"input's width (`C // self.n_head` with `B, T, C = x.size()`); otherwise implement "
             f"{hook_call(TP_PLAN)}, or use tp=1."
-        ) from err
-    finally:
-        for h in hooks:
-            h.remove()
-        module.train(was_training)
-    diff, scale = max_difference(got, expected) or (0.0, 0.0)
-    if diff > allowed_difference(expected, scale):
-        raise changed_output_error(module, diff)
+        )
+
+    compare_forward(module, run, expected, failed, lambda diff, _allowed: changed_output_error(module, diff))
 
 
 def changed_output_error(module: nn.Module, diff: float, where: str = "") -> ValueError:

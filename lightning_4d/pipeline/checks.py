@@ -24,7 +24,8 @@ from torch import nn
 
 from lightning_4d._compat import child_modules, registered_submodule
 from lightning_4d.pipeline.stages import HOOK_HINT, PipelineSplit, StageModule, find_pipeline_split
-from lightning_4d.precision import allowed_difference, max_difference
+from lightning_4d.precision import max_difference
+from lightning_4d.verify import compare_forward
 
 __all__ = ["check_sequential"]
 
@@ -82,43 +83,36 @@ def check_sequential(
     try:
         with torch.no_grad():
             expected = model(*args)
-            for h in hooks:
-                h.remove()
-            hooks = []
-            chain = " → ".join(split.pre + (split.blocks_path + "[*]",) + split.post)
-            try:
-                got = whole(*args)
-            except Exception as err:  # noqa: BLE001 - reported with the hint
-                raise ValueError(
-                    f"{cls}: running its modules in order ({chain}) failed with {type(err).__name__}: {err}. "
-                    f"Pipeline stages run that composition, so its forward must "
-                    f"be a plain chain; otherwise {HOOK_HINT}."
-                ) from err
-            err, scale = max_difference(got, expected) or (0.0, 0.0)
-            allowed = allowed_difference(expected, scale)
-            if err > allowed:
-                side = "the modules after the blocks (post) or the blocks themselves"
-                if "in" in seen:
-                    pre_out = whole.pre_fn(*args) if whole.pre_fn else _chain(model, split.pre, args)
-                    block_in = seen["in"][0] if len(seen["in"]) == 1 else seen["in"]
-                    if _diff(pre_out, block_in) > allowed:
-                        side = "the modules before the blocks (pre)"
-                    elif "out" in seen:
-                        last_out = seen["out"]
-                        post_out = whole.post_fn(last_out) if whole.post_fn else _chain(model, split.post, (last_out,))
-                        if _diff(post_out, expected) > allowed:
-                            side = "the modules after the blocks (post)"
-                        else:
-                            side = "the blocks (they are not called in order on one tensor)"
-                raise ValueError(
-                    f"{cls}: its forward is not the plain composition {list(split.pre)} → {split.blocks_path}[*] → "
-                    f"{list(split.post)} (max abs difference {err:.3g}, in {side}). Pipeline stages run that "
-                    f"composition, so {HOOK_HINT}."
-                )
     finally:
         for h in hooks:
             h.remove()
         model.train(was_training)
+    chain = " → ".join(split.pre + (split.blocks_path + "[*]",) + split.post)
+
+    def differs(err: float, allowed: float) -> ValueError:  # called in eval mode, without grad
+        side = "the modules after the blocks (post) or the blocks themselves"
+        if "in" in seen:
+            pre_out = whole.pre_fn(*args) if whole.pre_fn else _chain(model, split.pre, args)
+            block_in = seen["in"][0] if len(seen["in"]) == 1 else seen["in"]
+            if _diff(pre_out, block_in) > allowed:
+                side = "the modules before the blocks (pre)"
+            elif "out" in seen:
+                last_out = seen["out"]
+                post_out = whole.post_fn(last_out) if whole.post_fn else _chain(model, split.post, (last_out,))
+                if _diff(post_out, expected) > allowed:
+                    side = "the modules after the blocks (post)"
+                else:
+                    side = "the blocks (they are not called in order on one tensor)"
+        return ValueError(
+            f"{cls}: its forward is not the plain composition {list(split.pre)} → {split.blocks_path}[*] → "
+            f"{list(split.post)} (max abs difference {err:.3g}, in {side}). Pipeline stages run that "
+            f"composition, so {HOOK_HINT}."
+        )
+
+    compare_forward(model, lambda: whole(*args), expected, lambda err: ValueError(
+        f"{cls}: running its modules in order ({chain}) failed with {type(err).__name__}: {err}. Pipeline stages "
+        f"run that composition, so its forward must be a plain chain; otherwise {HOOK_HINT}."
+    ), differs)
 
 
 def _chain(model: nn.Module, paths: Sequence[str], args: tuple) -> Any:

@@ -42,11 +42,10 @@ import torch
 from torch import nn
 
 from lightning_4d._compat import child_modules, pytree, registered_submodule
-from lightning_4d.distributed import is_on_meta, to_full
+from lightning_4d.verify import compare_forward
 from lightning_4d.pipeline.partition import partition_blocks
 from lightning_4d.pipeline.stages import HOOK_HINT, PipelineParts, PipelineSplit, StageModule
 from lightning_4d.pipeline.tied import find_tied_parameters
-from lightning_4d.precision import allowed_difference, max_difference
 from lightning_4d.trace import ModelTrace
 
 __all__ = ["INPUTS_KW", "check_stage_owners", "ShapeStub", "StageDone", "StagedBlocks", "StagedForward", "check_staged", "prepare_staged",
@@ -286,36 +285,23 @@ def check_staged(staged: StagedForward, example: Any, expected: Any) -> None:
         >>> check_staged(prepare_staged(lm, trace, num_stages=2), tokens, trace.output)  # equal: passes
     """
     cls = type(staged.root).__name__
-    if is_on_meta(staged.root):
-        return  # a planner dry run on the meta device: nothing to compare
-    args = example if isinstance(example, tuple) else (example,)
-    was_training = staged.root.training
-    staged.root.eval()
-    try:
-        with torch.no_grad():
-            h: Any = args
-            for index in range(staged.num_stages):
-                h = staged.run(index, h if index == 0 else (h,), example)
-    except Exception as err:  # noqa: BLE001 - reported with the hint
-        raise ValueError(
-            f"{cls}: running its forward stage by stage failed with {type(err).__name__}: {err}. Pipeline stages "
-            f"run the model's forward with the blocks of other stages skipped and, on later stages, the modules "
-            f"before the blocks ({', '.join(staged.stubs) or 'none'}) replaced by shape-only stand-ins; otherwise "
-            f"{HOOK_HINT}."
-        ) from err
-    finally:
-        staged.root.train(was_training)
-    compared = max_difference(to_full(h), expected)
-    if compared is None:
-        return  # a dry run on the meta device: shapes only
-    diff, scale = compared
-    if diff > allowed_difference(expected, scale):
-        raise ValueError(
-            f"{cls}: its forward run stage by stage differs from the plain forward (max abs difference {diff:.3g}). "
-            f"Later stages compute what the blocks receive (masks, rotary tables) with the modules before the "
-            f"blocks ({', '.join(staged.stubs) or 'none'}) replaced by zeros of the right shape; if those values "
-            f"matter, {HOOK_HINT}."
-        )
+    stubs = ", ".join(staged.stubs) or "none"
+
+    def run() -> Any:
+        h: Any = example if isinstance(example, tuple) else (example,)
+        for index in range(staged.num_stages):
+            h = staged.run(index, h if index == 0 else (h,), example)
+        return h
+
+    compare_forward(staged.root, run, expected, lambda err: ValueError(
+        f"{cls}: running its forward stage by stage failed with {type(err).__name__}: {err}. Pipeline stages "
+        f"run the model's forward with the blocks of other stages skipped and, on later stages, the modules "
+        f"before the blocks ({stubs}) replaced by shape-only stand-ins; otherwise {HOOK_HINT}."
+    ), lambda diff, _allowed: ValueError(
+        f"{cls}: its forward run stage by stage differs from the plain forward (max abs difference {diff:.3g}). "
+        f"Later stages compute what the blocks receive (masks, rotary tables) with the modules before the "
+        f"blocks ({stubs}) replaced by zeros of the right shape; if those values matter, {HOOK_HINT}."
+    ))
 
 
 def check_stage_owners(root: nn.Module, trace: ModelTrace) -> None:
