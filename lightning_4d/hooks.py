@@ -89,9 +89,11 @@ class BlocksPathHook(Protocol):
 
 @runtime_checkable
 class TPPlanHook(Protocol):
-    """An explicit tensor-parallel plan, ``{module path: ParallelStyle}`` for the ``tp`` sub-mesh."""
+    """An explicit tensor-parallel plan fragment, ``{module path: ParallelStyle}``: it becomes the layout plan's
+    styles (:class:`lightning_4d.tensor_parallel.specs.StyleSpec`). ``tp_mesh`` is the ``tp`` sub-mesh, or ``None``
+    when the plan is derived without a process group (``recipes/plan.py``, ``plan_layout`` alone)."""
 
-    def fourd_tp_plan(self, tp_mesh: DeviceMesh, sequence_parallel: bool) -> Mapping[str, ParallelStyle]: ...
+    def fourd_tp_plan(self, tp_mesh: Optional[DeviceMesh], sequence_parallel: bool) -> Mapping[str, ParallelStyle]: ...
 
 
 @runtime_checkable
