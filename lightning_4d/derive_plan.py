@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 __all__ = ["plan_layout"]
 
 
-def plan_layout(module: nn.Module, dims: ParallelDims, config: FourDConfig,
+def plan_layout(module: nn.Module, dims: ParallelDims, config: Optional[FourDConfig] = None,
                 tp_mesh: Optional["DeviceMesh"] = None) -> LayoutPlan:
     """The layout plan of ``module`` (usually on the meta device; left unchanged) for ``dims``: one traced
     forward on a tiny input when ``tp > 1`` or ``pp > 1``, then the pipeline stages, the TP/SP styles and head
@@ -55,6 +55,12 @@ def plan_layout(module: nn.Module, dims: ParallelDims, config: FourDConfig,
     Example:
         >>> # see the module docstring
     """
+    if config is None:  # the degrees alone: default options
+        config = FourDConfig(tp=dims.tp, pp=dims.pp, ep=dims.ep, dp=dims.dp, cp=dims.cp,
+                             sequence_parallel=dims.sequence_parallel, dp_shard=dims.dp_shard,
+                             virtual_stages=dims.virtual_stages if dims.virtual_stages > 1 else None,
+                             schedule="interleaved_1f1b" if dims.virtual_stages > 1 else "1f1b",
+                             data_parallel="hsdp" if dims.dp_shard else "fsdp")
     path_hook = user_hook(module, BLOCKS_PATH)
     blocks_path, container = find_blocks(module, path_hook() if path_hook else None)
     keys = tuple(k for k, _ in container.named_children())

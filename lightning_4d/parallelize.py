@@ -37,7 +37,7 @@ from lightning_4d.expert_parallel.parallel import (
 )
 from lightning_4d.expert_parallel.rewrite import find_moe_modules
 from lightning_4d.expert_replay import check_with_experts_replayed, record_expert_layers
-from lightning_4d.mesh import Axis, FourDMesh
+from lightning_4d.mesh import Axis, FourDMesh, ParallelDims
 from lightning_4d.hooks import TP_PLAN, user_hook
 from lightning_4d.derive_plan import _check_tied_across_v_stages, plan_layout
 from lightning_4d.layout_plan import LayoutPlan
@@ -55,7 +55,7 @@ from lightning_4d.tensor_parallel.layouts import attach_plan
 from lightning_4d.trace import example_tokens
 
 __all__ = ["LayoutRow", "ParallelPlan", "apply_layout", "check_layout", "describe_layout", "parallelize_module",
-           "plan_layout", "reduce_tp_partial_grads"]
+           "plan_config", "plan_layout", "reduce_tp_partial_grads"]
 
 
 @dataclass
@@ -168,14 +168,16 @@ def _stage_split(module: nn.Module, plan: LayoutPlan) -> ModelSplit:
     return staged
 
 
-def apply_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, config: FourDConfig, precision: str,
-                 accumulate: int = 1, device: Optional[torch.device] = None) -> ParallelPlan:
+def apply_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, config: Optional[FourDConfig] = None,
+                 precision: str = "32-true", accumulate: int = 1, device: Optional[torch.device] = None
+                 ) -> ParallelPlan:
     """Rewrite ``module`` in place as ``plan`` says, in TorchTitan's order: prune to this rank's pipeline stages,
     then expert parallelism, TP/SP, activation checkpointing, data parallelism, and the pipeline schedule. The
     only code that changes the model; it reads every decision from the plan (checked against the model and the
     mesh first: :meth:`LayoutPlan.check`). ``module`` may be on the meta device; ``device``: where its pipeline
-    stages will run once materialised (default: where its parameters are). Values are not compared here:
-    :func:`check_layout` does that on a copy, before.
+    stages will run once materialised (default: where its parameters are); ``config``: the strategy's options
+    (default: those the plan records, :func:`plan_config`). Values are not compared here: :func:`check_layout`
+    does that on a copy, before.
 
     Example:
         >>> # not run: needs a process group
@@ -183,6 +185,7 @@ def apply_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, config: F
     """
     dims = mesh.dims
     plan.check(module, dims)
+    config = config if config is not None else plan_config(plan, dims)
     attach_plan(module, plan)  # materialisation, checkpoints and exports read the row permutations from it
     record = ParallelPlan(blocks_path=plan.blocks_path, blocks=_blocks_of(module.get_submodule(plan.blocks_path)),
                           input_shape=plan.input_shape, layout=plan)
@@ -241,6 +244,22 @@ def apply_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, config: F
         record.pipeline = build_runner(module, mesh, config, parts, split, device=device)
         record.pipeline_tied = list(parts.tied)
     return record
+
+
+def plan_config(plan: LayoutPlan, dims: ParallelDims) -> FourDConfig:
+    """The options a plan records, as the :class:`~lightning_4d.config.FourDConfig` for ``dims`` (micro-batches:
+    the schedule's default).
+
+    Example:
+        >>> plan = LayoutPlan(degrees=(("tp", 2),), blocks_path="layers", block_order=("0",), data_parallel="replicate")
+        >>> plan_config(plan, ParallelDims.from_world(4, tp=2)).data_parallel
+        'replicate'
+    """
+    return FourDConfig(
+        tp=dims.tp, pp=dims.pp, ep=dims.ep, dp=dims.dp, cp=dims.cp, sequence_parallel=plan.sequence_parallel,
+        schedule=plan.schedule, virtual_stages=plan.virtual_stages if dims.pp > 1 else None,
+        data_parallel=plan.data_parallel, dp_shard=dims.dp_shard,
+        activation_checkpointing=None if plan.activation_checkpointing == "none" else plan.activation_checkpointing)
 
 
 def check_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, accumulate: int = 1) -> None:
