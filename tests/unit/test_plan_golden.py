@@ -1,4 +1,4 @@
-"""``str(plan)`` of six families, against golden files a person read (``tests/unit/golden/plans/``): one line per
+"""``str(plan)`` of seven families, against golden files a person read (``tests/unit/golden/plans/``): one line per
 module, TorchTitan-style. Regenerate after an intended change with ``L4D_UPDATE_GOLDEN=1 pytest <this file>`` and
 read the diff. Plans are derived on the meta device, without a process group; the JSON form round-trips."""
 
@@ -49,6 +49,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], dict[str, Any]]] = {
     "llama": (_package("llama"), dict(tp=2, pp=2)),
     "gpt2": (_package("gpt2"), dict(tp=2)),
     "hf-llama": (_byom("hf-llama"), dict(tp=2, pp=2)),
+    "hf-gpt2": (_byom("hf-gpt2"), dict(tp=2)),  # fused q|k|v in Conv1D: rows permuted per rank
     "hf-qwen3moe": (_byom("hf-qwen3moe"), dict(tp=2, ep=2)),
     "tt-llama3": (_zoo("tt-llama3"), dict(tp=2)),
     "hf-gemma2": (_zoo("hf-gemma2"), dict(tp=2, sequence_parallel=False)),
