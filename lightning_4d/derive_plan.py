@@ -28,7 +28,7 @@ from lightning_4d.discovery import find_blocks
 from lightning_4d.distributed import is_on_meta
 from lightning_4d.expert_parallel import MoE
 from lightning_4d.expert_parallel.inplace import find_expert_modules
-from lightning_4d.expert_parallel.rewrite import find_moe_modules
+from lightning_4d.expert_parallel.rewrite import find_moe_modules, mixtral_source_keys
 from lightning_4d.hooks import BLOCKS_PATH, user_hook
 from lightning_4d.layout_plan import ExpertEntry, LayoutPlan
 from lightning_4d.mesh import ParallelDims
@@ -118,7 +118,9 @@ def _expert_entries(module: nn.Module) -> tuple[ExpertEntry, ...]:
         if isinstance(mod, MoE):
             out.append(ExpertEntry(f"{name}.experts", "moe", mod.num_experts))
         else:
-            out.append(ExpertEntry(name, "mixtral", len(getattr(mod, "experts", ()))))
+            pre = f"{name}." if name else ""
+            renames = tuple((pre + old, pre + new, index) for old, (new, index) in mixtral_source_keys(mod).items())
+            out.append(ExpertEntry(name, "mixtral", len(getattr(mod, "experts", ())), renames))
     return tuple(out)
 
 

@@ -41,7 +41,9 @@ _VERSION = 1
 @dataclass(frozen=True)
 class ExpertEntry:
     """One expert-parallel module: its path, how it is rewritten (``in-place``: its own 3-D weights sharded;
-    ``moe``: lightning_4d's MoE layer; ``mixtral``: an expert list rewritten into that layer) and its experts.
+    ``moe``: lightning_4d's MoE layer; ``mixtral``: an expert list rewritten into that layer), its experts and the
+    renames of that rewrite (``(name in the user's model, name after it, index along dim 0 or None)``: what
+    materialisation reads the user's weights by).
 
     Example:
         >>> str(ExpertEntry("layers.0.mlp.experts", "in-place", 8))
@@ -51,9 +53,11 @@ class ExpertEntry:
     path: str
     kind: str
     experts: int
+    renames: tuple[tuple[str, str, Optional[int]], ...] = ()
 
     def __str__(self) -> str:
-        return f'"{self.path}": experts({self.kind}, {self.experts})'
+        renamed = f", {len(self.renames)} tensors renamed" if self.renames else ""
+        return f'"{self.path}": experts({self.kind}, {self.experts}{renamed})'
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,10 @@ class LayoutPlan:
         return ModelTrace(blocks_path=self.blocks_path, block_order=self.block_order,
                           hidden=HiddenArg(position=position, keyword=keyword, tuple_out=tuple_out),
                           pre=self.pre, post=self.post, elsewhere=self.elsewhere)
+
+    def source_names(self) -> dict[str, tuple[str, Optional[int]]]:
+        """``{name in the user's model: (name after the expert rewrite, index along dim 0 or None)}``."""
+        return {old: (new, index) for e in self.experts for old, new, index in e.renames}
 
     def stage_keys(self) -> dict[int, list[str]]:
         """Block keys per pipeline stage, by stage index."""
@@ -189,7 +197,8 @@ class LayoutPlan:
             if name == "tensor_parallel":
                 kw[name] = None if value is None else _tp_from_data(value)
             elif name == "experts":
-                kw[name] = tuple(ExpertEntry(**e) for e in value)
+                kw[name] = tuple(ExpertEntry(**{**e, "renames": tuple(tuple(r) for r in e.get("renames", ()))})
+                                 for e in value)
             elif name == "degrees":
                 kw[name] = tuple((str(a), int(n)) for a, n in value.items())
             elif name in ("stages",):

@@ -43,7 +43,6 @@ from lightning_4d.context_parallel import ContextParallelAttention, SequenceShar
 from lightning_4d.data_parallel import set_gradient_sync
 from lightning_4d.distributed import all_reduce_sum, broadcast_module_state, global_grad_norm, is_on_meta, to_full
 from lightning_4d.expert_parallel import update_expert_bias
-from lightning_4d.expert_parallel.rewrite import source_names
 from lightning_4d.heartbeat import Heartbeat
 from lightning_4d.hooks import TP_PLAN, hook_call
 from lightning_4d.loss import check_inputs, check_targets, weighted_global_loss
@@ -290,7 +289,7 @@ class FourDStrategy(ParallelStrategy):
             start = time.perf_counter()
             report = materialize_local_shards(skeleton, self.model, self.root_device,
                                               sync_module_states=self.config.sync_module_states,
-                                              source_names=source_names(self.model))
+                                              source_names=plan.source_names())
             del skeleton
             gc.collect()
             if self.root_device.type == "cpu":

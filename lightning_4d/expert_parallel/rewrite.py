@@ -45,7 +45,7 @@ from lightning_4d.expert_parallel.moe import MoE
 from lightning_4d.layer_kinds import is_expert_list
 from lightning_4d.precision import allowed_difference, max_difference
 
-__all__ = ["source_names", "find_moe_modules", "moe_from_mixtral", "rewrite_moe_modules",
+__all__ = ["source_names", "find_moe_modules", "mixtral_source_keys", "moe_from_mixtral", "rewrite_moe_modules",
            "export_original_state_dict", "convert_original_state_dict"]
 
 _NAMINGS = (("w1", "w2", "w3"), ("gate_proj", "down_proj", "up_proj"))  # as (w1, w2, w3)
@@ -95,6 +95,30 @@ def _check_mlp(name: str, mlp: nn.Module, names: tuple[str, str, str]) -> None:
     extra = [n for n, p in mlp.named_parameters() if id(p) not in own]
     if extra:
         raise _fail(name, f"an expert has parameters besides its three projections: {extra}")
+
+
+def mixtral_source_keys(block: nn.Module) -> dict[str, tuple[str, Optional[int]]]:
+    """The rename :func:`moe_from_mixtral` makes, without building anything: ``{name in the block: (name in the
+    MoE layer, index along dim 0 or None)}`` (experts stacked per projection). Empty for a block whose experts are
+    not SwiGLU MLPs (the rewrite refuses it, naming why).
+
+    Example:
+        >>> mixtral_source_keys(nn.Linear(2, 2))
+        {}
+    """
+    experts = getattr(block, "experts", None)
+    names = _swiglu_names(experts[0]) if isinstance(experts, nn.ModuleList) and len(experts) else None
+    if names is None:
+        return {}
+    keys: dict[str, tuple[str, Optional[int]]] = {"gate.weight": ("router.gate.weight", None)}
+    for target, src in zip(("w1", "w2", "w3"), names):
+        for i in range(len(experts)):
+            keys[f"experts.{i}.{src}.weight"] = (f"experts.{target}", i)
+    shared_name = next((s for s in _SHARED if getattr(block, s, None) is not None), None)
+    shared_names = _swiglu_names(getattr(block, shared_name)) if shared_name else None
+    for target, src in zip(("w1", "w2", "w3"), shared_names or ()):
+        keys[f"{shared_name}.{src}.weight"] = (f"shared_experts.{target}.weight", None)
+    return keys
 
 
 def moe_from_mixtral(block: nn.Module, name: str = "block", verify: bool = True) -> MoE:
@@ -147,19 +171,15 @@ def moe_from_mixtral(block: nn.Module, name: str = "block", verify: bool = True)
         moe = MoE(dim, hidden, num, k, renormalize=bool(getattr(block, "norm_topk_prob", True)),
                   shared_hidden_dim=shared_names and getattr(shared, shared_names[0]).out_features)
     moe = moe.to(dtype)
-    keys: dict[str, tuple[str, Optional[int]]] = {"gate.weight": ("router.gate.weight", None)}
     with torch.no_grad():
         moe.router.gate.weight.copy_(gate.weight)
-        for j, (target, src) in enumerate(zip(("w1", "w2", "w3"), names)):
+        for target, src in zip(("w1", "w2", "w3"), names):
             stacked = torch.stack([getattr(e, src).weight.detach() for e in experts])  # (E, out, in)
             getattr(moe.experts, target).copy_(stacked)
-            for i in range(num):
-                keys[f"experts.{i}.{src}.weight"] = (f"experts.{target}", i)
         if shared is not None:
             for target, src in zip(("w1", "w2", "w3"), shared_names):
                 getattr(moe.shared_experts, target).weight.copy_(getattr(shared, src).weight)
-                keys[f"{shared_name}.{src}.weight"] = (f"shared_experts.{target}.weight", None)
-    moe.source_key_map = keys
+    moe.source_key_map = mixtral_source_keys(block)
     moe.train(block.training)
     if verify and not w1.is_meta and type(w1.data) is torch.Tensor:  # skip meta and DTensor weights
         _verify(block, moe, name)

@@ -107,7 +107,6 @@ def simulate_setup(build: Callable[[], nn.Module], dims: ParallelDims, rank: int
     from lightning_4d._compat import clear_dtensor_caches, release_freed_host_memory
     from lightning_4d.materialize import materialize_local_shards, meta_skeleton
     from lightning_4d.mesh import build_mesh
-    from lightning_4d.expert_parallel.rewrite import source_names
     from lightning_4d.parallelize import parallelize_module
     from lightning_4d.planner.dry_run import fake_friendly_mode, strategy_config
     from lightning_4d.planner.spec import TrainSpec
@@ -132,10 +131,10 @@ def simulate_setup(build: Callable[[], nn.Module], dims: ParallelDims, rank: int
             module = build()
         skeleton = meta_skeleton(module)
         with fake_friendly_mode():
-            parallelize_module(module, mesh, config, precision, accumulate=1)
+            record = parallelize_module(module, mesh, config, precision, accumulate=1)
         out.rewrite_s = time.perf_counter() - start
         start, cpu = time.perf_counter(), time.process_time()
-        report = materialize_local_shards(skeleton, module, torch.device("cpu"), source_names=source_names(module))
+        report = materialize_local_shards(skeleton, module, torch.device("cpu"), source_names=record.layout.source_names() if record.layout else {})
         out.materialize_s, out.materialize_cpu_s = time.perf_counter() - start, time.process_time() - cpu
         out.peak_bytes = kernel_peak() - baseline
         out.share_bytes = report.local_bytes
