@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 from lightning_4d.testing import run_world
+from tests.distributed.common import assert_parity, merge_ranks
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -72,3 +73,31 @@ def test_set_up_traces_the_model_once() -> None:
             # the trace is the root's only forward before training: the check ran on a copy
             assert got["setup_forwards"] == 1, (layout, got)
             assert got["plan"].startswith(f"LayoutPlan tp={layout['tp']} pp={layout['pp']}"), got
+
+
+def _edited_stages_world(rank: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
+    import torch
+
+    from lightning_4d import plan_layout
+    from lightning_4d.config import FourDConfig
+    from lightning_4d.models import CausalLM
+    from tests.distributed.common import build_model, fit_spec
+
+    with torch.device("meta"):
+        lm = CausalLM(build_model(spec["model"]))
+    config = FourDConfig(pp=2)
+    derived = plan_layout(lm, config.resolve(2), config)
+    keys = derived.block_order
+    edited = derived.replace(stages=(keys[:3], keys[3:]))  # 3 blocks on the first stage, 1 on the last
+    got = fit_spec(dict(spec, world=2, strategy=dict(pp=2, plan=edited)))
+    return [dict(got, derived=[list(s) for s in derived.stages], edited=[list(s) for s in edited.stages])]
+
+
+def test_an_edited_pipeline_split_trains_at_parity() -> None:
+    from tests.distributed.common import fit_spec
+
+    spec: dict[str, Any] = dict(model="llama-4", steps=3)
+    ref = fit_spec(spec)
+    got = merge_ranks(run_world(_edited_stages_world, 2, spec, timeout_s=600, pg_timeout_s=120))[0]
+    assert got["derived"] == [["0", "1"], ["2", "3"]] and got["edited"] == [["0", "1", "2"], ["3"]]
+    assert_parity(got, ref, label="pp=2 with stages of 3 and 1 blocks from an edited plan")

@@ -104,3 +104,15 @@ def test_an_edited_plan_naming_a_missing_module_or_style_is_refused() -> None:
     bad.tensor_parallel.styles[name] = StyleSpec("Diagonal")
     with pytest.raises(ValueError, match="style 'Diagonal' is unknown"):
         bad.check(model, dims)
+
+
+def test_stages_out_of_order_or_of_another_count_are_refused() -> None:
+    with torch.device("meta"):
+        model = CASES["llama"][0]()
+    config = FourDConfig(tp=2, pp=2)
+    dims = config.resolve(4)
+    plan = plan_layout(model, dims, config)
+    with pytest.raises(ValueError, match="must hold every block .* once, in order"):
+        plan.replace(stages=(plan.block_order[1:], plan.block_order[:1])).check(model, dims)
+    with pytest.raises(ValueError, match=r"1 stages, but pp·virtual_stages = 2"):
+        plan.replace(stages=(plan.block_order,)).check(model, dims)
