@@ -355,6 +355,7 @@ def _tp_to_data(tpl: TPLayout) -> dict[str, Any]:
         "partial_params": list(tpl.partial_params),
         "boundary": None if tpl.boundary is None else list(tpl.boundary),
         "hidden": dataclasses.asdict(tpl.hidden),
+        "user_plan": tpl.user_plan,
     }
 
 
@@ -373,6 +374,7 @@ def _tp_from_data(d: dict[str, Any]) -> TPLayout:
         partial_params=list(d["partial_params"]),
         boundary=None if d["boundary"] is None else (d["boundary"][0], d["boundary"][1]),
         hidden=HiddenArg(**d["hidden"]),
+        user_plan=bool(d.get("user_plan", False)),
     )
 
 
@@ -396,7 +398,7 @@ def _filter_tp(tpl: TPLayout, keep: Any, rename: Any,
         loss_parallel=tpl.loss_parallel and all(keep(p) for p, s in tpl.styles.items() if s.kind == "ColwiseParallel"),
         permutations={rename(f): v for f, v in tpl.permutations.items() if keep(f.rpartition(".")[0])},
         partial_params=[rename(n) for n in tpl.partial_params if keep(n.rpartition(".")[0])],
-        boundary=boundary, hidden=tpl.hidden,
+        boundary=boundary, hidden=tpl.hidden, user_plan=tpl.user_plan,
     )
 
 

@@ -51,6 +51,7 @@ from lightning_4d.pipeline.glue import (
 from lightning_4d.pipeline.runner import PipelineRunner
 from lightning_4d.pipeline.staged import StagedForward, check_staged
 from lightning_4d.tensor_parallel import apply_tensor_parallel
+from lightning_4d.tensor_parallel.apply import run_user_plan_once
 from lightning_4d.tensor_parallel.layouts import attach_plan
 from lightning_4d.trace import example_tokens
 
@@ -197,6 +198,7 @@ def apply_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, config: O
     _apply_experts(module, mesh, record, accumulate)
     if dims.tp > 1:
         assert plan.tensor_parallel is not None
+        run_user_plan_once(module, plan.tensor_parallel, mesh[Axis.TP], dims.sp)
         apply_tensor_parallel(module, mesh, record, plan.tensor_parallel)
         if dims.sp:
             # In-place experts the plan lists but expert parallelism left as written (ep=1, a forward its replay
@@ -298,6 +300,7 @@ def check_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, accumulat
     record_plan = ParallelPlan(blocks_path=plan.blocks_path, layout=plan)
     _apply_experts(module, mesh, record_plan, accumulate)
     assert plan.tensor_parallel is not None
+    run_user_plan_once(module, plan.tensor_parallel, mesh[Axis.TP], dims.sp)
     apply_tensor_parallel(module, mesh, record_plan, plan.tensor_parallel)
     check_with_experts_replayed(module, expert_calls, mesh[Axis.TP],
                                 lambda: check_after_tensor_parallel(module, split, example, expected))

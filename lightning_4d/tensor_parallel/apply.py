@@ -43,7 +43,9 @@ from lightning_4d.trace import HiddenArg, ModelTrace
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["TPLayout", "apply_tensor_parallel", "plan_tensor_parallel", "tp_styles"]
+__all__ = ["TPLayout", "apply_tensor_parallel", "plan_tensor_parallel", "run_user_plan_once", "tp_styles"]
+
+_HOOK_RAN = "_fourd_tp_plan_ran"  # set on a module whose fourd_tp_plan has been called
 
 
 def _tied_groups(root: nn.Module) -> list[list[str]]:
@@ -95,6 +97,7 @@ class TPLayout:
     partial_params: list[str] = field(default_factory=list)  # replicated params whose grads are summed over tp
     boundary: Optional[tuple[str, str]] = None  # (first block, last block) that cut / gather the sequence (SP)
     hidden: HiddenArg = field(default_factory=HiddenArg)
+    user_plan: bool = False  # the styles came from the module's fourd_tp_plan
 
 
 def tp_styles(root: nn.Module, trace: ModelTrace, tp: int, sp: bool) -> TPLayout:
@@ -207,9 +210,24 @@ def plan_tensor_parallel(module: nn.Module, dims: ParallelDims, trace: ModelTrac
     """
     hook = user_hook(module, TP_PLAN)
     if hook is not None:
+        module.__dict__[_HOOK_RAN] = True
         return TPLayout(styles={name: spec_of(style) for name, style in dict(hook(tp_mesh, dims.sp)).items()},
-                        loss_parallel=bool(getattr(module, LOSS_PARALLEL, False)))
+                        loss_parallel=bool(getattr(module, LOSS_PARALLEL, False)), user_plan=True)
     return tp_styles(module, trace, dims.tp, dims.sp)
+
+
+def run_user_plan_once(module: nn.Module, layout: TPLayout, tp_mesh: Optional[DeviceMesh], sp: bool) -> None:
+    """Call the module's ``fourd_tp_plan`` once on a model the plan is applied to but was not planned on (the
+    set-up check's copy, a plan loaded from a file): a hook that also changes the module (per-rank head counts)
+    must have done so there too. Its returned styles are the plan's already.
+
+    Example:
+        >>> run_user_plan_once(nn.Linear(2, 2), TPLayout(), None, True)  # not a user's plan: nothing to do
+    """
+    hook = user_hook(module, TP_PLAN)
+    if layout.user_plan and hook is not None and not module.__dict__.get(_HOOK_RAN):
+        hook(tp_mesh, sp)
+        module.__dict__[_HOOK_RAN] = True
 
 
 class TPRecord(Protocol):
