@@ -246,7 +246,8 @@ class ColumnLayout:
     ``view(B, T, n_kv, r, head_dim)``: ``r·head_dim``). Sharding a range over ``tp`` ranks must keep those groups
     whole. ``depthwise``: ranges that went through a depthwise convolution along the sequence (``groups`` equal to
     the channels: a state-space or short-convolution mixer's ``conv1d`` on ``x.transpose(1, 2)``), each channel on
-    its own, so the convolution's channels follow the features over the ranks.
+    its own, so the convolution's channels follow the features over the ranks. ``scales``: buffers of the block
+    (paths in it) the model multiplies a range by, feature by feature (a ``(1, 1, W)`` scale vector).
 
     Example:
         >>> c = ColumnLayout(48, {(0, 32), (32, 40), (40, 48)}, {(0, 32): 8, (32, 40): 8, (40, 48): 8})
@@ -259,6 +260,7 @@ class ColumnLayout:
     units: dict[tuple[int, int], int] = field(default_factory=dict)
     groups: dict[tuple[int, int], bool] = field(default_factory=dict)  # range -> viewed as interleaved groups
     depthwise: set[tuple[int, int]] = field(default_factory=set)  # ranges convolved channel by channel
+    scales: dict[str, tuple[int, int]] = field(default_factory=dict)  # block buffer multiplying a range, per feature
 
     def pieces(self) -> list[tuple[int, int, Optional[int]]]:
         """Consecutive feature ranges ``(start, stop, unit)`` between every cut point, each with the width of the
@@ -318,6 +320,7 @@ class _Columns:
         # id -> (tensor kept alive, linear, start, stop, group width: None = the last dim is the features,
         # d = the last two dims are (groups, d) over the features)
         self.tracked: dict[int, tuple[torch.Tensor, str, int, int, Optional[int]]] = {}
+        self.names: dict[int, str] = {}  # id of a buffer of the block -> its path in the block
         # id -> (tensor kept alive, linear, start, stop, dim): the features moved to dimension ``dim`` (channels
         # first, ``(B, C, T)``, for a convolution along the sequence)
         self.channels: dict[int, tuple[torch.Tensor, str, int, int, int]] = {}
@@ -423,6 +426,14 @@ class _Columns:
                 isinstance(x, (int, float)) for x in args[1:]):
             self._track(out, rel, a, b, None)  # q * scaling
             return
+        if name in ("mul", "__mul__") and sub is None and tuple(out.shape) == tuple(first.shape) and len(args) == 2:
+            other = args[1]
+            path = self.names.get(id(other)) if isinstance(other, torch.Tensor) else None
+            if path is not None and int(other.shape[-1]) == last and all(int(d) == 1 for d in other.shape[:-1]):
+                # a per-feature scale the block holds (Falcon-H1's ``in_proj(x) * self.mup_vector``, (1, 1, W))
+                layout.scales[path] = (a, b)
+                self._track(out, rel, a, b, None)
+            return
         if name in _MOVE:
             if name == "permute":
                 dims = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
@@ -509,6 +520,13 @@ class _Consumers(TorchFunctionMode):
         self.origin: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}  # id -> (tensor kept alive, linears)
         self.columns = _Columns()
         self.biases = ScoreBiases()
+        self.scaled: dict[int, tuple[torch.Tensor, int]] = {}  # id -> (tensor kept alive, id of what it scales)
+
+    def root(self, t: torch.Tensor) -> int:
+        """The id of the tensor ``t`` is a scalar multiple of (``x * multiplier``), or of ``t`` itself: a module that
+        scales its input before a projection (Falcon-H1's ``ssm_in_multiplier``) still feeds it that input."""
+        entry = self.scaled.get(id(t))
+        return entry[1] if entry is not None and entry[0] is t else id(t)
 
     def origin_of(self, value: Any) -> frozenset[str]:
         """The linears ``value`` (a tensor, or a nest of them) derives from."""
@@ -534,6 +552,9 @@ class _Consumers(TorchFunctionMode):
                 rest = tuple(a for a in args[1:] if not isinstance(a, torch.Tensor))
                 self.seen.setdefault(rel, Consumer(name, rest, dict(kwargs), first.dim()))
         out = func(*args, **kwargs)
+        if name in _SCALE and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor) and all(
+                isinstance(x, (int, float)) for x in args[1:]) and out.shape == args[0].shape:
+            self.scaled[id(out)] = (out, self.root(args[0]))
         if self.columns.tracked and name not in _INSPECTIONS:
             self.columns.follow(name, args, kwargs, out)
         if self.origin and name not in _INSPECTIONS:
@@ -634,6 +655,7 @@ def trace_model(root: nn.Module, blocks_path: str, example: Any) -> ModelTrace:
             # a fresh recorder per kind: what this block's linears produce, from nothing earlier blocks left
             mode.__exit__(None, None, None)
             mode = _Consumers()
+            mode.columns.names = {id(b): n for n, b in blocks[key].named_buffers()}
             mode.__enter__()
             facts[key].mode = mode
             recording.append(key)
@@ -643,10 +665,10 @@ def trace_model(root: nn.Module, blocks_path: str, example: Any) -> ModelTrace:
         rel, f = here
         main = args[0] if args else (kwargs.get(first_param_name(mod) or "") if kwargs else None)
         if isinstance(main, torch.Tensor):
-            f.parent_inputs.setdefault(rel, id(main))
+            f.parent_inputs.setdefault(rel, mode.root(main))
             f.input_ndim.setdefault(rel, main.dim())
             if is_linear(mod):
-                f.inputs.setdefault(rel, id(main))
+                f.inputs.setdefault(rel, mode.root(main))
                 f.sources.setdefault(rel, mode.origin_of(main))
             else:
                 f.module_sources.setdefault(rel, mode.origin_of(main))

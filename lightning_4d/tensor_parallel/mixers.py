@@ -112,6 +112,11 @@ def plan_mixer(block_name: str, block: nn.Module, region: str, plan: "BlockPlan"
         layout = trace.columns.get(name)
         if kind == "colwise" and name.startswith(prefix) and layout is not None:
             ranges += [(name, a, b) for a, b in sorted(layout.depthwise)]
+            rows = linear_rows(sum(p.size for p in pieces_of[name]), tp, plan.gathered.get(name),
+                               plan.permutations.get(name))
+            for buffer, (lo, hi) in layout.scales.items():
+                if buffer.startswith(prefix):  # a per-feature scale of the output: cut with the features
+                    out.rows[buffer[len(prefix):]] = conv_rows(rows, lo, hi)
     if not ranges:
         return out
     convs = _depthwise_convs(module)
@@ -140,8 +145,16 @@ def plan_mixer(block_name: str, block: nn.Module, region: str, plan: "BlockPlan"
                 continue
             if value == hi - lo:  # the convolved width (``conv_dim``): the split after the convolution reads it
                 found[attr], local[attr] = value, len(channels[0])
-        groups = [p for p in pieces_of[name] if lo <= p.start and p.stop <= hi and p.heads and not p.sharded]
-        shared = [p for p in pieces_of[name] if lo <= p.start and p.stop <= hi and p.heads and p.sharded]
+        inside = [p for p in pieces_of[name] if lo <= p.start and p.stop <= hi]
+        groups = [p for p in inside if p.heads and not p.sharded]
+        shared = [p for p in inside if p.heads and p.sharded]
+        for attr, value in vars(module).items():
+            if isinstance(value, bool) or not isinstance(value, int) or attr in local:
+                continue
+            # the width of a convolved piece (Falcon-H1's ``groups_time_state_size``: B's, cut after the conv)
+            sizes = {p.size // tp if p.sharded else (p.unit or p.size) for p in inside if p.size == value}
+            if len(sizes) == 1 and sizes != {value}:
+                found[attr], local[attr] = value, sizes.pop()
         for attr in GROUP_COUNT_ATTRS:
             value = getattr(module, attr, None)
             if isinstance(value, bool) or not isinstance(value, int) or attr in local:
@@ -172,12 +185,15 @@ def _plan_norms(block_name: str, module: nn.Module, region: str, plan: "BlockPla
         size = int(weight.shape[-1]) if weight is not None and weight.dim() == 1 else None
         if size not in inner:
             continue
-        group = getattr(sub, "group_size", size)
+        count = getattr(sub, "n_groups", None)  # Falcon-H1's norm counts its groups, Mamba-2's sizes them
+        group = getattr(sub, "group_size", size // count if isinstance(count, int) and count > 0 else size)
         groups = size // group if isinstance(group, int) and group > 0 and size % group == 0 else None
         if groups is not None and groups % tp == 0:
             for pname, p in sub.named_parameters(recurse=False):
                 plan.head_params[f"{path}.{pname}"] = [(r * size // tp, (r + 1) * size // tp) for r in range(tp)]
                 plan.partial_params.append(f"{path}.{pname}")
+            if isinstance(count, int) and not isinstance(count, bool) and groups > 1:
+                plan.head_attrs[path], plan.local_attrs[path] = {"n_groups": count}, {"n_groups": count // tp}
         elif groups == 1:
             plan.dist_norms[path] = sorted(sources)[0]
         else:

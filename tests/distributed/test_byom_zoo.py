@@ -89,6 +89,7 @@ SHARDED: dict[str, list[str]] = {
     "hf-mamba2grp": [f"{_MAMBA0}.{n}.weight" for n in ("in_proj", "out_proj")],
     "hf-granite4h": [f"{_HF0}.mamba.out_proj.weight", f"{_HF0}.mamba.norm.weight",
                      "model.model.model.layers.1.self_attn.q_proj.weight", f"{_HF0}.shared_mlp.output_linear.weight"],
+    "hf-falconh1": [f"{_HF0}.mamba.out_proj.weight", f"{_HF0}.mamba.norm.weight", f"{_HF0}.self_attn.q_proj.weight"],
     "hf-lfm2": [f"{_HF0}.conv.in_proj.weight", f"{_HF0}.conv.out_proj.weight",
                 "model.model.model.layers.1.self_attn.q_proj.weight", f"{_HF0}.feed_forward.w2.weight"],
 }
@@ -102,6 +103,7 @@ REPLICATED: dict[Any, list[str]] = {
     ("hf-stablelm", "tp4"): [f"{_HF0}.self_attn.k_proj.weight"],
     # one B/C group for 2 ranks: z | x | B | C | dt read whole, each rank computing its heads' rows and the group
     "hf-mamba2": [f"{_MAMBA0}.in_proj.weight"], "hf-granite4h": [f"{_HF0}.mamba.in_proj.weight"],
+    "hf-falconh1": [f"{_HF0}.mamba.in_proj.weight"],
 }
 # Models that compute part of their forward in bf16 by design (TorchTitan's grouped experts): every gradient
 # downstream of that rounding is held to 10x the noise floor of plain data parallelism, measured in the same world.
@@ -117,9 +119,6 @@ REFUSED: dict[tuple[str, str], str] = {
     # DBRX keeps its two norms inside one module with the attention: sequence parallelism cannot reach them.
     ("hf-dbrx", "tp2"): "norm_attn_norm.norm_1 holds parameters (weight) outside the attention/MLP regions",
     ("hf-jetmoe", "ep2"): "running its forward on a subset of its experts failed",
-    # Falcon-H1 scales the mixer's input (ssm_in_multiplier) before in_proj and its output by a per-feature buffer
-    # (mup_vector): the role of in_proj is not found and the buffer would need cutting with the features.
-    ("hf-falconh1", "tp2"): "layers.0.mamba.in_proj is a linear layer whose role is unknown",
     # two B/C groups for four ranks: the gated norm's groups would straddle ranks
     ("hf-mamba2grp", "tp4"): "mixer.norm normalises the mixer's inner width (64 features) in 2 groups of 32",
 }
@@ -256,7 +255,8 @@ def test_per_head_norm_list_shards_with_its_heads(references: References) -> Non
 # world, after its noise floor.
 DENSE_TP = ["hf-gemma2", "hf-gemma3", "hf-phi3", "hf-olmo2", "hf-gptoss", "hf-bigcode", "hf-falcon-mq", "hf-falcon",
             "hf-opt", "hf-mq", "hf-llama4", "hf-olmoe", "hf-bloom", "hf-mpt", "hf-xglm", "hf-gptneo", "hf-codegen",
-            "hf-cohere", "hf-apertus", "hf-mamba2", "hf-mamba2grp", "hf-granite4h", "hf-lfm2", "tt-llama3"]
+            "hf-cohere", "hf-apertus", "hf-mamba2", "hf-mamba2grp", "hf-granite4h", "hf-lfm2",
+            "hf-falconh1", "tt-llama3"]
 # DBRX: without sequence parallelism (with it: refused, see REFUSED); its fused Wqkv is clamped before the split.
 NO_SP = ["hf-dbrx"]
 EP = [("tt-qwen3moe", "dp2"), ("tt-qwen3moe", "ep2"), ("tt-qwen3moe", "tp2-ep2"), ("tt-qwen3moe", "tp2"),
