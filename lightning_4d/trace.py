@@ -133,6 +133,8 @@ class ModelTrace:
     score_biases: dict[str, dict[ArgKey, tuple[tuple[int, ...], int]]] = field(default_factory=dict)
     output: Any = None
     kinds: dict[str, "ModelTrace"] = field(default_factory=dict)  # block key -> the facts of its kind's first block
+    # block key -> its plain attributes (Nemotron-H's ``block_type``, read by the model's loop to pick a mask)
+    block_attrs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def for_block(self, key: str) -> "ModelTrace":
         """The trace whose per-block facts (sources, columns, ...) are those of block ``key``'s kind: a hybrid's
@@ -714,6 +716,8 @@ def trace_model(root: nn.Module, blocks_path: str, example: Any) -> ModelTrace:
         root.train(was_training)
     _analyse_blocks(trace, root, blocks, block_calls)
     _classify_outside(trace, root, blocks_path, events)
+    trace.block_attrs = {key: {k: v for k, v in vars(block).items() if not k.startswith("_")
+                               and isinstance(v, (int, float, str, bool, type(None)))} for key, block in blocks.items()}
     first = next(iter(blocks))
     done = {key: f.into(trace) for key, f in facts.items() if f.mode is not None}
     own = done.get(first)

@@ -60,7 +60,7 @@ ZOO_KINDS = ("hf-stablelm", "hf-gemma2", "hf-gemma3", "hf-phi3", "hf-olmo2", "hf
              "hf-falcon-mq", "hf-falcon", "hf-llama4", "hf-opt", "hf-mq", "hf-bloom", "hf-mpt", "hf-qwen3next",
              "hf-xglm", "hf-gptneo", "hf-codegen", "hf-cohere", "hf-apertus", "hf-dbrx", "hf-jetmoe", "hf-mamba2",
              "hf-mamba2grp", "hf-granite4h", "hf-lfm2", "hf-falconh1",
-             "tt-llama3",
+             "hf-nemotronh", "tt-llama3",
              "tt-qwen3moe")
 ZOO_MOE_KINDS = ("hf-olmoe", "hf-gptoss", "hf-llama4", "hf-qwen3next", "hf-jetmoe", "tt-qwen3moe")
 
@@ -186,6 +186,12 @@ def _hf(family: str, layers: int) -> nn.Module:
                                 mamba_d_ssm=2 * HIDDEN, mamba_n_heads=HEADS * 2, mamba_d_head=HIDDEN // HEADS,
                                 mamba_n_groups=1, mamba_d_state=12, mamba_d_conv=4, mamba_expand=2,
                                 mamba_chunk_size=SEQ // 2, mamba_rms_norm=True)
+    elif family == "nemotronh":  # Nemotron-H: one mixer per layer (Mamba-2, attention or MLP) at the same path
+        kinds = ["linear_attention", "mlp", "full_attention", "mlp"]
+        cfg = tf.NemotronHConfig(**_common(layers), **gqa, head_dim=HIDDEN // HEADS, intermediate_size=FFN,
+                                 mamba_num_heads=HEADS * 2, mamba_head_dim=HIDDEN // HEADS, ssm_state_size=12,
+                                 n_groups=1, expand=2, chunk_size=SEQ // 2, conv_kernel=4, use_mamba_kernels=False,
+                                 layers_block_type=(kinds * layers)[:layers] if layers > 2 else kinds[:1] + kinds[2:3])
     elif family == "mq":
         cfg = tf.LlamaConfig(**_common(layers), num_attention_heads=HEADS, num_key_value_heads=1,
                              intermediate_size=FFN)

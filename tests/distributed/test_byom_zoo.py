@@ -90,6 +90,8 @@ SHARDED: dict[str, list[str]] = {
     "hf-granite4h": [f"{_HF0}.mamba.out_proj.weight", f"{_HF0}.mamba.norm.weight",
                      "model.model.model.layers.1.self_attn.q_proj.weight", f"{_HF0}.shared_mlp.output_linear.weight"],
     "hf-falconh1": [f"{_HF0}.mamba.out_proj.weight", f"{_HF0}.mamba.norm.weight", f"{_HF0}.self_attn.q_proj.weight"],
+    "hf-nemotronh": [f"{_HF0}.mixer.out_proj.weight", f"{_HF0}.mixer.norm.weight",
+                     "model.model.model.layers.1.mixer.q_proj.weight"],
     "hf-lfm2": [f"{_HF0}.conv.in_proj.weight", f"{_HF0}.conv.out_proj.weight",
                 "model.model.model.layers.1.self_attn.q_proj.weight", f"{_HF0}.feed_forward.w2.weight"],
 }
@@ -103,7 +105,7 @@ REPLICATED: dict[Any, list[str]] = {
     ("hf-stablelm", "tp4"): [f"{_HF0}.self_attn.k_proj.weight"],
     # one B/C group for 2 ranks: z | x | B | C | dt read whole, each rank computing its heads' rows and the group
     "hf-mamba2": [f"{_MAMBA0}.in_proj.weight"], "hf-granite4h": [f"{_HF0}.mamba.in_proj.weight"],
-    "hf-falconh1": [f"{_HF0}.mamba.in_proj.weight"],
+    "hf-falconh1": [f"{_HF0}.mamba.in_proj.weight"], "hf-nemotronh": [f"{_HF0}.mixer.in_proj.weight"],
 }
 # Models that compute part of their forward in bf16 by design (TorchTitan's grouped experts): every gradient
 # downstream of that rounding is held to 10x the noise floor of plain data parallelism, measured in the same world.
@@ -256,7 +258,7 @@ def test_per_head_norm_list_shards_with_its_heads(references: References) -> Non
 DENSE_TP = ["hf-gemma2", "hf-gemma3", "hf-phi3", "hf-olmo2", "hf-gptoss", "hf-bigcode", "hf-falcon-mq", "hf-falcon",
             "hf-opt", "hf-mq", "hf-llama4", "hf-olmoe", "hf-bloom", "hf-mpt", "hf-xglm", "hf-gptneo", "hf-codegen",
             "hf-cohere", "hf-apertus", "hf-mamba2", "hf-mamba2grp", "hf-granite4h", "hf-lfm2",
-            "hf-falconh1", "tt-llama3"]
+            "hf-falconh1", "hf-nemotronh", "tt-llama3"]
 # DBRX: without sequence parallelism (with it: refused, see REFUSED); its fused Wqkv is clamped before the split.
 NO_SP = ["hf-dbrx"]
 EP = [("tt-qwen3moe", "dp2"), ("tt-qwen3moe", "ep2"), ("tt-qwen3moe", "tp2-ep2"), ("tt-qwen3moe", "tp2"),
@@ -265,7 +267,7 @@ EP = [("tt-qwen3moe", "dp2"), ("tt-qwen3moe", "ep2"), ("tt-qwen3moe", "tp2-ep2")
 # Pipeline alone where tensor parallelism is not the point: Llama 4 reads its embedding's weight on every stage
 # (a shape-only stand-in on later ones); Qwen3-Next, whose linear attention refuses tp; JetMoE, whose experts
 # cannot be split over ep (its refusal below) but need not be at ep=1 (it was refused under pp alone).
-PP = ["hf-llama4", "hf-qwen3next", "hf-jetmoe", "hf-mamba2", "hf-granite4h", "hf-lfm2", "hf-falconh1"]
+PP = ["hf-llama4", "hf-qwen3next", "hf-jetmoe", "hf-mamba2", "hf-granite4h", "hf-lfm2", "hf-falconh1", "hf-nemotronh"]
 PP_TP = ["hf-stablelm"] + DENSE_TP + ["tt-qwen3moe"]
 # tp=4 with 2 KV heads (StableLM: its per-KV-head norm list too; Phi-3: replicated KV pieces of a fused projection)
 # and 1 KV head (hf-mq): each rank computes the KV head its query heads use; GPT-OSS: sinks over 4 ranks.
