@@ -60,9 +60,9 @@ ZOO_KINDS = ("hf-stablelm", "hf-gemma2", "hf-gemma3", "hf-phi3", "hf-olmo2", "hf
              "hf-falcon-mq", "hf-falcon", "hf-llama4", "hf-opt", "hf-mq", "hf-bloom", "hf-mpt", "hf-qwen3next",
              "hf-xglm", "hf-gptneo", "hf-codegen", "hf-cohere", "hf-apertus", "hf-dbrx", "hf-jetmoe", "hf-mamba2",
              "hf-mamba2grp", "hf-granite4h", "hf-lfm2", "hf-falconh1",
-             "hf-nemotronh", "tt-llama3",
+             "hf-nemotronh", "hf-granite4hmoe", "tt-llama3",
              "tt-qwen3moe")
-ZOO_MOE_KINDS = ("hf-olmoe", "hf-gptoss", "hf-llama4", "hf-qwen3next", "hf-jetmoe", "tt-qwen3moe")
+ZOO_MOE_KINDS = ("hf-olmoe", "hf-gptoss", "hf-llama4", "hf-qwen3next", "hf-jetmoe", "hf-granite4hmoe", "tt-qwen3moe")
 
 
 def _common(layers: int) -> dict[str, Any]:
@@ -192,6 +192,14 @@ def _hf(family: str, layers: int) -> nn.Module:
                                  mamba_num_heads=HEADS * 2, mamba_head_dim=HIDDEN // HEADS, ssm_state_size=12,
                                  n_groups=1, expand=2, chunk_size=SEQ // 2, conv_kernel=4, use_mamba_kernels=False,
                                  layers_block_type=(kinds * layers)[:layers] if layers > 2 else kinds[:1] + kinds[2:3])
+    elif family == "granite4hmoe":  # Granite 4.0-H with routed experts beside the shared MLP
+        cfg = tf.GraniteMoeHybridConfig(**_common(layers), **gqa, intermediate_size=MOE_FFN,
+                                        shared_intermediate_size=FFN, num_local_experts=MOE_EXPERTS,
+                                        num_experts_per_tok=2, mamba_n_heads=HEADS * 2, mamba_n_groups=1,
+                                        mamba_d_state=12, mamba_d_head=HIDDEN // HEADS, mamba_expand=2,
+                                        mamba_chunk_size=SEQ // 2, position_embedding_type="rope",
+                                        layer_types=["linear_attention", "attention"] * (layers // 2)
+                                        + ["linear_attention"] * (layers % 2))
     elif family == "mq":
         cfg = tf.LlamaConfig(**_common(layers), num_attention_heads=HEADS, num_key_value_heads=1,
                              intermediate_size=FFN)
