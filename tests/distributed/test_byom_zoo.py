@@ -263,7 +263,8 @@ DENSE_TP = ["hf-gemma2", "hf-gemma3", "hf-phi3", "hf-olmo2", "hf-gptoss", "hf-bi
 NO_SP = ["hf-dbrx"]
 EP = [("tt-qwen3moe", "dp2"), ("tt-qwen3moe", "ep2"), ("tt-qwen3moe", "tp2-ep2"), ("tt-qwen3moe", "tp2"),
       ("tt-qwen3moe", "tp2-nosp"), ("hf-olmoe", "ep2"), ("hf-olmoe", "tp2-ep2"), ("hf-gptoss", "ep2"),
-      ("hf-gptoss", "tp2-ep2"), ("hf-llama4", "ep2"), ("hf-llama4", "tp2-ep2"), ("hf-qwen3next", "ep2")]
+      ("hf-gptoss", "tp2-ep2"), ("hf-llama4", "ep2"), ("hf-llama4", "tp2-ep2"), ("hf-qwen3next", "ep2"),
+      ("hf-granite4hmoe", "ep2"), ("hf-granite4hmoe", "tp2-ep2")]
 # Pipeline alone where tensor parallelism is not the point: Llama 4 reads its embedding's weight on every stage
 # (a shape-only stand-in on later ones); Qwen3-Next, whose linear attention refuses tp; JetMoE, whose experts
 # cannot be split over ep (its refusal below) but need not be at ep=1 (it was refused under pp alone).
