@@ -22,6 +22,9 @@ What is recognised, by name where a convention exists and by dataflow otherwise 
 - per-head parameters and module lists inside a region (attention sinks, StableLM's ``norms`` zipped with the
   heads, per-head ``q_norm`` / ``k_norm``) are used per rank on that rank's heads, their gradients summed over
   ``tp``; a norm over the full width of one projection (OLMo 2's ``q_norm``) runs distributed;
+- state-space and short-convolution mixers (Mamba-2, LFM2): a projection's features followed through a depthwise
+  convolution (``groups == channels``), whose channels are cut with them; group counts and convolved widths per
+  rank; a gated norm over the inner width per group or distributed (:mod:`lightning_4d.tensor_parallel.mixers`);
 - norms (``LayerNorm``, ``RMSNorm``) directly inside a block: sequence-parallel (also on a region's output:
   Gemma's sandwich norms); on flattened tokens ``(B·T, H)``: run locally, gradients summed;
 - the token embedding (the first ``nn.Embedding`` to run): vocab-parallel; the output head (the last

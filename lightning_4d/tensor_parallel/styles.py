@@ -279,7 +279,9 @@ class GatheredColumns(ParallelStyle):
 class DistributedNorm(ParallelStyle):
     """A norm over the full output width of a column projection (OLMo 2's ``q_norm`` over every head), run on that
     width split over the ranks: its weight (and bias) are sharded like the features, its input is this rank's
-    features and DTensor computes the statistics over all of them (a sum of squares all-reduced over ``tp``).
+    features and DTensor computes the statistics over all of them (a sum of squares all-reduced over ``tp``). A gate
+    of the input's shape (Mamba-2's gated norm, ``norm(x, gate)``, positional or keyword) is this rank's features
+    too.
 
     Example:
         >>> DistributedNorm()  # doctest: +ELLIPSIS

@@ -33,6 +33,18 @@ Families (``kind``: what it exercises under tensor parallelism):
 - ``hf-qwen3next``: Qwen3-Next, linear attention (gated delta net: per-value-head ``dt_bias`` / ``A_log``, a fused
   ``in_proj_qkvz`` viewed per key-head group, a depthwise conv) alternating with gated full attention, MoE with a
   shared expert; transformers' PyTorch fallbacks of its kernels run on the CPU.
+- ``hf-mamba2`` / ``hf-mamba2grp``: Mamba-2 (pure state-space): a fused ``in_proj`` (``z | x | B | C | dt``) cut by
+  the sizes the forward splits it into after a depthwise ``conv1d`` over ``x | B | C``, per-head ``A_log`` /
+  ``dt_bias`` / ``D``, a gated RMSNorm over the inner width; one B/C group (every rank computes it; the norm runs
+  distributed) or two (sharded with the groups; the norm per group on each rank).
+- ``hf-granite4h`` / ``hf-granite4hmoe``: Granite 4.0-H, Mamba-2 and attention layers in one list (blocks of two
+  structures), each with an MLP (and routed experts).
+- ``hf-falconh1``: Falcon-H1, attention and a Mamba-2 mixer side by side in every layer, the mixer's input scaled by a
+  multiplier and its projection by a per-feature buffer (``mup_vector``).
+- ``hf-nemotronh``: Nemotron-H, one mixer per layer (Mamba-2, attention or MLP) at the same path, the model's loop
+  reading each layer's ``block_type``.
+- ``hf-lfm2``: LFM2, gated short convolutions (``B, C, x = in_proj(h).transpose(-1, -2).chunk(3, dim=-2)``, a
+  depthwise ``conv``) beside attention layers.
 - ``hf-jetmoe``: JetMoE, a mixture of attention heads and of MLP experts whose forward splits tokens with a tensor
   of sizes (expert parallelism cannot replay it: refused under ep, run as written at ep=1, e.g. under pp).
 - ``tt-llama3`` / ``tt-qwen3moe``: the ``torchtitan`` package's own Llama 3 (fused ``wqkv`` interleaved by KV group)
