@@ -249,7 +249,8 @@ class ColumnLayout:
     whole. ``depthwise``: ranges that went through a depthwise convolution along the sequence (``groups`` equal to
     the channels: a state-space or short-convolution mixer's ``conv1d`` on ``x.transpose(1, 2)``), each channel on
     its own, so the convolution's channels follow the features over the ranks. ``scales``: buffers of the block
-    (paths in it) the model multiplies a range by, feature by feature (a ``(1, 1, W)`` scale vector).
+    (paths in it) the model multiplies a range by, feature by feature (a ``(1, 1, W)`` scale vector). ``depthwise_parts``: a depthwise convolution over a concatenation of pieces cut inside
+    this linear's per-head groups (Qwen3-Next: ``q | k | v`` of every key-head group), by the pieces' sizes.
 
     Example:
         >>> c = ColumnLayout(48, {(0, 32), (32, 40), (40, 48)}, {(0, 32): 8, (32, 40): 8, (40, 48): 8})
@@ -263,6 +264,8 @@ class ColumnLayout:
     groups: dict[tuple[int, int], bool] = field(default_factory=dict)  # range -> viewed as interleaved groups
     depthwise: set[tuple[int, int]] = field(default_factory=set)  # ranges convolved channel by channel
     scales: dict[str, tuple[int, int]] = field(default_factory=dict)  # block buffer multiplying a range, per feature
+    # concatenations of pieces cut inside this linear's groups, convolved channel by channel: the pieces' sizes
+    depthwise_parts: set[tuple[int, ...]] = field(default_factory=set)
 
     def pieces(self) -> list[tuple[int, int, Optional[int]]]:
         """Consecutive feature ranges ``(start, stop, unit)`` between every cut point, each with the width of the
@@ -323,6 +326,9 @@ class _Columns:
         # d = the last two dims are (groups, d) over the features)
         self.tracked: dict[int, tuple[torch.Tensor, str, int, int, Optional[int]]] = {}
         self.names: dict[int, str] = {}  # id of a buffer of the block -> its path in the block
+        # id of a channels entry -> the sizes of the pieces of one linear it concatenates (Qwen3-Next's
+        # ``cat((q, k, v))`` of pieces cut inside per-key-head groups; its range is ``(0, sum(sizes))``)
+        self.catted: dict[int, tuple[int, ...]] = {}
         # id -> (tensor kept alive, linear, start, stop, dim): the features moved to dimension ``dim`` (channels
         # first, ``(B, C, T)``, for a convolution along the sequence)
         self.channels: dict[int, tuple[torch.Tensor, str, int, int, int]] = {}
@@ -349,7 +355,17 @@ class _Columns:
         first = args[0]
         t, rel, a, b, dim = self.channels[id(first)]
         ndim = first.dim()
-        if t is first and name in SPLIT_OPS and name != "unbind" and isinstance(out, (tuple, list)):
+        parts = self.catted.get(id(first))
+        if parts is not None:
+            if t is first and isinstance(out, torch.Tensor) and out.dim() == ndim:
+                self.catted[id(out)] = parts  # kept below only where the channels stay
+            if name == "conv1d" and t is first and dim == 1:
+                groups = args[6] if len(args) > 6 else kwargs.get("groups", 1)
+                if groups == b - a and isinstance(out, torch.Tensor) and int(out.shape[1]) == b - a:
+                    self.layouts[rel].depthwise_parts.add(parts)
+                    self.channels[id(out)] = (out, rel, a, b, 1)
+                return
+        if t is first and name in SPLIT_OPS and name != "unbind" and isinstance(out, (tuple, list)) and parts is None:
             at = kwargs.get("dim", args[2] if len(args) > 2 else 0)
             if isinstance(at, int) and at % ndim == dim:  # LFM2's ``B, C, x = BCx.chunk(3, dim=-2)``
                 cur = a
@@ -376,7 +392,8 @@ class _Columns:
                 new = (moved[1] if moved[0] == dim else moved[0] if moved[1] == dim else dim) \
                     if len(moved) == 2 else None
             if new == ndim - 1:
-                self._track(out, rel, a, b, None)
+                if parts is None:
+                    self._track(out, rel, a, b, None)
             elif new is not None:
                 self.channels[id(out)] = (out, rel, a, b, new)
         elif name == "__getitem__" and len(args) > 1:
@@ -530,6 +547,24 @@ class _Consumers(TorchFunctionMode):
         entry = self.scaled.get(id(t))
         return entry[1] if entry is not None and entry[0] is t else id(t)
 
+    def _concatenated(self, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
+        """A concatenation along the features of pieces that all derive from one linear of the block only: followed
+        (as channels at the last dimension) to a depthwise convolution, see :attr:`ColumnLayout.depthwise_parts`."""
+        parts = args[0]
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        if not isinstance(dim, int) or out.dim() < 2 or dim % out.dim() != out.dim() - 1 or len(parts) < 2:
+            return
+        origins = {self.origin_of(p) for p in parts}
+        if len(origins) != 1 or not all(isinstance(p, torch.Tensor) for p in parts):
+            return
+        (origin,) = origins
+        if len(origin) != 1:
+            return
+        (rel,) = origin
+        sizes = tuple(int(p.shape[-1]) for p in parts)
+        self.columns.channels[id(out)] = (out, rel, 0, sum(sizes), out.dim() - 1)
+        self.columns.catted[id(out)] = sizes
+
     def origin_of(self, value: Any) -> frozenset[str]:
         """The linears ``value`` (a tensor, or a nest of them) derives from."""
         found: set[str] = set()
@@ -557,6 +592,8 @@ class _Consumers(TorchFunctionMode):
         if name in _SCALE and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor) and all(
                 isinstance(x, (int, float)) for x in args[1:]) and out.shape == args[0].shape:
             self.scaled[id(out)] = (out, self.root(args[0]))
+        if name == "cat" and args and isinstance(args[0], (list, tuple)) and isinstance(out, torch.Tensor):
+            self._concatenated(args, kwargs, out)
         if self.columns.tracked and name not in _INSPECTIONS:
             self.columns.follow(name, args, kwargs, out)
         if self.origin and name not in _INSPECTIONS:

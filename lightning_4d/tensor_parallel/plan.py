@@ -81,7 +81,7 @@ ROWWISE_NAMES = frozenset({"wo", "o_proj", "w2", "down_proj", "c_proj", "out_pro
 # Per-rank head counts that attention code uses in view/reshape calls; CodeGen's ``mp_num`` counts groups of heads
 # (its fused ``qkv_proj`` is ``mp_num`` groups of q | v | k, cut by ``embed_dim // mp_num``): per rank too.
 HEAD_ATTRS = ("n_heads", "n_head", "num_heads", "n_kv_heads", "num_key_value_heads", "num_attention_heads",
-              "n_local_heads", "n_local_kv_heads", "num_kv_heads", "kv_heads", "mp_num")
+              "n_local_heads", "n_local_kv_heads", "num_kv_heads", "kv_heads", "mp_num", "num_v_heads", "num_k_heads")
 # Widths a region may use to cut or reshape its sharded activations (``split(self.split_size)``).
 WIDTH_ATTRS = ("split_size", "embed_dim", "n_embd", "hidden_size", "all_head_size", "q_size", "kv_size",
                "intermediate_size", "inner_dim", "kv_dim")

@@ -31,7 +31,7 @@ Families (``kind``: what it exercises under tensor parallelism):
 - ``hf-bloom`` / ``hf-mpt``: ALiBi: per-head biases built outside the blocks from the whole head count and passed
   into the attention (Bloom's ``alibi`` ``(B·H, 1, K)`` into ``baddbmm``, MPT's ``position_bias`` ``(H, 1, K)``).
 - ``hf-qwen3next``: Qwen3-Next, linear attention (gated delta net: per-value-head ``dt_bias`` / ``A_log``, a fused
-  ``in_proj_qkvz`` viewed per key-head group, a depthwise conv) alternating with gated full attention, MoE with a
+  ``in_proj_qkvz`` viewed per key-head group, a depthwise conv over ``cat(q, k, v)``) alternating with gated full attention, MoE with a
   shared expert; transformers' PyTorch fallbacks of its kernels run on the CPU.
 - ``hf-mamba2`` / ``hf-mamba2grp``: Mamba-2 (pure state-space): a fused ``in_proj`` (``z | x | B | C | dt``) cut by
   the sizes the forward splits it into after a depthwise ``conv1d`` over ``x | B | C``, per-head ``A_log`` /
@@ -145,7 +145,7 @@ def _hf(family: str, layers: int) -> nn.Module:
         cfg = tf.Qwen3NextConfig(**_common(layers), **gqa, head_dim=HIDDEN // HEADS, intermediate_size=FFN,
                                  moe_intermediate_size=MOE_FFN, shared_expert_intermediate_size=MOE_FFN,
                                  num_experts=MOE_EXPERTS, num_experts_per_tok=2, decoder_sparse_step=1,
-                                 mlp_only_layers=[], linear_num_value_heads=HEADS, linear_num_key_heads=KV_HEADS,
+                                 mlp_only_layers=[], linear_num_value_heads=2 * HEADS, linear_num_key_heads=KV_HEADS,
                                  linear_key_head_dim=HIDDEN // HEADS, linear_value_head_dim=HIDDEN // HEADS,
                                  linear_conv_kernel_dim=4,
                                  layer_types=["linear_attention", "full_attention"] * (layers // 2)
