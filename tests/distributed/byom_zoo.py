@@ -199,11 +199,11 @@ def _hf(family: str, layers: int) -> nn.Module:
                                 mamba_n_groups=1, mamba_d_state=12, mamba_d_conv=4, mamba_expand=2,
                                 mamba_chunk_size=SEQ // 2, mamba_rms_norm=True)
     elif family == "nemotronh":  # Nemotron-H: one mixer per layer (Mamba-2, attention or MLP) at the same path
-        kinds = ["linear_attention", "mlp", "full_attention", "mlp"]
+        kinds = ["linear_attention", "full_attention", "mlp", "linear_attention"]
         cfg = tf.NemotronHConfig(**_common(layers), **gqa, head_dim=HIDDEN // HEADS, intermediate_size=FFN,
                                  mamba_num_heads=HEADS * 2, mamba_head_dim=HIDDEN // HEADS, ssm_state_size=12,
                                  n_groups=1, expand=2, chunk_size=SEQ // 2, conv_kernel=4, use_mamba_kernels=False,
-                                 layers_block_type=(kinds * layers)[:layers] if layers > 2 else kinds[:1] + kinds[2:3])
+                                 layers_block_type=(kinds * layers)[:layers])
     elif family == "granite4hmoe":  # Granite 4.0-H with routed experts beside the shared MLP
         cfg = tf.GraniteMoeHybridConfig(**_common(layers), **gqa, intermediate_size=MOE_FFN,
                                         shared_intermediate_size=FFN, num_local_experts=MOE_EXPERTS,
