@@ -25,7 +25,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from torch import nn
 
@@ -33,8 +33,11 @@ from lightning_4d.hooks import TP_PLAN, hook_call
 from lightning_4d.layer_kinds import is_norm
 
 if TYPE_CHECKING:
-    from lightning_4d.tensor_parallel.plan import BlockPlan, Piece
     from lightning_4d.trace import ModelTrace
+
+# ``plan`` imports this module: its ``BlockPlan`` and ``Piece`` are named here by what is read of them.
+BlockPlan = Any  # lightning_4d.tensor_parallel.plan.BlockPlan
+Piece = Any  # lightning_4d.tensor_parallel.plan.Piece: .start, .stop, .size, .unit, .heads, .sharded
 
 __all__ = ["GROUP_COUNT_ATTRS", "MixerPlan", "conv_rows", "linear_rows", "plan_mixer"]
 
@@ -92,8 +95,8 @@ def _depthwise_convs(region: nn.Module) -> dict[str, nn.Module]:
             if n and isinstance(m, nn.Conv1d) and m.groups == m.in_channels == m.out_channels and m.groups > 1}
 
 
-def plan_mixer(block_name: str, block: nn.Module, region: str, plan: "BlockPlan",
-               pieces_of: dict[str, list["Piece"]], trace: Optional["ModelTrace"], tp: int) -> MixerPlan:
+def plan_mixer(block_name: str, block: nn.Module, region: str, plan: BlockPlan,
+               pieces_of: dict[str, list[Piece]], trace: Optional["ModelTrace"], tp: int) -> MixerPlan:
     """Plan the convolution, norms and per-rank sizes of one region whose projection feeds a depthwise convolution
     (nothing for any other region); records into ``plan`` (``local_attrs``, ``head_params``, ``dist_norms``,
     ``partial_params``) and returns what it handled. Raises naming the module when no exact layout exists.
@@ -160,7 +163,7 @@ class _Width:
     sharded: bool
 
 
-def _part_rows(block_name: str, name: str, pieces: list["Piece"], sizes: tuple[int, ...], plan: "BlockPlan",
+def _part_rows(block_name: str, name: str, pieces: list[Piece], sizes: tuple[int, ...], plan: BlockPlan,
                tp: int) -> list[list[int]]:
     """Per rank, the channels of a convolution over ``cat(parts)`` of pieces cut inside the groups of linear
     ``name`` (Qwen3-Next's ``q | k | v``, each flattened group by group): with the linear split by whole groups,
@@ -188,7 +191,7 @@ def _part_rows(block_name: str, name: str, pieces: list["Piece"], sizes: tuple[i
     return out
 
 
-def _mixer_attrs(module: nn.Module, region: str, plan: "BlockPlan", width: int, local_width: int,
+def _mixer_attrs(module: nn.Module, region: str, plan: BlockPlan, width: int, local_width: int,
                  inside: list[_Width], tp: int) -> None:
     """Per-rank values of what a mixer's forward cuts and views its convolved channels by: the convolved width
     (``conv_dim``), a piece's width (Falcon-H1's ``groups_time_state_size``, Qwen3-Next's ``key_dim``) and the group
@@ -212,7 +215,7 @@ def _mixer_attrs(module: nn.Module, region: str, plan: "BlockPlan", width: int, 
         plan.local_attrs[region], plan.head_attrs[region] = local, found
 
 
-def _plan_norms(block_name: str, module: nn.Module, region: str, plan: "BlockPlan", inner: set[int],
+def _plan_norms(block_name: str, module: nn.Module, region: str, plan: BlockPlan, inner: set[int],
                 sources: set[str], tp: int, out: MixerPlan) -> None:
     """A norm of a mixer region over its whole sharded inner width (Mamba-2's gated ``norm`` before ``out_proj``):
     per group on each rank's features when its groups (``group_size``) divide by ``tp``, a distributed norm when it
