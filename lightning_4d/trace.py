@@ -249,8 +249,9 @@ class ColumnLayout:
     whole. ``depthwise``: ranges that went through a depthwise convolution along the sequence (``groups`` equal to
     the channels: a state-space or short-convolution mixer's ``conv1d`` on ``x.transpose(1, 2)``), each channel on
     its own, so the convolution's channels follow the features over the ranks. ``scales``: buffers of the block
-    (paths in it) the model multiplies a range by, feature by feature (a ``(1, 1, W)`` scale vector). ``depthwise_parts``: a depthwise convolution over a concatenation of pieces cut inside
-    this linear's per-head groups (Qwen3-Next: ``q | k | v`` of every key-head group), by the pieces' sizes.
+    (paths in it) the model multiplies a range by, feature by feature (a ``(1, 1, W)`` scale vector).
+    ``depthwise_parts``: a depthwise convolution over a concatenation of pieces cut inside this linear's per-head
+    groups (Qwen3-Next: ``q | k | v`` of every key-head group), by the pieces' sizes.
 
     Example:
         >>> c = ColumnLayout(48, {(0, 32), (32, 40), (40, 48)}, {(0, 32): 8, (32, 40): 8, (40, 48): 8})
@@ -464,8 +465,8 @@ class _Columns:
                                                                             else {ndim - 1, ndim - 2})
                 if sub is None and name != "movedim" and len(moved) == 2 and ndim - 1 in {d % ndim for d in moved}:
                     # the features moved to another dimension (channels first, for a convolution)
-                    other = next(d % ndim for d in moved if d % ndim != ndim - 1) if moved[0] % ndim != moved[1] % ndim \
-                        else None
+                    distinct = moved[0] % ndim != moved[1] % ndim
+                    other = next(d % ndim for d in moved if d % ndim != ndim - 1) if distinct else None
                     if other is not None and isinstance(out, torch.Tensor):
                         self.channels[id(out)] = (out, rel, a, b, other)
             if keep:

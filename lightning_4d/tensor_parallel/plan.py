@@ -246,7 +246,9 @@ def _pieces(block_name: str, name: str, width: int, trace: Optional[ModelTrace],
     layout = trace.columns.get(name) if trace is not None else None
     raw = layout.pieces() if layout is not None else [(0, width, None)]
     known = {u for *_, u in raw if u}
-    if len(known) == 1 and not (layout is not None and layout.depthwise):  # pieces of one fused projection share its head width (a key used without a view)
+    # pieces of one fused projection share its head width (a key used without a view); not a mixer's projection,
+    # whose pieces the trace follows through its convolution (Mamba-2's ``dt`` is one feature per head)
+    if len(known) == 1 and not (layout is not None and layout.depthwise):
         (u,) = known
         raw = [(a, b, unit or (u if (b - a) % u == 0 else None)) for a, b, unit in raw]
     where = f"{block_name}.{name}"

@@ -31,8 +31,8 @@ Families (``kind``: what it exercises under tensor parallelism):
 - ``hf-bloom`` / ``hf-mpt``: ALiBi: per-head biases built outside the blocks from the whole head count and passed
   into the attention (Bloom's ``alibi`` ``(B·H, 1, K)`` into ``baddbmm``, MPT's ``position_bias`` ``(H, 1, K)``).
 - ``hf-qwen3next``: Qwen3-Next, linear attention (gated delta net: per-value-head ``dt_bias`` / ``A_log``, a fused
-  ``in_proj_qkvz`` viewed per key-head group, a depthwise conv over ``cat(q, k, v)``) alternating with gated full attention, MoE with a
-  shared expert; transformers' PyTorch fallbacks of its kernels run on the CPU.
+  ``in_proj_qkvz`` viewed per key-head group, a depthwise conv over ``cat(q, k, v)``) alternating with gated full
+  attention, MoE with a shared expert; transformers' PyTorch fallbacks of its kernels run on the CPU.
 - ``hf-mamba2`` / ``hf-mamba2grp``: Mamba-2 (pure state-space): a fused ``in_proj`` (``z | x | B | C | dt``) cut by
   the sizes the forward splits it into after a depthwise ``conv1d`` over ``x | B | C``, per-head ``A_log`` /
   ``dt_bias`` / ``D``, a gated RMSNorm over the inner width; one B/C group (every rank computes it; the norm runs

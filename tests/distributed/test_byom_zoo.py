@@ -7,10 +7,10 @@ GPT-BigCode and Falcon multi-query (one KV head in a fused projection), Falcon's
 on a projection's output), a one-KV-head Llama, Llama 4 text MoE (its forward reads the embedding's weight on every
 pipeline stage), OPT (linears held by the decoder layer), Bloom and MPT (ALiBi biases cut with the heads),
 Qwen3-Next (linear attention: a fused projection viewed per key-head group, q | k | v concatenated before a
-depthwise convolution), the state-space and hybrid families (Mamba-2
-with one and two B/C groups, Granite 4.0-H dense and MoE, Falcon-H1, Nemotron-H, LFM2's short convolutions) and the
-``torchtitan`` package's Llama 3 and Qwen3 MoE. Each family runs under tp=2 with and without sequence parallelism and tp=2 × pp=2, each MoE family under
-ep=2 (and tp=2 × ep=2), or is refused at set-up (:data:`REFUSED`).
+depthwise convolution), the state-space and hybrid families (Mamba-2 with one and two B/C groups, Granite 4.0-H dense
+and MoE, Falcon-H1, Nemotron-H, LFM2's short convolutions) and the ``torchtitan`` package's Llama 3 and Qwen3 MoE.
+Each family runs under tp=2 with and without sequence parallelism and tp=2 × pp=2, each MoE family under ep=2 (and
+tp=2 × ep=2), or is refused at set-up (:data:`REFUSED`).
 
 Every family × layout must match the single-process reference: per-step global losses and the final raw
 gradients within 1e-5 relative (fp32, lr=1e-4 as in test_byom), each gradient relative to its own norm or, for a
