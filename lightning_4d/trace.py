@@ -133,6 +133,8 @@ class ModelTrace:
     score_biases: dict[str, dict[ArgKey, tuple[tuple[int, ...], int]]] = field(default_factory=dict)
     output: Any = None
     kinds: dict[str, "ModelTrace"] = field(default_factory=dict)  # block key -> the facts of its kind's first block
+    # block key -> its plain attributes (Nemotron-H's ``block_type``, read by the model's loop to pick a mask)
+    block_attrs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def for_block(self, key: str) -> "ModelTrace":
         """The trace whose per-block facts (sources, columns, ...) are those of block ``key``'s kind: a hybrid's
@@ -246,7 +248,10 @@ class ColumnLayout:
     ``view(B, T, n_kv, r, head_dim)``: ``r·head_dim``). Sharding a range over ``tp`` ranks must keep those groups
     whole. ``depthwise``: ranges that went through a depthwise convolution along the sequence (``groups`` equal to
     the channels: a state-space or short-convolution mixer's ``conv1d`` on ``x.transpose(1, 2)``), each channel on
-    its own, so the convolution's channels follow the features over the ranks.
+    its own, so the convolution's channels follow the features over the ranks. ``scales``: buffers of the block
+    (paths in it) the model multiplies a range by, feature by feature (a ``(1, 1, W)`` scale vector).
+    ``depthwise_parts``: a depthwise convolution over a concatenation of pieces cut inside this linear's per-head
+    groups (Qwen3-Next: ``q | k | v`` of every key-head group), by the pieces' sizes.
 
     Example:
         >>> c = ColumnLayout(48, {(0, 32), (32, 40), (40, 48)}, {(0, 32): 8, (32, 40): 8, (40, 48): 8})
@@ -259,6 +264,9 @@ class ColumnLayout:
     units: dict[tuple[int, int], int] = field(default_factory=dict)
     groups: dict[tuple[int, int], bool] = field(default_factory=dict)  # range -> viewed as interleaved groups
     depthwise: set[tuple[int, int]] = field(default_factory=set)  # ranges convolved channel by channel
+    scales: dict[str, tuple[int, int]] = field(default_factory=dict)  # block buffer multiplying a range, per feature
+    # concatenations of pieces cut inside this linear's groups, convolved channel by channel: the pieces' sizes
+    depthwise_parts: set[tuple[int, ...]] = field(default_factory=set)
 
     def pieces(self) -> list[tuple[int, int, Optional[int]]]:
         """Consecutive feature ranges ``(start, stop, unit)`` between every cut point, each with the width of the
@@ -318,6 +326,10 @@ class _Columns:
         # id -> (tensor kept alive, linear, start, stop, group width: None = the last dim is the features,
         # d = the last two dims are (groups, d) over the features)
         self.tracked: dict[int, tuple[torch.Tensor, str, int, int, Optional[int]]] = {}
+        self.names: dict[int, str] = {}  # id of a buffer of the block -> its path in the block
+        # id of a channels entry -> the sizes of the pieces of one linear it concatenates (Qwen3-Next's
+        # ``cat((q, k, v))`` of pieces cut inside per-key-head groups; its range is ``(0, sum(sizes))``)
+        self.catted: dict[int, tuple[int, ...]] = {}
         # id -> (tensor kept alive, linear, start, stop, dim): the features moved to dimension ``dim`` (channels
         # first, ``(B, C, T)``, for a convolution along the sequence)
         self.channels: dict[int, tuple[torch.Tensor, str, int, int, int]] = {}
@@ -344,7 +356,17 @@ class _Columns:
         first = args[0]
         t, rel, a, b, dim = self.channels[id(first)]
         ndim = first.dim()
-        if t is first and name in SPLIT_OPS and name != "unbind" and isinstance(out, (tuple, list)):
+        parts = self.catted.get(id(first))
+        if parts is not None:
+            if t is first and isinstance(out, torch.Tensor) and out.dim() == ndim:
+                self.catted[id(out)] = parts  # kept below only where the channels stay
+            if name == "conv1d" and t is first and dim == 1:
+                groups = args[6] if len(args) > 6 else kwargs.get("groups", 1)
+                if groups == b - a and isinstance(out, torch.Tensor) and int(out.shape[1]) == b - a:
+                    self.layouts[rel].depthwise_parts.add(parts)
+                    self.channels[id(out)] = (out, rel, a, b, 1)
+                return
+        if t is first and name in SPLIT_OPS and name != "unbind" and isinstance(out, (tuple, list)) and parts is None:
             at = kwargs.get("dim", args[2] if len(args) > 2 else 0)
             if isinstance(at, int) and at % ndim == dim:  # LFM2's ``B, C, x = BCx.chunk(3, dim=-2)``
                 cur = a
@@ -371,7 +393,8 @@ class _Columns:
                 new = (moved[1] if moved[0] == dim else moved[0] if moved[1] == dim else dim) \
                     if len(moved) == 2 else None
             if new == ndim - 1:
-                self._track(out, rel, a, b, None)
+                if parts is None:
+                    self._track(out, rel, a, b, None)
             elif new is not None:
                 self.channels[id(out)] = (out, rel, a, b, new)
         elif name == "__getitem__" and len(args) > 1:
@@ -423,6 +446,14 @@ class _Columns:
                 isinstance(x, (int, float)) for x in args[1:]):
             self._track(out, rel, a, b, None)  # q * scaling
             return
+        if name in ("mul", "__mul__") and sub is None and tuple(out.shape) == tuple(first.shape) and len(args) == 2:
+            other = args[1]
+            path = self.names.get(id(other)) if isinstance(other, torch.Tensor) else None
+            if path is not None and int(other.shape[-1]) == last and all(int(d) == 1 for d in other.shape[:-1]):
+                # a per-feature scale the block holds (Falcon-H1's ``in_proj(x) * self.mup_vector``, (1, 1, W))
+                layout.scales[path] = (a, b)
+                self._track(out, rel, a, b, None)
+            return
         if name in _MOVE:
             if name == "permute":
                 dims = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
@@ -434,8 +465,8 @@ class _Columns:
                                                                             else {ndim - 1, ndim - 2})
                 if sub is None and name != "movedim" and len(moved) == 2 and ndim - 1 in {d % ndim for d in moved}:
                     # the features moved to another dimension (channels first, for a convolution)
-                    other = next(d % ndim for d in moved if d % ndim != ndim - 1) if moved[0] % ndim != moved[1] % ndim \
-                        else None
+                    distinct = moved[0] % ndim != moved[1] % ndim
+                    other = next(d % ndim for d in moved if d % ndim != ndim - 1) if distinct else None
                     if other is not None and isinstance(out, torch.Tensor):
                         self.channels[id(out)] = (out, rel, a, b, other)
             if keep:
@@ -509,6 +540,31 @@ class _Consumers(TorchFunctionMode):
         self.origin: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}  # id -> (tensor kept alive, linears)
         self.columns = _Columns()
         self.biases = ScoreBiases()
+        self.scaled: dict[int, tuple[torch.Tensor, int]] = {}  # id -> (tensor kept alive, id of what it scales)
+
+    def root(self, t: torch.Tensor) -> int:
+        """The id of the tensor ``t`` is a scalar multiple of (``x * multiplier``), or of ``t`` itself: a module that
+        scales its input before a projection (Falcon-H1's ``ssm_in_multiplier``) still feeds it that input."""
+        entry = self.scaled.get(id(t))
+        return entry[1] if entry is not None and entry[0] is t else id(t)
+
+    def _concatenated(self, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
+        """A concatenation along the features of pieces that all derive from one linear of the block only: followed
+        (as channels at the last dimension) to a depthwise convolution, see :attr:`ColumnLayout.depthwise_parts`."""
+        parts = args[0]
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        if not isinstance(dim, int) or out.dim() < 2 or dim % out.dim() != out.dim() - 1 or len(parts) < 2:
+            return
+        origins = {self.origin_of(p) for p in parts}
+        if len(origins) != 1 or not all(isinstance(p, torch.Tensor) for p in parts):
+            return
+        (origin,) = origins
+        if len(origin) != 1:
+            return
+        (rel,) = origin
+        sizes = tuple(int(p.shape[-1]) for p in parts)
+        self.columns.channels[id(out)] = (out, rel, 0, sum(sizes), out.dim() - 1)
+        self.columns.catted[id(out)] = sizes
 
     def origin_of(self, value: Any) -> frozenset[str]:
         """The linears ``value`` (a tensor, or a nest of them) derives from."""
@@ -534,6 +590,11 @@ class _Consumers(TorchFunctionMode):
                 rest = tuple(a for a in args[1:] if not isinstance(a, torch.Tensor))
                 self.seen.setdefault(rel, Consumer(name, rest, dict(kwargs), first.dim()))
         out = func(*args, **kwargs)
+        if name in _SCALE and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor) and all(
+                isinstance(x, (int, float)) for x in args[1:]) and out.shape == args[0].shape:
+            self.scaled[id(out)] = (out, self.root(args[0]))
+        if name == "cat" and args and isinstance(args[0], (list, tuple)) and isinstance(out, torch.Tensor):
+            self._concatenated(args, kwargs, out)
         if self.columns.tracked and name not in _INSPECTIONS:
             self.columns.follow(name, args, kwargs, out)
         if self.origin and name not in _INSPECTIONS:
@@ -634,6 +695,7 @@ def trace_model(root: nn.Module, blocks_path: str, example: Any) -> ModelTrace:
             # a fresh recorder per kind: what this block's linears produce, from nothing earlier blocks left
             mode.__exit__(None, None, None)
             mode = _Consumers()
+            mode.columns.names = {id(b): n for n, b in blocks[key].named_buffers()}
             mode.__enter__()
             facts[key].mode = mode
             recording.append(key)
@@ -643,10 +705,10 @@ def trace_model(root: nn.Module, blocks_path: str, example: Any) -> ModelTrace:
         rel, f = here
         main = args[0] if args else (kwargs.get(first_param_name(mod) or "") if kwargs else None)
         if isinstance(main, torch.Tensor):
-            f.parent_inputs.setdefault(rel, id(main))
+            f.parent_inputs.setdefault(rel, mode.root(main))
             f.input_ndim.setdefault(rel, main.dim())
             if is_linear(mod):
-                f.inputs.setdefault(rel, id(main))
+                f.inputs.setdefault(rel, mode.root(main))
                 f.sources.setdefault(rel, mode.origin_of(main))
             else:
                 f.module_sources.setdefault(rel, mode.origin_of(main))
@@ -692,6 +754,8 @@ def trace_model(root: nn.Module, blocks_path: str, example: Any) -> ModelTrace:
         root.train(was_training)
     _analyse_blocks(trace, root, blocks, block_calls)
     _classify_outside(trace, root, blocks_path, events)
+    trace.block_attrs = {key: {k: v for k, v in vars(block).items() if not k.startswith("_")
+                               and isinstance(v, (int, float, str, bool, type(None)))} for key, block in blocks.items()}
     first = next(iter(blocks))
     done = {key: f.into(trace) for key, f in facts.items() if f.mode is not None}
     own = done.get(first)

@@ -116,6 +116,30 @@ class ShapeStub(nn.Module):
             lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) else t, out)
 
 
+class _Dispatcher:
+    """What the model calls for one block while a stage runs: the call, and the block's plain attributes (a hybrid's
+    loop reads ``layer.block_type`` to pick each layer's mask, also for blocks another stage holds).
+
+    Example:
+        >>> d = _Dispatcher(lambda h: h, {"block_type": "mamba"})
+        >>> d(3), d.block_type
+        (3, 'mamba')
+    """
+
+    def __init__(self, call: Callable[..., Any], attrs: dict[str, Any]) -> None:
+        self._call, self._attrs = call, attrs
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        attrs = self.__dict__.get("_attrs", {})
+        if name in attrs:
+            return attrs[name]
+        raise AttributeError(f"a pipeline stage's stand-in for a block has no attribute {name!r} (only the block's "
+                             f"plain values: {sorted(attrs)})")
+
+
 @dataclass
 class _Stage:
     index: int
@@ -226,7 +250,7 @@ class StagedForward:
             container = registered_submodule(self.root, self.trace.blocks_path)
             return child_modules(container)[key](*args, **kwargs)
 
-        return call
+        return _Dispatcher(call, self.trace.block_attrs.get(key, {}))
 
     @contextmanager
     def _swap_pre(self, is_first: bool) -> Iterator[None]:

@@ -25,7 +25,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional  # plan: a tensor_parallel.plan.BlockPlan (it imports this module)
+from typing import TYPE_CHECKING, Any, Optional
 
 from torch import nn
 
@@ -35,11 +35,15 @@ from lightning_4d.layer_kinds import is_norm
 if TYPE_CHECKING:
     from lightning_4d.trace import ModelTrace
 
+# ``plan`` imports this module: its ``BlockPlan`` and ``Piece`` are named here by what is read of them.
+BlockPlan = Any  # lightning_4d.tensor_parallel.plan.BlockPlan
+Piece = Any  # lightning_4d.tensor_parallel.plan.Piece: .start, .stop, .size, .unit, .heads, .sharded
+
 __all__ = ["GROUP_COUNT_ATTRS", "MixerPlan", "conv_rows", "linear_rows", "plan_mixer"]
 
 # Group counts of a state-space mixer's B / C (heads of its fused projection that several value heads share): per
 # rank like a KV head count (1 where each rank computes the one group its heads use).
-GROUP_COUNT_ATTRS = ("n_groups", "ngroups", "num_groups", "mamba_n_groups", "num_k_heads")
+GROUP_COUNT_ATTRS = ("n_groups", "ngroups", "num_groups", "mamba_n_groups")
 
 _HOOK = f"{hook_call(TP_PLAN)} on your FourDModule (returns {{module path: ParallelStyle}})"
 
@@ -91,8 +95,8 @@ def _depthwise_convs(region: nn.Module) -> dict[str, nn.Module]:
             if n and isinstance(m, nn.Conv1d) and m.groups == m.in_channels == m.out_channels and m.groups > 1}
 
 
-def plan_mixer(block_name: str, block: nn.Module, region: str, plan: Any,
-               pieces_of: dict[str, list[Any]], trace: Optional["ModelTrace"], tp: int) -> MixerPlan:
+def plan_mixer(block_name: str, block: nn.Module, region: str, plan: BlockPlan,
+               pieces_of: dict[str, list[Piece]], trace: Optional["ModelTrace"], tp: int) -> MixerPlan:
     """Plan the convolution, norms and per-rank sizes of one region whose projection feeds a depthwise convolution
     (nothing for any other region); records into ``plan`` (``local_attrs``, ``head_params``, ``dist_norms``,
     ``partial_params``) and returns what it handled. Raises naming the module when no exact layout exists.
@@ -106,25 +110,36 @@ def plan_mixer(block_name: str, block: nn.Module, region: str, plan: Any,
         return out
     module = block.get_submodule(region)
     prefix = f"{region}." if region else ""
-    ranges: list[tuple[str, int, int]] = []
+    # (linear, channels of its convolution, per rank the linear's features each channel holds, pieces inside)
+    convolved: list[tuple[str, int, list[list[int]], list[_Width]]] = []
     for name, kind in plan.linears.items():
         layout = trace.columns.get(name)
-        if kind == "colwise" and name.startswith(prefix) and layout is not None:
-            ranges += [(name, a, b) for a, b in sorted(layout.depthwise)]
-    if not ranges:
+        if kind != "colwise" or not name.startswith(prefix) or layout is None:
+            continue
+        pieces = pieces_of[name]
+        rows = linear_rows(sum(p.size for p in pieces), tp, plan.gathered.get(name), plan.permutations.get(name))
+        for buffer, (lo, hi) in layout.scales.items():
+            if buffer.startswith(prefix):  # a per-feature scale of the output: cut with the features
+                out.rows[buffer[len(prefix):]] = conv_rows(rows, lo, hi)
+        for lo, hi in sorted(layout.depthwise):
+            inside = [_Width(p.size, p.size // tp if p.sharded else (p.unit or p.size),
+                             p.heads if p.unit else None, p.sharded) for p in pieces if lo <= p.start and p.stop <= hi]
+            convolved.append((name, hi - lo, conv_rows(rows, lo, hi), inside))
+        for sizes in sorted(layout.depthwise_parts):
+            convolved.append((name, sum(sizes), _part_rows(block_name, name, pieces, sizes, plan, tp),
+                              [_Width(s, s // tp, None, True) for s in sizes]))
+    if not convolved:
         return out
     convs = _depthwise_convs(module)
-    inner: set[int] = set()  # widths of the sharded inner activation (the row-parallel input)
-    for name, lo, hi in ranges:
-        width = sum(p.size for p in pieces_of[name])
-        rows = linear_rows(width, tp, plan.gathered.get(name), plan.permutations.get(name))
-        channels = conv_rows(rows, lo, hi)
-        matching = [c for c, m in convs.items() if m.in_channels == hi - lo]
+    inner = {int(m.weight.shape[1]) for n, m in module.named_modules()
+             if plan.linears.get(f"{prefix}{n}") == "rowwise"}  # the sharded inner width (the row-parallel input)
+    for name, width, channels, inside in convolved:
+        matching = [c for c, m in convs.items() if m.in_channels == width]
         if len(matching) != 1:
             raise ValueError(
-                f"{block_name}.{name}: its features {lo}:{hi} go through a depthwise convolution along the sequence, "
+                f"{block_name}.{name}: {width} of its features go through a depthwise convolution along the sequence, "
                 f"but {len(matching)} depthwise Conv1d modules of {block_name}.{region or '(the block)'} have "
-                f"{hi - lo} channels ({', '.join(sorted(convs)) or 'none'}), so which one to cut with the features is "
+                f"{width} channels ({', '.join(sorted(convs)) or 'none'}), so which one to cut with the features is "
                 f"unknown. Implement {_HOOK}, or use tp=1."
             )
         conv = matching[0]
@@ -132,32 +147,75 @@ def plan_mixer(block_name: str, block: nn.Module, region: str, plan: Any,
         for pname, _ in convs[conv].named_parameters(recurse=False):
             out.rows[f"{conv}.{pname}"] = channels
             plan.partial_params.append(f"{prefix}{conv}.{pname}")
-        local: dict[str, int] = dict(plan.local_attrs.get(region, {}))
-        found: dict[str, int] = dict(plan.head_attrs.get(region, {}))
-        for attr, value in vars(module).items():
-            if isinstance(value, bool) or not isinstance(value, int) or attr in local:
-                continue
-            if value == hi - lo:  # the convolved width (``conv_dim``): the split after the convolution reads it
-                found[attr], local[attr] = value, len(channels[0])
-        groups = [p for p in pieces_of[name] if lo <= p.start and p.stop <= hi and p.heads and not p.sharded]
-        shared = [p for p in pieces_of[name] if lo <= p.start and p.stop <= hi and p.heads and p.sharded]
-        for attr in GROUP_COUNT_ATTRS:
-            value = getattr(module, attr, None)
-            if isinstance(value, bool) or not isinstance(value, int) or attr in local:
-                continue
-            if any(p.heads == value for p in groups):
-                found[attr], local[attr] = value, 1
-            elif any(p.heads == value for p in shared):
-                found[attr], local[attr] = value, value // tp
-        if local:
-            plan.local_attrs[region], plan.head_attrs[region] = local, found
-        inner |= {int(m.weight.shape[1]) for n, m in module.named_modules()
-                  if f"{prefix}{n}" in plan.linears and plan.linears[f"{prefix}{n}"] == "rowwise"}
+        _mixer_attrs(module, region, plan, width, len(channels[0]), inside, tp)
         _plan_norms(block_name, module, region, plan, inner, {name}, tp, out)
     return out
 
 
-def _plan_norms(block_name: str, module: nn.Module, region: str, plan: Any, inner: set[int],
+@dataclass(frozen=True)
+class _Width:
+    """A piece of a convolved range: its width, its width on one rank, its heads (``None``: not viewed in heads) and
+    whether those are split over the ranks."""
+
+    size: int
+    local: int
+    heads: Optional[int]
+    sharded: bool
+
+
+def _part_rows(block_name: str, name: str, pieces: list[Piece], sizes: tuple[int, ...], plan: BlockPlan,
+               tp: int) -> list[list[int]]:
+    """Per rank, the channels of a convolution over ``cat(parts)`` of pieces cut inside the groups of linear
+    ``name`` (Qwen3-Next's ``q | k | v``, each flattened group by group): with the linear split by whole groups,
+    each rank holds a contiguous share of every part.
+
+    Example:
+        >>> from lightning_4d.tensor_parallel.plan import BlockPlan, Piece
+        >>> _part_rows("h.0", "in_proj", [Piece(0, 12, 6)], (4, 2), BlockPlan(), 2)
+        [[0, 1, 4], [2, 3, 5]]
+    """
+    grouped = len(pieces) == 1 and pieces[0].unit is not None and pieces[0].sharded
+    if not grouped or name in plan.gathered or name in plan.permutations or any(s % tp for s in sizes):
+        raise ValueError(
+            f"{block_name}.{name}: a depthwise convolution runs over a concatenation of pieces ({list(sizes)} "
+            f"features) cut from its output, which tensor parallelism cannot follow unless the projection is viewed "
+            f"in groups (heads) that split evenly over tp={tp} and every piece divides by tp. Fix: use a tp that "
+            f"divides its number of groups and the pieces, or implement {_HOOK}."
+        )
+    out: list[list[int]] = [[] for _ in range(tp)]
+    start = 0
+    for size in sizes:
+        for r in range(tp):
+            out[r] += list(range(start + r * size // tp, start + (r + 1) * size // tp))
+        start += size
+    return out
+
+
+def _mixer_attrs(module: nn.Module, region: str, plan: BlockPlan, width: int, local_width: int,
+                 inside: list[_Width], tp: int) -> None:
+    """Per-rank values of what a mixer's forward cuts and views its convolved channels by: the convolved width
+    (``conv_dim``), a piece's width (Falcon-H1's ``groups_time_state_size``, Qwen3-Next's ``key_dim``) and the group
+    count of B / C (``n_groups``: 1 where each rank computes its heads' group)."""
+    local: dict[str, int] = dict(plan.local_attrs.get(region, {}))
+    found: dict[str, int] = dict(plan.head_attrs.get(region, {}))
+    for attr, value in vars(module).items():
+        if isinstance(value, bool) or not isinstance(value, int) or attr in local:
+            continue
+        sizes = {local_width} if value == width else {p.local for p in inside if p.size == value}
+        if len(sizes) == 1 and sizes != {value}:
+            found[attr], local[attr] = value, sizes.pop()
+    for attr in GROUP_COUNT_ATTRS:
+        value = getattr(module, attr, None)
+        if isinstance(value, bool) or not isinstance(value, int) or attr in local:
+            continue
+        counts = {1 if not p.sharded else value // tp for p in inside if p.heads == value}
+        if len(counts) == 1:
+            found[attr], local[attr] = value, counts.pop()
+    if local:
+        plan.local_attrs[region], plan.head_attrs[region] = local, found
+
+
+def _plan_norms(block_name: str, module: nn.Module, region: str, plan: BlockPlan, inner: set[int],
                 sources: set[str], tp: int, out: MixerPlan) -> None:
     """A norm of a mixer region over its whole sharded inner width (Mamba-2's gated ``norm`` before ``out_proj``):
     per group on each rank's features when its groups (``group_size``) divide by ``tp``, a distributed norm when it
@@ -171,12 +229,15 @@ def _plan_norms(block_name: str, module: nn.Module, region: str, plan: Any, inne
         size = int(weight.shape[-1]) if weight is not None and weight.dim() == 1 else None
         if size not in inner:
             continue
-        group = getattr(sub, "group_size", size)
+        count = getattr(sub, "n_groups", None)  # Falcon-H1's norm counts its groups, Mamba-2's sizes them
+        group = getattr(sub, "group_size", size // count if isinstance(count, int) and count > 0 else size)
         groups = size // group if isinstance(group, int) and group > 0 and size % group == 0 else None
         if groups is not None and groups % tp == 0:
             for pname, p in sub.named_parameters(recurse=False):
                 plan.head_params[f"{path}.{pname}"] = [(r * size // tp, (r + 1) * size // tp) for r in range(tp)]
                 plan.partial_params.append(f"{path}.{pname}")
+            if isinstance(count, int) and not isinstance(count, bool) and groups > 1:
+                plan.head_attrs[path], plan.local_attrs[path] = {"n_groups": count}, {"n_groups": count // tp}
         elif groups == 1:
             plan.dist_norms[path] = sorted(sources)[0]
         else:

@@ -22,6 +22,9 @@ What is recognised, by name where a convention exists and by dataflow otherwise 
 - per-head parameters and module lists inside a region (attention sinks, StableLM's ``norms`` zipped with the
   heads, per-head ``q_norm`` / ``k_norm``) are used per rank on that rank's heads, their gradients summed over
   ``tp``; a norm over the full width of one projection (OLMo 2's ``q_norm``) runs distributed;
+- state-space and short-convolution mixers (Mamba-2, LFM2): a projection's features followed through a depthwise
+  convolution (``groups == channels``), whose channels are cut with them; group counts and convolved widths per
+  rank; a gated norm over the inner width per group or distributed (:mod:`lightning_4d.tensor_parallel.mixers`);
 - norms (``LayerNorm``, ``RMSNorm``) directly inside a block: sequence-parallel (also on a region's output:
   Gemma's sandwich norms); on flattened tokens ``(B·T, H)``: run locally, gradients summed;
 - the token embedding (the first ``nn.Embedding`` to run): vocab-parallel; the output head (the last
@@ -78,7 +81,7 @@ ROWWISE_NAMES = frozenset({"wo", "o_proj", "w2", "down_proj", "c_proj", "out_pro
 # Per-rank head counts that attention code uses in view/reshape calls; CodeGen's ``mp_num`` counts groups of heads
 # (its fused ``qkv_proj`` is ``mp_num`` groups of q | v | k, cut by ``embed_dim // mp_num``): per rank too.
 HEAD_ATTRS = ("n_heads", "n_head", "num_heads", "n_kv_heads", "num_key_value_heads", "num_attention_heads",
-              "n_local_heads", "n_local_kv_heads", "num_kv_heads", "kv_heads", "mp_num")
+              "n_local_heads", "n_local_kv_heads", "num_kv_heads", "kv_heads", "mp_num", "num_v_heads", "num_k_heads")
 # Widths a region may use to cut or reshape its sharded activations (``split(self.split_size)``).
 WIDTH_ATTRS = ("split_size", "embed_dim", "n_embd", "hidden_size", "all_head_size", "q_size", "kv_size",
                "intermediate_size", "inner_dim", "kv_dim")
@@ -243,7 +246,9 @@ def _pieces(block_name: str, name: str, width: int, trace: Optional[ModelTrace],
     layout = trace.columns.get(name) if trace is not None else None
     raw = layout.pieces() if layout is not None else [(0, width, None)]
     known = {u for *_, u in raw if u}
-    if len(known) == 1 and not (layout is not None and layout.depthwise):  # pieces of one fused projection share its head width (a key used without a view)
+    # pieces of one fused projection share its head width (a key used without a view); not a mixer's projection,
+    # whose pieces the trace follows through its convolution (Mamba-2's ``dt`` is one feature per head)
+    if len(known) == 1 and not (layout is not None and layout.depthwise):
         (u,) = known
         raw = [(a, b, unit or (u if (b - a) % u == 0 else None)) for a, b, unit in raw]
     where = f"{block_name}.{name}"

@@ -279,7 +279,9 @@ class GatheredColumns(ParallelStyle):
 class DistributedNorm(ParallelStyle):
     """A norm over the full output width of a column projection (OLMo 2's ``q_norm`` over every head), run on that
     width split over the ranks: its weight (and bias) are sharded like the features, its input is this rank's
-    features and DTensor computes the statistics over all of them (a sum of squares all-reduced over ``tp``).
+    features and DTensor computes the statistics over all of them (a sum of squares all-reduced over ``tp``). A gate
+    of the input's shape (Mamba-2's gated norm, ``norm(x, gate)``, positional or keyword) is this rank's features
+    too.
 
     Example:
         >>> DistributedNorm()  # doctest: +ELLIPSIS
@@ -332,26 +334,41 @@ def install_row_views(owner: nn.Module, rows: dict[str, Sequence[int]]) -> None:
     """During ``owner``'s forward each parameter named in ``rows`` (a path inside ``owner``, e.g. ``conv1d.weight``)
     is its rows ``param[rows]`` along dim 0, whether the model calls the module holding it or reads the parameter
     itself (Mamba-2 passes ``self.conv1d.weight`` to its convolution function); the full parameters stay registered
-    (their gradients, zero outside this rank's rows, are summed over ``tp`` by the strategy).
+    (their gradients, zero outside this rank's rows, are summed over ``tp`` by the strategy). A buffer named there
+    (a per-feature scale ``(1, 1, W)``, Falcon-H1's ``mup_vector``) is cut along its last dimension instead.
 
     Example:
         >>> owner = nn.Module(); owner.conv = nn.Conv1d(4, 4, 2, groups=4)
         >>> install_row_views(owner, {"conv.weight": [0, 3], "conv.bias": [0, 3]})
     """
     by_module: dict[str, dict[str, Callable[[nn.Parameter], torch.Tensor]]] = {}
+    buffers: list[tuple[str, str, torch.Tensor]] = []
     for path, idx in rows.items():
         sub, _, pname = path.rpartition(".")
         index = torch.tensor(list(idx), dtype=torch.long)
+        if pname in owner.get_submodule(sub)._buffers:
+            buffers.append((sub, pname, index))
+            continue
         by_module.setdefault(sub, {})[pname] = lambda p, index=index: p.index_select(0, index.to(p.device))
     swaps = [(sub, _Swap(owner.get_submodule(sub), views)) for sub, views in by_module.items()]
+    saved: list[tuple[nn.Module, str, Any]] = []
 
     def enter(mod: nn.Module, _args: tuple) -> None:
         for sub, swap in swaps:
             swap.enter(mod.get_submodule(sub))
+        for sub, name, index in buffers:
+            holder = mod.get_submodule(sub)
+            full = holder._buffers[name]
+            saved.append((holder, name, full))
+            if full is not None:
+                holder._buffers[name] = full.index_select(full.dim() - 1, index.to(full.device))
 
     def leave(_mod: nn.Module, _args: tuple, _out: Any) -> None:
         for _, swap in swaps:
             swap.leave()
+        while saved:
+            holder, name, full = saved.pop()
+            holder._buffers[name] = full
 
     owner.register_forward_pre_hook(enter)
     owner.register_forward_hook(leave)

@@ -31,8 +31,20 @@ Families (``kind``: what it exercises under tensor parallelism):
 - ``hf-bloom`` / ``hf-mpt``: ALiBi: per-head biases built outside the blocks from the whole head count and passed
   into the attention (Bloom's ``alibi`` ``(B·H, 1, K)`` into ``baddbmm``, MPT's ``position_bias`` ``(H, 1, K)``).
 - ``hf-qwen3next``: Qwen3-Next, linear attention (gated delta net: per-value-head ``dt_bias`` / ``A_log``, a fused
-  ``in_proj_qkvz`` viewed per key-head group, a depthwise conv) alternating with gated full attention, MoE with a
-  shared expert; transformers' PyTorch fallbacks of its kernels run on the CPU.
+  ``in_proj_qkvz`` viewed per key-head group, a depthwise conv over ``cat(q, k, v)``) alternating with gated full
+  attention, MoE with a shared expert; transformers' PyTorch fallbacks of its kernels run on the CPU.
+- ``hf-mamba2`` / ``hf-mamba2grp``: Mamba-2 (pure state-space): a fused ``in_proj`` (``z | x | B | C | dt``) cut by
+  the sizes the forward splits it into after a depthwise ``conv1d`` over ``x | B | C``, per-head ``A_log`` /
+  ``dt_bias`` / ``D``, a gated RMSNorm over the inner width; one B/C group (every rank computes it; the norm runs
+  distributed) or two (sharded with the groups; the norm per group on each rank).
+- ``hf-granite4h`` / ``hf-granite4hmoe``: Granite 4.0-H, Mamba-2 and attention layers in one list (blocks of two
+  structures), each with an MLP (and routed experts).
+- ``hf-falconh1``: Falcon-H1, attention and a Mamba-2 mixer side by side in every layer, the mixer's input scaled by a
+  multiplier and its projection by a per-feature buffer (``mup_vector``).
+- ``hf-nemotronh``: Nemotron-H, one mixer per layer (Mamba-2, attention or MLP) at the same path, the model's loop
+  reading each layer's ``block_type``.
+- ``hf-lfm2``: LFM2, gated short convolutions (``B, C, x = in_proj(h).transpose(-1, -2).chunk(3, dim=-2)``, a
+  depthwise ``conv``) beside attention layers.
 - ``hf-jetmoe``: JetMoE, a mixture of attention heads and of MLP experts whose forward splits tokens with a tensor
   of sizes (expert parallelism cannot replay it: refused under ep, run as written at ep=1, e.g. under pp).
 - ``tt-llama3`` / ``tt-qwen3moe``: the ``torchtitan`` package's own Llama 3 (fused ``wqkv`` interleaved by KV group)
@@ -60,9 +72,9 @@ ZOO_KINDS = ("hf-stablelm", "hf-gemma2", "hf-gemma3", "hf-phi3", "hf-olmo2", "hf
              "hf-falcon-mq", "hf-falcon", "hf-llama4", "hf-opt", "hf-mq", "hf-bloom", "hf-mpt", "hf-qwen3next",
              "hf-xglm", "hf-gptneo", "hf-codegen", "hf-cohere", "hf-apertus", "hf-dbrx", "hf-jetmoe", "hf-mamba2",
              "hf-mamba2grp", "hf-granite4h", "hf-lfm2", "hf-falconh1",
-             "tt-llama3",
+             "hf-nemotronh", "hf-granite4hmoe", "tt-llama3",
              "tt-qwen3moe")
-ZOO_MOE_KINDS = ("hf-olmoe", "hf-gptoss", "hf-llama4", "hf-qwen3next", "hf-jetmoe", "tt-qwen3moe")
+ZOO_MOE_KINDS = ("hf-olmoe", "hf-gptoss", "hf-llama4", "hf-qwen3next", "hf-jetmoe", "hf-granite4hmoe", "tt-qwen3moe")
 
 
 def _common(layers: int) -> dict[str, Any]:
@@ -133,7 +145,7 @@ def _hf(family: str, layers: int) -> nn.Module:
         cfg = tf.Qwen3NextConfig(**_common(layers), **gqa, head_dim=HIDDEN // HEADS, intermediate_size=FFN,
                                  moe_intermediate_size=MOE_FFN, shared_expert_intermediate_size=MOE_FFN,
                                  num_experts=MOE_EXPERTS, num_experts_per_tok=2, decoder_sparse_step=1,
-                                 mlp_only_layers=[], linear_num_value_heads=HEADS, linear_num_key_heads=KV_HEADS,
+                                 mlp_only_layers=[], linear_num_value_heads=2 * HEADS, linear_num_key_heads=KV_HEADS,
                                  linear_key_head_dim=HIDDEN // HEADS, linear_value_head_dim=HIDDEN // HEADS,
                                  linear_conv_kernel_dim=4,
                                  layer_types=["linear_attention", "full_attention"] * (layers // 2)
@@ -186,6 +198,20 @@ def _hf(family: str, layers: int) -> nn.Module:
                                 mamba_d_ssm=2 * HIDDEN, mamba_n_heads=HEADS * 2, mamba_d_head=HIDDEN // HEADS,
                                 mamba_n_groups=1, mamba_d_state=12, mamba_d_conv=4, mamba_expand=2,
                                 mamba_chunk_size=SEQ // 2, mamba_rms_norm=True)
+    elif family == "nemotronh":  # Nemotron-H: one mixer per layer (Mamba-2, attention or MLP) at the same path
+        kinds = ["linear_attention", "full_attention", "mlp", "linear_attention"]
+        cfg = tf.NemotronHConfig(**_common(layers), **gqa, head_dim=HIDDEN // HEADS, intermediate_size=FFN,
+                                 mamba_num_heads=HEADS * 2, mamba_head_dim=HIDDEN // HEADS, ssm_state_size=12,
+                                 n_groups=1, expand=2, chunk_size=SEQ // 2, conv_kernel=4, use_mamba_kernels=False,
+                                 layers_block_type=(kinds * layers)[:layers])
+    elif family == "granite4hmoe":  # Granite 4.0-H with routed experts beside the shared MLP
+        cfg = tf.GraniteMoeHybridConfig(**_common(layers), **gqa, intermediate_size=MOE_FFN,
+                                        shared_intermediate_size=FFN, num_local_experts=MOE_EXPERTS,
+                                        num_experts_per_tok=2, mamba_n_heads=HEADS * 2, mamba_n_groups=1,
+                                        mamba_d_state=12, mamba_d_head=HIDDEN // HEADS, mamba_expand=2,
+                                        mamba_chunk_size=SEQ // 2, position_embedding_type="rope",
+                                        layer_types=["linear_attention", "attention"] * (layers // 2)
+                                        + ["linear_attention"] * (layers % 2))
     elif family == "mq":
         cfg = tf.LlamaConfig(**_common(layers), num_attention_heads=HEADS, num_key_value_heads=1,
                              intermediate_size=FFN)

@@ -6,9 +6,11 @@ list), Gemma 2 / 3 (norms on the attention and MLP outputs), Phi-3 (fused ``qkv_
 GPT-BigCode and Falcon multi-query (one KV head in a fused projection), Falcon's new decoder (in-place residual add
 on a projection's output), a one-KV-head Llama, Llama 4 text MoE (its forward reads the embedding's weight on every
 pipeline stage), OPT (linears held by the decoder layer), Bloom and MPT (ALiBi biases cut with the heads),
-Qwen3-Next (linear attention: refused under tp, naming the module) and the ``torchtitan`` package's Llama 3 and
-Qwen3 MoE. Each family runs under tp=2 with and without sequence parallelism and tp=2 × pp=2, each MoE family under
-ep=2 (and tp=2 × ep=2), or is refused at set-up (:data:`REFUSED`).
+Qwen3-Next (linear attention: a fused projection viewed per key-head group, q | k | v concatenated before a
+depthwise convolution), the state-space and hybrid families (Mamba-2 with one and two B/C groups, Granite 4.0-H dense
+and MoE, Falcon-H1, Nemotron-H, LFM2's short convolutions) and the ``torchtitan`` package's Llama 3 and Qwen3 MoE.
+Each family runs under tp=2 with and without sequence parallelism and tp=2 × pp=2, each MoE family under ep=2 (and
+tp=2 × ep=2), or is refused at set-up (:data:`REFUSED`).
 
 Every family × layout must match the single-process reference: per-step global losses and the final raw
 gradients within 1e-5 relative (fp32, lr=1e-4 as in test_byom), each gradient relative to its own norm or, for a
@@ -90,6 +92,11 @@ SHARDED: dict[str, list[str]] = {
     "hf-mamba2grp": [f"{_MAMBA0}.{n}.weight" for n in ("in_proj", "out_proj")],
     "hf-granite4h": [f"{_HF0}.mamba.out_proj.weight", f"{_HF0}.mamba.norm.weight",
                      "model.model.model.layers.1.self_attn.q_proj.weight", f"{_HF0}.shared_mlp.output_linear.weight"],
+    "hf-falconh1": [f"{_HF0}.mamba.out_proj.weight", f"{_HF0}.mamba.norm.weight", f"{_HF0}.self_attn.q_proj.weight"],
+    "hf-nemotronh": [f"{_HF0}.mixer.out_proj.weight", f"{_HF0}.mixer.norm.weight",
+                     "model.model.model.layers.1.mixer.q_proj.weight"],
+    "hf-qwen3next": [f"{_HF0}.linear_attn.{n}.weight" for n in ("in_proj_qkvz", "in_proj_ba", "out_proj")]
+    + ["model.model.model.layers.1.self_attn.q_proj.weight"],
     "hf-lfm2": [f"{_HF0}.conv.in_proj.weight", f"{_HF0}.conv.out_proj.weight",
                 "model.model.model.layers.1.self_attn.q_proj.weight", f"{_HF0}.feed_forward.w2.weight"],
 }
@@ -103,24 +110,19 @@ REPLICATED: dict[Any, list[str]] = {
     ("hf-stablelm", "tp4"): [f"{_HF0}.self_attn.k_proj.weight"],
     # one B/C group for 2 ranks: z | x | B | C | dt read whole, each rank computing its heads' rows and the group
     "hf-mamba2": [f"{_MAMBA0}.in_proj.weight"], "hf-granite4h": [f"{_HF0}.mamba.in_proj.weight"],
+    "hf-falconh1": [f"{_HF0}.mamba.in_proj.weight"], "hf-nemotronh": [f"{_HF0}.mixer.in_proj.weight"],
 }
 # Models that compute part of their forward in bf16 by design (TorchTitan's grouped experts): every gradient
 # downstream of that rounding is held to 10x the noise floor of plain data parallelism, measured in the same world.
 BF16_MODELS = ("tt-qwen3moe",)
 # Expected refusals at set-up: (family, layout) -> what the error must name (the cause and the fix are checked by
-# tests/unit/test_tp_heads_plan.py). Qwen3-Next's linear attention keeps dt_bias / A_log per value head inside a
-# fused projection viewed per key-head group; tp=4 with 2 KV groups interleaved in TorchTitan's fused wqkv.
-_QWEN3NEXT_TP = "layers.0.linear_attn holds parameters (dt_bias, A_log) inside the tensor-parallel region"
+# tests/unit/test_tp_heads_plan.py and test_mixer_plan.py): tp=4 with 2 KV groups interleaved in TorchTitan's
+# fused wqkv.
 REFUSED: dict[tuple[str, str], str] = {
-    ("hf-qwen3next", "tp2"): _QWEN3NEXT_TP, ("hf-qwen3next", "tp2-nosp"): _QWEN3NEXT_TP,
-    ("hf-qwen3next", "tp2-ep2"): _QWEN3NEXT_TP, ("hf-qwen3next", "tp2-pp2"): _QWEN3NEXT_TP,
     ("tt-llama3", "tp4"): "attention.qkv_linear.wqkv: its features 0:64 form 2 interleaved groups",
     # DBRX keeps its two norms inside one module with the attention: sequence parallelism cannot reach them.
     ("hf-dbrx", "tp2"): "norm_attn_norm.norm_1 holds parameters (weight) outside the attention/MLP regions",
     ("hf-jetmoe", "ep2"): "running its forward on a subset of its experts failed",
-    # Falcon-H1 scales the mixer's input (ssm_in_multiplier) before in_proj and its output by a per-feature buffer
-    # (mup_vector): the role of in_proj is not found and the buffer would need cutting with the features.
-    ("hf-falconh1", "tp2"): "layers.0.mamba.in_proj is a linear layer whose role is unknown",
     # two B/C groups for four ranks: the gated norm's groups would straddle ranks
     ("hf-mamba2grp", "tp4"): "mixer.norm normalises the mixer's inner width (64 features) in 2 groups of 32",
 }
@@ -257,16 +259,19 @@ def test_per_head_norm_list_shards_with_its_heads(references: References) -> Non
 # world, after its noise floor.
 DENSE_TP = ["hf-gemma2", "hf-gemma3", "hf-phi3", "hf-olmo2", "hf-gptoss", "hf-bigcode", "hf-falcon-mq", "hf-falcon",
             "hf-opt", "hf-mq", "hf-llama4", "hf-olmoe", "hf-bloom", "hf-mpt", "hf-xglm", "hf-gptneo", "hf-codegen",
-            "hf-cohere", "hf-apertus", "hf-mamba2", "hf-mamba2grp", "hf-granite4h", "hf-lfm2", "tt-llama3"]
+            "hf-cohere", "hf-apertus", "hf-mamba2", "hf-mamba2grp", "hf-granite4h", "hf-lfm2",
+            "hf-falconh1", "hf-nemotronh", "hf-qwen3next", "tt-llama3"]
 # DBRX: without sequence parallelism (with it: refused, see REFUSED); its fused Wqkv is clamped before the split.
 NO_SP = ["hf-dbrx"]
 EP = [("tt-qwen3moe", "dp2"), ("tt-qwen3moe", "ep2"), ("tt-qwen3moe", "tp2-ep2"), ("tt-qwen3moe", "tp2"),
       ("tt-qwen3moe", "tp2-nosp"), ("hf-olmoe", "ep2"), ("hf-olmoe", "tp2-ep2"), ("hf-gptoss", "ep2"),
-      ("hf-gptoss", "tp2-ep2"), ("hf-llama4", "ep2"), ("hf-llama4", "tp2-ep2"), ("hf-qwen3next", "ep2")]
+      ("hf-gptoss", "tp2-ep2"), ("hf-llama4", "ep2"), ("hf-llama4", "tp2-ep2"), ("hf-qwen3next", "ep2"),
+      ("hf-granite4hmoe", "ep2"), ("hf-granite4hmoe", "tp2-ep2"), ("hf-qwen3next", "tp2-ep2")]
 # Pipeline alone where tensor parallelism is not the point: Llama 4 reads its embedding's weight on every stage
-# (a shape-only stand-in on later ones); Qwen3-Next, whose linear attention refuses tp; JetMoE, whose experts
+# (a shape-only stand-in on later ones); Qwen3-Next and the hybrids (blocks of different structures as stages,
+# Nemotron-H's loop reading each block's block_type); JetMoE, whose experts
 # cannot be split over ep (its refusal below) but need not be at ep=1 (it was refused under pp alone).
-PP = ["hf-llama4", "hf-qwen3next", "hf-jetmoe", "hf-mamba2", "hf-granite4h", "hf-lfm2", "hf-falconh1"]
+PP = ["hf-llama4", "hf-qwen3next", "hf-jetmoe", "hf-mamba2", "hf-granite4h", "hf-lfm2", "hf-falconh1", "hf-nemotronh"]
 PP_TP = ["hf-stablelm"] + DENSE_TP + ["tt-qwen3moe"]
 # tp=4 with 2 KV heads (StableLM: its per-KV-head norm list too; Phi-3: replicated KV pieces of a fused projection)
 # and 1 KV head (hf-mq): each rank computes the KV head its query heads use; GPT-OSS: sinks over 4 ranks.

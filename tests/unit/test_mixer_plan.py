@@ -39,9 +39,10 @@ class ToyMixer(nn.Module):
     """A Mamba-2-shaped mixer (``z | x | B | C | dt`` in one projection, a depthwise convolution over ``x | B | C``,
     per-head ``A_log`` / ``dt_bias``), with a stand-in for the scan (per head, like the real one)."""
 
-    def __init__(self, n_groups: int) -> None:
+    def __init__(self, n_groups: int, multipliers: bool = False) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.n_groups, self.ssm_state_size = HEADS, HEAD_DIM, n_groups, STATE
+        self.multipliers = multipliers  # Falcon-H1: the input scaled, the projection scaled feature by feature
         self.intermediate_size = INNER
         self.conv_dim = INNER + 2 * n_groups * STATE
         self.in_proj = nn.Linear(HIDDEN, INNER + self.conv_dim + HEADS, bias=False)
@@ -50,10 +51,12 @@ class ToyMixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.randn(HEADS))
         self.norm = GatedNorm(INNER, INNER // n_groups)
         self.out_proj = nn.Linear(INNER, HIDDEN, bias=False)
+        self.register_buffer("mup_vector", 0.5 + torch.rand(1, 1, self.in_proj.out_features))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         b, t, _ = h.shape
-        gate, xbc, dt = self.in_proj(h).split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+        projected = self.in_proj(h * 0.5) * self.mup_vector if self.multipliers else self.in_proj(h)
+        gate, xbc, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
         xbc = F.conv1d(xbc.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, padding=KERNEL - 1,
                        groups=xbc.shape[-1])[:, :, :t]  # (B, C, T)
         xbc = F.silu(xbc).transpose(1, 2)  # (B, T, C)
@@ -69,11 +72,26 @@ class ToyMixer(nn.Module):
         return self.out_proj(self.norm(y, gate))
 
 
+class ShortConv(nn.Module):
+    """LFM2's gated short convolution: ``B, C, x`` cut channels-first from one projection, ``C * conv(B * x)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_proj = nn.Linear(HIDDEN, 3 * HIDDEN, bias=False)
+        self.conv = nn.Conv1d(HIDDEN, HIDDEN, KERNEL, groups=HIDDEN, padding=KERNEL - 1, bias=False)
+        self.out_proj = nn.Linear(HIDDEN, HIDDEN, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        bb, cc, x = self.in_proj(h).transpose(-1, -2).chunk(3, dim=-2)  # 3 x (B, H, T)
+        y = cc * self.conv(bb * x)[..., :h.shape[1]]
+        return self.out_proj(y.transpose(-1, -2).contiguous())
+
+
 class ToyBlock(nn.Module):
-    def __init__(self, n_groups: int) -> None:
+    def __init__(self, n_groups: int, multipliers: bool = False, short: bool = False) -> None:
         super().__init__()
         self.norm = nn.RMSNorm(HIDDEN)
-        self.mixer = ToyMixer(n_groups)
+        self.mixer = ShortConv() if short else ToyMixer(n_groups, multipliers)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.mixer(self.norm(h))
@@ -104,9 +122,9 @@ class Toy(nn.Module):
         return self.head(h)
 
 
-def _plan(n_groups: int, tp: int = 2):
+def _plan(n_groups: int, tp: int = 2, **kinds: bool):
     torch.manual_seed(0)
-    model = Toy([ToyBlock(n_groups), ToyBlock(n_groups)])
+    model = Toy([ToyBlock(n_groups, **kinds), ToyBlock(n_groups, **kinds)])
     trace = trace_model(model, "layers", torch.randint(0, 32, (2, 8)))
     return block_plan(model.layers[0], "layers.0", tp, trace, sequence_parallel=True), trace
 
@@ -170,3 +188,25 @@ def test_blocks_of_another_structure_are_described_by_their_own_kind() -> None:
     assert mamba.block_order == trace.block_order  # the model-wide facts are shared
     plan = block_plan(model.layers[2], "layers.2", 2, mamba, sequence_parallel=True)
     assert plan.linears == {"mixer.in_proj": "colwise", "mixer.out_proj": "rowwise"}
+
+
+def test_scaled_input_and_per_feature_scale_follow_the_features() -> None:
+    # Falcon-H1: in_proj(x * multiplier) still reads the mixer's input (column-parallel); in_proj(x) * mup_vector
+    # multiplies feature by feature, so each rank uses the buffer's entries of its own features
+    plan, trace = _plan(n_groups=1, multipliers=True)
+    width = 2 * INNER + 2 * STATE + HEADS
+    assert "mixer.in_proj" in trace.takes_block_input
+    assert trace.columns["mixer.in_proj"].scales == {"mixer.mup_vector": (0, width)}
+    assert trace.columns["mixer.in_proj"].depthwise == {(INNER, 2 * INNER + 2 * STATE)}
+    assert plan.channel_rows["mixer"]["mup_vector"] == plan.gathered["mixer.in_proj"]
+
+
+def test_short_convolution_channels_follow_a_channels_first_chunk() -> None:
+    # LFM2: the projection is transposed before it is cut, B * x is convolved: the conv's channels are B's
+    plan, trace = _plan(n_groups=1, short=True)
+    layout = trace.columns["mixer.in_proj"]
+    assert layout.depthwise == {(0, HIDDEN)} and {(0, HIDDEN), (HIDDEN, 2 * HIDDEN)} <= layout.cuts
+    half = HIDDEN // 2
+    assert plan.channel_rows["mixer"]["conv.weight"] == [list(range(half)), list(range(half, HIDDEN))]
+    assert plan.permutations["mixer.in_proj"][:3 * half] == (list(range(half)) + list(range(HIDDEN, HIDDEN + half))
+                                                            + list(range(2 * HIDDEN, 2 * HIDDEN + half)))

@@ -227,13 +227,22 @@ def test_slice_heads_takes_a_ranks_heads_directly_or_folded_with_the_batch() -> 
         slice_heads(torch.zeros(6, 1, 1), 4, 0, 2)
 
 
-def test_linear_attention_per_head_parameters_are_refused_naming_module_cause_and_fix() -> None:
-    # Qwen3-Next's gated delta net keeps dt_bias / A_log per value head (4) inside a fused in_proj_qkvz viewed per
-    # key-head group (2), and a depthwise conv over the concatenated q | k | v channels: refused at set-up.
+def test_linear_attention_follows_key_head_groups_through_its_convolution() -> None:
+    # Qwen3-Next's gated delta net: a fused in_proj_qkvz viewed per key-head group (2), q | k | v cut inside each
+    # group, flattened and concatenated before a depthwise conv; dt_bias / A_log per value head (8). Under tp=2 each
+    # rank holds one key-head group: its share of every concatenated piece is a channel range of the conv.
     _, trace, block = _traced("hf-qwen3next")
-    with pytest.raises(ValueError, match=r"layers\.0\.linear_attn holds parameters \(dt_bias, A_log\).*have 4 entries "
-                                         r".*head counts are \[2\].*dt_bias.*Use tp=1 for this model.*fourd_tp_plan"):
-        block_plan(block, "layers.0", 2, trace, sequence_parallel=True)
+    assert trace.columns["linear_attn.in_proj_qkvz"].depthwise_parts == {(16, 16, 64)}
+    plan = block_plan(block, "layers.0", 2, trace, sequence_parallel=True)
+    rows = plan.channel_rows["linear_attn"]["conv1d.weight"]
+    assert rows[1] == list(range(8, 16)) + list(range(24, 32)) + list(range(64, 96))
+    assert plan.local_attrs["linear_attn"] == {"num_v_heads": 4, "num_k_heads": 1, "key_dim": 8, "value_dim": 32,
+                                               "conv_dim": 48}
+    assert plan.head_params["linear_attn.dt_bias"] == [(0, 4), (4, 8)]
+    # tp=4 would split two key-head groups: refused, naming the projection, the cause and the fix
+    with pytest.raises(ValueError, match=r"linear_attn\.in_proj_qkvz: its features 0:160 form 2 head\(s\) of 80, "
+                                         r"fewer than tp.*use a tp that divides 2"):
+        block_plan(block, "layers.0", 4, trace, sequence_parallel=True)
 
 
 def test_fused_groups_per_head_norm_rows_and_scalars_follow_the_ranks() -> None:
