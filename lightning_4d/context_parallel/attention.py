@@ -124,7 +124,8 @@ def _allowed(mask: Tensor, where: str) -> Tensor:
 class ContextParallelAttention(TorchFunctionMode):
     """While active, every ``F.scaled_dot_product_attention(q, k, v, ...)`` on this rank's chunk ``(…, T/cp, E)``
     attends to the whole sequence: K/V all-gathered over the ``cp`` ranks (``(…, T, E)``, sequence order) and the
-    mask recomputed from global positions (see the module doc). ``where()`` names the running module for errors.
+    mask recomputed from global positions (see the module doc). ``where()`` names the running module for errors;
+    ``strict=False`` records them in ``errors`` instead of raising (the set-up check then agrees across ranks).
 
     Example:
         >>> # not run: needs a process group
@@ -132,10 +133,13 @@ class ContextParallelAttention(TorchFunctionMode):
         ...     y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # q (B, H, T/cp, hd)
     """
 
-    def __init__(self, shard: SequenceShard, where: Callable[[], str] = lambda: "an attention call") -> None:
+    def __init__(self, shard: SequenceShard, where: Callable[[], str] = lambda: "an attention call",
+                 strict: bool = True) -> None:
         super().__init__()
         self.shard = shard
         self.where = where
+        self.strict = strict  # False: a mask that cannot be split is recorded in `errors` (plain causal used)
+        self.errors: list[str] = []
         self.calls = 0
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
@@ -155,11 +159,23 @@ class ContextParallelAttention(TorchFunctionMode):
                 f"{tuple(key.shape)}, but this context-parallel rank holds {n} of the {shard.seq_len} tokens: the "
                 f"attention does not run on the local sequence chunk (a cache, a pooled or cross attention), so it "
                 f"cannot be split. Use cp=1 for this model.")
-        if attn_mask is None:
-            mask = shard.global_mask(False, query.device) if is_causal else None
-        else:
-            mask = self._global_mask(_allowed(attn_mask, self.where()), query.device)
-        keys, values = _gather_kv(key, value, shard)
+        try:
+            if attn_mask is None:
+                mask = shard.global_mask(False, query.device) if is_causal else None
+            else:
+                mask = self._global_mask(_allowed(attn_mask, self.where()), query.device)
+        except UnsplittableAttention as err:
+            if self.strict:
+                raise
+            self.errors.append(str(err))  # the caller agrees with the other ranks after the forward
+            mask = shard.global_mask(False, query.device)
+        if rest.pop("enable_gqa", False) and key.dim() >= 3 and key.shape[-3] != query.shape[-3]:
+            # K/V heads repeated as SDPA's GQA reads them (query head i uses K/V head i // rep): a model may repeat
+            # them itself on one rank and not on another (transformers does when it passes a mask), and all ranks
+            # must gather the same shapes.
+            rep = query.shape[-3] // key.shape[-3]
+            key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)  # (…, H, T/cp, E)
+        keys, values = _gather_kv(key, value, shard)  # (…, T, E)
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, dropout_p=dropout_p,
                                               scale=scale, **rest)  # (…, T/cp, Ev)
 

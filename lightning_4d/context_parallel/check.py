@@ -231,27 +231,34 @@ def check_context_parallel(module: nn.Module, tokens: Tensor, group: Optional[di
         order = list(whole)
         local: dict[str, Tensor] = {}
         local_inputs, _, shard = shard_batch(tokens, tokens, group, cp, rank, positions)
-        with _module_names(module) as where, ContextParallelAttention(shard, where), _record(module, local):
+        with _module_names(module) as where, ContextParallelAttention(shard, where, strict=False) as attention, \
+                _record(module, local):
             call_model(module, local_inputs)
-        bad = _first_difference(whole, local, order, seq_len, cp, rank)
-        _agree(bad, group, module)
+        _agree(attention.errors[0] if attention.errors else None, group, "")
+        _agree(_first_difference(whole, local, order, seq_len, cp, rank), group, _DIFFERS)
         return info
     finally:
         for m, mode in was_training.items():
             m.train(mode)
 
 
-def _agree(bad: Optional[str], group: Optional[dist.ProcessGroup], module: nn.Module) -> None:
-    """Every cp rank raises if one found a difference (no rank is left waiting in the next collective)."""
-    flag = torch.tensor([0.0 if bad is None else 1.0])
+_DIFFERS = (
+    "context parallelism changes the output of {where}, the first module to differ from the whole sequence's run on a "
+    "test input: the model computes something from the local chunk alone — positions from its length "
+    "(torch.arange(T), a rotary table sliced to T, a learned position embedding), a cumulative op, a convolution or "
+    "state across tokens. Take `position_ids` in forward and use them for positions (they are global under cp), or "
+    "use cp=1.")
+
+
+def _agree(problem: Optional[str], group: Optional[dist.ProcessGroup], message: str) -> None:
+    """Every cp rank raises if one found a ``problem`` (no rank is left waiting in the next collective): the
+    ``message`` with ``{where}`` filled by the problem, or the problem itself when ``message`` is empty."""
+    flag = torch.tensor([0.0 if problem is None else 1.0])
     if group is not None:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if float(flag) == 0.0:
         return
-    where = f"module {bad!r} ({type(module.get_submodule(bad)).__name__})" if bad else "another cp rank's module"
-    raise UnsplittableAttention(
-        f"context parallelism changes the output of {where}, the first module to differ from the whole sequence's "
-        f"run on a test input: the model computes something from the local chunk alone — positions from its length "
-        f"(torch.arange(T), a rotary table sliced to T, a learned position embedding), a cumulative op, a "
-        f"convolution or state across tokens. Take `position_ids` in forward and use them for positions (they are "
-        f"global under cp), or use cp=1.")
+    if problem is None:
+        raise UnsplittableAttention("context parallelism cannot split this model: another cp rank found why (see "
+                                    "its error).")
+    raise UnsplittableAttention(message.format(where=f"module {problem!r}") if message else problem)
