@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -29,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_4d.context_parallel.collectives import gather_sequence
 from lightning_4d.context_parallel.zigzag import restore_order, zigzag_indices
 
-__all__ = ["ContextParallelAttention", "SequenceShard", "UnsplittableAttention", "causal_mask"]
+__all__ = ["ContextParallelAttention", "SequenceShard", "UnsplittableAttention", "active_attention", "causal_mask"]
 
 
 class UnsplittableAttention(ValueError):
@@ -121,6 +122,20 @@ def _allowed(mask: Tensor, where: str) -> Tensor:
     return ~blocked
 
 
+_ACTIVE = threading.local()  # the modes entered on this thread, innermost last
+
+
+def active_attention() -> Optional["ContextParallelAttention"]:
+    """The innermost :class:`ContextParallelAttention` active on this thread, if any.
+
+    Example:
+        >>> active_attention() is None
+        True
+    """
+    stack = getattr(_ACTIVE, "stack", [])
+    return stack[-1] if stack else None
+
+
 class ContextParallelAttention(TorchFunctionMode):
     """While active, every ``F.scaled_dot_product_attention(q, k, v, ...)`` on this rank's chunk ``(…, T/cp, E)``
     attends to the whole sequence: K/V all-gathered over the ``cp`` ranks (``(…, T, E)``, sequence order) and the
@@ -141,6 +156,19 @@ class ContextParallelAttention(TorchFunctionMode):
         self.strict = strict  # False: a mask that cannot be split is recorded in `errors` (plain causal used)
         self.errors: list[str] = []
         self.calls = 0
+
+    def __enter__(self) -> "ContextParallelAttention":
+        _ACTIVE.stack = [*getattr(_ACTIVE, "stack", []), self]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        _ACTIVE.stack = getattr(_ACTIVE, "stack", [])[:-1]
+        super().__exit__(*exc)
+
+    def again(self) -> "ContextParallelAttention":
+        """A new mode for the same batch: activation checkpointing enters it to recompute a block in backward,
+        where the modes active in forward are not."""
+        return ContextParallelAttention(self.shard, self.where, self.strict)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}

@@ -26,20 +26,20 @@ def _rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 class UserAttention(nn.Module):
-    """A user's attention: fused qkv, RoPE at the given positions, plain causal SDPA (no document mask)."""
+    """A user's attention: q/k/v projections with biases, RoPE at the given positions, plain causal SDPA (no document mask)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.heads = HEADS
-        self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN)
+        self.n_head = HEADS
+        self.q, self.k, self.v = (nn.Linear(HIDDEN, HIDDEN) for _ in range(3))
         self.proj = nn.Linear(HIDDEN, HIDDEN)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        B, T, D = x.shape  # (B, T, D)
-        q, k, v = self.qkv(x).view(B, T, 3, self.heads, -1).permute(2, 0, 3, 1, 4)  # 3 × (B, H, T, hd)
+        B, T, _ = x.shape  # (B, T, D)
+        q, k, v = (lin(x).view(B, T, self.n_head, -1).transpose(1, 2) for lin in (self.q, self.k, self.v))  # (B, H, T, hd)
         q, k = _rotate(q, positions), _rotate(k, positions)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd)
-        return self.proj(y.transpose(1, 2).reshape(B, T, D))
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class UserBlock(nn.Module):
