@@ -1,0 +1,192 @@
+"""Context parallelism (gloo, CPU): parity of losses and gradients with one process (1e-5 relative, fp32) for the
+package's Llama, a user's own SDPA model and transformers' Llama / Qwen3 under cp=2 (and with activation
+checkpointing), cp=2 × tp=2, cp=2 × dp=2, cp=2 × pp=2 and an MoE under cp=2 × ep=2; exact attention on raw tensors
+(causal, packed documents, GQA); packed documents giving the loss of each document run alone under cp=2 and
+cp=2 × tp=2 (and another loss without the document mask); models refused at set-up, naming the module."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_4d.testing import run_world
+from tests.distributed.common import assert_parity, fit_spec, merge_ranks, world_fit
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+RTOL = 1e-5
+# One optimizer step: AdamW's first update is about lr·sign(g), so gradients of ~1e-8 (tiny random models) turn
+# rounding differences into parameter differences; the Llama runs three steps (its gradients are not that small).
+ONE_STEP = dict(steps=1, clip=None)
+THREE_STEPS = dict(steps=3, clip=None)
+
+
+def _spec(model: str, strategy: dict[str, Any] | None, world: int = 1) -> dict[str, Any]:
+    base = dict(model=model, **(THREE_STEPS if model == "llama" else ONE_STEP))
+    return base if strategy is None else dict(base, world=world, strategy=strategy)
+
+
+def _trainer(strategy: dict[str, Any], devices: int, **kwargs: Any) -> L.Trainer:
+    from lightning_4d import FourDStrategy
+
+    return L.Trainer(accelerator="cpu", devices=devices, logger=False, enable_checkpointing=False,
+                     strategy=FourDStrategy(**strategy, timeout=timedelta(seconds=60)), enable_progress_bar=False,
+                     enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------- raw attention
+def _attention_cases(rank: int) -> dict[str, float]:
+    """Worst absolute error of outputs and of q/k/v gradients, per case, against the whole sequence."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from lightning_4d.batches import document_ids
+    from lightning_4d.context_parallel import ContextParallelAttention, SequenceShard, zigzag_split
+    from lightning_4d.models.llama import packed_causal_mask
+
+    gen = torch.Generator().manual_seed(0)
+    B, H, KV, T, E = 2, 4, 2, 16, 8
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3], list(range(16))])  # (B, T)
+    out: dict[str, float] = {}
+    for case in ("causal", "documents", "gqa"):
+        kv_heads = KV if case == "gqa" else H
+        q = torch.randn(B, H, T, E, generator=gen, requires_grad=True)
+        k, v = (torch.randn(B, kv_heads, T, E, generator=gen, requires_grad=True) for _ in range(2))
+        w = torch.randn(B, H, T, E, generator=gen)
+        kwargs: dict[str, Any] = dict(enable_gqa=True) if case == "gqa" else {}
+        mask = packed_causal_mask(positions) if case == "documents" else None
+        whole = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, **kwargs)
+        (whole * w).sum().backward()
+        local = [zigzag_split(t.detach(), 2, rank, dim=2).requires_grad_() for t in (q, k, v)]
+        local_pos = zigzag_split(positions, 2, rank)
+        shard = SequenceShard(dist.group.WORLD, 2, rank, T, global_docs=document_ids(positions) if mask is not None
+                              else None, local_docs=document_ids(local_pos))
+        local_mask = packed_causal_mask(local_pos) if mask is not None else None
+        with ContextParallelAttention(shard):
+            y = F.scaled_dot_product_attention(*local, attn_mask=local_mask, is_causal=local_mask is None, **kwargs)
+        (y * zigzag_split(w, 2, rank, dim=2)).sum().backward()
+        errs = [float((y - zigzag_split(whole, 2, rank, dim=2)).abs().max())]
+        errs += [float((a.grad - zigzag_split(b.grad, 2, rank, dim=2)).abs().max()) for a, b in zip(local, (q, k, v))]
+        out[case] = max(errs)
+    return out
+
+
+# ------------------------------------------------------------------------------------------- packed documents
+def _packed_losses(strategy: dict[str, Any], devices: int) -> dict[str, float]:
+    from lightning_4d.context_parallel import SequenceShard
+    from tests.distributed.test_batches import _lm, _TrainLoss, packed_rows
+
+    x, y, pos, _ = packed_rows()
+    record = _TrainLoss()
+    trainer = _trainer(strategy, devices, max_steps=1, callbacks=[record])
+    lm = _lm("llama")
+    packed = trainer.validate(lm, DataLoader([(x, y, pos)], batch_size=None), verbose=False)[0]["val_loss"]
+    crossing = trainer.validate(lm, DataLoader([(x, y)], batch_size=None), verbose=False)[0]["val_loss"]
+    global_mask = SequenceShard.global_mask
+    try:  # global positions, but the mask causal only: documents see each other across the ranks
+        SequenceShard.global_mask = lambda self, documents, device: global_mask(self, False, device)  # type: ignore
+        undivided = trainer.validate(lm, DataLoader([(x, y, pos)], batch_size=None), verbose=False)[0]["val_loss"]
+    finally:
+        SequenceShard.global_mask = global_mask  # type: ignore[method-assign]
+    trainer.fit(lm, DataLoader([(x, y, pos)], batch_size=None))
+    return {"packed": packed, "crossing": crossing, "no_document_mask": undivided, "train": record.losses[0]}
+
+
+def _packed_reference() -> float:
+    from tests.distributed.test_batches import _lm, packed_rows
+    from tests.unit.test_packing import one_by_one
+
+    x, y, pos, docs = packed_rows()
+    lm = _lm("llama")
+    with torch.no_grad():
+        single = lm.fourd_loss((x, y, pos)).item()
+        reference = one_by_one(lm, y, docs)
+    assert abs(single - reference) <= RTOL * abs(reference), (single, reference)
+    return reference
+
+
+def _check_packed(got: dict[str, float], reference: float, label: str) -> None:
+    for name in ("packed", "train"):
+        assert abs(got[name] - reference) <= RTOL * abs(reference), (label, name, got, reference)
+    for name in ("crossing", "no_document_mask"):
+        assert abs(got[name] - reference) > 10 * RTOL * abs(reference), (label, name, got, reference)
+
+
+# ------------------------------------------------------------------------------------------- refusals
+REFUSED = {
+    "cp-hf-llama-eager": "self_attn",  # transformers' eager attention: matmul + softmax, not SDPA
+    "cp-hf-mistral-window": "sliding window",
+    "nanogpt": "transformer.wpe",  # learned positions from torch.arange(T): the first module to differ
+    "titan": "attention",  # rotary table sliced to T
+}
+
+
+def _refusal(kind: str) -> str:
+    from lightning_4d.context_parallel import UnsplittableAttention
+    from lightning_4d.models import CausalLM
+    from tests.distributed.common import build_model, make_dataset
+
+    torch.manual_seed(0)
+    lm = CausalLM(build_model(kind), lr=1e-3)
+    try:
+        _trainer(dict(cp=2), 2, max_steps=1).fit(lm, DataLoader(make_dataset(2), batch_size=2))
+    except UnsplittableAttention as err:
+        return str(err)
+    return "not refused"
+
+
+# ------------------------------------------------------------------------------------------- worlds
+def _world2(rank: int, specs: list[dict[str, Any]]) -> dict[str, Any]:
+    os.environ.setdefault("PL_DISABLE_FORK", "1")
+    return {"attention": _attention_cases(rank), "fits": world_fit(rank, specs),
+            "packed": _packed_losses(dict(cp=2), 2), "refused": {k: _refusal(k) for k in REFUSED}}
+
+
+def _world4(rank: int, specs: list[dict[str, Any]]) -> dict[str, Any]:
+    os.environ.setdefault("PL_DISABLE_FORK", "1")
+    return {"fits": world_fit(rank, specs), "packed": _packed_losses(dict(cp=2, tp=2), 4)}
+
+
+WORLD2 = [("llama", dict(cp=2)), ("llama", dict(cp=2, activation_checkpointing="full")),
+          ("llama", dict(cp=2, activation_checkpointing="selective")), ("cp-user", dict(cp=2)),
+          ("cp-hf-llama", dict(cp=2)), ("cp-hf-qwen3", dict(cp=2))]
+WORLD4 = [("llama", dict(cp=2, tp=2)), ("llama", dict(cp=2, dp=2)), ("llama", dict(cp=2, pp=2)),
+          ("llama", dict(cp=2, dp=2, data_parallel="replicate")), ("cp-user", dict(cp=2, tp=2)),
+          ("cp-user", dict(cp=2, dp=2)), ("moe", dict(cp=2, ep=2)), ("moe", dict(cp=2, ep=2, tp=2))]
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, dict[str, Any]]:
+    pytest.importorskip("transformers")
+    return {m: fit_spec(_spec(m, None)) for m in {m for m, _ in WORLD2 + WORLD4}}
+
+
+def test_context_parallel_two_ranks(references: dict[str, dict[str, Any]]) -> None:
+    specs = [_spec(m, s, 2) for m, s in WORLD2]
+    results = run_world(_world2, 2, specs, timeout_s=900, pg_timeout_s=120)
+    for rank_result in results:
+        assert max(rank_result["attention"].values()) < 1e-5, rank_result["attention"]
+    for spec, got in zip(specs, merge_ranks([r["fits"] for r in results])):
+        assert_parity(got, references[spec["model"]], RTOL, label=f"{spec['model']} {spec['strategy']}")
+    reference = _packed_reference()
+    for rank_result in results:
+        _check_packed(rank_result["packed"], reference, "cp=2")
+        for kind, needle in REFUSED.items():
+            message = rank_result["refused"][kind]
+            assert needle in message and "cp=1" in message, (kind, message)
+
+
+def test_context_parallel_four_ranks(references: dict[str, dict[str, Any]]) -> None:
+    specs = [_spec(m, s, 4) for m, s in WORLD4]
+    results = run_world(_world4, 4, specs, timeout_s=900, pg_timeout_s=120)
+    for spec, got in zip(specs, merge_ranks([r["fits"] for r in results])):
+        assert_parity(got, references[spec["model"]], RTOL, label=f"{spec['model']} {spec['strategy']}")
+    reference = _packed_reference()
+    for rank_result in results:
+        _check_packed(rank_result["packed"], reference, "cp=2 × tp=2")
