@@ -61,22 +61,25 @@ def check_declared(module: nn.Module) -> None:
     Example:
         >>> check_declared(torch.nn.Linear(2, 2))  # nothing declared
     """
-    for name, sub in module.named_modules():
-        for owner in (sub, getattr(sub, "config", None)):
-            if owner is None:
-                continue
-            window = _sliding_window(owner)
-            if window is not None:
-                raise UnsplittableAttention(
-                    f"context parallelism cannot split the attention of module {name!r} ({type(sub).__name__}): it "
-                    f"declares a sliding window of {window} tokens, whose mask the zigzag chunks cannot express "
-                    f"(only causal and per-document masks are recomputed globally). Use cp=1 for this model.")
-            alibi = [a for a in vars(owner) if "alibi" in a.lower() and getattr(owner, a) not in (None, False)]
-            if "alibi" in type(sub).__name__.lower() or alibi:
-                raise UnsplittableAttention(
-                    f"context parallelism cannot split the attention of module {name!r} ({type(sub).__name__}): it "
-                    f"uses ALiBi ({', '.join(alibi) or type(sub).__name__}), a position bias computed from the local "
-                    f"chunk's offsets. Use cp=1 for this model.")
+    subs = list(module.named_modules())
+    # A module's own attribute first (the attention module itself), then a config (the model holding it).
+    for name, sub, owner in [(n, m, m) for n, m in subs] + [(n, m, getattr(m, "config", None)) for n, m in subs]:
+        if owner is None:
+            continue
+        whose = "it" if owner is sub else "its config"
+        window = _sliding_window(owner)
+        if window is not None:
+            raise UnsplittableAttention(
+                f"context parallelism cannot split the attention of module {name!r} ({type(sub).__name__}): {whose} "
+                f"declares a sliding window of {window} tokens, whose mask the zigzag chunks cannot express (only "
+                f"causal and per-document masks are recomputed globally). Use cp=1 for this model.")
+        alibi = [a for a, v in vars(owner).items()
+                 if ("alibi" in a.lower() and v not in (None, False)) or (isinstance(v, str) and v.lower() == "alibi")]
+        if (owner is sub and "alibi" in type(sub).__name__.lower()) or alibi:
+            raise UnsplittableAttention(
+                f"context parallelism cannot split the attention of module {name!r} ({type(sub).__name__}): {whose} "
+                f"uses ALiBi ({', '.join(alibi) or type(sub).__name__}), a position bias computed from the local "
+                f"chunk's offsets. Use cp=1 for this model.")
 
 
 def example_length(module: nn.Module, cp: int, tp: int = 1) -> int:
