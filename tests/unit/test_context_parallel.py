@@ -112,9 +112,10 @@ class _Windowed(nn.Module):
         self.sliding_window = 128
 
 
-class _Config:
-    position_embedding_type = "absolute"
-    use_alibi = True
+class _Config:  # a transformers-style config: instance attributes
+    def __init__(self) -> None:
+        self.position_embedding_type = "absolute"
+        self.use_alibi = True
 
 
 class _BiasedModel(nn.Module):
