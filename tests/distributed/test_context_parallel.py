@@ -1,7 +1,7 @@
 """Context parallelism (gloo, CPU): parity of losses and gradients with one process (1e-5 relative, fp32) for the
 package's Llama, a user's own SDPA model and transformers' Llama / Qwen3 under cp=2 (and with activation
 checkpointing), cp=2 × tp=2, cp=2 × dp=2, cp=2 × pp=2 and an MoE under cp=2 × ep=2; exact attention on raw tensors
-(causal, packed documents, GQA); packed documents giving the loss of each document run alone under cp=2 and
+(causal, packed documents, GQA) and its K/V bytes on the wire equal to the formula; packed documents giving the loss of each document run alone under cp=2 and
 cp=2 × tp=2 (and another loss without the document mask); models refused at set-up, naming the module."""
 
 from __future__ import annotations
@@ -43,13 +43,18 @@ def _trainer(strategy: dict[str, Any], devices: int, **kwargs: Any) -> L.Trainer
 # ------------------------------------------------------------------------------------------- raw attention
 def _attention_cases(rank: int) -> dict[str, float]:
     """Worst absolute error of outputs and of q/k/v gradients, per case, against the whole sequence."""
-    import torch.distributed as dist
     import torch.nn.functional as F
 
     from lightning_4d.batches import document_ids
     from lightning_4d.context_parallel import ContextParallelAttention, SequenceShard, zigzag_split
     from lightning_4d.models.llama import packed_causal_mask
 
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_4d.comm import CommCounter, mesh_axis_groups
+    from lightning_4d.context_parallel.cost import kv_wire_bytes
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
     gen = torch.Generator().manual_seed(0)
     B, H, KV, T, E = 2, 4, 2, 16, 8
     positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3], list(range(16))])  # (B, T)
@@ -65,15 +70,20 @@ def _attention_cases(rank: int) -> dict[str, float]:
         (whole * w).sum().backward()
         local = [zigzag_split(t.detach(), 2, rank, dim=2).requires_grad_() for t in (q, k, v)]
         local_pos = zigzag_split(positions, 2, rank)
-        shard = SequenceShard(dist.group.WORLD, 2, rank, T, global_docs=document_ids(positions) if mask is not None
+        shard = SequenceShard(mesh.get_group(), 2, rank, T, global_docs=document_ids(positions) if mask is not None
                               else None, local_docs=document_ids(local_pos))
         local_mask = packed_causal_mask(local_pos) if mask is not None else None
-        with ContextParallelAttention(shard):
-            y = F.scaled_dot_product_attention(*local, attn_mask=local_mask, is_causal=local_mask is None, **kwargs)
-        (y * zigzag_split(w, 2, rank, dim=2)).sum().backward()
-        errs = [float((y - zigzag_split(whole, 2, rank, dim=2)).abs().max())]
+        with CommCounter(mesh_axis_groups(mesh)) as counter:
+            with ContextParallelAttention(shard):
+                y = F.scaled_dot_product_attention(*local, attn_mask=local_mask, is_causal=local_mask is None,
+                                                   **kwargs)
+            (y * zigzag_split(w, 2, rank, dim=2)).sum().backward()
+        # K/V on the wire (one layer): traced = formula (GQA left to SDPA gathers the repeated heads).
+        out[f"{case} bytes"] = sum(v["sent_bytes"] for (axis, _), v in counter.totals().items() if axis == "cp")
+        out[f"{case} formula"] = kv_wire_bytes(B, T, H * E, layers=1, cp=2, act_bytes=4)
+        errs = [float((y.detach() - zigzag_split(whole.detach(), 2, rank, dim=2)).abs().max())]
         errs += [float((a.grad - zigzag_split(b.grad, 2, rank, dim=2)).abs().max()) for a, b in zip(local, (q, k, v))]
-        out[case] = max(errs)
+        out[f"{case} error"] = max(errs)
     return out
 
 
@@ -171,7 +181,10 @@ def test_context_parallel_two_ranks(references: dict[str, dict[str, Any]]) -> No
     specs = [_spec(m, s, 2) for m, s in WORLD2]
     results = run_world(_world2, 2, specs, timeout_s=900, pg_timeout_s=120)
     for rank_result in results:
-        assert max(rank_result["attention"].values()) < 1e-5, rank_result["attention"]
+        found = rank_result["attention"]
+        for case in ("causal", "documents", "gqa"):
+            assert found[f"{case} error"] < 1e-5, found
+            assert found[f"{case} bytes"] == found[f"{case} formula"] > 0, found
     for spec, got in zip(specs, merge_ranks([r["fits"] for r in results])):
         assert_parity(got, references[spec["model"]], RTOL, label=f"{spec['model']} {spec['strategy']}")
     reference = _packed_reference()
