@@ -311,7 +311,7 @@ class FourDStrategy(ParallelStrategy):
         length = example_length(self.model, dims.cp, dims.tp if dims.sp else 1)
         tokens = example_tokens(self.model, seq=length)
         with _compat.meta_scalar_mode() if meta else nullcontext():
-            self._cp_info = check_context_parallel(self.model, tokens.to(self.root_device) if not meta else tokens,
+            self._cp_info = check_context_parallel(self.model, tokens.to("meta" if meta else self.root_device),
                                    self.mesh[Axis.CP].get_group(), dims.cp, self.mesh.rank(Axis.CP), values=not meta)
 
     def _check_budget(self, skeleton: torch.nn.Module, meta: bool) -> float:

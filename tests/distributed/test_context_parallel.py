@@ -1,6 +1,6 @@
 """Context parallelism (gloo, CPU): parity of losses and gradients with one process (1e-5 relative, fp32) for the
 package's Llama, a user's own SDPA model and transformers' Llama / Qwen3 under cp=2 (and with activation
-checkpointing), cp=2 × tp=2, cp=2 × dp=2, cp=2 × pp=2 and an MoE under cp=2 × ep=2; exact attention on raw tensors
+checkpointing, and built on the meta device), cp=2 × tp=2, cp=2 × dp=2, cp=2 × pp=2 and an MoE under cp=2 × ep=2; exact attention on raw tensors
 (causal, packed documents, GQA) and its K/V bytes on the wire equal to the formula; packed documents giving the loss of each document run alone under cp=2 and
 cp=2 × tp=2 (and another loss without the document mask); models refused at set-up, naming the module."""
 
@@ -27,9 +27,14 @@ ONE_STEP = dict(steps=1, clip=None)
 THREE_STEPS = dict(steps=3, clip=None)
 
 
-def _spec(model: str, strategy: dict[str, Any] | None, world: int = 1) -> dict[str, Any]:
-    base = dict(model=model, **(THREE_STEPS if model == "llama" else ONE_STEP))
+def _spec(model: str, strategy: dict[str, Any] | None, world: int = 1, meta: bool = False) -> dict[str, Any]:
+    """A run of ``model`` (``meta``: built on the meta device, materialised shard by shard; the reference too)."""
+    base = dict(model=model, **(THREE_STEPS if model == "llama" else ONE_STEP), **(dict(meta=True) if meta else {}))
     return base if strategy is None else dict(base, world=world, strategy=strategy)
+
+
+def _key(spec: dict[str, Any]) -> str:
+    return spec["model"] + (" on meta" if spec.get("meta") else "")
 
 
 def _trainer(strategy: dict[str, Any], devices: int, **kwargs: Any) -> L.Trainer:
@@ -163,22 +168,23 @@ def _world4(rank: int, specs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"fits": world_fit(rank, specs), "packed": _packed_losses(dict(cp=2, tp=2), 4)}
 
 
-WORLD2 = [("llama", dict(cp=2)), ("llama", dict(cp=2, activation_checkpointing="full")),
-          ("llama", dict(cp=2, activation_checkpointing="selective")), ("cp-user", dict(cp=2)),
-          ("cp-hf-llama", dict(cp=2)), ("cp-hf-qwen3", dict(cp=2))]
-WORLD4 = [("llama", dict(cp=2, tp=2)), ("llama", dict(cp=2, dp=2)), ("llama", dict(cp=2, pp=2)),
-          ("llama", dict(cp=2, dp=2, data_parallel="replicate")), ("cp-user", dict(cp=2, tp=2)),
-          ("cp-user", dict(cp=2, dp=2)), ("moe", dict(cp=2, ep=2)), ("moe", dict(cp=2, ep=2, tp=2))]
+WORLD2 = [_spec("llama", dict(cp=2), 2), _spec("llama", dict(cp=2, activation_checkpointing="full"), 2),
+          _spec("llama", dict(cp=2, activation_checkpointing="selective"), 2), _spec("llama", dict(cp=2), 2, meta=True),
+          _spec("cp-user", dict(cp=2), 2), _spec("cp-hf-llama", dict(cp=2), 2), _spec("cp-hf-qwen3", dict(cp=2), 2)]
+WORLD4 = [_spec("llama", dict(cp=2, tp=2), 4), _spec("llama", dict(cp=2, dp=2), 4), _spec("llama", dict(cp=2, pp=2), 4),
+          _spec("llama", dict(cp=2, dp=2, data_parallel="replicate"), 4), _spec("cp-user", dict(cp=2, tp=2), 4),
+          _spec("cp-user", dict(cp=2, dp=2), 4), _spec("moe", dict(cp=2, ep=2), 4),
+          _spec("moe", dict(cp=2, ep=2, tp=2), 4)]
 
 
 @pytest.fixture(scope="module")
 def references() -> dict[str, dict[str, Any]]:
     pytest.importorskip("transformers")
-    return {m: fit_spec(_spec(m, None)) for m in {m for m, _ in WORLD2 + WORLD4}}
+    return {_key(s): fit_spec(_spec(s["model"], None, meta=bool(s.get("meta")))) for s in WORLD2 + WORLD4}
 
 
 def test_context_parallel_two_ranks(references: dict[str, dict[str, Any]]) -> None:
-    specs = [_spec(m, s, 2) for m, s in WORLD2]
+    specs = WORLD2
     results = run_world(_world2, 2, specs, timeout_s=900, pg_timeout_s=120)
     for rank_result in results:
         found = rank_result["attention"]
@@ -186,7 +192,7 @@ def test_context_parallel_two_ranks(references: dict[str, dict[str, Any]]) -> No
             assert found[f"{case} error"] < 1e-5, found
             assert found[f"{case} bytes"] == found[f"{case} formula"] > 0, found
     for spec, got in zip(specs, merge_ranks([r["fits"] for r in results])):
-        assert_parity(got, references[spec["model"]], RTOL, label=f"{spec['model']} {spec['strategy']}")
+        assert_parity(got, references[_key(spec)], RTOL, label=f"{_key(spec)} {spec['strategy']}")
     reference = _packed_reference()
     for rank_result in results:
         _check_packed(rank_result["packed"], reference, "cp=2")
@@ -196,10 +202,10 @@ def test_context_parallel_two_ranks(references: dict[str, dict[str, Any]]) -> No
 
 
 def test_context_parallel_four_ranks(references: dict[str, dict[str, Any]]) -> None:
-    specs = [_spec(m, s, 4) for m, s in WORLD4]
+    specs = WORLD4
     results = run_world(_world4, 4, specs, timeout_s=900, pg_timeout_s=120)
     for spec, got in zip(specs, merge_ranks([r["fits"] for r in results])):
-        assert_parity(got, references[spec["model"]], RTOL, label=f"{spec['model']} {spec['strategy']}")
+        assert_parity(got, references[_key(spec)], RTOL, label=f"{_key(spec)} {spec['strategy']}")
     reference = _packed_reference()
     for rank_result in results:
         _check_packed(rank_result["packed"], reference, "cp=2 × tp=2")
