@@ -158,3 +158,14 @@ def test_planner_counts_context_parallelism() -> None:
     sent = sum(r.bytes_sent for r in records if r.axis == "cp")
     assert sent == kv_wire_bytes(2, 4096, spec.kv_width, layers=2, cp=2, act_bytes=train.act_bytes)
     assert {r.axis for r in records} >= {"cp", "dp_cp"}
+
+
+def test_planner_compute_time_falls_with_cp() -> None:
+    from lightning_4d.planner.compute import rank_compute_time
+    from lightning_4d.planner.hardware import H100
+    from lightning_4d.planner.spec import TrainSpec, TransformerSpec
+
+    spec = TransformerSpec(vocab_size=128, hidden=1024, layers=2, heads=8, seq_len=16384)
+    one, two = (rank_compute_time(spec, d, TrainSpec(2), H100, [0, 1], True, b=2, microbatches=1)
+                for d in (ParallelDims(1), ParallelDims(2, cp=2)))
+    assert 0.45 < two.total / one.total < 0.6  # half the tokens and half the (query, key) pairs per rank
