@@ -309,10 +309,10 @@ class FourDStrategy(ParallelStrategy):
         assert self.model is not None
         dims = self.dims
         length = example_length(self.model, dims.cp, dims.tp if dims.sp else 1)
-        tokens = example_tokens(self.model, seq=length)
+        tokens = example_tokens(self.model, seq=length).to("meta" if meta else self.root_device)  # (2, T)
         with _compat.meta_scalar_mode() if meta else nullcontext():
-            self._cp_info = check_context_parallel(self.model, tokens.to("meta" if meta else self.root_device),
-                                   self.mesh[Axis.CP].get_group(), dims.cp, self.mesh.rank(Axis.CP), values=not meta)
+            self._cp_info = check_context_parallel(self.model, tokens, self.mesh[Axis.CP].get_group(), dims.cp,
+                                                   self.mesh.rank(Axis.CP), values=not meta)
 
     def _check_budget(self, skeleton: torch.nn.Module, meta: bool) -> float:
         """Bytes the reduced check may hold, the same on every rank: the option, else

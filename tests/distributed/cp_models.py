@@ -26,7 +26,8 @@ def _rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 class UserAttention(nn.Module):
-    """A user's attention: q/k/v projections with biases, RoPE at the given positions, plain causal SDPA (no document mask)."""
+    """A user's attention: q/k/v projections with biases, RoPE at the given positions, plain causal SDPA (no
+    document mask)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -36,7 +37,8 @@ class UserAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape  # (B, T, D)
-        q, k, v = (lin(x).view(B, T, self.n_head, -1).transpose(1, 2) for lin in (self.q, self.k, self.v))  # (B, H, T, hd)
+        # (B, H, T, hd) each
+        q, k, v = (lin(x).view(B, T, self.n_head, -1).transpose(1, 2) for lin in (self.q, self.k, self.v))
         q, k = _rotate(q, positions), _rotate(k, positions)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))

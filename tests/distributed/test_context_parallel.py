@@ -1,8 +1,10 @@
 """Context parallelism (gloo, CPU): parity of losses and gradients with one process (1e-5 relative, fp32) for the
 package's Llama, a user's own SDPA model and transformers' Llama / Qwen3 under cp=2 (and with activation
-checkpointing, and built on the meta device), cp=2 × tp=2, cp=2 × dp=2, cp=2 × pp=2 and an MoE under cp=2 × ep=2; exact attention on raw tensors
-(causal, packed documents, GQA) and its K/V bytes on the wire equal to the formula; packed documents giving the loss of each document run alone under cp=2 and
-cp=2 × tp=2 (and another loss without the document mask); models refused at set-up, naming the module."""
+checkpointing, and built on the meta device), cp=2 × tp=2, cp=2 × dp=2, cp=2 × pp=2 and an MoE under cp=2 × ep=2;
+exact attention on raw tensors (causal, packed documents, GQA) with its K/V bytes on the wire equal to the
+formula; packed documents giving the loss of each document run alone under cp=2 and cp=2 × tp=2 (and another loss
+without the document mask); the communication monitor's cp and dp_cp axes; models refused at set-up, naming the
+module."""
 
 from __future__ import annotations
 
@@ -163,9 +165,23 @@ def _world2(rank: int, specs: list[dict[str, Any]]) -> dict[str, Any]:
             "packed": _packed_losses(dict(cp=2), 2), "refused": {k: _refusal(k) for k in REFUSED}}
 
 
+def _monitored(rank: int) -> dict[str, float]:
+    """The communication monitor's bytes per axis of one cp=2 × dp=2 step of the Llama."""
+    from lightning_4d.callbacks import CommunicationMonitor
+    from lightning_4d.models import CausalLM
+    from tests.distributed.common import build_model, make_dataset
+
+    torch.manual_seed(0)
+    lm = CausalLM(build_model("llama"), lr=1e-3)
+    trainer = _trainer(dict(cp=2, dp=2), 4, max_steps=1, callbacks=[CommunicationMonitor(every_n_steps=1)])
+    trainer.fit(lm, DataLoader(make_dataset(8), batch_size=4))
+    return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("comm/")}
+
+
 def _world4(rank: int, specs: list[dict[str, Any]]) -> dict[str, Any]:
     os.environ.setdefault("PL_DISABLE_FORK", "1")
-    return {"fits": world_fit(rank, specs), "packed": _packed_losses(dict(cp=2, tp=2), 4)}
+    return {"fits": world_fit(rank, specs), "packed": _packed_losses(dict(cp=2, tp=2), 4),
+            "monitored": _monitored(rank)}
 
 
 WORLD2 = [_spec("llama", dict(cp=2), 2), _spec("llama", dict(cp=2, activation_checkpointing="full"), 2),
@@ -209,3 +225,11 @@ def test_context_parallel_four_ranks(references: dict[str, dict[str, Any]]) -> N
     reference = _packed_reference()
     for rank_result in results:
         _check_packed(rank_result["packed"], reference, "cp=2 × tp=2")
+    # The monitor names the cp axis (K/V, the formula's bytes: 4 sequences of 16 tokens per rank, 2 layers, the
+    # Llama's K/V repeated to its 8 heads of 4 features, fp32) and dp_cp (FSDP2 over dp × cp).
+    metrics = results[0]["monitored"]
+    from lightning_4d.context_parallel.cost import kv_wire_bytes
+
+    kv = metrics["comm/cp/all_gather_bytes"] + metrics["comm/cp/reduce_scatter_bytes"]
+    assert kv == kv_wire_bytes(4, 16, 32, layers=2, cp=2, act_bytes=4), metrics
+    assert metrics["comm/dp_cp/reduce_scatter_bytes"] > 0, metrics

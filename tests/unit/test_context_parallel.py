@@ -45,7 +45,8 @@ def test_zigzag_chunks_and_split() -> None:
         zigzag_indices(16, 2, 2)
 
 
-@pytest.mark.parametrize("T, cp, tp, match", [(10, 2, 1, "not divisible by 2·cp = 4"), (12, 2, 4, "not divisible by tp=4")])
+@pytest.mark.parametrize("T, cp, tp, match",
+                         [(10, 2, 1, "not divisible by 2·cp = 4"), (12, 2, 4, "not divisible by tp=4")])
 def test_sequence_length_rules(T: int, cp: int, tp: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         check_sequence_length(T, cp, tp)
