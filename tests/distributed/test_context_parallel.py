@@ -158,11 +158,35 @@ def _refusal(kind: str) -> str:
     return "not refused"
 
 
+# ------------------------------------------------------------------------------------------- a chunk of padding
+def _padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Targets ignored on positions 4..11: all of cp rank 1's tokens under cp=2 (its mean loss would be 0/0)."""
+    from tests.distributed.common import make_dataset
+
+    x, y = make_dataset(4)[:]
+    y = y.clone()
+    y[:, 4:12] = -100
+    return x, y
+
+
+def _padded_losses(rank: int) -> dict[str, float]:
+    from tests.distributed.test_batches import _lm, _TrainLoss
+
+    record = _TrainLoss()
+    trainer = _trainer(dict(cp=2), 2, max_steps=1, callbacks=[record])
+    lm = _lm("llama")
+    batch = DataLoader([_padded_batch()], batch_size=None)
+    val = trainer.validate(lm, batch, verbose=False)[0]["val_loss"]
+    trainer.fit(lm, batch)
+    return {"val": val, "train": record.losses[0]}
+
+
 # ------------------------------------------------------------------------------------------- worlds
 def _world2(rank: int, specs: list[dict[str, Any]]) -> dict[str, Any]:
     os.environ.setdefault("PL_DISABLE_FORK", "1")
     return {"attention": _attention_cases(rank), "fits": world_fit(rank, specs),
-            "packed": _packed_losses(dict(cp=2), 2), "refused": {k: _refusal(k) for k in REFUSED}}
+            "packed": _packed_losses(dict(cp=2), 2), "padded": _padded_losses(rank),
+            "refused": {k: _refusal(k) for k in REFUSED}}
 
 
 def _monitored(rank: int) -> dict[str, float]:
@@ -210,8 +234,14 @@ def test_context_parallel_two_ranks(references: dict[str, dict[str, Any]]) -> No
     for spec, got in zip(specs, merge_ranks([r["fits"] for r in results])):
         assert_parity(got, references[_key(spec)], RTOL, label=f"{_key(spec)} {spec['strategy']}")
     reference = _packed_reference()
+    from tests.distributed.test_batches import _lm
+
+    with torch.no_grad():
+        padded = _lm("llama").fourd_loss(_padded_batch()).item()
     for rank_result in results:
         _check_packed(rank_result["packed"], reference, "cp=2")
+        for name, got in rank_result["padded"].items():  # a rank without valid targets adds nothing (not NaN)
+            assert abs(got - padded) <= RTOL * abs(padded), (name, got, padded)
         for kind, needle in REFUSED.items():
             message = rank_result["refused"][kind]
             assert needle in message and "cp=1" in message, (kind, message)
