@@ -1,6 +1,6 @@
 """Context parallelism (gloo, CPU): parity of losses and gradients with one process (1e-5 relative, fp32) for the
 package's Llama, a user's own SDPA model and transformers' Llama / Qwen3 under cp=2 (and with activation
-checkpointing, and built on the meta device), cp=2 × tp=2, cp=2 × dp=2, cp=2 × pp=2 and an MoE under cp=2 × ep=2;
+checkpointing, with gradient accumulation and clipping, and built on the meta device), cp=2 × tp=2, cp=2 × dp=2, cp=2 × pp=2 and an MoE under cp=2 × ep=2;
 exact attention on raw tensors (causal, packed documents, GQA) with its K/V bytes on the wire equal to the
 formula; packed documents giving the loss of each document run alone under cp=2 and cp=2 × tp=2 (and another loss
 without the document mask); the communication monitor's cp and dp_cp axes; models refused at set-up, naming the
@@ -29,14 +29,20 @@ ONE_STEP = dict(steps=1, clip=None)
 THREE_STEPS = dict(steps=3, clip=None)
 
 
-def _spec(model: str, strategy: dict[str, Any] | None, world: int = 1, meta: bool = False) -> dict[str, Any]:
-    """A run of ``model`` (``meta``: built on the meta device, materialised shard by shard; the reference too)."""
-    base = dict(model=model, **(THREE_STEPS if model == "llama" else ONE_STEP), **(dict(meta=True) if meta else {}))
-    return base if strategy is None else dict(base, world=world, strategy=strategy)
+def _spec(model: str, strategy: dict[str, Any], world: int, **extra: Any) -> dict[str, Any]:
+    """A run of ``model`` under ``strategy``; ``extra``: e.g. ``meta=True`` (built on the meta device, materialised
+    shard by shard), ``accumulate`` / ``clip`` — the reference (:func:`_reference`) has them too."""
+    return {"model": model, **(THREE_STEPS if model == "llama" else ONE_STEP), **extra, "world": world,
+            "strategy": strategy}
+
+
+def _reference(spec: dict[str, Any]) -> dict[str, Any]:
+    """The single-process run ``spec`` is compared with."""
+    return {k: v for k, v in spec.items() if k not in ("world", "strategy")}
 
 
 def _key(spec: dict[str, Any]) -> str:
-    return spec["model"] + (" on meta" if spec.get("meta") else "")
+    return repr(sorted(_reference(spec).items()))
 
 
 def _trainer(strategy: dict[str, Any], devices: int, **kwargs: Any) -> L.Trainer:
@@ -210,6 +216,7 @@ def _world4(rank: int, specs: list[dict[str, Any]]) -> dict[str, Any]:
 
 WORLD2 = [_spec("llama", dict(cp=2), 2), _spec("llama", dict(cp=2, activation_checkpointing="full"), 2),
           _spec("llama", dict(cp=2, activation_checkpointing="selective"), 2), _spec("llama", dict(cp=2), 2, meta=True),
+          _spec("llama", dict(cp=2), 2, accumulate=2, clip=0.05),
           _spec("cp-user", dict(cp=2), 2), _spec("cp-hf-llama", dict(cp=2), 2), _spec("cp-hf-qwen3", dict(cp=2), 2)]
 WORLD4 = [_spec("llama", dict(cp=2, tp=2), 4), _spec("llama", dict(cp=2, dp=2), 4), _spec("llama", dict(cp=2, pp=2), 4),
           _spec("llama", dict(cp=2, dp=2, data_parallel="replicate"), 4), _spec("cp-user", dict(cp=2, tp=2), 4),
@@ -220,7 +227,7 @@ WORLD4 = [_spec("llama", dict(cp=2, tp=2), 4), _spec("llama", dict(cp=2, dp=2), 
 @pytest.fixture(scope="module")
 def references() -> dict[str, dict[str, Any]]:
     pytest.importorskip("transformers")
-    return {_key(s): fit_spec(_spec(s["model"], None, meta=bool(s.get("meta")))) for s in WORLD2 + WORLD4}
+    return {_key(s): fit_spec(_reference(s)) for s in {_key(s): s for s in WORLD2 + WORLD4}.values()}
 
 
 def test_context_parallel_two_ranks(references: dict[str, dict[str, Any]]) -> None:
