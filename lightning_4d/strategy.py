@@ -85,7 +85,7 @@ FIT_SETUP_HOOKS: list[Callable[["pl.Trainer"], None]] = []
 
 
 class FourDStrategy(ParallelStrategy):
-    """Tensor (+sequence), pipeline, expert and data parallelism for a ``FourDModule``.
+    """Tensor (+sequence), pipeline, expert, data and context parallelism for a ``FourDModule``.
 
     Args:
         **options: every field of :class:`~lightning_4d.config.FourDConfig` (``tp``, ``pp``, ``ep``, ``dp``,
