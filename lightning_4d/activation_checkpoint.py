@@ -13,14 +13,16 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_4d import _compat
+from lightning_4d.context_parallel.attention import active_attention
 
 __all__ = ["apply_activation_checkpointing", "SAVE_OPS"]
 
@@ -43,11 +45,25 @@ def _selective_context() -> Any:
     return create_selective_checkpoint_contexts(_policy)
 
 
+@contextlib.contextmanager
+def _both(first: Any, second: Any) -> Iterator[None]:
+    with first, second:
+        yield
+
+
 def _checkpointed(forward: Any, mode: str, *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
-    extra = {"context_fn": _selective_context} if mode == "selective" else {}
-    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+    attention = active_attention()  # context parallelism: the recomputation must attend across ranks too
+    if attention is None:
+        extra = {"context_fn": _selective_context} if mode == "selective" else {}
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+
+    def contexts() -> tuple[Any, Any]:
+        first, again = _selective_context() if mode == "selective" else (contextlib.nullcontext(),) * 2
+        return first, _both(again, attention.again())
+
+    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, context_fn=contexts, **kwargs)
 
 
 def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: Optional[str]) -> None:

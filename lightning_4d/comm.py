@@ -175,7 +175,7 @@ class CommRecord:
 #: Which of several mesh axes spanning the same ranks (one process group) names a collective on it: an all-to-all
 #: is expert traffic and takes ``ep``, then ``edp``; any other kind the first of :data:`AXIS_ORDER` (dense axes
 #: before expert ones). Every recorder and the dry run's formulas name groups with :func:`name_axis`.
-AXIS_ORDER = ("tp", "dp", "dp_shard", "dp_replicate", "pp", "ep", "edp")
+AXIS_ORDER = ("tp", "cp", "dp", "dp_cp", "dp_shard", "dp_replicate", "pp", "ep", "edp")
 _PREFERRED_BY_KIND = {"all_to_all": ("ep", "edp")}
 
 
@@ -194,13 +194,15 @@ def name_axis(axes: Sequence[str], kind: Optional[str] = None) -> str:
 
 def _named_meshes(mesh: Union[FourDMesh, DeviceMesh, Mapping[str, Union[FourDMesh, DeviceMesh]], None]
                   ) -> list[tuple[str, DeviceMesh]]:
-    """``(axis, 1-D mesh)`` of a ``FourDMesh`` (HSDP's flattened ``dp`` too), a ``DeviceMesh`` or a dict of them."""
+    """``(axis, 1-D mesh)`` of a ``FourDMesh`` (HSDP's flattened ``dp`` and context parallelism's ``dp_cp`` too), a
+    ``DeviceMesh`` or a dict of them."""
     if mesh is None:
         return []
     if isinstance(mesh, Mapping):
         return [pair for m in mesh.values() for pair in _named_meshes(m)]
     if hasattr(mesh, "dense") and hasattr(mesh, "expert"):  # a lightning_4d FourDMesh
         flat = [("dp", mesh.flat_dp)] if getattr(mesh, "flat_dp", None) is not None else []
+        flat += [("dp_cp", mesh.dp_cp)] if getattr(mesh, "dp_cp", None) is not None else []  # context parallel
         return flat + _named_meshes(mesh.dense) + _named_meshes(mesh.expert)
     return [(dim, mesh[dim]) for dim in (mesh.mesh_dim_names or ())]
 

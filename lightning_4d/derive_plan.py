@@ -24,6 +24,7 @@ from torch import nn
 
 from lightning_4d._compat import meta_scalar_mode
 from lightning_4d.config import FourDConfig
+from lightning_4d.context_parallel.attention import ALGORITHM as CP_ALGORITHM
 from lightning_4d.discovery import find_blocks
 from lightning_4d.distributed import is_on_meta
 from lightning_4d.expert_parallel import MoE
@@ -106,6 +107,7 @@ def plan_layout(module: nn.Module, dims: ParallelDims, config: Optional[FourDCon
         experts=experts,
         activation_checkpointing=config.activation_checkpointing or "none",
         data_parallel=config.data_parallel,
+        context_parallel=CP_ALGORITHM if dims.cp > 1 else "",
     )
 
 

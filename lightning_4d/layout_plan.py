@@ -76,6 +76,7 @@ class LayoutPlan:
         tensor_parallel: the TP/SP styles and rewrites (``None`` at tp=1).
         experts: the expert-parallel modules.
         activation_checkpointing / data_parallel: the wrapping modes.
+        context_parallel: with ``cp > 1``, the algorithm attention runs across the cp ranks.
     """
 
     degrees: tuple[tuple[str, int], ...]
@@ -95,6 +96,7 @@ class LayoutPlan:
     experts: tuple[ExpertEntry, ...] = ()
     activation_checkpointing: str = "none"
     data_parallel: str = "fsdp"
+    context_parallel: str = ""  # cp > 1: how attention runs across the cp ranks
     version: int = _VERSION
 
     # -- reading ----------------------------------------------------------------------------------------
@@ -149,6 +151,8 @@ class LayoutPlan:
             out += [f'"{p}": {what}' for p, what in sorted(entries, key=_module_order)]
             out.append(f"loss parallel: {tpl.loss_parallel}")
         out += [str(e) for e in self.experts]
+        if self.context_parallel:
+            out.append(f"context parallel: {self.context_parallel}")
         out.append(f"activation checkpointing: {self.activation_checkpointing}")
         out.append(f"data parallel: {self.data_parallel}")
         return out

@@ -114,11 +114,15 @@ def weighted_global_loss(local_loss: Tensor, n_local: Tensor, dp_group: Optional
     Example:
         >>> weighted_global_loss(torch.tensor(2.0), torch.tensor(4.0), None, 1).item()
         2.0
+        >>> weighted_global_loss(torch.tensor(float("nan")), torch.tensor(0.0), None, 1).item()  # nothing to average
+        0.0
     """
     from torch.distributed.tensor import DTensor
 
     if isinstance(local_loss, DTensor):  # loss_parallel returns a replicated DTensor scalar
         local_loss = local_loss.to_local()
+    if float(n_local) == 0.0:  # no valid target here (e.g. a context-parallel chunk of padding): the mean is 0/0
+        local_loss = torch.nan_to_num(local_loss, nan=0.0)
     # (2,) float64: [Σ n_r L_r, Σ n_r], one all-reduce over the dp group
     stats = torch.stack([local_loss.detach().to(torch.float64) * n_local, n_local]).to(local_loss.device)
     all_reduce_sum(stats, dp_group)

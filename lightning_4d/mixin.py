@@ -147,7 +147,7 @@ class FourDModule:
     def fourd_dp_group(self) -> Optional[dist.ProcessGroup]:
         """The data-parallel process group, to pass as a ``torchmetrics`` metric's ``process_group=``: its states
         are then summed over the ranks holding *different* samples only (tensor-parallel and pipeline peers see
-        the same ones). ``None`` (torchmetrics' default: the world, right for DDP and one process) under other
+        the same ones; with context parallelism the group is ``dp × cp``: those ranks hold different tokens). ``None`` (torchmetrics' default: the world, right for DDP and one process) under other
         strategies. Exists once the Trainer has set up the processes (from ``setup`` on).
 
         Example:

@@ -316,7 +316,7 @@ _SHARDING = ("Colwise", "Rowwise", "ColwiseParallel", "RowwiseParallel")  # styl
 def plan_share_bytes(model: nn.Module, plan: LayoutPlan, dims: ParallelDims) -> float:
     """Bytes of the largest rank's share of ``model`` (on the meta device) under ``plan``, from the plan alone
     (before anything is rewritten): weights of a sharding TP style ÷ tp, experts ÷ ep, the largest pipeline
-    stage's blocks plus everything outside the blocks, then ÷ the data-parallel sharding (FSDP2 over dp, HSDP
+    stage's blocks plus everything outside the blocks, then ÷ the data-parallel sharding (FSDP2 over dp × cp, HSDP
     over dp_shard, experts over edp). What the check's default budget starts from
     (:func:`check_budget_bytes`).
 
@@ -333,7 +333,7 @@ def plan_share_bytes(model: nn.Module, plan: LayoutPlan, dims: ParallelDims) -> 
     stage_of = {f"{plan.blocks_path}.{k}.": s for s, keys in enumerate(plan.stages) for k in keys}
     per_stage = [0.0] * max(1, len(plan.stages))
     outside = 0.0
-    dense_dp = 1 if plan.data_parallel == "replicate" else (dims.dp_shard or dims.dp)
+    dense_dp = 1 if plan.data_parallel == "replicate" else (dims.dp_shard or dims.dp_cp)
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         size = float(t.numel() * t.element_size())
         if name.rpartition(".")[0] in sharded:

@@ -40,6 +40,7 @@ from lightning_4d.checkpoint.resume import normalize_loop_state, skip_first_batc
 from lightning_4d.checkpoint.state import load_sharded, model_state_dict, optimizer_state_dict, save_sharded
 from lightning_4d.config import FourDConfig
 from lightning_4d.context_parallel import ContextParallelAttention, SequenceShard, shard_batch, takes_positions
+from lightning_4d.context_parallel.check import ModelInfo, check_context_parallel, example_length
 from lightning_4d.data_parallel import set_gradient_sync
 from lightning_4d.distributed import all_reduce_sum, broadcast_module_state, global_grad_norm, is_on_meta, to_full
 from lightning_4d.expert_parallel import update_expert_bias
@@ -58,6 +59,7 @@ from lightning_4d.layout_plan import LayoutPlan, load_plan
 from lightning_4d.reduced_check import check_budget_bytes, check_reduced_model, plan_share_bytes
 from lightning_4d.preemption import PreemptionSaver, resolve_signals
 from lightning_4d.tensor_parallel.replicas import replica_mismatches
+from lightning_4d.trace import example_tokens
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -82,7 +84,7 @@ FIT_SETUP_HOOKS: list[Callable[["pl.Trainer"], None]] = []
 
 
 class FourDStrategy(ParallelStrategy):
-    """Tensor (+sequence), pipeline, expert and data parallelism for a ``FourDModule``.
+    """Tensor (+sequence), pipeline, expert, data and context parallelism for a ``FourDModule``.
 
     Args:
         **options: every field of :class:`~lightning_4d.config.FourDConfig` (``tp``, ``pp``, ``ep``, ``dp``,
@@ -125,6 +127,7 @@ class FourDStrategy(ParallelStrategy):
         self._failed = False
         self.materialize_report: Optional[MaterializeReport] = None  # set when the model was built on meta
         self._cp_shard: Optional[SequenceShard] = None  # cp > 1: this rank's share of the current batch
+        self._cp_info: Optional[ModelInfo] = None  # cp > 1: what the set-up check learnt of the model
 
     # ------------------------------------------------------------------ properties
     @property
@@ -262,6 +265,8 @@ class FourDStrategy(ParallelStrategy):
         self.parameter_counts = (sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad))
         self.module_parameter_counts = {name: sum(p.numel() for p in sub.parameters())
                                         for name, sub in self.model.named_modules() if name}
+        if self.dims.cp > 1:  # on the whole model: refuse attention that cannot be split, naming the module
+            self._check_context_parallel(meta)
         # Plan (one traced forward on the unsharded model, or the given plan checked against it) -> check (the plan
         # applied to a reduced copy with perturbed weights, for every model, before the real one is touched: its
         # memory is gone before this rank's shards exist) -> apply -> materialise.
@@ -305,6 +310,17 @@ class FourDStrategy(ParallelStrategy):
                             "(largest %s: %.1f MB in full): %s", len(report.whole_calls), report.largest_call,
                             report.largest_call_bytes / 2**20, "; ".join(report.whole_calls[:8]))
         return record
+
+    def _check_context_parallel(self, meta: bool) -> None:
+        """:func:`~lightning_4d.context_parallel.check.check_context_parallel` on a tiny example (declared and traced
+        only for a model on the meta device; with values, a collective over the cp group, for one built for real)."""
+        assert self.model is not None
+        dims = self.dims
+        length = example_length(self.model, dims.cp, dims.tp if dims.sp else 1)
+        tokens = example_tokens(self.model, seq=length).to("meta" if meta else self.root_device)  # (2, T)
+        with _compat.meta_scalar_mode() if meta else nullcontext():
+            self._cp_info = check_context_parallel(self.model, tokens, self.mesh[Axis.CP].get_group(), dims.cp,
+                                                   self.mesh.rank(Axis.CP), values=not meta)
 
     def _check_budget(self, skeleton: torch.nn.Module, plan: LayoutPlan, meta: bool) -> float:
         """Bytes the reduced check may hold, the same on every rank: the option, else
@@ -514,7 +530,8 @@ class FourDStrategy(ParallelStrategy):
             return inputs, targets
         inputs, targets, self._cp_shard = shard_batch(
             inputs, targets, self.mesh[Axis.CP].get_group(), dims.cp, self.mesh.rank(Axis.CP),
-            takes_positions(module), tp=dims.tp if dims.sp else 1, pipelined=pipelined)
+            self._cp_info.positions if self._cp_info is not None else takes_positions(module),
+            tp=dims.tp if dims.sp else 1, pipelined=pipelined)
         return inputs, targets
 
     def predict(self, module: "pl.LightningModule", inputs: Any) -> Any:

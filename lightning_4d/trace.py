@@ -167,16 +167,19 @@ class ModelTrace:
         return (max(found) if last else min(found))[1]
 
 
-def example_tokens(module: nn.Module, tp: int = 1) -> torch.Tensor:
-    """Tiny token ids valid for every ``nn.Embedding`` of ``module`` (``example_input_array`` wins): the package's
-    one example input (the trace, the reduced check and the pipeline's sequential check use it).
+def example_tokens(module: nn.Module, tp: int = 1, seq: Optional[int] = None) -> torch.Tensor:
+    """Tiny token ids valid for every ``nn.Embedding`` of ``module`` (``example_input_array`` wins, unless ``seq``
+    asks for another length): the package's one example input (the trace, the reduced check and the pipeline's
+    sequential check use it; the context-parallel check with its own ``seq``).
 
     Example:
         >>> example_tokens(nn.Sequential(nn.Embedding(5, 2))).shape
         torch.Size([2, 8])
+        >>> example_tokens(nn.Sequential(nn.Embedding(5, 2)), seq=12).shape
+        torch.Size([2, 12])
     """
     sample = getattr(module, "example_input_array", None)
-    if sample is not None:
+    if sample is not None and (seq is None or tuple(getattr(sample, "shape", ()))[1:2] == (seq,)):
         return sample
     tables = [m for m in module.modules() if isinstance(m, nn.Embedding)]
     if not tables:
@@ -185,7 +188,7 @@ def example_tokens(module: nn.Module, tp: int = 1) -> torch.Tensor:
             f"`self.example_input_array` on the module to a small batch of inputs."
         )
     high = min(m.num_embeddings for m in tables)
-    seq = max(8, 2 * tp)
+    seq = seq or max(8, 2 * tp)
     device = tables[0].weight.device if tables[0].weight.device.type != "meta" else torch.device("cpu")
     return torch.randint(0, high, (2, seq), generator=torch.Generator().manual_seed(0)).to(device)
 

@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -27,9 +28,13 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from lightning_4d.context_parallel.collectives import gather_sequence
+
+#: What the layout plan names as the context-parallel algorithm (:class:`ContextParallelAttention`).
+ALGORITHM = ("scaled_dot_product_attention with K/V all-gathered over cp (backward: reduce-scatter), zigzag chunks, "
+             "causal / per-document mask from global positions")
 from lightning_4d.context_parallel.zigzag import restore_order, zigzag_indices
 
-__all__ = ["ContextParallelAttention", "SequenceShard", "UnsplittableAttention", "causal_mask"]
+__all__ = ["ContextParallelAttention", "SequenceShard", "UnsplittableAttention", "active_attention", "causal_mask"]
 
 
 class UnsplittableAttention(ValueError):
@@ -121,10 +126,25 @@ def _allowed(mask: Tensor, where: str) -> Tensor:
     return ~blocked
 
 
+_ACTIVE = threading.local()  # the modes entered on this thread, innermost last
+
+
+def active_attention() -> Optional["ContextParallelAttention"]:
+    """The innermost :class:`ContextParallelAttention` active on this thread, if any.
+
+    Example:
+        >>> active_attention() is None
+        True
+    """
+    stack = getattr(_ACTIVE, "stack", [])
+    return stack[-1] if stack else None
+
+
 class ContextParallelAttention(TorchFunctionMode):
     """While active, every ``F.scaled_dot_product_attention(q, k, v, ...)`` on this rank's chunk ``(…, T/cp, E)``
     attends to the whole sequence: K/V all-gathered over the ``cp`` ranks (``(…, T, E)``, sequence order) and the
-    mask recomputed from global positions (see the module doc). ``where()`` names the running module for errors.
+    mask recomputed from global positions (see the module doc). ``where()`` names the running module for errors;
+    ``strict=False`` records them in ``errors`` instead of raising (the set-up check then agrees across ranks).
 
     Example:
         >>> # not run: needs a process group
@@ -132,11 +152,27 @@ class ContextParallelAttention(TorchFunctionMode):
         ...     y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # q (B, H, T/cp, hd)
     """
 
-    def __init__(self, shard: SequenceShard, where: Callable[[], str] = lambda: "an attention call") -> None:
+    def __init__(self, shard: SequenceShard, where: Callable[[], str] = lambda: "an attention call",
+                 strict: bool = True) -> None:
         super().__init__()
         self.shard = shard
         self.where = where
+        self.strict = strict  # False: a mask that cannot be split is recorded in `errors` (plain causal used)
+        self.errors: list[str] = []
         self.calls = 0
+
+    def __enter__(self) -> "ContextParallelAttention":
+        _ACTIVE.stack = [*getattr(_ACTIVE, "stack", []), self]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        _ACTIVE.stack = getattr(_ACTIVE, "stack", [])[:-1]
+        super().__exit__(*exc)
+
+    def again(self) -> "ContextParallelAttention":
+        """A new mode for the same batch: activation checkpointing enters it to recompute a block in backward,
+        where the modes active in forward are not."""
+        return ContextParallelAttention(self.shard, self.where, self.strict)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
@@ -155,11 +191,23 @@ class ContextParallelAttention(TorchFunctionMode):
                 f"{tuple(key.shape)}, but this context-parallel rank holds {n} of the {shard.seq_len} tokens: the "
                 f"attention does not run on the local sequence chunk (a cache, a pooled or cross attention), so it "
                 f"cannot be split. Use cp=1 for this model.")
-        if attn_mask is None:
-            mask = shard.global_mask(False, query.device) if is_causal else None
-        else:
-            mask = self._global_mask(_allowed(attn_mask, self.where()), query.device)
-        keys, values = _gather_kv(key, value, shard)
+        try:
+            if attn_mask is None:
+                mask = shard.global_mask(False, query.device) if is_causal else None
+            else:
+                mask = self._global_mask(_allowed(attn_mask, self.where()), query.device)
+        except UnsplittableAttention as err:
+            if self.strict:
+                raise
+            self.errors.append(str(err))  # the caller agrees with the other ranks after the forward
+            mask = shard.global_mask(False, query.device)
+        if rest.pop("enable_gqa", False) and key.dim() >= 3 and key.shape[-3] != query.shape[-3]:
+            # K/V heads repeated as SDPA's GQA reads them (query head i uses K/V head i // rep): a model may repeat
+            # them itself on one rank and not on another (transformers does when it passes a mask), and all ranks
+            # must gather the same shapes.
+            rep = query.shape[-3] // key.shape[-3]
+            key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)  # (…, H, T/cp, E)
+        keys, values = _gather_kv(key, value, shard)  # (…, T, E)
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, dropout_p=dropout_p,
                                               scale=scale, **rest)  # (…, T/cp, Ev)
 

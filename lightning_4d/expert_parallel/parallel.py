@@ -54,7 +54,7 @@ def expert_grad_scale(dims: "ParallelDims") -> float:
 
     Assumes the conventions of the module docstring: per-rank loss = mean over its data shard (same on
     all TP ranks), tokens split over TP ranks by sequence parallelism, expert gradients averaged over
-    ``edp = dp·tp/ep``. Pure.
+    ``edp = dp·cp·tp/ep`` (context-parallel ranks hold other tokens, like data-parallel ones). Pure.
 
     Example:
         >>> from lightning_4d.mesh import ParallelDims

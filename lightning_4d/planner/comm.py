@@ -59,6 +59,7 @@ from typing import Optional
 
 from lightning_4d.comm import wire_bytes
 from lightning_4d.config import stage_style
+from lightning_4d.context_parallel.cost import kv_gathered_bytes
 from lightning_4d.data_parallel import reshards_after_forward
 from lightning_4d.mesh import ParallelDims
 from lightning_4d.planner.memory import local_params, micro_batch_size, resolve_microbatches, stage_layout
@@ -219,7 +220,7 @@ def _tp(spec: TransformerSpec, dims: ParallelDims, layers: list[int], first: boo
     # sequence: their gradients need nothing.)
     per_norm = 2 if spec.norm == "layernorm" and spec.norm_bias else 1
     norms = 2 * len(layers)  # the final norm runs on the full (gathered) sequence: replicated
-    if norms and dims.dp > 1:
+    if norms and dims.dp_cp > 1:
         out.append(Collective("tp", "all_reduce", "grads of SP norms (per micro-batch)", m * norms * per_norm,
                               spec.norm_params * c / per_norm, t))
     elif norms:
@@ -270,13 +271,13 @@ def _data_parallel(dims: ParallelDims, train: TrainSpec, m: int, r: int, lp: dic
     mode = train.data_parallel
     hsdp = mode == "hsdp"
     shard = _dp_shard(dims, train) if hsdp else dims.dp
-    dense_axis = "dp_shard" if hsdp else "dp"
+    dense_axis = "dp_shard" if hsdp else "dp_cp" if dims.cp > 1 else "dp"  # cp: dense params over dp × cp
     n = len(lp["layer_dense"])
     units = [(dense_axis, "root", lp["root"], False)]
     units += [(dense_axis, "block", d, raf and i < n - 1) for i, d in enumerate(lp["layer_dense"])]
     pad = expert_padding if mode in ("fsdp", "hsdp") else 1.0
     units += [("edp", "experts", e * pad, raf_experts) for e in lp["layer_experts"] if e]
-    groups = {"dp": dims.dp, "edp": dims.edp, "dp_shard": shard, "dp_replicate": dims.dp // shard}
+    groups = {"dp": dims.dp, "dp_cp": dims.dp_cp, "edp": dims.edp, "dp_shard": shard, "dp_replicate": dims.dp // shard}
     acc: dict[tuple, list] = {}
 
     def add(axis: str, kind: str, label: str, calls: int, size: float) -> None:
@@ -333,7 +334,7 @@ def comm_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
     m = resolve_microbatches(dims, train)
     b = micro_batch_size(dims, train)
     layout = layout if layout is not None else stage_layout(spec, dims, train.schedule)
-    s, h, c, t = train.seq(spec), spec.hidden, train.act_bytes, dims.tp
+    s, h, c, t = train.seq(spec) // dims.cp, spec.hidden, train.act_bytes, dims.tp  # this rank's tokens
     act = float(b * s * h * c)
     style = stage_style(train.schedule, dims.pp)
     num_stages = dims.num_stages
@@ -346,7 +347,7 @@ def comm_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
     out = []
     for r, layers in enumerate(layout):
         first, last = r == 0, r == stage_to_rank(num_stages - 1, dims.pp, style)
-        fsdp_ranks = {"fsdp": dims.dp, "hsdp": _dp_shard(dims, train)}.get(train.data_parallel, 1)
+        fsdp_ranks = {"fsdp": dims.dp_cp, "hsdp": _dp_shard(dims, train)}.get(train.data_parallel, 1)
         recs = _tp(spec, dims, layers, first, last, m, act, b * s, c, recompute, fsdp_ranks)
         if dims.pp > 1:
             stages = stage_ids_for_rank(r, dims.pp, dims.virtual_stages, style)
@@ -369,9 +370,15 @@ def comm_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
         if spec.router_aux_loss and n_moe:
             # Router statistics (counts, probability sums, token count: 2E + 1 fp64) for the aux loss, over the
             # groups holding one batch's tokens (lightning_4d.parallelize: ep and edp, or dp without SP).
-            stats = [("ep", dims.ep), ("edp", dims.edp)] if (dims.sp or t == 1) else [("dp", dims.dp)]
+            stats = [("ep", dims.ep), ("edp", dims.edp)] if (dims.sp or t == 1) else [("dp", dims.dp_cp)]
             recs += [Collective(axis, "all_reduce", "router statistics (aux loss)", fwd_passes * m * n_moe,
                                 8.0 * (2 * spec.num_experts + 1), n) for axis, n in stats if n > 1]
+        if dims.cp > 1:  # K/V of every attention layer: all-gathered in forward (again when recomputed), grads back
+            full = kv_gathered_bytes(b, train.seq(spec), spec.kv_width, c, t)
+            recs += [Collective("cp", "all_gather", "K/V along the sequence (fwd)", fwd_passes * m * len(layers), full,
+                                dims.cp),
+                     Collective("cp", "reduce_scatter", "K/V grads along the sequence (bwd)", m * len(layers), full,
+                                dims.cp)]
         lp = local_params(spec, dims, layers, first, last)
         if fsdp_ranks > 1:  # FSDP2 pads dim 0 of each tensor to a multiple of its shard group
             lp = dict(lp, root=fsdp_elements(root_tensor_shapes(spec, t, first, last), fsdp_ranks),

@@ -119,7 +119,7 @@ def layer_gemms(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec, lay
         1310720.0
     """
     t, h, d = dims.tp, spec.hidden, spec.head_dim
-    tokens = float(b * train.seq(spec))
+    tokens = float(b * train.seq(spec)) / dims.cp  # this rank's tokens: T/cp under context parallelism
     out = [(tokens, spec.heads * d / t, h, 1.0), (tokens, spec.kv_heads * d / t, h, 2.0),
            (tokens, h, spec.heads * d / t, 1.0)]
     up = 2.0 if spec.gated_mlp else 1.0
@@ -186,6 +186,7 @@ def rank_compute_time(spec: TransformerSpec, dims: ParallelDims, train: TrainSpe
         True
     """
     s, c = train.seq(spec), train.act_bytes
+    sq = s / dims.cp  # this rank's queries (context parallelism); keys: the whole sequence
     peak, bw = device.peak_flops, device.hbm_bw
     gemm_fwd = attn_fwd = mem_fwd = proj_fwd = 0.0
     kinds: dict[bool, tuple[float, float, float, float]] = {}
@@ -205,16 +206,16 @@ def rank_compute_time(spec: TransformerSpec, dims: ParallelDims, train: TrainSpe
         g, p, e, cast = kinds[moe]
         gemm_fwd += g
         proj_fwd += p
-        mem_fwd += e * b * s * c / bw + cast / bw
+        mem_fwd += e * b * sq * c / bw + cast / bw
     heads = spec.heads / dims.tp
     if layers:
-        eff = gemm_efficiency(s, s, spec.head_dim, device) * device.attention_efficiency
-        causal = 0.5 if train.flash_attention else 1.0
-        attn_fwd = len(layers) * b * heads * 4 * s * s * spec.head_dim * causal / (peak * eff)
+        eff = gemm_efficiency(sq, s, spec.head_dim, device) * device.attention_efficiency
+        causal = 0.5 if train.flash_attention else 1.0  # zigzag: every cp rank gets its half of the pairs
+        attn_fwd = len(layers) * b * heads * 4 * sq * s * spec.head_dim * causal / (peak * eff)
     if last:
-        m, n, k = b * s, spec.vocab_size / dims.tp, spec.hidden
+        m, n, k = b * sq, spec.vocab_size / dims.tp, spec.hidden
         gemm_fwd += 2 * m * n * k / (peak * gemm_efficiency(m, n, k, device))
-        mem_fwd += b * s * n * 6.0 / bw  # logits: cast to fp32, softmax statistics, gradient (fp32)
+        mem_fwd += b * sq * n * 6.0 / bw  # logits: cast to fp32, softmax statistics, gradient (fp32)
     factor = COMPILE_FACTOR if train.compile else 1.0
     mem_fwd *= factor
     ac = train.activation_checkpointing

@@ -404,10 +404,10 @@ def axis_group(dims: ParallelDims, axis: str, rank: int = 0) -> list[int]:
         >>> axis_group(ParallelDims.from_world(8, tp=2, pp=2, ep=2), "edp", rank=0)
         [0, 2]
     """
-    inner = dims.dp * dims.tp
+    inner = dims.dp * dims.cp * dims.tp
     pp_i, rest = divmod(rank, inner)
-    sizes = {"tp": (dims.tp, 1), "dp": (dims.dp, dims.tp), "pp": (dims.pp, inner),
-             "ep": (dims.ep, 1), "edp": (dims.edp, dims.ep)}
+    sizes = {"tp": (dims.tp, 1), "dp": (dims.dp, dims.cp * dims.tp), "pp": (dims.pp, inner),
+             "ep": (dims.ep, 1), "edp": (dims.edp, dims.ep), "cp": (dims.cp, dims.tp), "dp_cp": (dims.dp_cp, dims.tp)}
     if axis not in sizes:
         raise ValueError(f"axis={axis!r} is not a mesh axis; use one of {sorted(sizes)}.")
     size, stride = sizes[axis]

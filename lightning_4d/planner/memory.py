@@ -63,6 +63,7 @@ from functools import lru_cache
 from typing import Optional
 
 from lightning_4d.config import stage_style
+from lightning_4d.context_parallel.cost import kv_gathered_bytes
 from lightning_4d.data_parallel import wrap_mode
 from lightning_4d.mesh import ParallelDims
 from lightning_4d.pipeline.partition import stage_to_rank
@@ -209,7 +210,7 @@ def layer_activation_bytes(spec: TransformerSpec, layer: int, dims: ParallelDims
     """
     c = activation_coefficients(spec, layer, train)
     t = dims.tp
-    sbh = train.seq(spec) * b * spec.hidden
+    sbh = train.seq(spec) / dims.cp * b * spec.hidden  # this rank's tokens: T/cp under context parallelism
     if dims.sp and train.kernels == "eager" and t > 1:
         # DTensor's sequence parallelism all-gathers the QKV and MLP inputs before the matmuls, which keep the
         # gathered copies for backward (Megatron keeps the shards and gathers again): 4 of R are not divided by t.
@@ -219,7 +220,9 @@ def layer_activation_bytes(spec: TransformerSpec, layer: int, dims: ParallelDims
     else:
         mlp_div = 1 if c["moe"] else t
         coef = c["R"] + c["T_attn"] / t + c["T_mlp"] / mlp_div + c["scores"] / t
-    return sbh * coef * train.act_bytes / 2
+    # Context parallelism: the whole sequence's K/V, gathered for the attention, kept beyond this rank's share.
+    gathered = kv_gathered_bytes(b, train.seq(spec), spec.kv_width, train.act_bytes, t) * (1 - 1 / dims.cp)
+    return sbh * coef * train.act_bytes / 2 + gathered
 
 
 @dataclass(frozen=True)
@@ -302,12 +305,12 @@ def memory_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
         lp = local_params(spec, dims, layers, first, last)
         dense, experts = lp["dense"], lp["experts"]
         st = {k: a + e for (k, a), e in zip(
-            state_bytes(mode, dense, dims.dp, shard, cbytes, train.optimizer_state_bytes).items(),
+            state_bytes(mode, dense, dims.dp_cp, shard, cbytes, train.optimizer_state_bytes).items(),
             state_bytes(mode, experts, dims.edp, eshard, cbytes, train.optimizer_state_bytes).values())}
-        # Only wrapped parameters get gathered copies: dense ones when dp > 1, experts when edp > 1.
-        wd, we, root = (dense, experts, lp["root"]) if dims.dp > 1 else (0, experts, 0)
+        # Only wrapped parameters get gathered copies: dense ones when dp·cp > 1, experts when edp > 1.
+        wd, we, root = (dense, experts, lp["root"]) if dims.dp_cp > 1 else (0, experts, 0)
         we = we if dims.edp > 1 else 0
-        layer = max((d * (dims.dp > 1) + e * (dims.edp > 1)
+        layer = max((d * (dims.dp_cp > 1) + e * (dims.edp > 1)
                      for d, e in zip(lp["layer_dense"], lp["layer_experts"])), default=0)
         if mode == "replicate":
             unsharded = 2 * cbytes * layer if cbytes == 2 else 0
@@ -369,7 +372,7 @@ def saved_activation_bytes(spec: TransformerSpec, layer: int, dims: ParallelDims
         1024.0
     """
     h, t, c = spec.hidden, dims.tp, train.act_bytes
-    sbh = train.seq(spec) * b * h
+    sbh = train.seq(spec) / dims.cp * b * h  # this rank's tokens
     inp = 1.0 / t if dims.sp else 1.0
     if train.activation_checkpointing == "full":
         return sbh * inp * c
@@ -397,5 +400,5 @@ def logits_bytes(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec, b:
         >>> logits_bytes(spec, ParallelDims(1), TrainSpec(1), 1)
         12320.0
     """
-    s, c = train.seq(spec), train.act_bytes
+    s, c = train.seq(spec) / dims.cp, train.act_bytes  # this rank's tokens
     return s * b * spec.vocab_size / dims.tp * (2 * c + 8) + 2 * c * s * b * spec.hidden

@@ -92,7 +92,7 @@ def make_plan(spec: TransformerSpec, dims: ParallelDims, cluster: ClusterSpec, t
         "components": spec.components(),
         "flops_per_token": spec.flops_per_token(train.seq(spec)),
         "layout": {"world_size": dims.world_size, "tp": dims.tp, "pp": dims.pp, "ep": dims.ep, "dp": dims.dp,
-                   "edp": dims.edp, "sequence_parallel": dims.sp, "virtual_stages": dims.virtual_stages,
+                   "edp": dims.edp, "cp": dims.cp, "sequence_parallel": dims.sp, "virtual_stages": dims.virtual_stages,
                    "schedule": schedule, "microbatches": m, "micro_batch_size": b,
                    "global_batch_size": train.global_batch_size, "seq_len": train.seq(spec),
                    "data_parallel": train.data_parallel, "precision": train.precision,
@@ -157,9 +157,10 @@ def format_table(plan: dict[str, Any]) -> str:
                 return f"{x / scale:.3g} {unit}"
         return str(x)
 
+    cp = f"cp={lay['cp']} " if lay.get("cp", 1) > 1 else ""  # context parallelism, shown when used
     lines = [f"model {plan['model']}: {n(plan['total_params'])} params, {n(plan['active_params_per_token'])} "
              f"active per token",
-             f"layout: tp={lay['tp']} pp={lay['pp']} ep={lay['ep']} dp={lay['dp']} (edp={lay['edp']}) "
+             f"layout: tp={lay['tp']} pp={lay['pp']} ep={lay['ep']} dp={lay['dp']} {cp}(edp={lay['edp']}) "
              f"sp={lay['sequence_parallel']} schedule={lay['schedule']} v={lay['virtual_stages']} "
              f"m={lay['microbatches']} b={lay['micro_batch_size']} on {lay['cluster']['nodes']}×"
              f"{lay['cluster']['gpus_per_node']} {lay['cluster']['device']}",

@@ -97,7 +97,7 @@ def rank_flops(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec, laye
         True
     """
     s, h = train.seq(spec), spec.hidden
-    tokens = train.global_batch_size * s / (dims.dp * dims.tp)
+    tokens = train.global_batch_size * s / (dims.dp * dims.cp * dims.tp)
     active = 0.0  # matmul parameters a token goes through on this rank
     for i in layers:
         lp = spec.layer_params(i)
@@ -128,11 +128,11 @@ def comm_seconds(records: list[Collective], dims: ParallelDims, cluster: Cluster
     """
     crossing = crossing if crossing is not None else axes_crossing_nodes(dims, cluster)
     d = cluster.device
-    out = {a: 0.0 for a in ("tp", "pp", "ep", "dp", "edp")}
+    out = {a: 0.0 for a in ("tp", "cp", "pp", "ep", "dp", "edp")}
     for rec in records:
         inter = crossing.get(rec.axis, False)
         bw, lat = (d.inter_node_bw, d.latency_inter) if inter else (d.intra_node_bw, d.latency_intra)
-        axis = "dp" if rec.axis in ("dp_shard", "dp_replicate") else rec.axis  # HSDP's two dp axes
+        axis = "dp" if rec.axis in ("dp_shard", "dp_replicate", "dp_cp") else rec.axis  # HSDP's two dp axes, dp × cp
         if d.latency_dp is not None and axis in ("dp", "edp"):
             lat = d.latency_dp
         out[axis] += rec.bytes_sent / bw + (rec.calls * lat if rec.bytes_sent else 0.0)

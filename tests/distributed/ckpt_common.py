@@ -27,7 +27,7 @@ def train(strategy: dict[str, Any], world: int, max_steps: int, ckpt_in: Optiona
     """One fit; returns (epoch, batch_idx, batch checksum, loss) per training batch on this rank."""
     torch.manual_seed(0)
     lm = CausalLM(build_model(model), lr=1e-3)
-    dp = world // (strategy.get("tp", 1) * strategy.get("pp", 1))
+    dp = world // (strategy.get("tp", 1) * strategy.get("pp", 1) * strategy.get("cp", 1))
     loader = DataLoader(make_dataset(samples), batch_size=global_batch // dp, drop_last=True)
     seen = _Seen()
     callbacks: list[Any] = [seen]

@@ -27,6 +27,10 @@ def build_model(kind: str) -> torch.nn.Module:
     third-party model from :mod:`tests.distributed.byom_models` (hf-llama, hf-gpt2, nanogpt, titan, ...)."""
     from tests.distributed import byom_models
 
+    if kind.startswith("cp-"):
+        from tests.distributed.cp_models import build_cp_model
+
+        return build_cp_model(kind)
     if byom_models.is_byom_kind(kind):
         return byom_models.build_byom(kind)
     if kind == "llama-wide":  # llama-2's parameter names with a wider hidden size (checkpoint shape checks)

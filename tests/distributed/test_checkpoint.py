@@ -64,6 +64,9 @@ RESHARD = [
     ("llama-4", (dict(data_parallel="hsdp", dp_shard=2), 4), (dict(), 1)),
     ("llama-4", (dict(pp=2), 2), (dict(data_parallel="hsdp", dp_shard=2), 4)),
     ("moe", (dict(ep=2, data_parallel="hsdp", dp_shard=2), 4), (dict(tp=2, ep=2), 2)),
+    # Context parallelism: parameters replicated over cp (FSDP2 over dp × cp), so any layout resumes.
+    ("llama-4", (dict(cp=2, tp=2), 4), (dict(), 1)),
+    ("llama-4", (dict(tp=2), 2), (dict(cp=2, dp=2), 4)),
 ]
 
 
@@ -71,7 +74,7 @@ RESHARD = [
                          ids=["tp2pp2-to-1", "pp2-to-pp4", "tp2dp2-to-tp4", "ep2-to-ep4", "tp2pp2ep2-to-pp2dp2",
                               "1-to-tp2pp2", "hf-gpt2-tp2-to-1", "nanogpt-tp2pp2-to-tp4",
                               "hf-qwen3moe-tp2ep2-to-1", "titan-moe-ep2-to-ep4", "hsdp-to-1", "pp2-to-hsdp",
-                              "moe-hsdp-ep2-to-tp2ep2"])
+                              "moe-hsdp-ep2-to-tp2ep2", "cp2tp2-to-1", "tp2-to-cp2dp2"])
 def test_resharding(model: str, saved: tuple, loaded: tuple, tmp_path: Path) -> None:
     ref = fit_spec(dict(model=model, steps=4, global_batch=8, clip=None, lr=1e-3))["losses"]
     path = str(tmp_path / "ckpt")

@@ -44,6 +44,8 @@ SAMPLES: dict[str, tuple[str, Any, list[str]]] = {
     "heartbeat_timeout": ("null", None, []),
     "dp_shard": ("2", 2, ["parallel.data_parallel=hsdp"]),
     "reduced_check_budget": ("1000", 1000, []),
+    "cp": ("2", 2, []),
+    "plan": ("layout_plan.json", "layout_plan.json", []),  # a path, loaded and checked at set-up
 }
 
 

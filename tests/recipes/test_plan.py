@@ -214,3 +214,14 @@ def test_materialize_rank_sets_up_one_rank_for_real(tmp_path: Path) -> None:
     assert "planner's set-up estimate" in outcome.text
     with pytest.raises(PlanError, match=r"plan.materialize_rank=8 is outside the world of 8 ranks"):
         plan_setup(_compose(["model=tiny_moe", "parallel=cpu_4d", "plan.materialize_rank=8"]))
+
+
+def test_plan_with_context_parallelism(tmp_path: Path) -> None:
+    # cp=2 on 2 devices: the K/V traffic on the cp axis, FSDP over dp × cp; the dry run does not run cp yet.
+    outcome = run_plan(_compose(["model=tiny_dense", "parallel=none", "parallel.cp=2", *TOY, "plan.gpus_per_node=2",
+                                 f"output_dir={tmp_path}"]))
+    assert outcome.exit_code == 0
+    busiest = outcome.plan["communication"]["busiest_rank"]
+    assert busiest["cp"]["all_gather"] > 0 and busiest["dp_cp"]["reduce_scatter"] > 0
+    assert outcome.plan["layout"]["cp"] == 2 and "cp=2" in outcome.text
+    assert outcome.plan["dry_run"]["ok"] is None and "context parallelism" in outcome.plan["dry_run"]["skipped"]

@@ -1,0 +1,93 @@
+"""Context parallelism on CPU: per-rank activation memory and K/V bytes against the formulas, cp = 1, 2, 4.
+
+One forward + backward of the package's Llama (4 layers, dim 128, 8 heads, 4 K/V heads) on one sequence of
+``T`` tokens (``--seq``, default 4096 8192) split zigzag over ``cp`` gloo ranks, attention made global by
+:class:`~lightning_4d.context_parallel.ContextParallelAttention`. Measured per rank: the activation bytes the
+backward keeps (every tensor saved for backward, counted once per storage, via ``saved_tensors_hooks``) and the bytes
+sent on the cp axis (:class:`~lightning_4d.comm.CommCounter`). Printed beside them: the cp = 1 activations divided by
+``cp``, the formula :func:`~lightning_4d.context_parallel.cost.activation_bytes_per_rank` (activations ÷ cp plus
+the gathered K/V) and :func:`~lightning_4d.context_parallel.cost.kv_wire_bytes`.
+
+Run: python bench/bench_context_parallel.py [--seq 4096 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from lightning_4d.testing import run_world  # noqa: E402
+
+LAYERS, DIM, HEADS, KV_HEADS, VOCAB = 4, 128, 8, 4, 256
+
+
+def _model() -> Any:
+    from lightning_4d.models import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    return Llama(LlamaConfig(vocab_size=VOCAB, dim=DIM, n_layers=LAYERS, n_heads=HEADS, n_kv_heads=KV_HEADS,
+                             ffn_hidden=4 * DIM, max_seq_len=1 << 16))
+
+
+def _saved_bytes(fn: Any) -> tuple[Any, float]:
+    """``fn()`` and the bytes of the distinct storages it saved for backward."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "meta":
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, float(sum(seen.values()))
+
+
+def _rank(rank: int, seq: int, cp: int) -> dict[str, float]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_4d.comm import CommCounter, mesh_axis_groups
+    from lightning_4d.context_parallel import ContextParallelAttention, shard_batch
+
+    model = _model()
+    tokens = torch.randint(0, VOCAB, (1, seq), generator=torch.Generator().manual_seed(1))
+    mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
+    inputs, _, shard = shard_batch(tokens, tokens, mesh.get_group(), cp, rank, takes_positions=True)
+    with CommCounter(mesh_axis_groups(mesh)) as counter:
+        with ContextParallelAttention(shard):
+            logits, saved = _saved_bytes(lambda: model(*inputs))
+        logits.float().pow(2).mean().backward()
+    sent = sum(v["sent_bytes"] for (axis, _), v in counter.totals().items() if axis == "cp")
+    return {"saved": saved, "sent": sent}
+
+
+def main() -> None:
+    from lightning_4d.context_parallel.cost import activation_bytes_per_rank, kv_wire_bytes
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, nargs="+", default=[4096, 8192])
+    args = parser.parse_args()
+    kv_width = HEADS * DIM // HEADS  # the package's Llama repeats K/V to every head before SDPA
+    print(f"{'T':>6} {'cp':>3} {'saved MB/rank':>14} {'cp=1 / cp':>10} {'formula':>10} {'K/V sent MB':>12} "
+          f"{'formula':>9}")
+    for seq in args.seq:
+        whole = 0.0
+        for cp in (1, 2, 4):
+            got = run_world(_rank, cp, seq, cp, timeout_s=1200)
+            saved = max(r["saved"] for r in got)
+            whole = whole or saved
+            formula = activation_bytes_per_rank(whole, 1, seq, kv_width, LAYERS, cp, act_bytes=4)
+            kv = kv_wire_bytes(1, seq, kv_width, LAYERS, cp, act_bytes=4)
+            print(f"{seq:>6} {cp:>3} {saved / 1e6:>14.1f} {whole / cp / 1e6:>10.1f} {formula / 1e6:>10.1f} "
+                  f"{got[0]['sent'] / 1e6:>12.2f} {kv / 1e6:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""What context parallelism costs, in closed form: the K/V bytes on the wire per step and the activation memory
+per rank. The ring formulas are :func:`lightning_4d.comm.wire_bytes` (the one owner).
+
+Per attention layer and micro-batch, every rank all-gathers K and V (one stacked tensor) in forward and
+reduce-scatters their gradients in backward; activation checkpointing runs the forward, and so the all-gather,
+again. The gathered tensor holds ``S = 2·b·T·w_kv/tp·c`` bytes (``w_kv``: K/V features, ``heads_kv·head_dim``; a model
+that leaves GQA to SDPA's ``enable_gqa`` gathers the repeated heads, ``w_kv = heads·head_dim``). Each rank keeps the
+gathered K/V of every layer for backward (``S`` per layer) while its other activations fall to ``1/cp``.
+
+Example:
+    >>> kv_gathered_bytes(batch=1, seq_len=4096, kv_width=1024, act_bytes=2)
+    16777216.0
+    >>> kv_wire_bytes(batch=1, seq_len=4096, kv_width=1024, layers=32, cp=2, act_bytes=2) / 2**20
+    512.0
+"""
+
+from __future__ import annotations
+
+from lightning_4d.comm import wire_bytes
+
+__all__ = ["activation_bytes_per_rank", "kv_gathered_bytes", "kv_wire_bytes"]
+
+
+def kv_gathered_bytes(batch: int, seq_len: int, kv_width: int, act_bytes: float, tp: int = 1) -> float:
+    """Bytes of one layer's gathered K and V, ``2·b·T·w_kv/tp·c`` (the whole sequence).
+
+    Example:
+        >>> kv_gathered_bytes(batch=2, seq_len=16, kv_width=8, act_bytes=4, tp=2)
+        1024.0
+    """
+    return 2.0 * batch * seq_len * kv_width / tp * act_bytes
+
+
+def kv_wire_bytes(batch: int, seq_len: int, kv_width: int, layers: int, cp: int, act_bytes: float, tp: int = 1,
+                  microbatches: int = 1, recompute: bool = False) -> float:
+    """Bytes one rank sends on the ``cp`` axis per step: per layer and micro-batch, ``1 + recompute`` all-gathers
+    and one reduce-scatter of :func:`kv_gathered_bytes`, each ``(cp−1)/cp·S`` on a ring. ``batch``: sequences per
+    micro-batch.
+
+    Example:
+        >>> kv_wire_bytes(batch=2, seq_len=16, kv_width=8, layers=2, cp=2, act_bytes=4)
+        4096.0
+        >>> kv_wire_bytes(batch=2, seq_len=16, kv_width=8, layers=2, cp=1, act_bytes=4)
+        0.0
+    """
+    full = kv_gathered_bytes(batch, seq_len, kv_width, act_bytes, tp)
+    per_layer = (2 if recompute else 1) * wire_bytes("all_gather", full, cp) + wire_bytes("reduce_scatter", full, cp)
+    return layers * microbatches * per_layer
+
+
+def activation_bytes_per_rank(activation_bytes: float, batch: int, seq_len: int, kv_width: int, layers: int,
+                              cp: int, act_bytes: float, tp: int = 1) -> float:
+    """A rank's activation bytes under context parallelism from those of the same micro-batch without it
+    (``activation_bytes``, whole sequence): ``1/cp`` of them, plus the gathered K/V every layer keeps for backward
+    beyond its own share, ``(1 − 1/cp)·S``.
+
+    Example:
+        >>> activation_bytes_per_rank(8e9, batch=1, seq_len=16384, kv_width=1024, layers=32, cp=4, act_bytes=2) / 1e9
+        3.610612736
+    """
+    if cp == 1:
+        return float(activation_bytes)
+    gathered = kv_gathered_bytes(batch, seq_len, kv_width, act_bytes, tp)
+    return activation_bytes / cp + layers * gathered * (1 - 1 / cp)
