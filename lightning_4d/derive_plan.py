@@ -102,6 +102,7 @@ def plan_layout(module: nn.Module, dims: ParallelDims, config: Optional[FourDCon
         hidden=(hidden.position, hidden.keyword, hidden.tuple_out) if hidden is not None else (0, None, None),
         pre=tuple(trace.pre) if trace else (), post=tuple(trace.post) if trace else (),
         elsewhere=tuple(trace.elsewhere) if trace else (), input_shape=input_shape,
+        block_attrs={k: dict(v) for k, v in trace.block_attrs.items()} if trace else {},
         stages=stages, pipeline_hooks=hooks,
         tensor_parallel=tpl,
         experts=experts,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -71,6 +71,8 @@ class LayoutPlan:
         hidden: where blocks take and return the hidden state (``position``, ``keyword``, ``tuple_out``).
         pre / post / elsewhere: the modules that run before / after / around the blocks (traced).
         input_shape: the traced example's shape (inputs must have its rank).
+        block_attrs: each block's plain attributes (what a stage's stand-in for another stage's block answers,
+            e.g. a hybrid's ``block_type``).
         stages: block keys of every pipeline stage (empty without a pipeline); ``pipeline_hooks``: stages
             chain the user's ``pipeline_pre_blocks`` → blocks → ``pipeline_post_blocks``.
         tensor_parallel: the TP/SP styles and rewrites (``None`` at tp=1).
@@ -90,6 +92,7 @@ class LayoutPlan:
     post: tuple[str, ...] = ()
     elsewhere: tuple[str, ...] = ()
     input_shape: Optional[tuple[int, ...]] = None
+    block_attrs: dict[str, dict[str, Any]] = field(default_factory=dict, hash=False)
     stages: tuple[tuple[str, ...], ...] = ()
     pipeline_hooks: bool = False
     tensor_parallel: Optional[TPLayout] = None
@@ -109,7 +112,8 @@ class LayoutPlan:
         position, keyword, tuple_out = self.hidden
         return ModelTrace(blocks_path=self.blocks_path, block_order=self.block_order,
                           hidden=HiddenArg(position=position, keyword=keyword, tuple_out=tuple_out),
-                          pre=self.pre, post=self.post, elsewhere=self.elsewhere)
+                          pre=self.pre, post=self.post, elsewhere=self.elsewhere,
+                          block_attrs={k: dict(v) for k, v in self.block_attrs.items()})
 
     def source_names(self) -> dict[str, tuple[str, Optional[int]]]:
         """``{name in the user's model: (name after the expert rewrite, index along dim 0 or None)}``."""
@@ -323,6 +327,7 @@ class LayoutPlan:
         experts = tuple(dataclasses.replace(e, path=p) for e in self.experts if (p := rename(e.path)) is not None)
         ends = (f"{self.blocks_path}.{order[0]}", f"{self.blocks_path}.{order[-1]}")
         return self.replace(block_order=order, stages=new_stages, experts=experts,
+                            block_attrs={renamed[k]: v for k, v in self.block_attrs.items() if k in renamed},
                             tensor_parallel=None if tpl is None else _filter_tp(tpl, lambda p: rename(p) is not None,
                                                                                  lambda p: rename(p) or p, ends))
 
