@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TPLayout", "apply_tensor_parallel", "plan_tensor_parallel", "run_user_plan_once", "tp_styles"]
 
-_HOOK_RAN = "_fourd_tp_plan_ran"  # set on a module whose fourd_tp_plan has been called
+_HOOK_RAN = "_fourd_user_styles_made"  # set on a module once its user plan hook has run (TP_PLAN)
 
 
 def _tied_groups(root: nn.Module) -> list[list[str]]:
