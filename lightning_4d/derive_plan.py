@@ -43,7 +43,7 @@ from lightning_4d.trace import example_tokens, trace_model
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["plan_layout"]
+__all__ = ["check_tied_across_v_stages", "plan_layout"]
 
 
 def plan_layout(module: nn.Module, dims: ParallelDims, config: Optional[FourDConfig] = None,
@@ -85,7 +85,7 @@ def plan_layout(module: nn.Module, dims: ParallelDims, config: Optional[FourDCon
             check_stage_owners(module, trace)
             order = tuple(trace.block_order)
         stages = tuple(tuple(order[i] for i in idx) for idx in partition_blocks(len(order), num_stages))
-        _check_tied_across_v_stages(module, blocks_path, config.schedule, dims.dp_cp)
+        check_tied_across_v_stages(module, blocks_path, config.schedule, dims.dp_cp)
     block_order = tuple(trace.block_order) if trace is not None else keys
     hidden = trace.hidden if trace is not None else None
     experts = _expert_entries(module)
@@ -132,10 +132,15 @@ def _moe_layer(entry: ExpertEntry) -> str:
     return entry.path.rpartition(".")[0] if entry.kind == "moe" else entry.path
 
 
-def _check_tied_across_v_stages(module: nn.Module, blocks_path: str, schedule: str, dp: int) -> None:
+def check_tied_across_v_stages(module: nn.Module, blocks_path: str, schedule: str, dp: int) -> None:
     """Refuse weights tied outside the blocks (embedding and head) under a V-shaped schedule with ``dp > 1``:
     the first and last stage share one rank, each stage module is its own data-parallel root, and torch's
-    FSDP2 / replicate cannot manage one parameter from two roots (the copies would drift)."""
+    FSDP2 / replicate cannot manage one parameter from two roots (the copies would drift). Pure, identical on
+    every rank, before any collective (run while planning).
+
+    Example:
+        >>> check_tied_across_v_stages(nn.Linear(2, 2), "layers", "zbv", dp=2)  # nothing tied: fine
+    """
     if dp == 1 or get_schedule_info(schedule).style != "v":
         return
     names: dict[int, list[str]] = {}

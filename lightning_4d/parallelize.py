@@ -39,7 +39,7 @@ from lightning_4d.expert_parallel.rewrite import find_moe_modules
 from lightning_4d.expert_replay import check_with_experts_replayed, record_expert_layers
 from lightning_4d.mesh import Axis, FourDMesh, ParallelDims
 from lightning_4d.hooks import TP_PLAN, user_hook
-from lightning_4d.derive_plan import _check_tied_across_v_stages, plan_layout
+from lightning_4d.derive_plan import plan_layout
 from lightning_4d.layout_plan import LayoutPlan
 from lightning_4d.pipeline.glue import (
     ModelSplit,
@@ -128,16 +128,6 @@ def _placement(p: Placement) -> str:
     if dim is None:
         return "R"
     return f"S({dim})" if type(p).__name__ == "Shard" else f"{type(p).__name__.lstrip('_')}({dim})"
-
-
-def check_tied_across_v_stages(module: nn.Module, blocks_path: str, schedule: str, dp: int) -> None:
-    """Refuse weights tied outside the blocks under a V-shaped schedule with ``dp > 1`` (see
-    :mod:`lightning_4d.derive_plan`, which runs it while planning).
-
-    Example:
-        >>> check_tied_across_v_stages(nn.Linear(2, 2), "layers", "zbv", dp=2)  # nothing tied: fine
-    """
-    _check_tied_across_v_stages(module, blocks_path, schedule, dp)
 
 
 def parallelize_module(

@@ -180,7 +180,7 @@ def enumerate_layouts(spec: TransformerSpec, cluster: ClusterSpec, train: TrainS
                                         break
                                     if (spec.tied_embeddings and dims.dp > 1 and pp > 1
                                             and get_schedule_info(schedule).style == "v"):
-                                        break  # refused by the runtime (parallelize.check_tied_across_v_stages)
+                                        break  # refused by the runtime (derive_plan.check_tied_across_v_stages)
                                     yield dims, train.with_(microbatches=m, schedule=schedule, data_parallel=mode,
                                                             activation_checkpointing=ac, dp_shard=shard)
 
