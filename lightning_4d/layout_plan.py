@@ -296,7 +296,8 @@ class LayoutPlan:
             >>> plan.without_styles("l.0.mlp").tensor_parallel.styles
             {}
         """
-        assert self.tensor_parallel is not None
+        if self.tensor_parallel is None:
+            raise ValueError("without_styles: this plan has no tensor-parallel styles (tp=1): nothing is sharded")
         keep = lambda p: not (p == prefix or p.startswith(prefix + "."))  # noqa: E731
         return self.replace(tensor_parallel=_filter_tp(self.tensor_parallel, keep, lambda p: p))
 
