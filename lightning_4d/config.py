@@ -18,6 +18,7 @@ from functools import partial
 from datetime import timedelta
 from typing import Any, Literal, Optional, Sequence, Union
 
+from lightning_4d.context_parallel.algorithm import CP_ALGORITHMS
 from lightning_4d.layout_plan import LayoutPlan
 from lightning_4d.mesh import ParallelDims, _check_degree
 
@@ -219,6 +220,10 @@ class FourDConfig:
             ``dp`` and ``tp``; parameters replicated over it, gradients reduced over ``dp × cp``), attention
             across them exact (:mod:`lightning_4d.context_parallel`). The sequence length must be divisible
             by ``2·cp`` (zigzag load balancing).
+        cp_algorithm: how attention runs across the cp ranks: ``"allgather"`` (K/V all-gathered, any head count),
+            ``"ulysses"`` (q/k/v all-to-all heads ↔ sequence; every attention call's query and K/V heads per tp rank
+            must divide by ``cp``, else refused at set-up naming the module) or ``"auto"`` (default: Ulysses where
+            the heads divide, else all-gather). The layout plan names the choice.
 
     Example:
         >>> FourDConfig(schedule="zbv", pp=2).stages_per_rank
@@ -248,6 +253,7 @@ class FourDConfig:
     dp_shard: Optional[int] = None
     reduced_check_budget: Optional[int] = None
     cp: int = 1
+    cp_algorithm: str = "auto"
     plan: Union[str, Path, LayoutPlan, None] = None
 
     def __post_init__(self) -> None:
@@ -263,6 +269,9 @@ class FourDConfig:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} is not known. Choose one of {', '.join(SCHEDULES)}.")
         check_data_parallel(self.data_parallel, self.dp_shard)
+        if self.cp_algorithm not in CP_ALGORITHMS:
+            raise ValueError(f"cp_algorithm={self.cp_algorithm!r} is not known. Choose one of "
+                             f"{', '.join(map(repr, CP_ALGORITHMS))}.")
         if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             raise ValueError(
                 f"activation_checkpointing={self.activation_checkpointing!r} is not supported. Use None, "

@@ -18,13 +18,14 @@ Example:
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from torch import nn
 
 from lightning_4d._compat import meta_scalar_mode
 from lightning_4d.config import FourDConfig
-from lightning_4d.context_parallel.attention import ALGORITHM as CP_ALGORITHM
+from lightning_4d.context_parallel.algorithm import AttentionHeads, choose_algorithm, describe
+from lightning_4d.context_parallel.check import check_context_parallel, example_length
 from lightning_4d.discovery import find_blocks
 from lightning_4d.distributed import is_on_meta
 from lightning_4d.expert_parallel import MoE
@@ -47,11 +48,15 @@ __all__ = ["check_tied_across_v_stages", "plan_layout"]
 
 
 def plan_layout(module: nn.Module, dims: ParallelDims, config: Optional[FourDConfig] = None,
-                tp_mesh: Optional["DeviceMesh"] = None) -> LayoutPlan:
+                tp_mesh: Optional["DeviceMesh"] = None,
+                attention_heads: Optional[Sequence[AttentionHeads]] = None) -> LayoutPlan:
     """The layout plan of ``module`` (usually on the meta device; left unchanged) for ``dims``: one traced
     forward on a tiny input when ``tp > 1`` or ``pp > 1``, then the pipeline stages, the TP/SP styles and head
-    rewrites, the expert modules and the wrapping modes. Structural refusals (divisibility, head counts, modules
-    no stage can own, tied weights across V-stages) are raised here, before anything changes.
+    rewrites, the expert modules, the wrapping modes and, with ``cp > 1``, the context-parallel algorithm (from
+    ``config.cp_algorithm`` and the head counts of the model's attention calls: ``attention_heads`` as the
+    strategy's set-up check traced them, else traced here). Structural refusals (divisibility, head counts,
+    modules no stage can own, tied weights across V-stages, Ulysses where heads do not divide) are raised here,
+    before anything changes.
 
     Example:
         >>> # see the module docstring
@@ -108,8 +113,24 @@ def plan_layout(module: nn.Module, dims: ParallelDims, config: Optional[FourDCon
         experts=experts,
         activation_checkpointing=config.activation_checkpointing or "none",
         data_parallel=config.data_parallel,
-        context_parallel=CP_ALGORITHM if dims.cp > 1 else "",
+        context_parallel=describe(_cp_algorithm(module, dims, config.cp_algorithm, attention_heads))
+        if dims.cp > 1 else "",
     )
+
+
+def _cp_algorithm(module: nn.Module, dims: ParallelDims, requested: str,
+                  heads: Optional[Sequence[AttentionHeads]]) -> str:
+    """:func:`~lightning_4d.context_parallel.algorithm.choose_algorithm` for ``module``; its attention calls traced
+    (one forward on a tiny example, on the meta device if the model is there) unless given."""
+    if heads is None and requested != "allgather":
+        tp = dims.tp if dims.sp else 1
+        on_meta = is_on_meta(module)
+        device = next((p.device for p in module.parameters()), None)
+        tokens = example_tokens(module, seq=example_length(module, dims.cp, tp))  # (2, T)
+        with meta_scalar_mode() if on_meta else nullcontext():
+            heads = check_context_parallel(module, tokens.to("meta" if on_meta else device or "cpu"), None, dims.cp,
+                                           0, values=False).heads
+    return choose_algorithm(requested, heads or (), dims.cp, dims.tp)
 
 
 def _expert_entries(module: nn.Module) -> tuple[ExpertEntry, ...]:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 
+from lightning_4d.context_parallel.algorithm import plan_algorithm
 from lightning_4d.tensor_parallel.apply import TPLayout
 from lightning_4d.tensor_parallel.specs import StyleSpec
 from lightning_4d.trace import HiddenArg, ModelTrace
@@ -78,7 +79,8 @@ class LayoutPlan:
         tensor_parallel: the TP/SP styles and rewrites (``None`` at tp=1).
         experts: the expert-parallel modules.
         activation_checkpointing / data_parallel: the wrapping modes.
-        context_parallel: with ``cp > 1``, the algorithm attention runs across the cp ranks.
+        context_parallel: with ``cp > 1``, the algorithm attention runs across the cp ranks: its name
+            (``allgather`` or ``ulysses``, :attr:`cp_algorithm`), a colon, what it does.
     """
 
     degrees: tuple[tuple[str, int], ...]
@@ -106,6 +108,16 @@ class LayoutPlan:
     def degree(self, axis: str) -> int:
         """The planned size of one axis (``tp``, ``pp``, ``ep``, ``dp``)."""
         return dict(self.degrees).get(axis, 1)
+
+    @property
+    def cp_algorithm(self) -> str:
+        """The context-parallel algorithm the plan names (``"allgather"``, ``"ulysses"``; ``""`` without cp).
+
+        Example:
+            >>> LayoutPlan(degrees=(), blocks_path="", block_order=(), context_parallel="ulysses").cp_algorithm
+            'ulysses'
+        """
+        return plan_algorithm(self.context_parallel)
 
     def model_trace(self) -> ModelTrace:
         """The structural part of the trace the plan was made from (what pipeline stages need)."""
@@ -255,6 +267,9 @@ class LayoutPlan:
         if self.sequence_parallel != dims.sequence_parallel and dims.tp > 1:
             raise ValueError(f"layout plan: sequence_parallel={self.sequence_parallel} in the plan, "
                              f"{dims.sequence_parallel} in this run; make them agree")
+        if (self.cp_algorithm != "") != (dims.cp > 1):  # an unknown algorithm names itself
+            raise ValueError(f"layout plan: context_parallel={self.context_parallel!r} with cp={dims.cp}: name an "
+                             f"algorithm (allgather, ulysses) exactly when cp > 1. Re-plan for this mesh.")
         names = dict(module.named_modules())
         if self.blocks_path not in names:
             raise ValueError(f"layout plan: blocks_path {self.blocks_path!r} is not a module of "

@@ -40,6 +40,7 @@ from lightning_4d.checkpoint.resume import normalize_loop_state, skip_first_batc
 from lightning_4d.checkpoint.state import load_sharded, model_state_dict, optimizer_state_dict, save_sharded
 from lightning_4d.config import FourDConfig
 from lightning_4d.context_parallel import ContextParallelAttention, SequenceShard, shard_batch, takes_positions
+from lightning_4d.context_parallel.algorithm import choose_algorithm
 from lightning_4d.context_parallel.check import ModelInfo, check_context_parallel, example_length
 from lightning_4d.data_parallel import set_gradient_sync
 from lightning_4d.distributed import all_reduce_sum, broadcast_module_state, global_grad_norm, is_on_meta, to_full
@@ -272,9 +273,12 @@ class FourDStrategy(ParallelStrategy):
         # memory is gone before this rank's shards exist) -> apply -> materialise.
         dims = self.mesh.dims
         tp_mesh = self.mesh[Axis.TP] if dims.tp > 1 else None
+        heads = self._cp_info.heads if self._cp_info is not None else None
         plan = load_plan(self.config.plan) if self.config.plan is not None else \
-            plan_layout(self.model, dims, self.config, tp_mesh)
+            plan_layout(self.model, dims, self.config, tp_mesh, attention_heads=heads)
         plan.check(self.model, dims)
+        if plan.cp_algorithm == "ulysses" and heads is not None:  # a given plan: the heads must divide
+            choose_algorithm("ulysses", heads, dims.cp, dims.tp)
         self.layout_plan = plan
         if self.global_rank == 0:
             log.info("lightning_4d: %s", plan.summary())
@@ -556,7 +560,9 @@ class FourDStrategy(ParallelStrategy):
         plan = self._plan
         parallel_loss = plan is not None and getattr(plan, "loss_parallel", False)
         with loss_parallel() if parallel_loss else nullcontext():
-            with ContextParallelAttention(self._cp_shard) if self._cp_shard is not None else nullcontext():
+            algorithm = self.layout_plan.cp_algorithm if self.layout_plan is not None else "allgather"
+            with ContextParallelAttention(self._cp_shard, algorithm=algorithm) if self._cp_shard is not None \
+                    else nullcontext():
                 yield
 
     def clip_grad_norm_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0) -> Tensor:

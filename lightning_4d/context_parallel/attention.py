@@ -3,7 +3,9 @@ the model (the user's own code, transformers' ``sdpa`` interface) is intercepted
 values are all-gathered along the sequence (the backward reduce-scatters their gradients; Llama 3's choice for
 GQA, where K/V are small) and put back in sequence order, and the mask is recomputed from *global* positions:
 causal over the whole sequence for this rank's zigzag chunks, and block-diagonal per document for packed batches
-(document boundaries from the global ``position_ids``), so documents stay apart across ranks.
+(document boundaries from the global ``position_ids``), so documents stay apart across ranks. With
+``algorithm="ulysses"`` (:mod:`.ulysses`) q, k and v are instead exchanged heads ↔ sequence by all-to-all and the
+mask is that of the whole sequence (:meth:`SequenceShard.whole_mask`).
 
 The model's own mask is checked first: it must be what the model computes from the local chunk (plain causal, or
 causal within the documents of the local ``position_ids``); any other mask (a sliding window, a prefix, an additive
@@ -29,9 +31,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_4d.context_parallel.collectives import gather_sequence
 
-#: What the layout plan names as the context-parallel algorithm (:class:`ContextParallelAttention`).
-ALGORITHM = ("scaled_dot_product_attention with K/V all-gathered over cp (backward: reduce-scatter), zigzag chunks, "
-             "causal / per-document mask from global positions")
+from lightning_4d.context_parallel.ulysses import ulysses_attention
 from lightning_4d.context_parallel.zigzag import restore_order, zigzag_indices
 
 __all__ = ["ContextParallelAttention", "SequenceShard", "UnsplittableAttention", "active_attention", "causal_mask"]
@@ -98,6 +98,16 @@ class SequenceShard:
             self._masks[key] = causal_mask(q, k, None if docs is None else docs[:, q], docs)
         return self._masks[key]
 
+    def whole_mask(self, documents: bool, device: torch.device) -> Tensor:
+        """``(1 or B, 1, T, T)``: causal over the whole sequence in global order, per document if ``documents``
+        (Ulysses' mask); cached."""
+        key = f"whole-{documents}-{device}"
+        if key not in self._masks:
+            pos = torch.arange(self.seq_len, device=device)
+            docs = self.global_docs.to(device) if documents and self.global_docs is not None else None
+            self._masks[key] = causal_mask(pos, pos, docs, docs)
+        return self._masks[key]
+
     def local_masks(self, device: torch.device) -> list[tuple[bool, Tensor]]:
         """The masks a model may build from its local chunk, ``(1 or B, 1, T/cp, T/cp)``, each with whether it
         separates documents: causal within the local documents (when it is given positions), plain causal."""
@@ -153,9 +163,12 @@ class ContextParallelAttention(TorchFunctionMode):
     """
 
     def __init__(self, shard: SequenceShard, where: Callable[[], str] = lambda: "an attention call",
-                 strict: bool = True) -> None:
+                 strict: bool = True, algorithm: str = "allgather") -> None:
         super().__init__()
+        if algorithm not in ("allgather", "ulysses"):
+            raise ValueError(f"context-parallel algorithm {algorithm!r} is not known: 'allgather' or 'ulysses'.")
         self.shard = shard
+        self.algorithm = algorithm  # "allgather" (K/V all-gather) or "ulysses" (heads <-> sequence all-to-all)
         self.where = where
         self.strict = strict  # False: a mask that cannot be split is recorded in `errors` (plain causal used)
         self.errors: list[str] = []
@@ -172,7 +185,7 @@ class ContextParallelAttention(TorchFunctionMode):
     def again(self) -> "ContextParallelAttention":
         """A new mode for the same batch: activation checkpointing enters it to recompute a block in backward,
         where the modes active in forward are not."""
-        return ContextParallelAttention(self.shard, self.where, self.strict)
+        return ContextParallelAttention(self.shard, self.where, self.strict, self.algorithm)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
@@ -191,35 +204,43 @@ class ContextParallelAttention(TorchFunctionMode):
                 f"{tuple(key.shape)}, but this context-parallel rank holds {n} of the {shard.seq_len} tokens: the "
                 f"attention does not run on the local sequence chunk (a cache, a pooled or cross attention), so it "
                 f"cannot be split. Use cp=1 for this model.")
+        documents: Optional[bool] = None  # None: no mask; else causal, per document if True
         try:
-            if attn_mask is None:
-                mask = shard.global_mask(False, query.device) if is_causal else None
-            else:
-                mask = self._global_mask(_allowed(attn_mask, self.where()), query.device)
+            if attn_mask is not None:
+                documents = self._documents(_allowed(attn_mask, self.where()), query.device)
+            elif is_causal:
+                documents = False
         except UnsplittableAttention as err:
             if self.strict:
                 raise
             self.errors.append(str(err))  # the caller agrees with the other ranks after the forward
-            mask = shard.global_mask(False, query.device)
+            documents = False
         if rest.pop("enable_gqa", False) and key.dim() >= 3 and key.shape[-3] != query.shape[-3]:
             # K/V heads repeated as SDPA's GQA reads them (query head i uses K/V head i // rep): a model may repeat
             # them itself on one rank and not on another (transformers does when it passes a mask), and all ranks
             # must gather the same shapes.
             rep = query.shape[-3] // key.shape[-3]
             key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)  # (…, H, T/cp, E)
+        if self.algorithm == "ulysses":  # plain causal: SDPA's own causal mask on the whole sequence, in order
+            def whole() -> Optional[Tensor]:
+                return shard.whole_mask(True, query.device) if documents else None
+            return ulysses_attention(query, key, value, shard.cp, shard.seq_len, shard.group, whole,
+                                     documents is False, self.where(), dropout_p=dropout_p, scale=scale, **rest)
+        mask = None if documents is None else shard.global_mask(documents, query.device)
         keys, values = _gather_kv(key, value, shard)  # (…, T, E)
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, dropout_p=dropout_p,
                                               scale=scale, **rest)  # (…, T/cp, Ev)
 
-    def _global_mask(self, allowed: Tensor, device: torch.device) -> Tensor:
-        """The global mask for a model's local mask: one of :meth:`SequenceShard.local_masks`, else refused."""
+    def _documents(self, allowed: Tensor, device: torch.device) -> bool:
+        """Whether a model's local mask is causal within documents (``True``) or plain causal (``False``): one of
+        :meth:`SequenceShard.local_masks`, else refused."""
         for documents, local in self.shard.local_masks(device):
             try:
                 same = bool((allowed == local).all())
             except RuntimeError:  # shapes that do not broadcast
                 same = False
             if same:
-                return self.shard.global_mask(documents, device)
+                return documents
         raise UnsplittableAttention(
             f"{self.where()}: the attention mask {tuple(allowed.shape)} is neither causal nor causal within the "
             f"documents of position_ids (a sliding window, a prefix, padding inside the sequence?): context "

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_4d.batches import PackedInputs, call_model
+from lightning_4d.context_parallel.algorithm import AttentionHeads
 from lightning_4d.context_parallel.attention import ContextParallelAttention, UnsplittableAttention
 from lightning_4d.context_parallel.sharding import shard_batch, takes_positions
 from lightning_4d.context_parallel.zigzag import zigzag_split
@@ -134,12 +135,19 @@ class _Watch(TorchFunctionMode):
         super().__init__()
         self.seq_len, self.where = seq_len, where
         self.sdpa = 0
+        self.heads: list[AttentionHeads] = []  # (where, query heads, K/V heads, enable_gqa) of every SDPA call
         self.hand_written: list[str] = []
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
             self.sdpa += 1
+            query = args[0] if args else kwargs["query"]
+            key = args[1] if len(args) > 1 else kwargs["key"]
+            if query.dim() >= 3 and key.dim() >= 3:
+                gqa = bool(kwargs.get("enable_gqa", False))
+                self.heads.append((self.where(), int(query.shape[-3]), int(key.shape[-3]), gqa))
         elif (func in _SCORE_FUNCS and isinstance(out, Tensor) and out.is_floating_point() and out.dim() >= 2
               and tuple(out.shape[-2:]) == (self.seq_len, self.seq_len)):
             self.hand_written.append(self.where())
@@ -175,7 +183,8 @@ def _first_difference(whole: dict[str, Tensor], local: dict[str, Tensor], order:
 @dataclass(frozen=True)
 class ModelInfo:
     """What the set-up check learnt: whether the model is called with ``position_ids`` (its forward takes them and
-    accepts them: a wrapper may refuse them for an inner model without), and its attention calls per forward.
+    accepts them: a wrapper may refuse them for an inner model without), its attention calls per forward and their
+    head counts (:data:`~.algorithm.AttentionHeads`: what chooses the algorithm).
 
     Example:
         >>> ModelInfo(positions=True, attention_calls=2).positions
@@ -184,6 +193,7 @@ class ModelInfo:
 
     positions: bool
     attention_calls: int
+    heads: tuple[AttentionHeads, ...] = ()
 
 
 def _whole_run(module: nn.Module, tokens: Tensor, watch: _Watch, outputs: dict[str, Tensor]) -> bool:
@@ -198,7 +208,7 @@ def _whole_run(module: nn.Module, tokens: Tensor, watch: _Watch, outputs: dict[s
             if "position" not in str(err):
                 raise
             outputs.clear()
-            watch.sdpa, watch.hand_written = 0, []
+            watch.sdpa, watch.hand_written, watch.heads = 0, [], []
     call_model(module, tokens)
     return False
 
@@ -231,7 +241,7 @@ def check_context_parallel(module: nn.Module, tokens: Tensor, group: Optional[di
                 f"({seq_len}, {seq_len}) attention scores itself (matmul / softmax) instead of calling "
                 f"torch.nn.functional.scaled_dot_product_attention, the call made global across the cp ranks. Use "
                 f"an SDPA attention (transformers: attn_implementation='sdpa'), or cp=1.")
-        info = ModelInfo(positions, watch.sdpa)
+        info = ModelInfo(positions, watch.sdpa, tuple(watch.heads))
         if not values:
             return info
         order = list(whole)

@@ -7,18 +7,24 @@ again. The gathered tensor holds ``S = 2·b·T·w_kv/tp·c`` bytes (``w_kv``: K/
 that leaves GQA to SDPA's ``enable_gqa`` gathers the repeated heads, ``w_kv = heads·head_dim``). Each rank keeps the
 gathered K/V of every layer for backward (``S`` per layer) while its other activations fall to ``1/cp``.
 
+Ulysses (:mod:`.ulysses`) exchanges instead, per layer and micro-batch, q, k and v (heads ↔ sequence) and the output
+back, each an all-to-all of the rank's local tensor ``L`` that sends ``(cp−1)/cp·L``; the backward runs the same
+all-to-alls on the gradients, and a recomputed forward again. Its activations all fall to ``1/cp``.
+
 Example:
     >>> kv_gathered_bytes(batch=1, seq_len=4096, kv_width=1024, act_bytes=2)
     16777216.0
     >>> kv_wire_bytes(batch=1, seq_len=4096, kv_width=1024, layers=32, cp=2, act_bytes=2) / 2**20
     512.0
+    >>> ulysses_wire_bytes(batch=1, seq_len=4096, q_width=4096, kv_width=1024, layers=32, cp=2, act_bytes=2) / 2**20
+    1280.0
 """
 
 from __future__ import annotations
 
 from lightning_4d.comm import wire_bytes
 
-__all__ = ["activation_bytes_per_rank", "kv_gathered_bytes", "kv_wire_bytes"]
+__all__ = ["activation_bytes_per_rank", "kv_gathered_bytes", "kv_wire_bytes", "ulysses_wire_bytes"]
 
 
 def kv_gathered_bytes(batch: int, seq_len: int, kv_width: int, act_bytes: float, tp: int = 1) -> float:
@@ -48,17 +54,38 @@ def kv_wire_bytes(batch: int, seq_len: int, kv_width: int, layers: int, cp: int,
     return layers * microbatches * per_layer
 
 
+def ulysses_wire_bytes(batch: int, seq_len: int, q_width: int, kv_width: int, layers: int, cp: int,
+                       act_bytes: float, tp: int = 1, microbatches: int = 1, recompute: bool = False) -> float:
+    """Bytes one rank sends on the ``cp`` axis per step under Ulysses: per layer and micro-batch, ``2 + recompute``
+    times (forward, backward, recomputed forward) the all-to-alls of q (``w_q``), k and v (``w_kv`` each) and the
+    output (``w_q``), each ``(cp−1)/cp`` of the rank's ``b·T/cp·w/tp·c`` bytes. ``w_kv``: K/V features as the
+    attention call receives them (a model leaving GQA to SDPA's ``enable_gqa`` sends the repeated heads,
+    ``w_kv = w_q``).
+
+    Example:
+        >>> ulysses_wire_bytes(batch=2, seq_len=16, q_width=8, kv_width=8, layers=2, cp=2, act_bytes=4)
+        4096.0
+        >>> ulysses_wire_bytes(batch=2, seq_len=16, q_width=8, kv_width=8, layers=2, cp=1, act_bytes=4)
+        0.0
+    """
+    local = batch * seq_len / cp * (2 * q_width + 2 * kv_width) / tp * act_bytes  # q, k, v and the output
+    return layers * microbatches * (2 + recompute) * wire_bytes("all_to_all", local, cp)
+
+
 def activation_bytes_per_rank(activation_bytes: float, batch: int, seq_len: int, kv_width: int, layers: int,
-                              cp: int, act_bytes: float, tp: int = 1) -> float:
+                              cp: int, act_bytes: float, tp: int = 1, algorithm: str = "allgather") -> float:
     """A rank's activation bytes under context parallelism from those of the same micro-batch without it
-    (``activation_bytes``, whole sequence): ``1/cp`` of them, plus the gathered K/V every layer keeps for backward
-    beyond its own share, ``(1 − 1/cp)·S``.
+    (``activation_bytes``, whole sequence): ``1/cp`` of them, plus with ``algorithm="allgather"`` the gathered K/V
+    every layer keeps for backward beyond its own share, ``(1 − 1/cp)·S`` (Ulysses keeps ``H/cp`` heads of the
+    whole sequence: ``1/cp`` too).
 
     Example:
         >>> activation_bytes_per_rank(8e9, batch=1, seq_len=16384, kv_width=1024, layers=32, cp=4, act_bytes=2) / 1e9
         3.610612736
+        >>> activation_bytes_per_rank(8e9, 1, 16384, 1024, 32, cp=4, act_bytes=2, algorithm="ulysses") / 1e9
+        2.0
     """
-    if cp == 1:
-        return float(activation_bytes)
+    if cp == 1 or algorithm == "ulysses":
+        return float(activation_bytes) / cp
     gathered = kv_gathered_bytes(batch, seq_len, kv_width, act_bytes, tp)
     return activation_bytes / cp + layers * gathered * (1 - 1 / cp)

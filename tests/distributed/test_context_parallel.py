@@ -65,20 +65,21 @@ def _attention_cases(rank: int) -> dict[str, float]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_4d.comm import CommCounter, mesh_axis_groups
-    from lightning_4d.context_parallel.cost import kv_wire_bytes
+    from lightning_4d.context_parallel.cost import kv_wire_bytes, ulysses_wire_bytes
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
     gen = torch.Generator().manual_seed(0)
     B, H, KV, T, E = 2, 4, 2, 16, 8
     positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3], list(range(16))])  # (B, T)
     out: dict[str, float] = {}
-    for case in ("causal", "documents", "gqa"):
-        kv_heads = KV if case == "gqa" else H
+    for case in ("causal", "documents", "gqa", "ulysses causal", "ulysses documents", "ulysses gqa"):
+        algorithm = "ulysses" if case.startswith("ulysses") else "allgather"
+        kv_heads = KV if case.endswith("gqa") else H
         q = torch.randn(B, H, T, E, generator=gen, requires_grad=True)
         k, v = (torch.randn(B, kv_heads, T, E, generator=gen, requires_grad=True) for _ in range(2))
         w = torch.randn(B, H, T, E, generator=gen)
-        kwargs: dict[str, Any] = dict(enable_gqa=True) if case == "gqa" else {}
-        mask = packed_causal_mask(positions) if case == "documents" else None
+        kwargs: dict[str, Any] = dict(enable_gqa=True) if case.endswith("gqa") else {}
+        mask = packed_causal_mask(positions) if case.endswith("documents") else None
         whole = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, **kwargs)
         (whole * w).sum().backward()
         local = [zigzag_split(t.detach(), 2, rank, dim=2).requires_grad_() for t in (q, k, v)]
@@ -87,13 +88,14 @@ def _attention_cases(rank: int) -> dict[str, float]:
                               else None, local_docs=document_ids(local_pos))
         local_mask = packed_causal_mask(local_pos) if mask is not None else None
         with CommCounter(mesh_axis_groups(mesh)) as counter:
-            with ContextParallelAttention(shard):
+            with ContextParallelAttention(shard, algorithm=algorithm):
                 y = F.scaled_dot_product_attention(*local, attn_mask=local_mask, is_causal=local_mask is None,
                                                    **kwargs)
             (y * zigzag_split(w, 2, rank, dim=2)).sum().backward()
         # K/V on the wire (one layer): traced = formula (GQA left to SDPA gathers the repeated heads).
         out[f"{case} bytes"] = sum(v["sent_bytes"] for (axis, _), v in counter.totals().items() if axis == "cp")
-        out[f"{case} formula"] = kv_wire_bytes(B, T, H * E, layers=1, cp=2, act_bytes=4)
+        out[f"{case} formula"] = kv_wire_bytes(B, T, H * E, layers=1, cp=2, act_bytes=4) if algorithm == "allgather" \
+            else ulysses_wire_bytes(B, T, H * E, H * E, layers=1, cp=2, act_bytes=4)
         errs = [float((y.detach() - zigzag_split(whole.detach(), 2, rank, dim=2)).abs().max())]
         errs += [float((a.grad - zigzag_split(b.grad, 2, rank, dim=2)).abs().max()) for a, b in zip(local, (q, k, v))]
         out[f"{case} error"] = max(errs)
@@ -235,7 +237,7 @@ def test_context_parallel_two_ranks(references: dict[str, dict[str, Any]]) -> No
     results = run_world(_world2, 2, specs, timeout_s=900, pg_timeout_s=120)
     for rank_result in results:
         found = rank_result["attention"]
-        for case in ("causal", "documents", "gqa"):
+        for case in ("causal", "documents", "gqa", "ulysses causal", "ulysses documents", "ulysses gqa"):
             assert found[f"{case} error"] < 1e-5, found
             assert found[f"{case} bytes"] == found[f"{case} formula"] > 0, found
     for spec, got in zip(specs, merge_ranks([r["fits"] for r in results])):
@@ -265,7 +267,7 @@ def test_context_parallel_four_ranks(references: dict[str, dict[str, Any]]) -> N
     # The monitor names the cp axis (K/V, the formula's bytes: 4 sequences of 16 tokens per rank, 2 layers, the
     # Llama's K/V repeated to its 8 heads of 4 features, fp32) and dp_cp (FSDP2 over dp × cp).
     metrics = results[0]["monitored"]
-    from lightning_4d.context_parallel.cost import kv_wire_bytes
+    from lightning_4d.context_parallel.cost import kv_wire_bytes, ulysses_wire_bytes
 
     kv = metrics["comm/cp/all_gather_bytes"] + metrics["comm/cp/reduce_scatter_bytes"]
     assert kv == kv_wire_bytes(4, 16, 32, layers=2, cp=2, act_bytes=4), metrics
