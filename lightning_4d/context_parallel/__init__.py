@@ -2,9 +2,11 @@
 
 - :mod:`.zigzag`: which tokens a rank holds (a head and a tail chunk of ``2·cp``), pure.
 - :mod:`.sharding`: one batch cut for this rank (tokens, targets, global positions).
-- :mod:`.attention`: the ``scaled_dot_product_attention`` calls of the model made global (K/V all-gather, the
-  causal / per-document mask from global positions).
+- :mod:`.attention`: the ``scaled_dot_product_attention`` calls of the model made global (K/V all-gather or
+  Ulysses, the causal / per-document mask from global positions).
 - :mod:`.collectives`: the all-gather along the sequence (its backward a reduce-scatter).
+- :mod:`.ulysses`: the other algorithm, q/k/v all-to-all heads ↔ sequence (DeepSpeed-Ulysses).
+- :mod:`.algorithm`: which of the two runs a model (``cp_algorithm``: ``auto`` / ``allgather`` / ``ulysses``), pure.
 - :mod:`.check`: the set-up refusal of attention that cannot be split (named module).
 
 Example:

@@ -1,8 +1,10 @@
-"""Context parallelism (gloo, CPU): parity of losses and gradients with one process (1e-5 relative, fp32) for the
+"""Context parallelism (gloo, CPU), both algorithms (all-gather and Ulysses; "auto" picks Ulysses for these
+models, whose heads divide): parity of losses and gradients with one process (1e-5 relative, fp32) for the
 package's Llama, a user's own SDPA model and transformers' Llama / Qwen3 under cp=2 (and with activation
 checkpointing, with gradient accumulation and clipping, and built on the meta device), cp=2 × tp=2, cp=2 × dp=2, cp=2 × pp=2 and an MoE under cp=2 × ep=2;
-exact attention on raw tensors (causal, packed documents, GQA) with its K/V bytes on the wire equal to the
-formula; packed documents giving the loss of each document run alone under cp=2 and cp=2 × tp=2 (and another loss
+exact attention on raw tensors (causal, packed documents, GQA) with its bytes on the wire (K/V all-gather, Ulysses'
+all-to-alls) equal to the formulas; packed documents giving the loss of each document run alone under cp=2 (each
+algorithm) and cp=2 × tp=2 (and another loss
 without the document mask); the communication monitor's cp and dp_cp axes; models refused at set-up, naming the
 module."""
 
@@ -113,12 +115,13 @@ def _packed_losses(strategy: dict[str, Any], devices: int) -> dict[str, float]:
     lm = _lm("llama")
     packed = trainer.validate(lm, DataLoader([(x, y, pos)], batch_size=None), verbose=False)[0]["val_loss"]
     crossing = trainer.validate(lm, DataLoader([(x, y)], batch_size=None), verbose=False)[0]["val_loss"]
-    global_mask = SequenceShard.global_mask
+    global_mask, whole_mask = SequenceShard.global_mask, SequenceShard.whole_mask
     try:  # global positions, but the mask causal only: documents see each other across the ranks
         SequenceShard.global_mask = lambda self, documents, device: global_mask(self, False, device)  # type: ignore
+        SequenceShard.whole_mask = lambda self, documents, device: whole_mask(self, False, device)  # type: ignore
         undivided = trainer.validate(lm, DataLoader([(x, y, pos)], batch_size=None), verbose=False)[0]["val_loss"]
     finally:
-        SequenceShard.global_mask = global_mask  # type: ignore[method-assign]
+        SequenceShard.global_mask, SequenceShard.whole_mask = global_mask, whole_mask  # type: ignore[method-assign]
     trainer.fit(lm, DataLoader([(x, y, pos)], batch_size=None))
     return {"packed": packed, "crossing": crossing, "no_document_mask": undivided, "train": record.losses[0]}
 
@@ -193,7 +196,8 @@ def _padded_losses(rank: int) -> dict[str, float]:
 def _world2(rank: int, specs: list[dict[str, Any]]) -> dict[str, Any]:
     os.environ.setdefault("PL_DISABLE_FORK", "1")
     return {"attention": _attention_cases(rank), "fits": world_fit(rank, specs),
-            "packed": _packed_losses(dict(cp=2), 2), "padded": _padded_losses(rank),
+            "packed": _packed_losses(dict(cp=2, **AG), 2), "packed ulysses": _packed_losses(dict(cp=2, **UL), 2),
+            "padded": _padded_losses(rank),
             "refused": {k: _refusal(k) for k in REFUSED}}
 
 
@@ -216,14 +220,19 @@ def _world4(rank: int, specs: list[dict[str, Any]]) -> dict[str, Any]:
             "monitored": _monitored(rank)}
 
 
-WORLD2 = [_spec("llama", dict(cp=2), 2), _spec("llama", dict(cp=2, activation_checkpointing="full"), 2),
-          _spec("llama", dict(cp=2, activation_checkpointing="selective"), 2), _spec("llama", dict(cp=2), 2, meta=True),
-          _spec("llama", dict(cp=2), 2, accumulate=2, clip=0.05),
-          _spec("cp-user", dict(cp=2), 2), _spec("cp-hf-llama", dict(cp=2), 2), _spec("cp-hf-qwen3", dict(cp=2), 2)]
-WORLD4 = [_spec("llama", dict(cp=2, tp=2), 4), _spec("llama", dict(cp=2, dp=2), 4), _spec("llama", dict(cp=2, pp=2), 4),
-          _spec("llama", dict(cp=2, dp=2, data_parallel="replicate"), 4), _spec("cp-user", dict(cp=2, tp=2), 4),
+# The models' heads divide by cp (and tp): cp_algorithm="auto" runs Ulysses; "allgather" is named where it is meant.
+AG = dict(cp_algorithm="allgather")
+UL = dict(cp_algorithm="ulysses")
+WORLD2 = [_spec("llama", dict(cp=2, **UL), 2), _spec("llama", dict(cp=2, **AG), 2),
+          _spec("llama", dict(cp=2, activation_checkpointing="full"), 2),
+          _spec("llama", dict(cp=2, activation_checkpointing="selective", **AG), 2),
+          _spec("llama", dict(cp=2), 2, meta=True), _spec("llama", dict(cp=2, **AG), 2, accumulate=2, clip=0.05),
+          _spec("cp-user", dict(cp=2), 2), _spec("cp-hf-llama", dict(cp=2, **AG), 2), _spec("cp-hf-qwen3", dict(cp=2), 2)]
+WORLD4 = [_spec("llama", dict(cp=2, tp=2, **UL), 4), _spec("llama", dict(cp=2, tp=2, **AG), 4),
+          _spec("llama", dict(cp=2, dp=2, **AG), 4), _spec("llama", dict(cp=2, pp=2), 4),
+          _spec("llama", dict(cp=2, dp=2, data_parallel="replicate"), 4), _spec("cp-user", dict(cp=2, tp=2, **AG), 4),
           _spec("cp-user", dict(cp=2, dp=2), 4), _spec("moe", dict(cp=2, ep=2), 4),
-          _spec("moe", dict(cp=2, ep=2, tp=2), 4)]
+          _spec("moe", dict(cp=2, ep=2, tp=2, **AG), 4)]
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +257,8 @@ def test_context_parallel_two_ranks(references: dict[str, dict[str, Any]]) -> No
     with torch.no_grad():
         padded = _lm("llama").fourd_loss(_padded_batch()).item()
     for rank_result in results:
-        _check_packed(rank_result["packed"], reference, "cp=2")
+        _check_packed(rank_result["packed"], reference, "cp=2 allgather")
+        _check_packed(rank_result["packed ulysses"], reference, "cp=2 ulysses")
         for name, got in rank_result["padded"].items():  # a rank without valid targets adds nothing (not NaN)
             assert abs(got - padded) <= RTOL * abs(padded), (name, got, padded)
         for kind, needle in REFUSED.items():
@@ -264,11 +274,12 @@ def test_context_parallel_four_ranks(references: dict[str, dict[str, Any]]) -> N
     reference = _packed_reference()
     for rank_result in results:
         _check_packed(rank_result["packed"], reference, "cp=2 × tp=2")
-    # The monitor names the cp axis (K/V, the formula's bytes: 4 sequences of 16 tokens per rank, 2 layers, the
-    # Llama's K/V repeated to its 8 heads of 4 features, fp32) and dp_cp (FSDP2 over dp × cp).
+    # The monitor names the cp axis (the formula's bytes: 4 sequences of 16 tokens per rank, 2 layers, the Llama's
+    # K/V repeated to its 8 heads of 4 features, fp32; "auto" picks Ulysses: 8 heads divide by cp=2, all-to-all
+    # only) and dp_cp (FSDP2 over dp × cp).
     metrics = results[0]["monitored"]
-    from lightning_4d.context_parallel.cost import kv_wire_bytes, ulysses_wire_bytes
+    from lightning_4d.context_parallel.cost import ulysses_wire_bytes
 
-    kv = metrics["comm/cp/all_gather_bytes"] + metrics["comm/cp/reduce_scatter_bytes"]
-    assert kv == kv_wire_bytes(4, 16, 32, layers=2, cp=2, act_bytes=4), metrics
+    assert metrics["comm/cp/all_to_all_bytes"] == ulysses_wire_bytes(4, 16, 32, 32, layers=2, cp=2, act_bytes=4)
+    assert "comm/cp/all_gather_bytes" not in metrics, metrics
     assert metrics["comm/dp_cp/reduce_scatter_bytes"] > 0, metrics

@@ -170,3 +170,58 @@ def test_planner_compute_time_falls_with_cp() -> None:
     one, two = (rank_compute_time(spec, d, TrainSpec(2), H100, [0, 1], True, b=2, microbatches=1)
                 for d in (ParallelDims(1), ParallelDims(2, cp=2)))
     assert 0.45 < two.total / one.total < 0.6  # half the tokens and half the (query, key) pairs per rank
+
+
+# ------------------------------------------------------------------------------------------- the algorithm
+def test_algorithm_is_chosen_from_the_heads_per_tp_rank() -> None:
+    from lightning_4d.context_parallel.algorithm import choose_algorithm
+
+    calls = [("module 'layers.0.attn' (Attention)", 8, 4, False), ("module 'layers.1.attn' (Attention)", 8, 4, False)]
+    assert choose_algorithm("auto", calls, cp=2) == "ulysses"
+    assert choose_algorithm("auto", calls, cp=2, tp=2) == "ulysses"  # 4 query and 2 K/V heads per tp rank
+    assert choose_algorithm("auto", calls, cp=4, tp=2) == "allgather"  # 2 K/V heads per tp rank: not by 4
+    assert choose_algorithm("auto", [("m", 8, 4, True)], cp=8) == "ulysses"  # GQA left to SDPA: K/V repeated to 8
+    assert choose_algorithm("allgather", calls, cp=2) == "allgather"
+    assert choose_algorithm("auto", [], cp=2) == "ulysses"  # no attention call: nothing to split
+    with pytest.raises(ValueError, match=r"module 'layers.0.attn' \(Attention\) .* 2 query and 1 K/V heads .*tp=4.*"
+                                         r"cp=2"):
+        choose_algorithm("ulysses", calls, cp=2, tp=4)
+    with pytest.raises(ValueError, match="cp_algorithm='ring' is not known"):
+        FourDConfig(cp=2, cp_algorithm="ring")
+
+
+def _meta_llama(heads: int, kv_heads: int) -> nn.Module:
+    from lightning_4d.models import Llama, LlamaConfig
+
+    with torch.device("meta"):
+        return Llama(LlamaConfig(vocab_size=32, dim=8 * heads, n_layers=2, n_heads=heads, n_kv_heads=kv_heads,
+                                 ffn_hidden=32, max_seq_len=64))
+
+
+def test_layout_plan_names_the_algorithm() -> None:
+    from lightning_4d.derive_plan import plan_layout
+    from lightning_4d.layout_plan import LayoutPlan
+
+    lm = _meta_llama(4, 2)
+    auto = plan_layout(lm, ParallelDims(2, cp=2), FourDConfig(cp=2))
+    assert auto.cp_algorithm == "ulysses" and "context parallel: ulysses: " in str(auto)
+    assert LayoutPlan.from_json(auto.to_json()).cp_algorithm == "ulysses"
+    assert plan_layout(lm, ParallelDims(4, cp=4), FourDConfig(cp=4)).cp_algorithm == "ulysses"  # K/V repeated
+    assert plan_layout(lm, ParallelDims(8, cp=8), FourDConfig(cp=8)).cp_algorithm == "allgather"  # 4 heads
+    given = plan_layout(lm, ParallelDims(2, cp=2), FourDConfig(cp=2, cp_algorithm="allgather"))
+    assert given.cp_algorithm == "allgather"
+    assert plan_layout(lm, ParallelDims(1), FourDConfig()).cp_algorithm == ""
+    with pytest.raises(ValueError, match=r"cp_algorithm='ulysses': module 'layers.0.attention' .* 4 query and 4 K/V "
+                                         r"heads .* cp=8"):
+        plan_layout(lm, ParallelDims(8, cp=8), FourDConfig(cp=8, cp_algorithm="ulysses"))
+    with pytest.raises(ValueError, match="names no algorithm"):
+        auto.replace(context_parallel="ring").check(lm, ParallelDims(2, cp=2))
+
+
+def test_ulysses_activations_and_bytes() -> None:
+    from lightning_4d.context_parallel.cost import activation_bytes_per_rank, ulysses_wire_bytes
+
+    assert activation_bytes_per_rank(8.0, 1, 64, 16, 2, cp=4, act_bytes=2, algorithm="ulysses") == 2.0
+    # per layer: q (w 8), k, v (w 4 each) and the output (w 8) of 2·32/2 tokens, fp32, half of it sent; 2 passes
+    assert ulysses_wire_bytes(2, 32, 8, 4, layers=1, cp=2, act_bytes=4) == 2 * (2 * 16 * 24 * 4) / 2
+    assert ulysses_wire_bytes(2, 32, 8, 4, layers=1, cp=2, act_bytes=4, recompute=True) == 3 * (2 * 16 * 24 * 4) / 2
