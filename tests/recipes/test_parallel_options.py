@@ -45,6 +45,7 @@ SAMPLES: dict[str, tuple[str, Any, list[str]]] = {
     "dp_shard": ("2", 2, ["parallel.data_parallel=hsdp"]),
     "reduced_check_budget": ("1000", 1000, []),
     "cp": ("2", 2, []),
+    "cp_algorithm": ("ulysses", "ulysses", ["parallel.cp=2"]),
     "plan": ("layout_plan.json", "layout_plan.json", []),  # a path, loaded and checked at set-up
 }
 
