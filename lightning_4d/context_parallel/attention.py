@@ -153,7 +153,8 @@ def active_attention() -> Optional["ContextParallelAttention"]:
 class ContextParallelAttention(TorchFunctionMode):
     """While active, every ``F.scaled_dot_product_attention(q, k, v, ...)`` on this rank's chunk ``(…, T/cp, E)``
     attends to the whole sequence: K/V all-gathered over the ``cp`` ranks (``(…, T, E)``, sequence order) and the
-    mask recomputed from global positions (see the module doc). ``where()`` names the running module for errors;
+    mask recomputed from global positions (see the module doc); ``algorithm="ulysses"``: heads ↔ sequence
+    all-to-all instead (:mod:`.ulysses`). ``where()`` names the running module for errors;
     ``strict=False`` records them in ``errors`` instead of raising (the set-up check then agrees across ranks).
 
     Example:

@@ -9,7 +9,8 @@ all-to-all on the gradients: the backward is exact. Usable where the query and K
 
 Example:
     >>> # not run: needs a process group
-    >>> y = ulysses_attention(q, k, v, shard, mask_kind=False)  # q (B, H, T/cp, E) -> y (B, H, T/cp, E)  # doctest: +SKIP
+    >>> # q, k, v (B, H, T/cp, E) -> y (B, H, T/cp, E); causal over the whole sequence
+    >>> y = ulysses_attention(q, k, v, cp, T, group, lambda: None, True, "attn")  # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -223,12 +223,13 @@ def _world4(rank: int, specs: list[dict[str, Any]]) -> dict[str, Any]:
 # The models' heads divide by cp (and tp): cp_algorithm="auto" runs Ulysses; "allgather" is named where it is meant.
 AG = dict(cp_algorithm="allgather")
 UL = dict(cp_algorithm="ulysses")
-WORLD2 = [_spec("llama", dict(cp=2, **UL), 2), _spec("llama", dict(cp=2, **AG), 2),
+WORLD2 = [_spec("llama", dict(cp=2, **UL), 2),
           _spec("llama", dict(cp=2, activation_checkpointing="full"), 2),
           _spec("llama", dict(cp=2, activation_checkpointing="selective", **AG), 2),
           _spec("llama", dict(cp=2), 2, meta=True), _spec("llama", dict(cp=2, **AG), 2, accumulate=2, clip=0.05),
-          _spec("cp-user", dict(cp=2), 2), _spec("cp-hf-llama", dict(cp=2, **AG), 2), _spec("cp-hf-qwen3", dict(cp=2), 2)]
-WORLD4 = [_spec("llama", dict(cp=2, tp=2, **UL), 4), _spec("llama", dict(cp=2, tp=2, **AG), 4),
+          _spec("cp-user", dict(cp=2), 2), _spec("cp-hf-llama", dict(cp=2, **AG), 2),
+          _spec("cp-hf-qwen3", dict(cp=2), 2)]
+WORLD4 = [_spec("llama", dict(cp=2, tp=2, **UL), 4),
           _spec("llama", dict(cp=2, dp=2, **AG), 4), _spec("llama", dict(cp=2, pp=2), 4),
           _spec("llama", dict(cp=2, dp=2, data_parallel="replicate"), 4), _spec("cp-user", dict(cp=2, tp=2, **AG), 4),
           _spec("cp-user", dict(cp=2, dp=2), 4), _spec("moe", dict(cp=2, ep=2), 4),
