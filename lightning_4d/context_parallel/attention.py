@@ -30,7 +30,6 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from lightning_4d.context_parallel.collectives import gather_sequence
-
 from lightning_4d.context_parallel.ulysses import ulysses_attention
 from lightning_4d.context_parallel.zigzag import restore_order, zigzag_indices
 
