@@ -44,6 +44,7 @@ from lightning_4d import _compat
 from lightning_4d.expert_parallel.dispatch import combine, dispatch
 from lightning_4d.expert_parallel.experts import GroupedExperts, local_tensor, scale_grad
 from lightning_4d.expert_parallel.permute import make_permutation, permute, unpermute
+from lightning_4d.expert_parallel.zero_experts import two_sizes_reason, zero_expert_router
 from lightning_4d.layer_kinds import holds_stacked_experts
 from lightning_4d.precision import allowed_difference, max_difference
 
@@ -68,6 +69,9 @@ class ExpertsSpec:
         params: names of its parameters (all ``[E, ...]``).
         count_attrs: int attributes equal to ``E`` (``num_experts``...), set to ``E/ep`` during the local call.
         router: where the ``(E, H)`` router weight is, relative to the parent (``../`` per level up).
+        zero_experts: ``Z``, the router's rows beyond ``E`` (LongCat-Flash's zero experts: identities the layer
+            computes itself, outside this module, mapping their assignments to weight-0 ids in ``[0, E)``); 0 when
+            the router has exactly ``E`` rows.
     """
 
     name: str
@@ -76,6 +80,7 @@ class ExpertsSpec:
     params: list[str]
     count_attrs: list[str] = field(default_factory=list)
     router: str = ""
+    zero_experts: int = 0
 
 
 @dataclass
@@ -110,7 +115,10 @@ def inspect_experts(module: nn.Module, name: str, parent: Optional[nn.Module],
     holds parameters; the nearest enclosing module — ``parent``, then each of ``ancestors`` (innermost first, up to
     a container of blocks) — that holds another parameter of shape ``(E, H)`` outside the experts holds the router
     (TorchTitan keeps it one level up: ``moe.router.gate`` beside ``moe.routed_experts.inner_experts``); the forward
-    takes ``(hidden, top_k_index, top_k_weights)`` or ``(x, num_tokens_per_expert)``.
+    takes ``(hidden, top_k_index, top_k_weights)`` or ``(x, num_tokens_per_expert)``. Failing an ``(E, H)`` router,
+    a router of ``E + Z`` rows in the parent is accepted when the parent records both counts as int attributes
+    (LongCat-Flash: ``num_routed_experts == E``, ``zero_expert_num == Z``): its ``Z`` zero experts are identities
+    the layer computes itself (see :func:`~.zero_experts.zero_expert_router`).
 
     Example:
         >>> class Experts(nn.Module):
@@ -130,6 +138,8 @@ def inspect_experts(module: nn.Module, name: str, parent: Optional[nn.Module],
     if not own or not any(p.dim() == 3 for p in own.values()):
         return "it has no 3-D parameter [E, ...]"
     sizes = {p.shape[0] for p in own.values()}
+    if len(sizes) == 2 and all(p.dim() == 3 for p in own.values()):
+        return two_sizes_reason(own)
     if len(sizes) != 1 or min(p.dim() for p in own.values()) < 2:
         shapes = {n: tuple(p.shape) for n, p in own.items()}
         return f"its parameters do not share one leading expert dimension: {shapes}"
@@ -153,8 +163,12 @@ def inspect_experts(module: nn.Module, name: str, parent: Optional[nn.Module],
                 break
         if router:
             break
+    zero = 0
     if not router:
-        return f"no sibling holds a router weight of shape ({e}, hidden), nor a module around its parent"
+        found = zero_expert_router(module, parent, e)
+        if found is None:
+            return f"no sibling holds a router weight of shape ({e}, hidden), nor a module around its parent"
+        router, zero = found
     contract = _contract(module)
     if contract == "dense" and "expert" not in name.rpartition(".")[2]:
         contract = None  # a one-input forward is taken for every-token experts only where the model says so
@@ -163,7 +177,7 @@ def inspect_experts(module: nn.Module, name: str, parent: Optional[nn.Module],
                 "nor (x) with every expert's rows")
     counts = [a for a, v in vars(module).items()
               if isinstance(v, int) and not isinstance(v, bool) and v == e and any(h in a for h in _COUNT_ATTR_HINTS)]
-    return ExpertsSpec(name, contract, e, list(own), counts, router)
+    return ExpertsSpec(name, contract, e, list(own), counts, router, zero)
 
 
 def find_expert_modules(model: nn.Module) -> tuple[list[ExpertsSpec], list[tuple[str, str]]]:
@@ -237,9 +251,18 @@ def _assignments_forward(module: nn.Module, st: _State, hidden: torch.Tensor, id
     e = st.spec.num_experts
     tensors = _local_tensors(module, st)
     with torch.no_grad():
-        st.tokens = torch.bincount(idx.reshape(-1).long(), minlength=e)  # (E,)
+        counts = torch.bincount(idx.reshape(-1).long(), minlength=e)  # (E,), longer for an id >= E
+        st.tokens = counts[:e]
     if st.group is None:
         return _call_local(module, st, tensors, hidden, idx, weights)  # (N, H)
+    if counts.numel() != e:
+        raise ValueError(
+            f"experts module '{st.spec.name}' ({type(module).__bases__[-1].__name__}) received expert id "
+            f"{counts.numel() - 1} but holds {e} experts (ids 0..{e - 1}); the model's layer passes it ids of experts "
+            f"it does not hold (zero / identity experts the router counts: {st.spec.zero_experts}), which expert "
+            f"parallelism cannot send to an owner. Fix: map such assignments in the layer to weight-0 ids in "
+            f"[0, {e}) as LongCat-Flash does, "
+            f"or use ep=1.")
     plan = make_permutation(idx, e)
     xs = permute(hidden, plan)  # (M, H) sorted by expert
     recv, info = dispatch(xs, plan.tokens_per_expert, st.group)  # (R, H) by local expert

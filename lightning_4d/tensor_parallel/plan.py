@@ -339,6 +339,22 @@ def _assign_regions(plan: BlockPlan, trace: Optional[ModelTrace]) -> dict[str, s
     return region
 
 
+def _in_norm_list(block: nn.Module, name: str) -> bool:
+    """Whether ``name`` is an entry of a list (or dict) of norms held by the block (LongCat-Flash's
+    ``input_layernorm[0]`` / ``[1]`` before its two attention sublayers): a norm of the block like a direct one.
+
+    Example:
+        >>> b = nn.Module(); b.norms = nn.ModuleList([nn.LayerNorm(4), nn.LayerNorm(4)])
+        >>> _in_norm_list(b, "norms.1"), _in_norm_list(b, "norms")
+        (True, False)
+    """
+    owner, dot, _ = name.rpartition(".")
+    if not dot or "." in owner:
+        return False
+    container = block.get_submodule(owner)
+    return isinstance(container, (nn.ModuleList, nn.ModuleDict)) and all(is_norm(c) for c in container.children())
+
+
 def block_plan(block: nn.Module, block_name: str, tp: int, trace: Optional[ModelTrace] = None,
                sequence_parallel: bool = False) -> BlockPlan:
     """Plan one block; raise naming the module when it does not fit.
@@ -370,7 +386,7 @@ def block_plan(block: nn.Module, block_name: str, tp: int, trace: Optional[Model
             _check_linear_forward(f"{block_name}.{name}", module)
             plan.linears[name] = ("replicate" if name in downs else "colwise" if name in plan.low_rank
                                   else _role(block_name, name, trace))
-        elif is_norm(module) and "." not in name:
+        elif is_norm(module) and ("." not in name or _in_norm_list(block, name)):
             plan.norms.append(name)
     regions = _assign_regions(plan, trace)
     cut_sizes: dict[str, set[int]] = {}

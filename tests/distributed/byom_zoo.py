@@ -47,6 +47,9 @@ Families (``kind``: what it exercises under tensor parallelism):
   depthwise ``conv``) beside attention layers.
 - ``hf-jetmoe``: JetMoE, a mixture of attention heads and of MLP experts whose forward splits tokens with a tensor
   of sizes (expert parallelism cannot replay it: refused under ep, run as written at ep=1, e.g. under pp).
+- ``hf-longcat``: LongCat-Flash, a router over ``E`` experts and ``Z`` zero (identity) experts, the identities
+  computed by the layer itself (the experts module sees weight-0 ids in ``[0, E)`` for them); MLA attention (q/kv
+  LoRA with norms), two attention and MLP sublayers per layer and a shortcut MoE.
 - ``tt-llama3`` / ``tt-qwen3moe``: the ``torchtitan`` package's own Llama 3 (fused ``wqkv`` interleaved by KV group)
   and Qwen3 MoE (its ``MoE`` with ``router.gate`` beside ``routed_experts``), with TorchTitan's
   ``ScaledDotProductAttention`` inner attention (its flex attention compiles kernels).
@@ -72,9 +75,11 @@ ZOO_KINDS = ("hf-stablelm", "hf-gemma2", "hf-gemma3", "hf-phi3", "hf-olmo2", "hf
              "hf-falcon-mq", "hf-falcon", "hf-llama4", "hf-opt", "hf-mq", "hf-bloom", "hf-mpt", "hf-qwen3next",
              "hf-xglm", "hf-gptneo", "hf-codegen", "hf-cohere", "hf-apertus", "hf-dbrx", "hf-jetmoe", "hf-mamba2",
              "hf-mamba2grp", "hf-granite4h", "hf-lfm2", "hf-falconh1",
-             "hf-nemotronh", "hf-granite4hmoe", "tt-llama3",
+             "hf-nemotronh", "hf-granite4hmoe", "hf-longcat", "tt-llama3",
              "tt-qwen3moe")
-ZOO_MOE_KINDS = ("hf-olmoe", "hf-gptoss", "hf-llama4", "hf-qwen3next", "hf-jetmoe", "hf-granite4hmoe", "tt-qwen3moe")
+ZOO_MOE_KINDS = ("hf-olmoe", "hf-gptoss", "hf-llama4", "hf-qwen3next", "hf-jetmoe", "hf-granite4hmoe", "hf-longcat",
+                 "tt-qwen3moe")
+ZERO_EXPERTS = 2  # LongCat-Flash's zero (identity) experts beside its MOE_EXPERTS routed ones
 
 
 def _common(layers: int) -> dict[str, Any]:
@@ -212,6 +217,14 @@ def _hf(family: str, layers: int) -> nn.Module:
                                         mamba_chunk_size=SEQ // 2, position_embedding_type="rope",
                                         layer_types=["linear_attention", "attention"] * (layers // 2)
                                         + ["linear_attention"] * (layers % 2))
+    elif family == "longcat":  # LongCat-Flash: zero (identity) experts in the router, MLA, a shortcut MoE per layer
+        common = {k: v for k, v in _common(layers).items() if k != "num_hidden_layers"}
+        cfg = tf.LongcatFlashConfig(**common, num_layers=layers, num_attention_heads=HEADS, ffn_hidden_size=FFN,
+                                    q_lora_rank=16,
+                                    kv_lora_rank=16, qk_nope_head_dim=HIDDEN // HEADS, qk_rope_head_dim=HIDDEN // HEADS,
+                                    head_dim=HIDDEN // HEADS, v_head_dim=HIDDEN // HEADS, moe_topk=2,
+                                    n_routed_experts=MOE_EXPERTS, zero_expert_num=ZERO_EXPERTS,
+                                    expert_ffn_hidden_size=MOE_FFN, routed_scaling_factor=1.5)
     elif family == "mq":
         cfg = tf.LlamaConfig(**_common(layers), num_attention_heads=HEADS, num_key_value_heads=1,
                              intermediate_size=FFN)
@@ -306,7 +319,8 @@ def perturb(model: nn.Module, scale: float = 0.2) -> nn.Module:
             if (p.dim() == 1 or p.dim() == 2 and is_norm(mod)) and (
                     is_norm(mod) or not isinstance(mod, (nn.Linear, nn.Embedding))):
                 p.add_(scale * torch.randn_like(p))
-            elif p.dim() == 2 and p.shape[0] == MOE_EXPERTS and "router" in f"{name}.{pname}" or (
+            elif p.dim() == 2 and p.shape[0] in (MOE_EXPERTS, MOE_EXPERTS + ZERO_EXPERTS) and "router" in (
+                    f"{name}.{pname}") or (
                     p.dim() == 2 and p.shape[0] == MOE_EXPERTS and name.endswith("gate")):
                 nn.init.normal_(p, std=0.2)
     return model

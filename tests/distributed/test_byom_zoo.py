@@ -7,8 +7,10 @@ GPT-BigCode and Falcon multi-query (one KV head in a fused projection), Falcon's
 on a projection's output), a one-KV-head Llama, Llama 4 text MoE (its forward reads the embedding's weight on every
 pipeline stage), OPT (linears held by the decoder layer), Bloom and MPT (ALiBi biases cut with the heads),
 Qwen3-Next (linear attention: a fused projection viewed per key-head group, q | k | v concatenated before a
-depthwise convolution), the state-space and hybrid families (Mamba-2 with one and two B/C groups, Granite 4.0-H dense
-and MoE, Falcon-H1, Nemotron-H, LFM2's short convolutions) and the ``torchtitan`` package's Llama 3 and Qwen3 MoE.
+depthwise convolution), LongCat-Flash (zero experts: a router over more experts than the experts module holds, the
+identities computed by the layer; norms and sublayers kept in lists), the state-space and hybrid families (Mamba-2
+with one and two B/C groups, Granite 4.0-H dense and MoE, Falcon-H1, Nemotron-H, LFM2's short convolutions) and the
+``torchtitan`` package's Llama 3 and Qwen3 MoE.
 Each family runs under tp=2 with and without sequence parallelism and tp=2 × pp=2, each MoE family under ep=2 (and
 tp=2 × ep=2), or is refused at set-up (:data:`REFUSED`).
 
@@ -97,6 +99,9 @@ SHARDED: dict[str, list[str]] = {
                      "model.model.model.layers.1.mixer.q_proj.weight"],
     "hf-qwen3next": [f"{_HF0}.linear_attn.{n}.weight" for n in ("in_proj_qkvz", "in_proj_ba", "out_proj")]
     + ["model.model.model.layers.1.self_attn.q_proj.weight"],
+    # LongCat-Flash: its two attention and MLP sublayers kept in lists (MLA: the LoRA up-projections sharded)
+    "hf-longcat": [f"{_HF0}.self_attn.0.q_b_proj.weight", f"{_HF0}.self_attn.1.o_proj.weight",
+                   f"{_HF0}.mlps.1.down_proj.weight"],
     "hf-lfm2": [f"{_HF0}.conv.in_proj.weight", f"{_HF0}.conv.out_proj.weight",
                 "model.model.model.layers.1.self_attn.q_proj.weight", f"{_HF0}.feed_forward.w2.weight"],
 }
@@ -266,7 +271,10 @@ NO_SP = ["hf-dbrx"]
 EP = [("tt-qwen3moe", "dp2"), ("tt-qwen3moe", "ep2"), ("tt-qwen3moe", "tp2-ep2"), ("tt-qwen3moe", "tp2"),
       ("tt-qwen3moe", "tp2-nosp"), ("hf-olmoe", "ep2"), ("hf-olmoe", "tp2-ep2"), ("hf-gptoss", "ep2"),
       ("hf-gptoss", "tp2-ep2"), ("hf-llama4", "ep2"), ("hf-llama4", "tp2-ep2"), ("hf-qwen3next", "ep2"),
-      ("hf-granite4hmoe", "ep2"), ("hf-granite4hmoe", "tp2-ep2"), ("hf-qwen3next", "tp2-ep2")]
+      ("hf-granite4hmoe", "ep2"), ("hf-granite4hmoe", "tp2-ep2"), ("hf-qwen3next", "tp2-ep2"),
+      # LongCat-Flash: a router over 4 experts and 2 zero (identity) experts the layer computes itself; its norms,
+      # attention and MLP sublayers kept in lists (sequence parallelism reaches the norms in them)
+      ("hf-longcat", "ep2"), ("hf-longcat", "tp2-ep2")]
 # Pipeline alone where tensor parallelism is not the point: Llama 4 reads its embedding's weight on every stage
 # (a shape-only stand-in on later ones); Qwen3-Next and the hybrids (blocks of different structures as stages,
 # Nemotron-H's loop reading each block's block_type); JetMoE, whose experts

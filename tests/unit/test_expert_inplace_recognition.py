@@ -178,3 +178,77 @@ def test_the_refusal_states_each_contract_including_every_token_experts() -> Non
                                          r"scores already applied.*rows i·N to \(i\+1\)·N go through expert i's "
                                          r"weights alone, each row on its own"):
         apply_inplace_expert_parallel(nn.ModuleDict({"a": NoRouter()}), _Mesh(2))  # type: ignore[arg-type]
+
+
+Z = 2  # zero (identity) experts beside the E routed ones
+
+
+class ZeroExpertLayer(nn.Module):
+    """LongCat-Flash's layout (transformers 5.25): the router scores ``E + Z`` experts; the layer adds
+    ``x · weight`` for the zero-expert assignments itself and hands the experts a weight-0 id in ``[0, E)`` instead."""
+
+    def __init__(self, evidence: bool = True, ids_beyond: bool = False) -> None:
+        super().__init__()
+        if evidence:
+            self.num_routed_experts, self.zero_expert_num = E, Z
+        self.ids_beyond = ids_beyond
+        self.router, self.experts = nn.Linear(H, E + Z, bias=False), Experts()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, idx = F.linear(x, self.router.weight).softmax(-1).topk(K, dim=-1)  # (N, K)
+        zero = idx >= E
+        identity = x * w.masked_fill(~zero, 0.0).sum(-1, keepdim=True)  # (N, H)
+        if not self.ids_beyond:
+            idx, w = torch.where(zero, idx % E, idx), w.masked_fill(zero, 0.0)
+        return self.experts(x, idx, w) + identity
+
+
+def test_zero_experts_in_the_router_are_recognised_and_replayed() -> None:
+    # The router holds E + Z rows and the experts E: recognised on the layer's evidence (its counts of routed and
+    # zero experts), the experts module replayed in groups as any other; a larger linear without it is no router.
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"longcat": ZeroExpertLayer(), "plain": ZeroExpertLayer(evidence=False)})
+    specs, rejected = find_expert_modules(model)
+    assert [(s.name, s.num_experts, s.router, s.zero_experts) for s in specs] == [("longcat.experts", E, "router", Z)]
+    assert rejected == [("plain.experts", "no sibling holds a router weight of shape (4, hidden), nor a module around "
+                                          "its parent")]
+    verify_experts(model["longcat"].experts, specs[0], parts=2)
+    x = torch.randn(N, H)
+    assert bool((F.linear(x, model["longcat"].router.weight).topk(K).indices >= E).any())  # zero experts are hit
+    ref = model["longcat"](x)
+    install_expert_parallel(model["longcat"].experts, specs[0])
+    assert torch.equal(model["longcat"](x), ref)
+
+
+def test_an_id_beyond_the_experts_is_refused_under_ep() -> None:
+    # A layer that passes zero-expert ids on to the experts module: no rank owns them, so the all-to-all would send
+    # them nowhere; refused with the module's name at the first forward (the ep group is stood in for: the check
+    # comes before any collective).
+    torch.manual_seed(0)
+    layer = ZeroExpertLayer(ids_beyond=True)
+    (spec,), _ = find_expert_modules(layer)
+    install_expert_parallel(layer.experts, spec)
+    layer.experts.fourd_experts.group = object()  # type: ignore[assignment]
+    x = torch.randn(4 * N, H)
+    with pytest.raises(ValueError, match=r"experts module 'experts' \(Experts\) received expert id [45] but holds 4"):
+        layer(x)
+
+
+def test_expert_stacks_of_two_leading_sizes_are_refused_under_ep() -> None:
+    # LongCat-Flash of earlier transformers 5 releases: gate_up_proj [E + Z, ...] beside down_proj [E, ...]. A
+    # Shard(0) of E + Z rows cannot follow the owners of E experts: refused under ep naming the sizes and the fix;
+    # at ep=1 it runs as written.
+    class StackedZero(Experts):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_up_proj = nn.Parameter(torch.randn(E + Z, 2 * FF, H) * 0.3)
+
+    model = nn.ModuleDict({"layer": ZeroExpertLayer()})
+    model["layer"].experts = StackedZero()
+    specs, rejected = find_expert_modules(model)
+    assert specs == [] and [n for n, _ in rejected] == ["layer.experts"]
+    assert "two leading sizes (gate_up_proj: 6, down_proj: 4)" in rejected[0][1]
+    with pytest.raises(ValueError, match=r"'layer\.experts': its expert stacks have two leading sizes.*cannot be "
+                                         r"sharded exactly\. Fix: keep zero experts out of the stacks.*or use ep=1"):
+        apply_inplace_expert_parallel(model, _Mesh(2))  # type: ignore[arg-type]
+    assert apply_inplace_expert_parallel(model, None) == []
