@@ -527,6 +527,15 @@ class _Columns:
             if len(factors) == 2:
                 self._track(out, rel, a, b, int(factors[1]))
             return
+        if sub is not None and name in ("view", "reshape", "unflatten") and out.dim() > first.dim() \
+                and int(out.shape[-1]) == sub and out.numel() == first.numel():
+            # per-head groups regrouped: (..., H, d) -> (..., n, r, d) (Falcon's new decoder views its per-head
+            # view again by KV group): groups of r·d, coarser than one head, keep both whole
+            r = int(out.shape[-2])
+            if r > 1 and int(first.shape[-2]) % r == 0:
+                layout.units[(a, b)] = max(layout.units.get((a, b), sub), r * sub)
+                layout.groups[(a, b)] = True
+            return
         if sub is not None and name in ("view", "reshape", "flatten", "contiguous", "clone", "to", "float",
                                         "type_as") + _ELEMENTWISE and tuple(out.shape[-2:]) == tuple(first.shape[-2:]):
             self._track(out, rel, a, b, sub)
