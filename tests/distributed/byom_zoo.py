@@ -72,9 +72,10 @@ ZOO_KINDS = ("hf-stablelm", "hf-gemma2", "hf-gemma3", "hf-phi3", "hf-olmo2", "hf
              "hf-falcon-mq", "hf-falcon", "hf-llama4", "hf-opt", "hf-mq", "hf-bloom", "hf-mpt", "hf-qwen3next",
              "hf-xglm", "hf-gptneo", "hf-codegen", "hf-cohere", "hf-apertus", "hf-dbrx", "hf-jetmoe", "hf-mamba2",
              "hf-mamba2grp", "hf-granite4h", "hf-lfm2", "hf-falconh1",
-             "hf-nemotronh", "hf-granite4hmoe", "tt-llama3",
+             "hf-nemotronh", "hf-granite4hmoe", "hf-kimilinear", "tt-llama3",
              "tt-qwen3moe")
-ZOO_MOE_KINDS = ("hf-olmoe", "hf-gptoss", "hf-llama4", "hf-qwen3next", "hf-jetmoe", "hf-granite4hmoe", "tt-qwen3moe")
+ZOO_MOE_KINDS = ("hf-olmoe", "hf-gptoss", "hf-llama4", "hf-qwen3next", "hf-jetmoe", "hf-granite4hmoe", "hf-kimilinear",
+                 "tt-qwen3moe")
 
 
 def _common(layers: int) -> dict[str, Any]:
@@ -212,6 +213,16 @@ def _hf(family: str, layers: int) -> nn.Module:
                                         mamba_chunk_size=SEQ // 2, position_embedding_type="rope",
                                         layer_types=["linear_attention", "attention"] * (layers // 2)
                                         + ["linear_attention"] * (layers % 2))
+    elif family == "kimilinear":  # Kimi-Linear: KDA linear attention beside latent attention, dense then routed MLPs
+        cfg = tf.KimiLinearConfig(**_common(layers), num_attention_heads=HEADS, intermediate_size=FFN,
+                                  moe_intermediate_size=MOE_FFN,
+                                  num_local_experts=MOE_EXPERTS, num_experts_per_tok=2, n_shared_experts=1,
+                                  routed_scaling_factor=1.5, kv_lora_rank=16, q_lora_rank=None,
+                                  qk_nope_head_dim=HIDDEN // HEADS, qk_rope_head_dim=4, v_head_dim=HIDDEN // HEADS,
+                                  linear_num_heads=HEADS, linear_head_dim=HIDDEN // HEADS, linear_conv_kernel_dim=4,
+                                  layer_types=["linear_attention", "full_attention"] * (layers // 2)
+                                  + ["linear_attention"] * (layers % 2),
+                                  mlp_layer_types=["dense"] + ["sparse"] * (layers - 1))
     elif family == "mq":
         cfg = tf.LlamaConfig(**_common(layers), num_attention_heads=HEADS, num_key_value_heads=1,
                              intermediate_size=FFN)
