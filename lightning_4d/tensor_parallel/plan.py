@@ -614,7 +614,7 @@ def _region_params(block_name: str, block: nn.Module, region: str, plan: BlockPl
                 plan.head_params[f"{path}.{n}"] = per_head[n]  # type: ignore[assignment]
                 out.append(f"{path}.{n}")
             continue
-        firsts = sorted({int(p.shape[0]) for p in own.values() if p.dim() >= 1})
+        firsts = sorted({int(p.shape[head_axis(p.shape)]) for p in own.values() if p.dim() >= 1})
         why = (f"normalises over {size} features, a full width that tensor parallelism splits across ranks"
                if is_norm(sub) else
                f"holds only scalars, but its input does not come only from column-parallel projections of the region "
@@ -622,7 +622,7 @@ def _region_params(block_name: str, block: nn.Module, region: str, plan: BlockPl
                f"is unknown" if scalars else
                f"is not a linear layer or a norm, and is not indexed by the heads the region's "
                f"projections are viewed in: per-head parameters follow those heads over the ranks, but these have "
-               f"{' / '.join(map(str, firsts)) or 'no'} entries along their first dimension and the projections' "
+               f"{' / '.join(map(str, firsts)) or 'no'} entries along their head dimension and the projections' "
                f"head counts are {sorted(counts) or 'unknown'} (a linear-attention or state-space mixer's per-head "
                f"`dt_bias` / `A_log` count heads inside a fused, grouped projection that the trace does not cut), so "
                f"which rank's heads they belong to is unknown")

@@ -33,6 +33,10 @@ Families (``kind``: what it exercises under tensor parallelism):
 - ``hf-qwen3next``: Qwen3-Next, linear attention (gated delta net: per-value-head ``dt_bias`` / ``A_log``, a fused
   ``in_proj_qkvz`` viewed per key-head group, a depthwise conv over ``cat(q, k, v)``) alternating with gated full
   attention, MoE with a shared expert; transformers' PyTorch fallbacks of its kernels run on the CPU.
+- ``hf-kimilinear``: Kimi-Linear, KDA linear attention (``cat(q_proj(x), k_proj(x), v_proj(x))`` through one depthwise
+  conv, a forget gate ``f_b_proj(f_a_proj(x)) + dt_bias`` in a module of its own with a ``(1, 1, H, 1)`` ``A_log``, a
+  low-rank output gate and a gated per-head norm) beside multi-head latent attention, a dense MLP then routed experts
+  (sigmoid router with a correction bias) with a shared expert.
 - ``hf-mamba2`` / ``hf-mamba2grp``: Mamba-2 (pure state-space): a fused ``in_proj`` (``z | x | B | C | dt``) cut by
   the sizes the forward splits it into after a depthwise ``conv1d`` over ``x | B | C``, per-head ``A_log`` /
   ``dt_bias`` / ``D``, a gated RMSNorm over the inner width; one B/C group (every rank computes it; the norm runs
