@@ -9,7 +9,8 @@ pipeline stage), OPT (linears held by the decoder layer), Bloom and MPT (ALiBi b
 Qwen3-Next (linear attention: a fused projection viewed per key-head group, q | k | v concatenated before a
 depthwise convolution), Kimi-Linear (KDA linear attention: three projections concatenated into one depthwise
 convolution, a per-feature ``dt_bias``, a ``(1, 1, heads, 1)`` ``A_log``, low-rank gates; latent attention; MoE),
-the state-space and hybrid families (Mamba-2 with one and two B/C groups, Granite 4.0-H dense and MoE, Falcon-H1, Nemotron-H, LFM2's short convolutions) and the ``torchtitan`` package's Llama 3 and Qwen3 MoE.
+the state-space and hybrid families (Mamba-2 with one and two B/C groups, Granite 4.0-H dense and MoE, Falcon-H1,
+Nemotron-H, LFM2's short convolutions) and the ``torchtitan`` package's Llama 3 and Qwen3 MoE.
 Each family runs under tp=2 with and without sequence parallelism and tp=2 × pp=2, each MoE family under ep=2 (and
 tp=2 × ep=2), or is refused at set-up (:data:`REFUSED`).
 
