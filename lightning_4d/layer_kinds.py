@@ -106,7 +106,8 @@ def is_expert_list(module: nn.Module) -> bool:
 
 def holds_stacked_experts(module: nn.Module) -> bool:
     """A module holding a direct parameter with 3 or more dimensions (the stacked ``[E, ...]`` tensors of an experts
-    module), convolutions (whose kernels are 3-D and more) excepted.
+    module), convolutions (whose kernels are 3-D and more) excepted, as is a broadcast shape with a leading 1
+    (Kimi-Linear's per-head ``A_log`` of shape ``(1, 1, heads, 1)``: no stack of experts).
 
     Example:
         >>> holds_stacked_experts(nn.Conv2d(1, 1, 3)), holds_stacked_experts(nn.Linear(2, 2))
@@ -114,4 +115,4 @@ def holds_stacked_experts(module: nn.Module) -> bool:
     """
     if isinstance(module, _CONVOLUTIONS):
         return False
-    return any(p.dim() >= 3 for p in module.parameters(recurse=False))
+    return any(p.dim() >= 3 and p.shape[0] > 1 for p in module.parameters(recurse=False))

@@ -253,8 +253,13 @@ class ColumnLayout:
     the channels: a state-space or short-convolution mixer's ``conv1d`` on ``x.transpose(1, 2)``), each channel on
     its own, so the convolution's channels follow the features over the ranks. ``scales``: buffers of the block
     (paths in it) the model multiplies a range by, feature by feature (a ``(1, 1, W)`` scale vector).
+    ``feature_params``: parameters of the block (paths in it) added to or multiplying a range feature by feature
+    (Kimi-Linear's ``f_b_proj(x) + dt_bias.view(1, 1, -1)``).
     ``depthwise_parts``: a depthwise convolution over a concatenation of pieces cut inside this linear's per-head
-    groups (Qwen3-Next: ``q | k | v`` of every key-head group), by the pieces' sizes.
+    groups (Qwen3-Next: ``q | k | v`` of every key-head group), by the pieces' sizes. ``depthwise_joined``: a
+    depthwise convolution over a concatenation of the outputs of several linears (Kimi-Linear's
+    ``cat(q_proj(x), k_proj(x), v_proj(x))``), as its members ``(linear, start, stop)`` in order (recorded in each
+    member's layout).
 
     Example:
         >>> c = ColumnLayout(48, {(0, 32), (32, 40), (40, 48)}, {(0, 32): 8, (32, 40): 8, (40, 48): 8})
@@ -268,8 +273,11 @@ class ColumnLayout:
     groups: dict[tuple[int, int], bool] = field(default_factory=dict)  # range -> viewed as interleaved groups
     depthwise: set[tuple[int, int]] = field(default_factory=set)  # ranges convolved channel by channel
     scales: dict[str, tuple[int, int]] = field(default_factory=dict)  # block buffer multiplying a range, per feature
+    feature_params: dict[str, tuple[int, int]] = field(default_factory=dict)  # block parameter on a range, per feature
     # concatenations of pieces cut inside this linear's groups, convolved channel by channel: the pieces' sizes
     depthwise_parts: set[tuple[int, ...]] = field(default_factory=set)
+    # concatenations of several linears' ranges convolved channel by channel: (linear, start, stop) per member
+    depthwise_joined: set[tuple[tuple[str, int, int], ...]] = field(default_factory=set)
 
     def pieces(self) -> list[tuple[int, int, Optional[int]]]:
         """Consecutive feature ranges ``(start, stop, unit)`` between every cut point, each with the width of the
@@ -330,12 +338,17 @@ class _Columns:
         # d = the last two dims are (groups, d) over the features)
         self.tracked: dict[int, tuple[torch.Tensor, str, int, int, Optional[int]]] = {}
         self.names: dict[int, str] = {}  # id of a buffer of the block -> its path in the block
+        # id -> (tensor kept alive, path in the block): a parameter of the block, or a view / cast of one
+        self.params: dict[int, tuple[torch.Tensor, str]] = {}
         # id of a channels entry -> the sizes of the pieces of one linear it concatenates (Qwen3-Next's
         # ``cat((q, k, v))`` of pieces cut inside per-key-head groups; its range is ``(0, sum(sizes))``)
         self.catted: dict[int, tuple[int, ...]] = {}
         # id -> (tensor kept alive, linear, start, stop, dim): the features moved to dimension ``dim`` (channels
         # first, ``(B, C, T)``, for a convolution along the sequence)
         self.channels: dict[int, tuple[torch.Tensor, str, int, int, int]] = {}
+        # id -> (tensor kept alive, members): a concatenation of ranges of several linears (``(linear, start,
+        # stop)`` each, in order), as channels (in ``channels``) or back at the last dimension
+        self.joined: dict[int, tuple[torch.Tensor, tuple[tuple[str, int, int], ...]]] = {}
 
     def watch(self, rel: str, out: torch.Tensor) -> None:
         width = int(out.shape[-1]) if out.dim() else 0
@@ -359,6 +372,10 @@ class _Columns:
         first = args[0]
         t, rel, a, b, dim = self.channels[id(first)]
         ndim = first.dim()
+        joined = self.joined.get(id(first))
+        if joined is not None and joined[0] is first and t is first:
+            self._follow_joined(name, args, kwargs, out, joined[1], dim)
+            return
         parts = self.catted.get(id(first))
         if parts is not None:
             if t is first and isinstance(out, torch.Tensor) and out.dim() == ndim:
@@ -407,8 +424,82 @@ class _Columns:
                                      "__rmul__") and tuple(out.shape) == tuple(first.shape):
             self.channels[id(out)] = (out, rel, a, b, dim)
 
+    def _follow_joined(self, name: str, args: tuple, kwargs: dict, out: Any, members: tuple[tuple[str, int, int], ...],
+                       dim: int) -> None:
+        """A concatenation of several linears' ranges (channels at ``dim``, see :attr:`ColumnLayout.depthwise_joined`)
+        through a depthwise ``conv1d`` (recorded in every member's layout), moves, slices along other dimensions and
+        elementwise ops; back at the last dimension, a split at the members' boundaries returns each its own range."""
+        first = args[0]
+        ndim, total = first.dim(), sum(b - a for _, a, b in members)
+        if dim == ndim - 1 and name in SPLIT_OPS:
+            self._split_joined(name, args, kwargs, out, members)
+            return
+        if not isinstance(out, torch.Tensor) or out.dim() != ndim:
+            return
+        new: Optional[int] = dim
+        if name == "conv1d":
+            groups = args[6] if len(args) > 6 else kwargs.get("groups", 1)
+            if dim != 1 or groups != total or int(out.shape[1]) != total:
+                return
+            for rel, _, _ in members:
+                self.layouts[rel].depthwise_joined.add(members)
+        elif name in _MOVE:
+            if name == "permute":
+                dims = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
+                order = [d % ndim for d in dims if isinstance(d, int)]
+                new = order.index(dim) if len(order) == ndim and dim in order else None
+            else:
+                moved = [d % ndim for d in args[1:3] if isinstance(d, int)]
+                new = (moved[1] if moved[0] == dim else moved[0] if moved[1] == dim else dim) \
+                    if len(moved) == 2 else None
+        elif name == "__getitem__" and len(args) > 1:
+            if _dim_entry(args[1], ndim, dim) != slice(None) or int(out.shape[dim]) != total:
+                return
+        elif name not in _ELEMENTWISE + ("contiguous", "clone", "to", "float", "type_as") \
+                or tuple(out.shape) != tuple(first.shape):
+            return
+        if new is None:
+            return
+        self.joined[id(out)] = (out, members)
+        self.channels[id(out)] = (out, members[0][0], 0, total, new)
+
+    def _split_joined(self, name: str, args: tuple, kwargs: dict, out: Any,
+                      members: tuple[tuple[str, int, int], ...]) -> None:
+        """A split along the last dimension of a joined concatenation at its members' boundaries: each piece is its
+        member's range again (Kimi-Linear's ``q, k, v = split(conv_out, [d] * 3, dim=-1)``)."""
+        first = args[0]
+        dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+        if name not in SPLIT_OPS or name == "unbind" or not isinstance(out, (tuple, list)) or not isinstance(dim, int) \
+                or dim % first.dim() != first.dim() - 1:
+            return
+        if [int(p.shape[-1]) for p in out] == [b - a for _, a, b in members]:
+            for piece, (rel, a, b) in zip(out, members):
+                self._track(piece, rel, a, b, None)
+
+    def _param_of(self, t: Any) -> Optional[str]:
+        """The block parameter ``t`` is (or a view / cast of), by its path in the block."""
+        entry = self.params.get(id(t)) if isinstance(t, torch.Tensor) else None
+        return entry[1] if entry is not None and entry[0] is t else None
+
+    def _feature_param(self, name: str, args: tuple, out: Any, rel: str, a: int, b: int) -> None:
+        """``range + param`` / ``range * param`` with a block parameter shaped ``(W,)`` or ``(1, ..., 1, W)`` over
+        the range's ``W`` features: recorded in :attr:`ColumnLayout.feature_params`, the sum still the range."""
+        first, other = args[0], args[1]
+        path = self._param_of(other)
+        width = int(first.shape[-1])
+        if path is None or not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(first.shape) \
+                or int(other.shape[-1]) != width or any(int(d) != 1 for d in other.shape[:-1]):
+            return
+        self.layouts[rel].feature_params[path] = (a, b)
+        self._track(out, rel, a, b, None)
+
     def follow(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
         first = args[0] if args else None
+        if self.params and isinstance(first, torch.Tensor) and isinstance(out, torch.Tensor) \
+                and name in ("view", "reshape", "float", "to", "type_as", "unsqueeze") and out.numel() == first.numel():
+            path = self._param_of(first)
+            if path is not None:
+                self.params[id(out)] = (out, path)
         if isinstance(first, torch.Tensor) and id(first) in self.channels:
             self._follow_channels(name, args, kwargs, out)
             return
@@ -448,6 +539,10 @@ class _Columns:
         if name in _SCALE and sub is None and tuple(out.shape) == tuple(first.shape) and all(
                 isinstance(x, (int, float)) for x in args[1:]):
             self._track(out, rel, a, b, None)  # q * scaling
+            return
+        if name in ("add", "__add__", "mul", "__mul__") and sub is None and len(args) == 2 \
+                and self._param_of(args[1]) is not None:
+            self._feature_param(name, args, out, rel, a, b)
             return
         if name in ("mul", "__mul__") and sub is None and tuple(out.shape) == tuple(first.shape) and len(args) == 2:
             other = args[1]
@@ -567,8 +662,13 @@ class _Consumers(TorchFunctionMode):
         dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
         if not isinstance(dim, int) or out.dim() < 2 or dim % out.dim() != out.dim() - 1 or len(parts) < 2:
             return
+        if not all(isinstance(p, torch.Tensor) for p in parts):
+            return
         origins = {self.origin_of(p) for p in parts}
-        if len(origins) != 1 or not all(isinstance(p, torch.Tensor) for p in parts):
+        if len(origins) == len(parts) and all(len(o) == 1 for o in origins):
+            self._joined(parts, out)
+            return
+        if len(origins) != 1:
             return
         (origin,) = origins
         if len(origin) != 1:
@@ -577,6 +677,21 @@ class _Consumers(TorchFunctionMode):
         sizes = tuple(int(p.shape[-1]) for p in parts)
         self.columns.channels[id(out)] = (out, rel, 0, sum(sizes), out.dim() - 1)
         self.columns.catted[id(out)] = sizes
+
+    def _joined(self, parts: Any, out: torch.Tensor) -> None:
+        """A concatenation of whole tracked ranges of distinct linears (one each): followed as channels at the last
+        dimension, see :attr:`ColumnLayout.depthwise_joined`."""
+        members: list[tuple[str, int, int]] = []
+        for p in parts:
+            entry = self.columns.tracked.get(id(p))
+            if entry is None or entry[0] is not p or entry[4] is not None or int(p.shape[-1]) != entry[3] - entry[2]:
+                return
+            members.append((entry[1], entry[2], entry[3]))
+        if len({m[0] for m in members}) != len(members):
+            return
+        joined = tuple(members)
+        self.columns.channels[id(out)] = (out, joined[0][0], 0, sum(b - a for _, a, b in joined), out.dim() - 1)
+        self.columns.joined[id(out)] = (out, joined)
 
     def origin_of(self, value: Any) -> frozenset[str]:
         """The linears ``value`` (a tensor, or a nest of them) derives from."""
@@ -708,6 +823,7 @@ def trace_model(root: nn.Module, blocks_path: str, example: Any) -> ModelTrace:
             mode.__exit__(None, None, None)
             mode = _Consumers()
             mode.columns.names = {id(b): n for n, b in blocks[key].named_buffers()}
+            mode.columns.params = {id(p): (p, n) for n, p in blocks[key].named_parameters()}
             mode.__enter__()
             facts[key].mode = mode
             recording.append(key)

@@ -112,6 +112,7 @@ def plan_mixer(block_name: str, block: nn.Module, region: str, plan: BlockPlan,
     prefix = f"{region}." if region else ""
     # (linear, channels of its convolution, per rank the linear's features each channel holds, pieces inside)
     convolved: list[tuple[str, int, list[list[int]], list[_Width]]] = []
+    joins: set[tuple[tuple[str, int, int], ...]] = set()
     for name, kind in plan.linears.items():
         layout = trace.columns.get(name)
         if kind != "colwise" or not name.startswith(prefix) or layout is None:
@@ -121,6 +122,11 @@ def plan_mixer(block_name: str, block: nn.Module, region: str, plan: BlockPlan,
         for buffer, (lo, hi) in layout.scales.items():
             if buffer.startswith(prefix):  # a per-feature scale of the output: cut with the features
                 out.rows[buffer[len(prefix):]] = conv_rows(rows, lo, hi)
+        for param, (lo, hi) in layout.feature_params.items():
+            if param.startswith(prefix):  # a per-feature bias / scale parameter (``dt_bias``): cut with the features
+                out.rows[param[len(prefix):]] = conv_rows(rows, lo, hi)
+                plan.partial_params.append(param)
+                out.handled.add(param)
         for lo, hi in sorted(layout.depthwise):
             inside = [_Width(p.size, p.size // tp if p.sharded else (p.unit or p.size),
                              p.heads if p.unit else None, p.sharded) for p in pieces if lo <= p.start and p.stop <= hi]
@@ -128,6 +134,9 @@ def plan_mixer(block_name: str, block: nn.Module, region: str, plan: BlockPlan,
         for sizes in sorted(layout.depthwise_parts):
             convolved.append((name, sum(sizes), _part_rows(block_name, name, pieces, sizes, plan, tp),
                               [_Width(s, s // tp, None, True) for s in sizes]))
+        joins |= layout.depthwise_joined
+    for members in sorted(joins):
+        convolved.append(_joined(block_name, members, plan, pieces_of, tp))
     if not convolved:
         return out
     convs = _depthwise_convs(module)
@@ -150,6 +159,38 @@ def plan_mixer(block_name: str, block: nn.Module, region: str, plan: BlockPlan,
         _mixer_attrs(module, region, plan, width, len(channels[0]), inside, tp)
         _plan_norms(block_name, module, region, plan, inner, {name}, tp, out)
     return out
+
+
+def _joined(block_name: str, members: tuple[tuple[str, int, int], ...], plan: BlockPlan,
+            pieces_of: dict[str, list[Piece]], tp: int) -> tuple[str, int, list[list[int]], list["_Width"]]:
+    """A depthwise convolution over ``cat`` of ranges of several column-parallel linears (Kimi-Linear's
+    ``q_proj | k_proj | v_proj``): per rank, each member's features in its range, shifted to where the range sits in
+    the concatenation. Returns what :func:`plan_mixer` convolves: (first member, channels, rows per rank, pieces)."""
+    channels: list[list[int]] = [[] for _ in range(tp)]
+    inside: list[_Width] = []
+    offset = 0
+    for name, lo, hi in members:
+        if plan.linears.get(name) != "colwise" or name not in pieces_of:
+            raise ValueError(
+                f"{block_name}.{name}: its output features {lo}:{hi} are concatenated with those of "
+                f"{', '.join(m[0] for m in members if m[0] != name)} and convolved channel by channel, but it is not "
+                f"column-parallel ({plan.linears.get(name, 'not planned')}), so the convolution's channels cannot "
+                f"follow every member over the ranks. Fix: use tp=1 for this model, or implement {_HOOK}."
+            )
+        pieces = pieces_of[name]
+        rows = linear_rows(sum(p.size for p in pieces), tp, plan.gathered.get(name), plan.permutations.get(name))
+        for r, part in enumerate(conv_rows(rows, lo, hi)):
+            channels[r] += [offset + f for f in part]
+        inside += [_Width(p.size, p.size // tp if p.sharded else (p.unit or p.size), p.heads if p.unit else None,
+                          p.sharded) for p in pieces if lo <= p.start and p.stop <= hi]
+        offset += hi - lo
+    if len({len(c) for c in channels}) != 1:
+        raise ValueError(
+            f"{block_name}: a depthwise convolution over cat({', '.join(m[0] for m in members)}) would hold "
+            f"{[len(c) for c in channels]} channels on the {tp} ranks: its members do not split evenly. Fix: use a tp "
+            f"that divides every member's heads, or implement {_HOOK}."
+        )
+    return members[0][0], offset, channels, inside
 
 
 @dataclass(frozen=True)

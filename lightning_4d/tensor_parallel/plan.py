@@ -56,7 +56,7 @@ from lightning_4d.layer_kinds import holds_routed_experts, is_linear, is_norm
 from lightning_4d.precision import allowed_difference, max_difference
 from lightning_4d.tensor_parallel.layouts import concat_permutation
 from lightning_4d.tensor_parallel.mixers import plan_mixer
-from lightning_4d.tensor_parallel.styles import linear_features
+from lightning_4d.tensor_parallel.styles import head_axis, linear_features
 from lightning_4d.trace import ModelTrace
 
 __all__ = [
@@ -181,7 +181,9 @@ def _role(block_name: str, name: str, trace: Optional[ModelTrace]) -> str:
 def low_rank_pairs(trace: Optional[ModelTrace]) -> dict[str, str]:
     """``{up: down}`` low-rank projection pairs of the first block, by dataflow (pure): ``down`` reads its
     region's input and ``up`` reads only what ``down`` produced (through norms, splits, views), inside the same
-    region, and ``up`` is not the region's output projection. DeepSeek's multi-head latent attention is the
+    region, and ``up`` is not the region's output projection (the last linear its module calls, unless the model
+    views ``up``'s output in heads, which no output projection's is: Kimi-Linear's forget gate, a module of its own
+    whose ``f_b_proj(f_a_proj(x))`` is viewed per head). DeepSeek's multi-head latent attention is the
     case: ``kv_a_proj_with_mqa -> kv_a_layernorm -> kv_b_proj`` and ``q_a_proj -> q_a_layernorm -> q_b_proj``.
     Tensor parallelism keeps ``down`` (and what lies between) replicated and shards ``up`` by columns.
 
@@ -197,8 +199,10 @@ def low_rank_pairs(trace: Optional[ModelTrace]) -> dict[str, str]:
             continue
         (down,) = sources
         region = up.rpartition(".")[0]
+        layout = trace.columns.get(up)
+        output = trace.last_linear.get(region) == up and not (layout is not None and layout.units)
         if (down.rpartition(".")[0] != region or down not in trace.takes_block_input
-                or trace.last_linear.get(region) == up or up.rsplit(".", 1)[-1] in ROWWISE_NAMES
+                or output or up.rsplit(".", 1)[-1] in ROWWISE_NAMES
                 or up in trace.takes_block_input):
             continue
         pairs[up] = down
@@ -592,7 +596,7 @@ def _region_params(block_name: str, block: nn.Module, region: str, plan: BlockPl
             out += [f"{path}.{n}" for n, _ in sub.named_parameters()]
             done.append(sub_name)
             continue
-        own = dict(sub.named_parameters(recurse=False))
+        own = {n: p for n, p in sub.named_parameters(recurse=False) if f"{path}.{n}" not in handled}
         if not own:
             continue
         size = getattr(sub, "weight", None)
@@ -619,13 +623,14 @@ def _region_params(block_name: str, block: nn.Module, region: str, plan: BlockPl
             # column-parallel ``up_proj`` output): each rank's gradient is its features' part of the whole.
             out += [f"{path}.{n}" for n in own]
             continue
-        per_head = {n: _head_slices(int(p.shape[0]), known, tp) for n, p in own.items() if p.dim() >= 1}
+        per_head = {n: _head_slices(int(p.shape[head_axis(p.shape)]), known, tp) for n, p in own.items()
+                    if p.dim() >= 1}
         if own and all(per_head.get(n) is not None for n in own):
             for n in own:
                 plan.head_params[f"{path}.{n}"] = per_head[n]  # type: ignore[assignment]
                 out.append(f"{path}.{n}")
             continue
-        firsts = sorted({int(p.shape[0]) for p in own.values() if p.dim() >= 1})
+        firsts = sorted({int(p.shape[head_axis(p.shape)]) for p in own.values() if p.dim() >= 1})
         why = (f"normalises over {size} features, a full width that tensor parallelism splits across ranks"
                if is_norm(sub) else
                f"holds only scalars, but its input does not come only from column-parallel projections of the region "
@@ -633,7 +638,7 @@ def _region_params(block_name: str, block: nn.Module, region: str, plan: BlockPl
                f"is unknown" if scalars else
                f"is not a linear layer or a norm, and is not indexed by the heads the region's "
                f"projections are viewed in: per-head parameters follow those heads over the ranks, but these have "
-               f"{' / '.join(map(str, firsts)) or 'no'} entries along their first dimension and the projections' "
+               f"{' / '.join(map(str, firsts)) or 'no'} entries along their head dimension and the projections' "
                f"head counts are {sorted(counts) or 'unknown'} (a linear-attention or state-space mixer's per-head "
                f"`dt_bias` / `A_log` count heads inside a fused, grouped projection that the trace does not cut), so "
                f"which rank's heads they belong to is unknown")

@@ -31,7 +31,8 @@ from lightning_4d.layer_kinds import is_conv1d
 from lightning_4d.trace import HiddenArg, first_param_name
 
 __all__ = ["Colwise", "Rowwise", "RegionInput", "GatheredColumns", "DistributedNorm", "install_sequence_boundary",
-           "install_head_slices", "install_head_lists", "install_row_views", "fresh_local", "linear_features"]
+           "install_head_slices", "install_head_lists", "install_row_views", "fresh_local", "linear_features",
+           "head_axis"]
 
 
 def linear_features(module: nn.Module) -> tuple[int, int]:
@@ -315,16 +316,30 @@ class DistributedNorm(ParallelStyle):
         return module
 
 
+def head_axis(shape: Sequence[int]) -> int:
+    """The dimension a per-head parameter counts its heads along: 0, or for a broadcast shape whose first dimension
+    is 1 the one dimension that is not (Kimi-Linear's ``A_log`` of shape ``(1, 1, heads, 1)``).
+
+    Example:
+        >>> head_axis((4,)), head_axis((4, 8)), head_axis((1, 1, 4, 1)), head_axis((1, 4, 8))
+        (0, 0, 2, 0)
+    """
+    rest = [i for i, s in enumerate(shape) if int(s) != 1]
+    return rest[0] if len(shape) > 1 and int(shape[0]) == 1 and len(rest) == 1 else 0
+
+
 def install_head_slices(owner: nn.Module, slices: dict[str, tuple[int, int]]) -> None:
     """During ``owner``'s forward its parameters named in ``slices`` (indexed by head along dim 0, e.g. attention
-    sinks) are this rank's heads ``param[lo:hi]``; the full parameters stay registered (their gradients, zero
-    outside this rank's heads, are summed over ``tp`` by the strategy).
+    sinks, or along the one non-unit dimension of a broadcast shape, see :func:`head_axis`) are this rank's heads
+    ``param[lo:hi]``; the full parameters stay registered (their gradients, zero outside this rank's heads, are
+    summed over ``tp`` by the strategy).
 
     Example:
         >>> attn = nn.Module(); attn.sinks = nn.Parameter(torch.arange(4.0))
         >>> install_head_slices(attn, {"sinks": (2, 4)})
     """
-    views = {name: (lambda p, lo=lo, hi=hi: p.narrow(0, lo, hi - lo)) for name, (lo, hi) in slices.items()}
+    views = {name: (lambda p, lo=lo, hi=hi: p.narrow(head_axis(p.shape), lo, hi - lo))
+             for name, (lo, hi) in slices.items()}
     swap = _Swap(owner, views)
     owner.register_forward_pre_hook(lambda mod, _args: swap.enter(mod))
     owner.register_forward_hook(lambda _mod, _args, _out: swap.leave())

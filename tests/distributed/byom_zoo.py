@@ -33,6 +33,10 @@ Families (``kind``: what it exercises under tensor parallelism):
 - ``hf-qwen3next``: Qwen3-Next, linear attention (gated delta net: per-value-head ``dt_bias`` / ``A_log``, a fused
   ``in_proj_qkvz`` viewed per key-head group, a depthwise conv over ``cat(q, k, v)``) alternating with gated full
   attention, MoE with a shared expert; transformers' PyTorch fallbacks of its kernels run on the CPU.
+- ``hf-kimilinear``: Kimi-Linear, KDA linear attention (``cat(q_proj(x), k_proj(x), v_proj(x))`` through one depthwise
+  conv, a forget gate ``f_b_proj(f_a_proj(x)) + dt_bias`` in a module of its own with a ``(1, 1, H, 1)`` ``A_log``, a
+  low-rank output gate and a gated per-head norm) beside multi-head latent attention, a dense MLP then routed experts
+  (sigmoid router with a correction bias) with a shared expert.
 - ``hf-mamba2`` / ``hf-mamba2grp``: Mamba-2 (pure state-space): a fused ``in_proj`` (``z | x | B | C | dt``) cut by
   the sizes the forward splits it into after a depthwise ``conv1d`` over ``x | B | C``, per-head ``A_log`` /
   ``dt_bias`` / ``D``, a gated RMSNorm over the inner width; one B/C group (every rank computes it; the norm runs
@@ -75,10 +79,10 @@ ZOO_KINDS = ("hf-stablelm", "hf-gemma2", "hf-gemma3", "hf-phi3", "hf-olmo2", "hf
              "hf-falcon-mq", "hf-falcon", "hf-llama4", "hf-opt", "hf-mq", "hf-bloom", "hf-mpt", "hf-qwen3next",
              "hf-xglm", "hf-gptneo", "hf-codegen", "hf-cohere", "hf-apertus", "hf-dbrx", "hf-jetmoe", "hf-mamba2",
              "hf-mamba2grp", "hf-granite4h", "hf-lfm2", "hf-falconh1",
-             "hf-nemotronh", "hf-granite4hmoe", "hf-longcat", "tt-llama3",
+             "hf-nemotronh", "hf-granite4hmoe", "hf-longcat", "hf-kimilinear", "tt-llama3",
              "tt-qwen3moe")
 ZOO_MOE_KINDS = ("hf-olmoe", "hf-gptoss", "hf-llama4", "hf-qwen3next", "hf-jetmoe", "hf-granite4hmoe", "hf-longcat",
-                 "tt-qwen3moe")
+                 "hf-kimilinear", "tt-qwen3moe")
 ZERO_EXPERTS = 2  # LongCat-Flash's zero (identity) experts beside its MOE_EXPERTS routed ones
 
 
@@ -225,6 +229,16 @@ def _hf(family: str, layers: int) -> nn.Module:
                                     head_dim=HIDDEN // HEADS, v_head_dim=HIDDEN // HEADS, moe_topk=2,
                                     n_routed_experts=MOE_EXPERTS, zero_expert_num=ZERO_EXPERTS,
                                     expert_ffn_hidden_size=MOE_FFN, routed_scaling_factor=1.5)
+    elif family == "kimilinear":  # Kimi-Linear: KDA linear attention beside latent attention, dense then routed MLPs
+        cfg = tf.KimiLinearConfig(**_common(layers), num_attention_heads=HEADS, intermediate_size=FFN,
+                                  moe_intermediate_size=MOE_FFN,
+                                  num_local_experts=MOE_EXPERTS, num_experts_per_tok=2, n_shared_experts=1,
+                                  routed_scaling_factor=1.5, kv_lora_rank=16, q_lora_rank=None,
+                                  qk_nope_head_dim=HIDDEN // HEADS, qk_rope_head_dim=4, v_head_dim=HIDDEN // HEADS,
+                                  linear_num_heads=HEADS, linear_head_dim=HIDDEN // HEADS, linear_conv_kernel_dim=4,
+                                  layer_types=["linear_attention", "full_attention"] * (layers // 2)
+                                  + ["linear_attention"] * (layers % 2),
+                                  mlp_layer_types=["dense"] + ["sparse"] * (layers - 1))
     elif family == "mq":
         cfg = tf.LlamaConfig(**_common(layers), num_attention_heads=HEADS, num_key_value_heads=1,
                              intermediate_size=FFN)

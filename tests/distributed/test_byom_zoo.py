@@ -8,8 +8,10 @@ on a projection's output), a one-KV-head Llama, Llama 4 text MoE (its forward re
 pipeline stage), OPT (linears held by the decoder layer), Bloom and MPT (ALiBi biases cut with the heads),
 Qwen3-Next (linear attention: a fused projection viewed per key-head group, q | k | v concatenated before a
 depthwise convolution), LongCat-Flash (zero experts: a router over more experts than the experts module holds, the
-identities computed by the layer; norms and sublayers kept in lists), the state-space and hybrid families (Mamba-2
-with one and two B/C groups, Granite 4.0-H dense and MoE, Falcon-H1, Nemotron-H, LFM2's short convolutions) and the
+identities computed by the layer; norms and sublayers kept in lists), Kimi-Linear (KDA linear attention: three
+projections concatenated into one depthwise convolution, a per-feature ``dt_bias``, a ``(1, 1, heads, 1)``
+``A_log``, low-rank gates; latent attention; MoE), the state-space and hybrid families (Mamba-2 with one and two
+B/C groups, Granite 4.0-H dense and MoE, Falcon-H1, Nemotron-H, LFM2's short convolutions) and the
 ``torchtitan`` package's Llama 3 and Qwen3 MoE.
 Each family runs under tp=2 with and without sequence parallelism and tp=2 × pp=2, each MoE family under ep=2 (and
 tp=2 × ep=2), or is refused at set-up (:data:`REFUSED`).
@@ -102,6 +104,11 @@ SHARDED: dict[str, list[str]] = {
     # LongCat-Flash: its two attention and MLP sublayers kept in lists (MLA: the LoRA up-projections sharded)
     "hf-longcat": [f"{_HF0}.self_attn.0.q_b_proj.weight", f"{_HF0}.self_attn.1.o_proj.weight",
                    f"{_HF0}.mlps.1.down_proj.weight"],
+    # Kimi-Linear: q | k | v from three projections concatenated into one depthwise conv; the forget gate's low-rank
+    # up-projection (viewed per head) sharded with the heads; latent attention's kv_b_proj in the next layer
+    "hf-kimilinear": [f"{_HF0}.self_attn.{n}.weight" for n in ("q_proj", "v_proj", "forget_gate.f_b_proj", "b_proj",
+                                                              "g_b_proj", "o_proj")]
+    + [f"model.model.model.layers.1.self_attn.{n}.weight" for n in ("q_proj", "kv_b_proj", "o_proj")],
     "hf-lfm2": [f"{_HF0}.conv.in_proj.weight", f"{_HF0}.conv.out_proj.weight",
                 "model.model.model.layers.1.self_attn.q_proj.weight", f"{_HF0}.feed_forward.w2.weight"],
 }
@@ -265,7 +272,7 @@ def test_per_head_norm_list_shards_with_its_heads(references: References) -> Non
 DENSE_TP = ["hf-gemma2", "hf-gemma3", "hf-phi3", "hf-olmo2", "hf-gptoss", "hf-bigcode", "hf-falcon-mq", "hf-falcon",
             "hf-opt", "hf-mq", "hf-llama4", "hf-olmoe", "hf-bloom", "hf-mpt", "hf-xglm", "hf-gptneo", "hf-codegen",
             "hf-cohere", "hf-apertus", "hf-mamba2", "hf-mamba2grp", "hf-granite4h", "hf-lfm2",
-            "hf-falconh1", "hf-nemotronh", "hf-qwen3next", "tt-llama3"]
+            "hf-falconh1", "hf-nemotronh", "hf-qwen3next", "hf-kimilinear", "tt-llama3"]
 # DBRX: without sequence parallelism (with it: refused, see REFUSED); its fused Wqkv is clamped before the split.
 NO_SP = ["hf-dbrx"]
 EP = [("tt-qwen3moe", "dp2"), ("tt-qwen3moe", "ep2"), ("tt-qwen3moe", "tp2-ep2"), ("tt-qwen3moe", "tp2"),
@@ -274,12 +281,14 @@ EP = [("tt-qwen3moe", "dp2"), ("tt-qwen3moe", "ep2"), ("tt-qwen3moe", "tp2-ep2")
       ("hf-granite4hmoe", "ep2"), ("hf-granite4hmoe", "tp2-ep2"), ("hf-qwen3next", "tp2-ep2"),
       # LongCat-Flash: a router over 4 experts and 2 zero (identity) experts the layer computes itself; its norms,
       # attention and MLP sublayers kept in lists (sequence parallelism reaches the norms in them)
-      ("hf-longcat", "ep2"), ("hf-longcat", "tp2-ep2")]
+      ("hf-longcat", "ep2"), ("hf-longcat", "tp2-ep2"),
+      ("hf-kimilinear", "ep2"), ("hf-kimilinear", "tp2-ep2")]
 # Pipeline alone where tensor parallelism is not the point: Llama 4 reads its embedding's weight on every stage
 # (a shape-only stand-in on later ones); Qwen3-Next and the hybrids (blocks of different structures as stages,
 # Nemotron-H's loop reading each block's block_type); JetMoE, whose experts
 # cannot be split over ep (its refusal below) but need not be at ep=1 (it was refused under pp alone).
-PP = ["hf-llama4", "hf-qwen3next", "hf-jetmoe", "hf-mamba2", "hf-granite4h", "hf-lfm2", "hf-falconh1", "hf-nemotronh"]
+PP = ["hf-llama4", "hf-qwen3next", "hf-jetmoe", "hf-mamba2", "hf-granite4h", "hf-lfm2", "hf-falconh1", "hf-nemotronh",
+      "hf-kimilinear"]
 PP_TP = ["hf-stablelm"] + DENSE_TP + ["tt-qwen3moe"]
 # tp=4 with 2 KV heads (StableLM: its per-KV-head norm list too; Phi-3: replicated KV pieces of a fused projection)
 # and 1 KV head (hf-mq): each rank computes the KV head its query heads use; GPT-OSS: sinks over 4 ranks.

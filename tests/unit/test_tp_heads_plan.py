@@ -245,6 +245,28 @@ def test_linear_attention_follows_key_head_groups_through_its_convolution() -> N
         block_plan(block, "layers.0", 4, trace, sequence_parallel=True)
 
 
+def test_kimi_delta_attention_follows_its_heads_through_three_projections() -> None:
+    # Kimi-Linear's KDA: cat(q_proj(x), k_proj(x), v_proj(x)) (4 heads of 8 each) through one depthwise conv, then
+    # split back; the forget gate f_b_proj(f_a_proj(x)) + dt_bias (a module of its own, viewed per head) with a
+    # (1, 1, 4, 1) A_log. Under tp=2 each rank's conv channels are its heads' features of every member.
+    _, trace, block = _traced("hf-kimilinear")
+    members = (("self_attn.q_proj", 0, 32), ("self_attn.k_proj", 0, 32), ("self_attn.v_proj", 0, 32))
+    assert trace.columns["self_attn.k_proj"].depthwise_joined == {members}
+    assert trace.columns["self_attn.q_proj"].pieces() == [(0, 32, 8)]  # the split after the conv gives q back
+    assert trace.columns["self_attn.forget_gate.f_b_proj"].feature_params == {"self_attn.forget_gate.dt_bias": (0, 32)}
+    plan = block_plan(block, "layers.0", 2, trace, sequence_parallel=True)
+    rows = plan.channel_rows["self_attn"]
+    assert rows["conv1d.weight"][1] == list(range(16, 32)) + list(range(48, 64)) + list(range(80, 96))
+    assert rows["forget_gate.dt_bias"] == [list(range(0, 16)), list(range(16, 32))]
+    assert plan.head_params["self_attn.forget_gate.A_log"] == [(0, 2), (2, 4)]
+    # the gate's down-projection stays whole, its up-projection (its module's last linear) follows the heads
+    assert plan.linears["self_attn.forget_gate.f_a_proj"] == "replicate"
+    assert plan.linears["self_attn.forget_gate.f_b_proj"] == "colwise"
+    assert plan.local_attrs["self_attn"]["qkv_dim"] == 16
+    assert {"self_attn.conv1d.weight", "self_attn.forget_gate.dt_bias",
+            "self_attn.forget_gate.A_log"} <= set(plan.partial_params)
+
+
 def test_fused_groups_per_head_norm_rows_and_scalars_follow_the_ranks() -> None:
     # CodeGen: qkv_proj is mp_num groups of q | v | k cut by embed_dim // mp_num: mp_num is per rank like a head count
     plan, _ = _plan("hf-codegen")
