@@ -76,8 +76,10 @@ def test_shard_batch_cuts_tokens_targets_and_positions() -> None:
     packed, _, shard = shard_batch(PackedInputs(tokens, positions), targets, None, 2, 1, takes_positions=True)
     assert packed.position_ids.tolist() == [[4, 5, 0, 1, 2, 3, 4, 5]]
     assert torch.equal(shard.global_docs, document_ids(positions))
-    with pytest.raises(ValueError, match="pipeline parallelism"):
-        shard_batch(PackedInputs(tokens, positions), targets, None, 2, 1, takes_positions=True, pipelined=True)
+    # packed under pp: the documents are each micro-batch's, learnt when it enters the model
+    _, _, per_micro = shard_batch(PackedInputs(tokens, positions), targets, None, 2, 1, takes_positions=True,
+                                  pipelined=True)
+    assert per_micro.per_microbatch and not shard.per_microbatch
     with pytest.raises(ValueError, match=r"\(batch, sequence, …\)"):
         shard_batch(tokens, targets[:, :8], None, 2, 0, takes_positions=False)
 
