@@ -1,11 +1,13 @@
 """Context parallelism (gloo, CPU): parity of losses and gradients with one process (1e-5 relative, fp32) for the
 package's Llama, a user's own SDPA model and transformers' Llama / Qwen3 / Gemma 3 (alternating sliding-window and
-global layers) / Mistral (a window on every layer) under cp=2 (and with activation
-checkpointing, with gradient accumulation and clipping, and built on the meta device), cp=2 × tp=2, cp=2 × dp=2, cp=2 × pp=2 and an MoE under cp=2 × ep=2;
-exact attention on raw tensors (causal, packed documents, GQA, a sliding window with and without documents) with its K/V bytes on the wire equal to the
-formula; packed documents giving the loss of each document run alone under cp=2, cp=2 × tp=2 and cp=2 × pp=2 (each micro-batch's documents, all-gathered positions) (and another loss
-without the document mask); the communication monitor's cp and dp_cp axes; models refused at set-up, naming the
-module."""
+global layers) / Mistral (a window on every layer) under cp=2 (and with activation checkpointing, with gradient
+accumulation and clipping, and built on the meta device), cp=2 × tp=2, cp=2 × dp=2, cp=2 × pp=2 (also on packed
+documents, with and without activation checkpointing: each micro-batch's documents) and an MoE under cp=2 × ep=2;
+exact attention on raw tensors (causal, packed documents, GQA, a sliding window with and without documents) with its
+K/V bytes on the wire equal to the formula; packed documents giving the loss of each document run alone under cp=2,
+cp=2 × tp=2 and cp=2 × pp=2 (and another loss without the document mask); the communication monitor's cp and dp_cp
+axes; models refused at set-up, naming the module (eager attention, Gemma 2's logit soft-capping, positions from the
+local length)."""
 
 from __future__ import annotations
 
@@ -245,6 +247,8 @@ WORLD2 = [_spec("llama", dict(cp=2), 2), _spec("llama", dict(cp=2, activation_ch
           _spec("cp-user", dict(cp=2), 2), _spec("cp-hf-llama", dict(cp=2), 2), _spec("cp-hf-qwen3", dict(cp=2), 2),
           _spec("cp-hf-gemma3-window", dict(cp=2), 2), _spec("cp-hf-mistral-window", dict(cp=2), 2)]
 WORLD4 = [_spec("llama", dict(cp=2, tp=2), 4), _spec("llama", dict(cp=2, dp=2), 4), _spec("llama", dict(cp=2, pp=2), 4),
+          _spec("llama", dict(cp=2, pp=2), 4, packed=True),  # packed: documents per micro-batch
+          _spec("llama", dict(cp=2, pp=2, activation_checkpointing="full"), 4, packed=True),
           _spec("llama", dict(cp=2, dp=2, data_parallel="replicate"), 4), _spec("cp-user", dict(cp=2, tp=2), 4),
           _spec("cp-user", dict(cp=2, dp=2), 4), _spec("moe", dict(cp=2, ep=2), 4),
           _spec("moe", dict(cp=2, ep=2, tp=2), 4)]
