@@ -3,7 +3,8 @@
 - :mod:`.zigzag`: which tokens a rank holds (a head and a tail chunk of ``2·cp``), pure.
 - :mod:`.sharding`: one batch cut for this rank (tokens, targets, global positions).
 - :mod:`.attention`: the ``scaled_dot_product_attention`` calls of the model made global (K/V all-gather or
-  Ulysses, the causal / per-document mask from global positions).
+  Ulysses, the causal / per-document / sliding-window mask from global positions).
+- :mod:`.windows`: each layer's sliding window, tracked while the layer runs.
 - :mod:`.collectives`: the all-gather along the sequence (its backward a reduce-scatter).
 - :mod:`.ulysses`: the other algorithm, q/k/v all-to-all heads ↔ sequence (DeepSpeed-Ulysses).
 - :mod:`.algorithm`: which of the two runs a model (``cp_algorithm``: ``auto`` / ``allgather`` / ``ulysses``), pure.

@@ -2,9 +2,10 @@
 
 Three checks, before the model is rewritten for the mesh:
 
-1. **Declared** (no forward): a sliding window (``sliding_window`` / ``layer_types`` with ``sliding_attention``
-   on a module or its ``config``) or ALiBi (a module or attribute named ``alibi``): the attention mask of those
-   depends on distances the local chunk does not show.
+1. **Declared** (no forward): ALiBi (a module or attribute named ``alibi``), a position bias the local chunk's
+   offsets would get wrong, and attention logit soft-capping (``attn_logit_softcapping`` on a module or its
+   ``config``: Gemma 2), a ``tanh`` on the scores ``F.scaled_dot_product_attention`` cannot compute. (Sliding
+   windows are supported: :mod:`.windows` tracks each layer's, the mask is recomputed from global positions.)
 2. **Traced** (one forward of the whole model on a tiny example): attention written by hand (a ``matmul`` /
    ``softmax`` producing ``(T, T)`` scores, e.g. transformers' ``eager`` interface) instead of
    ``F.scaled_dot_product_attention``, the only call :class:`~.attention.ContextParallelAttention` makes global.
@@ -15,18 +16,19 @@ Three checks, before the model is rewritten for the mesh:
 
 Example:
     >>> import torch
-    >>> class Windowed(torch.nn.Module):
-    ...     sliding_window = 4
+    >>> class Capped(torch.nn.Module):
+    ...     attn_logit_softcapping = 50.0
     >>> try:
-    ...     check_declared(torch.nn.Sequential(Windowed()))
+    ...     check_declared(torch.nn.Sequential(Capped()))
     ... except UnsplittableAttention as err:
-    ...     print(str(err)[:101])
-    context parallelism cannot split the attention of module '0' (Windowed): it declares a sliding window
+    ...     print(str(err)[:100])
+    context parallelism cannot split the attention of module '0' (Capped): it caps the attention logits
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
@@ -38,8 +40,9 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_4d.batches import PackedInputs, call_model
 from lightning_4d.context_parallel.algorithm import AttentionHeads
-from lightning_4d.context_parallel.attention import ContextParallelAttention, UnsplittableAttention
+from lightning_4d.context_parallel.attention import ContextParallelAttention, UnsplittableAttention, bind_microbatches
 from lightning_4d.context_parallel.sharding import shard_batch, takes_positions
+from lightning_4d.context_parallel.windows import track_windows
 from lightning_4d.context_parallel.zigzag import zigzag_split
 from lightning_4d.precision import allowed_difference, max_difference
 
@@ -49,17 +52,8 @@ _SCORE_FUNCS = {torch.matmul, torch.bmm, torch.baddbmm, torch.einsum, torch.soft
                 torch.Tensor.__matmul__, torch.Tensor.matmul, torch.Tensor.bmm}
 
 
-def _sliding_window(owner: Any) -> Optional[int]:
-    window = getattr(owner, "sliding_window", None)
-    layer_types = getattr(owner, "layer_types", None) or ()
-    if isinstance(window, int) and not isinstance(window, bool) and window > 0:
-        if not layer_types or "sliding_attention" in layer_types:
-            return window
-    return None
-
-
 def check_declared(module: nn.Module) -> None:
-    """Refuse a declared sliding window or ALiBi, naming the module (see the module doc). Pure.
+    """Refuse declared attention logit soft-capping or ALiBi, naming the module (see the module doc). Pure.
 
     Example:
         >>> check_declared(torch.nn.Linear(2, 2))  # nothing declared
@@ -70,12 +64,14 @@ def check_declared(module: nn.Module) -> None:
         if owner is None:
             continue
         whose = "it" if owner is sub else "its config"
-        window = _sliding_window(owner)
-        if window is not None:
+        cap = getattr(owner, "attn_logit_softcapping", None)
+        if isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap:
             raise UnsplittableAttention(
                 f"context parallelism cannot split the attention of module {name!r} ({type(sub).__name__}): {whose} "
-                f"declares a sliding window of {window} tokens, whose mask the zigzag chunks cannot express (only "
-                f"causal and per-document masks are recomputed globally). Use cp=1 for this model.")
+                f"caps the attention logits (attn_logit_softcapping={cap}: scores -> cap·tanh(scores/cap)), which "
+                f"torch.nn.functional.scaled_dot_product_attention, the call made global across the cp ranks, does "
+                f"not compute (transformers runs such models with eager attention). Use cp=1 for this model, or a "
+                f"config with attn_logit_softcapping=None and attn_implementation='sdpa' (a different model).")
         alibi = [a for a, v in vars(owner).items()
                  if ("alibi" in a.lower() and v not in (None, False)) or (isinstance(v, str) and v.lower() == "alibi")]
         if (owner is sub and "alibi" in type(sub).__name__.lower()) or alibi:
@@ -83,6 +79,15 @@ def check_declared(module: nn.Module) -> None:
                 f"context parallelism cannot split the attention of module {name!r} ({type(sub).__name__}): {whose} "
                 f"uses ALiBi ({', '.join(alibi) or type(sub).__name__}), a position bias computed from the local "
                 f"chunk's offsets. Use cp=1 for this model.")
+
+
+_BOUND: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def _bind_once(module: nn.Module) -> None:
+    if module not in _BOUND:
+        _BOUND.add(module)
+        bind_microbatches(module)
 
 
 def example_length(module: nn.Module, cp: int, tp: int = 1) -> int:
@@ -228,6 +233,8 @@ def check_context_parallel(module: nn.Module, tokens: Tensor, group: Optional[di
         ModelInfo(positions=True, attention_calls=2)
     """
     check_declared(module)
+    track_windows(module)  # each layer's sliding window, while it runs: for this check and for training
+    _bind_once(module)  # packed micro-batches under pp: their positions reach the attention of every stage
     seq_len = tokens.shape[1]
     was_training = {m: m.training for m in module.modules()}
     module.eval()  # dropout off: the two runs must see the same values

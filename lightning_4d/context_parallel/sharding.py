@@ -46,8 +46,8 @@ def shard_batch(inputs: Any, targets: Any, group: Optional[dist.ProcessGroup], c
 
     Raises:
         ValueError: a sequence length not divisible by ``2·cp`` (and ``cp·tp`` under sequence parallelism), targets
-            that are not ``(B, T, …)`` tensors, packed documents under pipeline parallelism (micro-batches would need
-            their own document masks).
+            that are not ``(B, T, …)`` tensors. (Packed documents under pipeline parallelism: the shard is per
+            micro-batch, see :meth:`~.attention.SequenceShard.for_microbatch`.)
 
     Example:
         >>> x, y, _ = shard_batch(torch.zeros(1, 6), torch.zeros(1, 6), None, cp=2, rank=0, takes_positions=False)
@@ -68,16 +68,12 @@ def shard_batch(inputs: Any, targets: Any, group: Optional[dist.ProcessGroup], c
             f"{tuple(getattr(targets, 'shape', ()))}. Use per-token targets (shifted), or cp=1.")
     idx = zigzag_indices(T, cp, rank, device=tokens.device)  # (T/cp,)
     packed = isinstance(inputs, PackedInputs)
-    if packed and pipelined:
-        raise ValueError(
-            "packed documents (position_ids) with context and pipeline parallelism together are not supported yet: "
-            "the document mask of each micro-batch is not known to the attention. Use pp=1 or cp=1 for packed "
-            "batches.")
     positions = inputs.position_ids if packed else torch.arange(T, device=tokens.device)[None]  # (B or 1, T)
     local_positions = positions.index_select(1, idx)  # (B or 1, T/cp)
     local_tokens = tokens.index_select(1, idx)  # (B, T/cp)
     shard = SequenceShard(group, cp, rank, T, global_docs=document_ids(positions) if packed else None,
-                          local_docs=document_ids(local_positions) if (takes_positions or packed) else None)
+                          local_docs=document_ids(local_positions) if (takes_positions or packed) else None,
+                          per_microbatch=packed and pipelined)
     if takes_positions or packed:  # packed without a positions argument: call_model refuses it
         local_inputs: Any = PackedInputs(local_tokens, local_positions.expand(B, -1))
     else:

@@ -68,6 +68,17 @@ def make_dataset(num_samples: int, seed: int = 1234, ignore_fraction: float = 0.
     return TensorDataset(inputs, targets)
 
 
+def packed_positions(num_samples: int, seed: int = 4321) -> torch.Tensor:
+    """``position_ids`` ``(N, SEQ)`` of rows packed from 1–3 documents of random lengths (0 where one starts)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(num_samples):
+        cuts = sorted(torch.randperm(SEQ - 1, generator=gen)[:int(torch.randint(0, 3, (1,), generator=gen))] + 1)
+        bounds = [0, *map(int, cuts), SEQ]
+        rows.append(torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])]))
+    return torch.stack(rows)
+
+
 class _ReferenceBiasUpdate(L.Callback):
     """Single-process reference: apply the aux-loss-free expert-bias update after every optimizer step,
     as ``FourDStrategy.optimizer_step`` does (Lightning's own strategies never call it)."""
@@ -210,6 +221,8 @@ def fit_spec(spec: dict[str, Any]) -> dict[str, Any]:
         dp = devices // (kwargs.get("tp", 1) * kwargs.get("pp", 1) * kwargs.get("cp", 1))
         batch = global_batch // dp
     data = make_dataset(global_batch * steps * accum, seed=spec.get("data_seed", 1234))
+    if spec.get("packed"):  # (inputs, targets, position_ids): packed documents, attention kept within each
+        data = TensorDataset(*data.tensors, packed_positions(len(data)))
     if strategy_kwargs is None:
         # Lightning's DistributedSampler shuffles training data with seed 0 and gives rank r the
         # r-th of every dp indices, so global batch i is perm[i·B:(i+1)·B]: replay that order.

@@ -1,6 +1,8 @@
 """Tiny models for the context-parallel tests: a user's own model calling ``F.scaled_dot_product_attention`` with
 rotary positions from ``position_ids``, and transformers models through the package's ``HFLogits`` (which passes
-``position_ids``); plus models context parallelism must refuse."""
+``position_ids``) — Llama, Qwen3, Gemma 3 with alternating sliding-window / global layers and Mistral with a
+window on every layer (windows of 4 tokens, shorter than the 16-token sequence and than a cp=2 rank's 8); plus
+models context parallelism must refuse (eager attention; Gemma 2's attention logit soft-capping)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ from torch import nn
 
 from tests.distributed.byom_models import FFN, HEADS, HIDDEN, KV_HEADS, SEQ, VOCAB
 
-KINDS = ("cp-user", "cp-hf-llama", "cp-hf-qwen3", "cp-hf-llama-eager", "cp-hf-mistral-window")
+KINDS = ("cp-user", "cp-hf-llama", "cp-hf-qwen3", "cp-hf-gemma3-window", "cp-hf-mistral-window",
+         "cp-hf-llama-eager", "cp-hf-gemma2-softcap")
+WINDOW = 4  # sliding window (tokens) of the windowed models
 
 
 def _rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -90,8 +94,14 @@ def build_cp_model(kind: str) -> nn.Module:
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**base, attn_implementation="eager" if "eager" in kind else "sdpa"))
     elif kind == "cp-hf-qwen3":
         model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**base, head_dim=HIDDEN // HEADS, attn_implementation="sdpa"))
+    elif kind == "cp-hf-gemma3-window":  # layer 0 local (window), layer 1 global, as Gemma 2 / 3 alternate
+        model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(
+            **base, head_dim=HIDDEN // HEADS, sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"], attn_implementation="sdpa"))
     elif kind == "cp-hf-mistral-window":
-        model = tf.MistralForCausalLM(tf.MistralConfig(**base, sliding_window=4, attn_implementation="sdpa"))
+        model = tf.MistralForCausalLM(tf.MistralConfig(**base, sliding_window=WINDOW, attn_implementation="sdpa"))
+    elif kind == "cp-hf-gemma2-softcap":  # transformers runs Gemma 2 eager only (SDPA has no logit soft-capping)
+        model = tf.Gemma2ForCausalLM(tf.Gemma2Config(**base, head_dim=HIDDEN // HEADS, sliding_window=WINDOW))
     else:
         raise ValueError(f"unknown context-parallel test model {kind!r}; known: {', '.join(KINDS)}")
     return HFLogits(model.float())

@@ -1,12 +1,14 @@
 """Context parallelism (gloo, CPU), both algorithms (all-gather and Ulysses; "auto" picks Ulysses for these
 models, whose heads divide): parity of losses and gradients with one process (1e-5 relative, fp32) for the
-package's Llama, a user's own SDPA model and transformers' Llama / Qwen3 under cp=2 (and with activation
-checkpointing, with gradient accumulation and clipping, and built on the meta device), cp=2 × tp=2, cp=2 × dp=2, cp=2 × pp=2 and an MoE under cp=2 × ep=2;
-exact attention on raw tensors (causal, packed documents, GQA) with its bytes on the wire (K/V all-gather, Ulysses'
-all-to-alls) equal to the formulas; packed documents giving the loss of each document run alone under cp=2 (each
-algorithm) and cp=2 × tp=2 (and another loss
-without the document mask); the communication monitor's cp and dp_cp axes; models refused at set-up, naming the
-module."""
+package's Llama, a user's own SDPA model and transformers' Llama / Qwen3 / Gemma 3 (alternating sliding-window and
+global layers) / Mistral (a window on every layer) under cp=2 (and with activation checkpointing, with gradient
+accumulation and clipping, and built on the meta device), cp=2 × tp=2, cp=2 × dp=2, cp=2 × pp=2 (also on packed
+documents, with and without activation checkpointing: each micro-batch's documents) and an MoE under cp=2 × ep=2;
+exact attention on raw tensors (causal, packed documents, GQA, a sliding window with and without documents; each
+algorithm) with its bytes on the wire (K/V all-gather, Ulysses' all-to-alls) equal to the formulas; packed documents
+giving the loss of each document run alone under cp=2 (each algorithm), cp=2 × tp=2 and cp=2 × pp=2 (and another
+loss without the document mask); the communication monitor's cp and dp_cp axes; models refused at set-up, naming
+the module (eager attention, Gemma 2's logit soft-capping, positions from the local length)."""
 
 from __future__ import annotations
 
@@ -68,31 +70,50 @@ def _attention_cases(rank: int) -> dict[str, float]:
 
     from lightning_4d.comm import CommCounter, mesh_axis_groups
     from lightning_4d.context_parallel.cost import kv_wire_bytes, ulysses_wire_bytes
+    from lightning_4d.context_parallel.windows import track_windows
+    from tests.distributed.cp_models import WINDOW
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
     gen = torch.Generator().manual_seed(0)
     B, H, KV, T, E = 2, 4, 2, 16, 8
     positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3], list(range(16))])  # (B, T)
     out: dict[str, float] = {}
-    for case in ("causal", "documents", "gqa", "ulysses causal", "ulysses documents", "ulysses gqa"):
+
+    def windowed(pos: torch.Tensor, docs: bool) -> torch.Tensor:  # (B, 1, n, n): window over sequence indices
+        n = pos.shape[1]
+        idx = torch.arange(n)
+        band = (idx[:, None] - idx[None, :] < WINDOW)[None, None]  # (1, 1, n, n)
+        return band & (packed_causal_mask(pos) if docs else torch.ones(1, 1, n, n, dtype=torch.bool).tril())
+
+    class Layer(torch.nn.Module):  # declares its window as transformers' Qwen2 / Gemma 3 attention modules do
+        sliding_window = WINDOW
+
+        def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            return F.scaled_dot_product_attention(*args, **kwargs)
+
+    layer = Layer()
+    track_windows(layer)
+    for case in CASES:
         algorithm = "ulysses" if case.startswith("ulysses") else "allgather"
         kv_heads = KV if case.endswith("gqa") else H
         q = torch.randn(B, H, T, E, generator=gen, requires_grad=True)
         k, v = (torch.randn(B, kv_heads, T, E, generator=gen, requires_grad=True) for _ in range(2))
         w = torch.randn(B, H, T, E, generator=gen)
         kwargs: dict[str, Any] = dict(enable_gqa=True) if case.endswith("gqa") else {}
-        mask = packed_causal_mask(positions) if case.endswith("documents") else None
+        documents, window = "documents" in case, "window" in case
+        mask = windowed(positions, documents) if window else packed_causal_mask(positions) if documents else None
         whole = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, **kwargs)
         (whole * w).sum().backward()
         local = [zigzag_split(t.detach(), 2, rank, dim=2).requires_grad_() for t in (q, k, v)]
-        local_pos = zigzag_split(positions, 2, rank)
-        shard = SequenceShard(mesh.get_group(), 2, rank, T, global_docs=document_ids(positions) if mask is not None
+        local_pos = zigzag_split(positions if documents else torch.arange(T)[None].expand(B, T), 2, rank)
+        # the model's mask from its local chunk: the jump between the zigzag chunks starts a "document" (transformers)
+        shard = SequenceShard(mesh.get_group(), 2, rank, T, global_docs=document_ids(positions) if documents
                               else None, local_docs=document_ids(local_pos))
-        local_mask = packed_causal_mask(local_pos) if mask is not None else None
+        local_mask = windowed(local_pos, True) if window else packed_causal_mask(local_pos) if documents else None
         with CommCounter(mesh_axis_groups(mesh)) as counter:
             with ContextParallelAttention(shard, algorithm=algorithm):
-                y = F.scaled_dot_product_attention(*local, attn_mask=local_mask, is_causal=local_mask is None,
-                                                   **kwargs)
+                y = (layer if window else F.scaled_dot_product_attention)(
+                    *local, attn_mask=local_mask, is_causal=local_mask is None, **kwargs)
             (y * zigzag_split(w, 2, rank, dim=2)).sum().backward()
         # K/V on the wire (one layer): traced = formula (GQA left to SDPA gathers the repeated heads).
         out[f"{case} bytes"] = sum(v["sent_bytes"] for (axis, _), v in counter.totals().items() if axis == "cp")
@@ -101,6 +122,10 @@ def _attention_cases(rank: int) -> dict[str, float]:
         errs = [float((y.detach() - zigzag_split(whole.detach(), 2, rank, dim=2)).abs().max())]
         errs += [float((a.grad - zigzag_split(b.grad, 2, rank, dim=2)).abs().max()) for a, b in zip(local, (q, k, v))]
         out[f"{case} error"] = max(errs)
+        if window:  # the window matters: the whole sequence's attention without it differs
+            full = F.scaled_dot_product_attention(q, k, v, attn_mask=packed_causal_mask(positions) if documents
+                                                  else None, is_causal=not documents)
+            out[f"{case} without window"] = float((full - whole).detach().abs().max())
     return out
 
 
@@ -117,8 +142,10 @@ def _packed_losses(strategy: dict[str, Any], devices: int) -> dict[str, float]:
     crossing = trainer.validate(lm, DataLoader([(x, y)], batch_size=None), verbose=False)[0]["val_loss"]
     global_mask, whole_mask = SequenceShard.global_mask, SequenceShard.whole_mask
     try:  # global positions, but the mask causal only: documents see each other across the ranks
-        SequenceShard.global_mask = lambda self, documents, device: global_mask(self, False, device)  # type: ignore
-        SequenceShard.whole_mask = lambda self, documents, device: whole_mask(self, False, device)  # type: ignore
+        SequenceShard.global_mask = lambda self, documents, device, window=None: global_mask(  # type: ignore
+            self, False, device, window)
+        SequenceShard.whole_mask = lambda self, documents, device, window=None: whole_mask(  # type: ignore
+            self, False, device, window)
         undivided = trainer.validate(lm, DataLoader([(x, y, pos)], batch_size=None), verbose=False)[0]["val_loss"]
     finally:
         SequenceShard.global_mask, SequenceShard.whole_mask = global_mask, whole_mask  # type: ignore[method-assign]
@@ -149,7 +176,7 @@ def _check_packed(got: dict[str, float], reference: float, label: str) -> None:
 # ------------------------------------------------------------------------------------------- refusals
 REFUSED = {
     "cp-hf-llama-eager": "self_attn",  # transformers' eager attention: matmul + softmax, not SDPA
-    "cp-hf-mistral-window": "sliding window",
+    "cp-hf-gemma2-softcap": "attn_logit_softcapping",  # Gemma 2: SDPA has no logit soft-capping
     "nanogpt": "transformer.wpe",  # learned positions from torch.arange(T): the first module to differ
     "titan": "attention",  # rotary table sliced to T
 }
@@ -217,9 +244,12 @@ def _monitored(rank: int) -> dict[str, float]:
 def _world4(rank: int, specs: list[dict[str, Any]]) -> dict[str, Any]:
     os.environ.setdefault("PL_DISABLE_FORK", "1")
     return {"fits": world_fit(rank, specs), "packed": _packed_losses(dict(cp=2, tp=2), 4),
-            "monitored": _monitored(rank)}
+            "packed pp": _packed_losses(dict(cp=2, pp=2), 4), "monitored": _monitored(rank)}
 
 
+# Raw attention cases: each algorithm on causal, packed documents, GQA and a sliding window (with documents).
+CASES = ("causal", "documents", "gqa", "window", "window documents", "ulysses causal", "ulysses documents",
+         "ulysses gqa", "ulysses window documents")
 # The models' heads divide by cp (and tp): cp_algorithm="auto" runs Ulysses; "allgather" is named where it is meant.
 AG = dict(cp_algorithm="allgather")
 UL = dict(cp_algorithm="ulysses")
@@ -228,9 +258,12 @@ WORLD2 = [_spec("llama", dict(cp=2, **UL), 2),
           _spec("llama", dict(cp=2, activation_checkpointing="selective", **AG), 2),
           _spec("llama", dict(cp=2), 2, meta=True), _spec("llama", dict(cp=2, **AG), 2, accumulate=2, clip=0.05),
           _spec("cp-user", dict(cp=2), 2), _spec("cp-hf-llama", dict(cp=2, **AG), 2),
-          _spec("cp-hf-qwen3", dict(cp=2), 2)]
+          _spec("cp-hf-qwen3", dict(cp=2), 2), _spec("cp-hf-gemma3-window", dict(cp=2, **AG), 2),
+          _spec("cp-hf-mistral-window", dict(cp=2), 2)]
 WORLD4 = [_spec("llama", dict(cp=2, tp=2, **UL), 4),
           _spec("llama", dict(cp=2, dp=2, **AG), 4), _spec("llama", dict(cp=2, pp=2), 4),
+          _spec("llama", dict(cp=2, pp=2, **AG), 4, packed=True),  # packed: documents per micro-batch
+          _spec("llama", dict(cp=2, pp=2, activation_checkpointing="full"), 4, packed=True),
           _spec("llama", dict(cp=2, dp=2, data_parallel="replicate"), 4), _spec("cp-user", dict(cp=2, tp=2, **AG), 4),
           _spec("cp-user", dict(cp=2, dp=2), 4), _spec("moe", dict(cp=2, ep=2), 4),
           _spec("moe", dict(cp=2, ep=2, tp=2, **AG), 4)]
@@ -247,9 +280,11 @@ def test_context_parallel_two_ranks(references: dict[str, dict[str, Any]]) -> No
     results = run_world(_world2, 2, specs, timeout_s=900, pg_timeout_s=120)
     for rank_result in results:
         found = rank_result["attention"]
-        for case in ("causal", "documents", "gqa", "ulysses causal", "ulysses documents", "ulysses gqa"):
+        for case in CASES:
             assert found[f"{case} error"] < 1e-5, found
             assert found[f"{case} bytes"] == found[f"{case} formula"] > 0, found
+            if "window" in case:
+                assert found[f"{case} without window"] > 1e-3, found
     for spec, got in zip(specs, merge_ranks([r["fits"] for r in results])):
         assert_parity(got, references[_key(spec)], RTOL, label=f"{_key(spec)} {spec['strategy']}")
     reference = _packed_reference()
@@ -275,6 +310,7 @@ def test_context_parallel_four_ranks(references: dict[str, dict[str, Any]]) -> N
     reference = _packed_reference()
     for rank_result in results:
         _check_packed(rank_result["packed"], reference, "cp=2 × tp=2")
+        _check_packed(rank_result["packed pp"], reference, "cp=2 × pp=2")
     # The monitor names the cp axis (the formula's bytes: 4 sequences of 16 tokens per rank, 2 layers, the Llama's
     # K/V repeated to its 8 heads of 4 features, fp32; "auto" picks Ulysses: 8 heads divide by cp=2, all-to-all
     # only) and dp_cp (FSDP2 over dp × cp).

@@ -76,8 +76,10 @@ def test_shard_batch_cuts_tokens_targets_and_positions() -> None:
     packed, _, shard = shard_batch(PackedInputs(tokens, positions), targets, None, 2, 1, takes_positions=True)
     assert packed.position_ids.tolist() == [[4, 5, 0, 1, 2, 3, 4, 5]]
     assert torch.equal(shard.global_docs, document_ids(positions))
-    with pytest.raises(ValueError, match="pipeline parallelism"):
-        shard_batch(PackedInputs(tokens, positions), targets, None, 2, 1, takes_positions=True, pipelined=True)
+    # packed under pp: the documents are each micro-batch's, learnt when it enters the model
+    _, _, per_micro = shard_batch(PackedInputs(tokens, positions), targets, None, 2, 1, takes_positions=True,
+                                  pipelined=True)
+    assert per_micro.per_microbatch and not shard.per_microbatch
     with pytest.raises(ValueError, match=r"\(batch, sequence, …\)"):
         shard_batch(tokens, targets[:, :8], None, 2, 0, takes_positions=False)
 
@@ -113,10 +115,17 @@ class _Windowed(nn.Module):
         self.sliding_window = 128
 
 
-class _Config:  # a transformers-style config: instance attributes
+class _Capped(nn.Module):  # Gemma 2's attention: logits soft-capped
     def __init__(self) -> None:
+        super().__init__()
+        self.attn_logit_softcapping = 50.0
+
+
+class _Config:  # a transformers-style config: instance attributes
+    def __init__(self, **values: object) -> None:
         self.position_embedding_type = "absolute"
         self.use_alibi = True
+        vars(self).update(values)
 
 
 class _BiasedModel(nn.Module):
@@ -125,12 +134,65 @@ class _BiasedModel(nn.Module):
         self.config = _Config()
 
 
-def test_declared_sliding_window_and_alibi_are_refused_naming_the_module() -> None:
-    with pytest.raises(UnsplittableAttention, match=r"module 'blocks.1' \(_Windowed\): it declares a sliding window"):
-        check_declared(nn.ModuleDict({"blocks": nn.ModuleList([nn.Linear(4, 4), _Windowed()])}))
+def test_declared_softcapping_and_alibi_are_refused_naming_the_module_windows_are_not() -> None:
+    with pytest.raises(UnsplittableAttention, match=r"module 'blocks.1' \(_Capped\): it caps the attention logits"):
+        check_declared(nn.ModuleDict({"blocks": nn.ModuleList([nn.Linear(4, 4), _Capped()])}))
     with pytest.raises(UnsplittableAttention, match=r"its config uses ALiBi \(use_alibi\)"):
         check_declared(_BiasedModel())
     check_declared(nn.Sequential(nn.Linear(4, 4)))
+    check_declared(nn.ModuleDict({"blocks": nn.ModuleList([nn.Linear(4, 4), _Windowed()])}))  # supported now
+
+
+def _with_config(**values: object) -> nn.Module:
+    module = nn.Linear(2, 2)
+    module.config = _Config(use_alibi=False, **values)  # type: ignore[assignment]
+    return module
+
+
+def test_declared_window_per_module_and_config() -> None:
+    from lightning_4d.context_parallel.windows import MIXED, declared_window
+
+    assert declared_window(_Windowed()) == 128  # the module's own attribute (Qwen2 / Gemma 3 attention)
+    full = _Windowed()
+    full.sliding_window = None  # a full-attention layer of a mixed model
+    assert declared_window(full) is None
+    assert declared_window(_with_config(sliding_window=8)) == 8  # Mistral: every layer
+    assert declared_window(_with_config(sliding_window=8, layer_types=["sliding_attention"] * 2)) == 8
+    assert declared_window(_with_config(sliding_window=8, layer_types=["sliding_attention", "full_attention"])) \
+        == MIXED
+    assert declared_window(_with_config(sliding_window=None)) not in (None, 8, MIXED)  # declares nothing
+
+
+def test_window_tracking_innermost_module_wins() -> None:
+    from lightning_4d.context_parallel.windows import current_window, track_windows
+
+    seen = []
+
+    class Probe(nn.Module):
+        def __init__(self, window: object) -> None:
+            super().__init__()
+            self.sliding_window = window
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(current_window())
+            return x
+
+    outer = _with_config(sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    outer.layers = nn.ModuleList([Probe(8), Probe(None)])  # type: ignore[assignment]
+    track_windows(outer)
+    assert len(track_windows(outer)) == 0  # hooked once
+    for layer in outer.layers:  # type: ignore[union-attr]
+        layer(torch.zeros(1))
+    assert seen == [8, None] and current_window() is None
+
+
+def test_window_masks_from_global_positions() -> None:
+    shard = SequenceShard(None, cp=2, rank=0, seq_len=8)  # holds positions 0, 1, 6, 7
+    mask = shard.global_mask(False, torch.device("cpu"), window=3)[0, 0].int().tolist()
+    assert mask[3] == [0, 0, 0, 0, 0, 1, 1, 1]  # position 7 sees 5, 6, 7
+    assert mask[1] == [1, 1, 0, 0, 0, 0, 0, 0]
+    local = shard.local_masks(torch.device("cpu"), window=2)[-1][1][0, 0].int().tolist()  # plain, local indices
+    assert local == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
 
 
 def test_example_length_avoids_model_dimensions() -> None:
