@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from lightning_4d._compat import is_fake
 from lightning_4d.context_parallel.collectives import gather_sequence
 
 #: What the layout plan names as the context-parallel algorithm (:class:`ContextParallelAttention`).
@@ -194,6 +195,10 @@ class ContextParallelAttention(TorchFunctionMode):
         try:
             if attn_mask is None:
                 mask = shard.global_mask(False, query.device) if is_causal else None
+            elif attn_mask.is_meta or is_fake(attn_mask):
+                # No values to check (the planner's dry run on fake tensors; nothing is trained): the global mask a
+                # causal model gets, of the same shape. A real run checks the mask at set-up and in every step.
+                mask = shard.global_mask(shard.global_docs is not None, query.device)
             else:
                 mask = self._global_mask(_allowed(attn_mask, self.where()), query.device)
         except UnsplittableAttention as err:
