@@ -12,8 +12,8 @@ A step, in order:
 3. the backward, under :func:`loss_context` (without pipeline parallelism);
 4. :func:`finish_backward`, once per optimizer step: ``tp`` reduction of sequence-parallel partial gradients
    (:func:`~lightning_4d.parallelize.reduce_tp_partial_grads`) and the tied first/last-stage weights' gradients;
-5. the optimizer step (clipping, when asked, by :func:`~lightning_4d.distributed.global_grad_norm`), then
-   :func:`after_optimizer_step` (the aux-loss-free expert-bias update).
+5. the optimizer step (:func:`clip_grad_norm` first when the Trainer clips), then :func:`after_optimizer_step` (the
+   aux-loss-free expert-bias update).
 
 Example:
     >>> with loss_context(None, None):  # no plan, no context parallelism: nothing to enter
@@ -23,7 +23,7 @@ Example:
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, Generator, Optional
+from typing import Any, Callable, Generator, Iterable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from lightning_4d.batches import batch_tokens, call_model
 from lightning_4d.context_parallel import ContextParallelAttention, SequenceShard, shard_batch
+from lightning_4d.distributed import global_grad_norm
 from lightning_4d.expert_parallel import update_expert_bias
 from lightning_4d.loss import check_inputs, check_targets, weighted_global_loss
 from lightning_4d.mesh import Axis, FourDMesh
@@ -38,7 +39,7 @@ from lightning_4d.parallelize import ParallelPlan, reduce_tp_partial_grads
 from lightning_4d.pipeline.glue import pipeline_train_loss, sync_tied
 from lightning_4d.pipeline.runner import ScheduleRun
 
-__all__ = ["after_optimizer_step", "finish_backward", "loss_context", "shard_sequence", "step_loss"]
+__all__ = ["after_optimizer_step", "clip_grad_norm", "finish_backward", "loss_context", "shard_sequence", "step_loss"]
 
 
 def shard_sequence(mesh: FourDMesh, inputs: Any, targets: Any, positions: bool, pipelined: bool
@@ -128,6 +129,38 @@ def finish_backward(plan: Optional[ParallelPlan], mesh: FourDMesh, model: nn.Mod
     reduce_tp_partial_grads(plan, mesh, model)
     if plan is not None and plan.pipeline is not None:
         sync_tied(model, plan.pipeline, plan.pipeline_tied)
+
+
+def clip_grad_norm(plan: Optional[ParallelPlan], model: nn.Module, parameters: Iterable[nn.Parameter],
+                   max_norm: float, norm_type: float = 2.0) -> Tensor:
+    """Clip gradients by the global norm across every tp / pp / ep / dp / cp shard (one scalar all-reduce,
+    :func:`~lightning_4d.distributed.global_grad_norm`; the last stage's copy of a tied weight counted once); returns
+    the norm before clipping.
+
+    Example:
+        >>> lin = nn.Linear(2, 1); lin(torch.ones(1, 2)).sum().backward()
+        >>> round(float(clip_grad_norm(None, lin, lin.parameters(), 1.0)), 4), round(float(lin.weight.grad.norm()), 2)
+        (1.7321, 0.82)
+    """
+    params = [p for p in parameters if p.grad is not None]
+    tied = _tied_copies(plan, model)
+    pp = plan.pipeline.pp if plan is not None and plan.pipeline is not None else 1
+    total = global_grad_norm([p for p in params if id(p) not in tied], norm_type, pp)
+    coef = float(max_norm) / (float(total) + 1e-6)
+    if coef < 1.0:
+        for p in params:  # per tensor: grads may be plain tensors and DTensors on several meshes
+            p.grad.mul_(coef)
+    return total
+
+
+def _tied_copies(plan: Optional[ParallelPlan], model: nn.Module) -> set[int]:
+    """Parameters that are the last stage's copy of a weight tied to the first stage (counted once)."""
+    runner = plan.pipeline if plan is not None else None
+    tied = plan.pipeline_tied if plan is not None else []
+    if runner is None or not tied or runner.first_rank == runner.last_rank or not runner.has_last:
+        return set()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return {id(params[post]) for _, post in tied if post in params}
 
 
 def after_optimizer_step(plan: Optional[ParallelPlan], model: nn.Module) -> None:

@@ -41,7 +41,7 @@ from lightning_4d.config import FourDConfig
 from lightning_4d.context_parallel import SequenceShard, takes_positions
 from lightning_4d.context_parallel.check import ModelInfo, check_context_parallel, example_length
 from lightning_4d.data_parallel import set_gradient_sync
-from lightning_4d.distributed import all_reduce_sum, broadcast_module_state, global_grad_norm, is_on_meta, to_full
+from lightning_4d.distributed import all_reduce_sum, broadcast_module_state, is_on_meta, to_full
 from lightning_4d.heartbeat import Heartbeat
 from lightning_4d.hooks import TP_PLAN, hook_call
 from lightning_4d.loss import check_inputs
@@ -56,7 +56,7 @@ from lightning_4d.pipeline.glue import pipeline_eval
 from lightning_4d.layout_plan import LayoutPlan, load_plan
 from lightning_4d.reduced_check import check_budget_bytes, check_reduced_model, plan_share_bytes
 from lightning_4d.preemption import PreemptionSaver, resolve_signals
-from lightning_4d.step import after_optimizer_step, finish_backward, step_loss
+from lightning_4d.step import after_optimizer_step, clip_grad_norm, finish_backward, step_loss
 from lightning_4d.step import loss_context as step_loss_context
 from lightning_4d.tensor_parallel.replicas import replica_mismatches
 from lightning_4d.trace import example_tokens
@@ -519,28 +519,15 @@ class FourDStrategy(ParallelStrategy):
             yield
 
     def clip_grad_norm_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0) -> Tensor:
-        """Clip gradients by the global norm across every tp / pp / ep / dp shard.
+        """Clip gradients by the global norm across every tp / pp / ep / dp shard
+        (:func:`lightning_4d.step.clip_grad_norm`).
 
         Example:
             >>> # not run: needs a Trainer
             >>> trainer.strategy.clip_grad_norm_(model.parameters(), 1.0)  # doctest: +SKIP
         """
-        params = [p for p in parameters if p.grad is not None]
-        total = global_grad_norm([p for p in params if id(p) not in self._tied_copies()], norm_type, self.dims.pp)
-        coef = float(max_norm) / (float(total) + 1e-6)
-        if coef < 1.0:
-            for p in params:  # per tensor: grads may be plain tensors and DTensors on several meshes
-                p.grad.mul_(coef)
-        return total
-
-    def _tied_copies(self) -> set[int]:
-        """Parameters that are the last stage's copy of a weight tied to the first stage (counted once)."""
-        runner = self._plan.pipeline if self._plan is not None else None
-        tied = self._plan.pipeline_tied if self._plan is not None else []
-        if runner is None or not tied or runner.first_rank == runner.last_rank or not runner.has_last:
-            return set()
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        return {id(params[post]) for _, post in tied if post in params}
+        assert self.model is not None
+        return clip_grad_norm(self._plan, self.model, parameters, max_norm, norm_type)
 
     # ------------------------------------------------------------------ collectives
     @override

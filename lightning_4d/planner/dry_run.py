@@ -5,15 +5,18 @@ the same bytes) :func:`dry_run` does, in one process and without allocating any 
 
 1. make the process rank ``r`` of a ``fake`` process group of the full world size
    (:func:`~lightning_4d.planner.fake_world.fake_world`) and build the package's meshes
-   (:func:`lightning_4d.mesh.build_mesh`);
+   (:func:`lightning_4d.mesh.build_mesh`, with the ``cp`` axis under context parallelism);
 2. build the user's LightningModule on the ``meta`` device and rewrite it with
    :func:`lightning_4d.parallelize.parallelize_module` — the very function ``FourDStrategy`` calls:
    pipeline split, expert parallelism, TP/SP, activation checkpointing, FSDP2 / replicate;
 3. turn the (already sharded) meta parameters into fake tensors (``to_empty`` under
-   ``FakeTensorMode``) and run one micro-batch forward and backward through each of the rank's stage
-   modules (the loss under loss parallelism on the last stage), then the strategy's once-per-step
-   tp reduction of sequence-parallel partial gradients and one step of the module's own optimizer
-   (``configure_optimizers``; gradient clipping is not traced);
+   ``FakeTensorMode``) and run one training step of the strategy's own (:mod:`lightning_4d.step`, the functions
+   ``FourDStrategy`` calls): the batch's zigzag sequence shard under context parallelism, the global-batch loss
+   (forward and ``loss_fn`` under loss parallelism and the cp attention, token-weighted over ``dp × cp``; under
+   pipelining the runner's own micro-batch loss weighting, loss broadcast and token totals), the backward, the
+   once-per-step tp reduction of sequence-parallel partial gradients and tied-embedding exchange, one step of the
+   module's own optimizer (``configure_optimizers``, as Lightning builds it) and the expert-bias update (gradient
+   clipping runs only when a Trainer asks for it: not traced);
 4. record every collective with its bytes and mesh axis
    (:class:`~lightning_4d.planner.fake_world.CollectiveRecorder`) and compare them, axis by axis and
    kind by kind, with the formulas of :func:`lightning_4d.planner.comm.comm_per_rank` for the same
@@ -36,8 +39,13 @@ What is real and what is a stand-in:
 - Host-side random draws (``torch.randint``, e.g. the per-TP-rank dropout seeds) run on real tensors.
 - The pipeline check's sequential forward (``check_pipeline_model``) skips itself on meta (no data);
   the split itself is the same. Torch's pipeline schedule is not run (its warm-up reads received
-  values): each stage module runs directly, and the pp traffic is *measured* from the stage boundary
-  tensors (output forward, input gradient backward) instead of traced.
+  values): :func:`lightning_4d.pipeline.glue.pipeline_train_loss` runs with a stand-in schedule
+  (:data:`~lightning_4d.pipeline.runner.ScheduleRun`) that runs each stage module directly, and the pp
+  activation traffic is *measured* from the stage boundary tensors (output forward, input gradient backward)
+  instead of traced. Receives are not counted (the formulas count what each rank sends).
+- Under context parallelism the model's attention masks have no values on fake tensors: the cp attention
+  uses the global causal mask of the same shape (a real run checks the mask at set-up and in every step);
+  scalar reads of fake floating tensors (the loss's token total) give 1.0.
 - One micro-batch: per-step totals of the formulas scale with ``m`` (FSDP gathers per the schedule rule). When a
   rank's ``N·k`` assignments are not a multiple of ``ep`` (a short traced sequence, many ep ranks), the stand-in
   routing cannot be uniform — every rank routes alike, so fewer than ``ep`` assignments reach only the first ranks
@@ -56,9 +64,9 @@ last reduction (torch's checkpoint stops early); GPT-2's embedding output is all
 
 Nothing of the package is patched: the dry run uses the library's own seams — the MoE layers'
 :data:`~lightning_4d.expert_parallel.permute.FIXED_ROUTING` (a ``ContextVar``, set only inside
-:func:`uniform_routing`), the pipeline check's and ``grouped_mm="auto"``'s own rules for meta / fake
-tensors, and :func:`lightning_4d.parallelize.reduce_tp_partial_grads`, the step's tp reduction the
-strategy calls too.
+:func:`uniform_routing`), the pipeline check's, the cp attention's and ``grouped_mm="auto"``'s own rules for
+meta / fake tensors, the pipeline runner's ``schedule_run`` — and calls the step's functions
+(:mod:`lightning_4d.step`) the strategy calls too.
 
 Example:
     >>> import torch
@@ -112,13 +120,13 @@ __all__ = ["RankTrace", "DryRunResult", "dry_run", "fake_friendly_mode", "repres
            "traced_micro_batch", "uniform_experts", "uniform_routing", "DRY_RUN_ASSUMPTIONS"]
 
 DRY_RUN_ASSUMPTIONS = [
-    "dry run: lightning_4d.parallelize.parallelize_module (the code FourDStrategy runs) on a meta model, one rank "
-    "per pipeline rank in a fake process group of the full world size; one micro-batch forward + backward on "
-    "fake tensors, compared with the formulas for m = 1",
+    "dry run: lightning_4d.parallelize.parallelize_module and lightning_4d.step (the code FourDStrategy runs) on a "
+    "meta model, one rank per pipeline rank in a fake process group of the full world size; one training step of "
+    "one micro-batch on fake tensors, compared with the formulas for m = 1",
     "dry run: uniform routing (assignments round-robin over the ep ranks, then their experts); the expert "
     "all-to-alls, dispatch and combine are the real ones",
-    "dry run: pipeline sends measured from the stage boundary tensors (torch's schedule is not run); the "
-    "pipeline's sequential check is skipped on meta",
+    "dry run: pipeline sends measured from the stage boundary tensors (torch's schedule is not run; the rest of "
+    "the strategy's step, lightning_4d.step, is); the pipeline's sequential check is skipped on meta",
 ]
 
 _AXES = ("pp", "dp", "cp", "dp_cp", "tp", "edp", "ep")  # the axes the formulas name, in the order reports list them
