@@ -115,6 +115,16 @@ def test_moe_under_hsdp_keeps_experts_fsdp_over_edp():
     _check(result, {"tp", "dp", "ep", "edp", "dp_shard", "dp_replicate"})
 
 
+def test_moe_under_context_parallelism_routes_the_rank_s_sequence_shard():
+    from lightning_4d.models.moe import MoEConfig, MoETransformer
+
+    cfg = MoEConfig(num_experts=4, top_k=2, expert_hidden=32, n_layers=2, **LLAMA)
+    dims = ParallelDims.from_world(4, cp=2, ep=2)  # experts folded over dp × cp × tp: edp = 2·2·1 / 2 = 2
+    result = dry_run(lambda: CausalLM(MoETransformer(cfg)), TransformerSpec.from_config(cfg, seq_len=32), dims,
+                     TrainSpec(global_batch_size=dims.dp, precision="32-true"))
+    _check(result, {"cp", "dp_cp", "ep", "edp"})
+
+
 def test_gpt2_fused_qkv_and_tied_table_padded_over_dp3():
     cfg = GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, block_size=32)
     dims = ParallelDims.from_world(6, tp=2)
