@@ -30,7 +30,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from torch import Tensor
-from torch.distributed.tensor.parallel import loss_parallel
 from typing_extensions import override
 
 from lightning_4d import _compat
@@ -39,26 +38,27 @@ from lightning_4d.comm import internal_comm
 from lightning_4d.checkpoint.resume import normalize_loop_state, skip_first_batches
 from lightning_4d.checkpoint.state import load_sharded, model_state_dict, optimizer_state_dict, save_sharded
 from lightning_4d.config import FourDConfig
-from lightning_4d.context_parallel import ContextParallelAttention, SequenceShard, shard_batch, takes_positions
+from lightning_4d.context_parallel import SequenceShard, takes_positions
 from lightning_4d.context_parallel.algorithm import choose_algorithm
 from lightning_4d.context_parallel.check import ModelInfo, check_context_parallel, example_length
 from lightning_4d.data_parallel import set_gradient_sync
-from lightning_4d.distributed import all_reduce_sum, broadcast_module_state, global_grad_norm, is_on_meta, to_full
-from lightning_4d.expert_parallel import update_expert_bias
+from lightning_4d.distributed import all_reduce_sum, broadcast_module_state, is_on_meta, to_full
 from lightning_4d.heartbeat import Heartbeat
 from lightning_4d.hooks import TP_PLAN, hook_call
-from lightning_4d.loss import check_inputs, check_targets, weighted_global_loss
+from lightning_4d.loss import check_inputs
 from lightning_4d.materialize import MaterializeReport, materialize_local_shards, meta_skeleton
 from lightning_4d.mesh import Axis, FourDMesh, ParallelDims, build_mesh
 from lightning_4d.nonfinite import NonFiniteError, SkipStep, check_step
 from lightning_4d.parallelize import (
-    LayoutRow, ParallelPlan, apply_layout, describe_layout, plan_layout, reduce_tp_partial_grads,
+    LayoutRow, ParallelPlan, apply_layout, describe_layout, plan_layout,
 )
 from lightning_4d.peers import describe_peer_failure, gather_peers
-from lightning_4d.pipeline.glue import pipeline_eval, pipeline_train_loss, sync_tied
+from lightning_4d.pipeline.glue import pipeline_eval
 from lightning_4d.layout_plan import LayoutPlan, load_plan
 from lightning_4d.reduced_check import check_budget_bytes, check_reduced_model, plan_share_bytes
 from lightning_4d.preemption import PreemptionSaver, resolve_signals
+from lightning_4d.step import after_optimizer_step, clip_grad_norm, finish_backward, step_loss
+from lightning_4d.step import loss_context as step_loss_context
 from lightning_4d.tensor_parallel.replicas import replica_mismatches
 from lightning_4d.trace import example_tokens
 
@@ -418,9 +418,7 @@ class FourDStrategy(ParallelStrategy):
             with self.loss_context():
                 out = super().backward(closure_loss, optimizer, *args, **kwargs)
         if not _compat.should_accumulate(self.lightning_module.trainer):
-            self._reduce_tp_partial_grads()
-            if self._plan is not None and self._plan.pipeline is not None:
-                sync_tied(self.model, self._plan.pipeline, self._plan.pipeline_tied)
+            finish_backward(self._plan, self.mesh, self.model)
         return out
 
     def _check_replicas(self) -> None:
@@ -435,10 +433,6 @@ class FourDStrategy(ParallelStrategy):
                 f"They see sharded activations whose gradients were not summed, so training would go on wrong. "
                 f"Implement {hook_call(TP_PLAN)} to shard them, or use tp=1."
             )
-
-    def _reduce_tp_partial_grads(self) -> None:
-        """Once per step: :func:`lightning_4d.parallelize.reduce_tp_partial_grads`."""
-        reduce_tp_partial_grads(self._plan, self.mesh, self.model)
 
     def _guarded(self, closure: Callable[[], Optional[Tensor]]) -> Optional[Tensor]:
         """Run the step's forward and backward, then stop or skip it on every rank if it is not finite
@@ -489,54 +483,22 @@ class FourDStrategy(ParallelStrategy):
         if not self._replicas_checked and self.dims.tp > 1:
             self._replicas_checked = True
             self._check_replicas()
-        if self._plan is not None and self._plan.bias_update:
-
-            update_expert_bias(self.model)  # aux-loss-free balancing: after the step, on every rank
+        after_optimizer_step(self._plan, self.model)  # aux-loss-free balancing: after the step, on every rank
         return out
 
     def compute_loss(self, module: "pl.LightningModule", inputs: Any, targets: Any, stage: str = "train") -> Tensor:
-        """The global-batch loss for the mixin's steps (see :mod:`lightning_4d.loss`).
+        """The global-batch loss for the mixin's steps (:func:`lightning_4d.step.step_loss`, see
+        :mod:`lightning_4d.loss`).
 
         Example:
             >>> # not run: needs a Trainer
             >>> loss = trainer.strategy.compute_loss(module, inputs, targets)  # doctest: +SKIP
         """
-        check_inputs(batch_tokens(inputs), self._plan.input_shape if self._plan is not None else None)
-        check_targets(targets, self._plan is not None and self._plan.loss_parallel)
-        runner = self._plan.pipeline if self._plan is not None else None
-        inputs, targets = self._shard_sequence(module, inputs, targets, pipelined=runner is not None)
-        # The ranks holding different tokens of one model replica: dp, or dp × cp with context parallelism.
-        batch_ranks = self.dims.dp_cp
-        if runner is not None:
-            dp_group = self.mesh[Axis.DP_CP].get_group()
-            if stage == "train" and module.training and torch.is_grad_enabled():
-                self.zero_grad_if_needed()
-                return pipeline_train_loss(runner, module, inputs, targets, dp_group, batch_ranks,
-                                           module.trainer.accumulate_grad_batches, self.loss_context)
-            return pipeline_eval(runner, module, inputs, targets, dp_group, self.loss_context)
-        with self.loss_context():
-            outputs = call_model(module, inputs)
-            local = module.loss_fn(outputs, targets)
-        n_local = module.count_targets(targets)
-        # Always the dp (× cp) group (size 1 when dp == 1: no reduction). Never None: torch.distributed reads
-        # None as the *world*, which would count the targets once per tp/pp peer and scale the backward
-        # loss by 1/(tp·pp) while the logged value stays right (it broke the task-loss : MoE aux-loss
-        # gradient ratio under tp=2 with dp=1).
-        group = self.mesh[Axis.DP_CP].get_group()
-        return weighted_global_loss(local, n_local.to(local.device), group, batch_ranks)
-
-    def _shard_sequence(self, module: "pl.LightningModule", inputs: Any, targets: Any,
-                        pipelined: bool) -> tuple[Any, Any]:
-        """With context parallelism, this rank's zigzag share of the batch (:mod:`lightning_4d.context_parallel`);
-        :meth:`loss_context` then makes the model's attention global. Unchanged without."""
-        dims = self.dims
-        if dims.cp == 1:
-            return inputs, targets
-        inputs, targets, self._cp_shard = shard_batch(
-            inputs, targets, self.mesh[Axis.CP].get_group(), dims.cp, self.mesh.rank(Axis.CP),
-            self._cp_info.positions if self._cp_info is not None else takes_positions(module),
-            tp=dims.tp if dims.sp else 1, pipelined=pipelined)
-        return inputs, targets
+        positions = self._cp_info.positions if self._cp_info is not None else takes_positions(module)
+        loss, self._cp_shard = step_loss(module, inputs, targets, self._plan, self.mesh, positions, stage,
+                                         accumulate=module.trainer.accumulate_grad_batches,
+                                         zero_grad=self.zero_grad_if_needed)
+        return loss
 
     def predict(self, module: "pl.LightningModule", inputs: Any) -> Any:
         """Full (unsharded) model outputs on every rank."""
@@ -555,39 +517,21 @@ class FourDStrategy(ParallelStrategy):
 
     @contextmanager
     def loss_context(self) -> Generator[None, None, None]:
-        """Context for computing the loss and its backward (``loss_parallel`` under TP; with context parallelism
-        the model's attention made global for the current batch, in the backward too: recomputed activations)."""
-        plan = self._plan
-        parallel_loss = plan is not None and getattr(plan, "loss_parallel", False)
-        with loss_parallel() if parallel_loss else nullcontext():
-            algorithm = self.layout_plan.cp_algorithm if self.layout_plan is not None else "allgather"
-            with ContextParallelAttention(self._cp_shard, algorithm=algorithm) if self._cp_shard is not None \
-                    else nullcontext():
-                yield
+        """Context for computing the loss and its backward (:func:`lightning_4d.step.loss_context`: ``loss_parallel``
+        under TP; with context parallelism the model's attention made global for the current batch)."""
+        with step_loss_context(self._plan, self._cp_shard):
+            yield
 
     def clip_grad_norm_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0) -> Tensor:
-        """Clip gradients by the global norm across every tp / pp / ep / dp shard.
+        """Clip gradients by the global norm across every tp / pp / ep / dp shard
+        (:func:`lightning_4d.step.clip_grad_norm`).
 
         Example:
             >>> # not run: needs a Trainer
             >>> trainer.strategy.clip_grad_norm_(model.parameters(), 1.0)  # doctest: +SKIP
         """
-        params = [p for p in parameters if p.grad is not None]
-        total = global_grad_norm([p for p in params if id(p) not in self._tied_copies()], norm_type, self.dims.pp)
-        coef = float(max_norm) / (float(total) + 1e-6)
-        if coef < 1.0:
-            for p in params:  # per tensor: grads may be plain tensors and DTensors on several meshes
-                p.grad.mul_(coef)
-        return total
-
-    def _tied_copies(self) -> set[int]:
-        """Parameters that are the last stage's copy of a weight tied to the first stage (counted once)."""
-        runner = self._plan.pipeline if self._plan is not None else None
-        tied = self._plan.pipeline_tied if self._plan is not None else []
-        if runner is None or not tied or runner.first_rank == runner.last_rank or not runner.has_last:
-            return set()
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        return {id(params[post]) for _, post in tied if post in params}
+        assert self.model is not None
+        return clip_grad_norm(self._plan, self.model, parameters, max_norm, norm_type)
 
     # ------------------------------------------------------------------ collectives
     @override

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from lightning_4d._compat import is_fake
 from lightning_4d.batches import document_ids
 from lightning_4d.context_parallel.collectives import gather_sequence
 from lightning_4d.context_parallel.ulysses import ulysses_attention
@@ -248,7 +249,11 @@ class ContextParallelAttention(TorchFunctionMode):
         window: Optional[int] = None
         try:
             window = self._window(attn_mask, is_causal, n)
-            if attn_mask is not None:
+            if attn_mask is not None and (attn_mask.is_meta or is_fake(attn_mask)):
+                # No values to check (the planner's dry run on fake tensors; nothing is trained): the global mask a
+                # causal model gets, of the same shape. A real run checks the mask at set-up and in every step.
+                documents = shard.global_docs is not None
+            elif attn_mask is not None:
                 documents = self._documents(shard, _allowed(attn_mask, self.where()), query.device, window)
             elif is_causal:
                 documents = False

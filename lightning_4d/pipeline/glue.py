@@ -32,7 +32,7 @@ from lightning_4d.hooks import PIPELINE_HOOKS, PIPELINE_POST, PIPELINE_PRE, PIPE
 from lightning_4d.mesh import Axis, FourDMesh
 from lightning_4d.pipeline.checks import check_sequential
 from lightning_4d.pipeline.partition import PipelineSplit, stage_ids_for_rank
-from lightning_4d.pipeline.runner import PipelineRunner
+from lightning_4d.pipeline.runner import PipelineRunner, ScheduleRun
 from lightning_4d.pipeline.schedules import get_schedule_info
 from lightning_4d.pipeline.staged import StagedForward, check_staged, prune_staged
 from lightning_4d.pipeline.stages import PipelineParts, build_pipeline_stages, find_pipeline_split
@@ -184,8 +184,10 @@ def _token_total(module: nn.Module, targets: Tensor, dp_group: dist.ProcessGroup
 
 def pipeline_train_loss(runner: PipelineRunner, module: nn.Module, inputs: Any, targets: Tensor,
                         dp_group: dist.ProcessGroup, dp: int, accumulate: int,
-                        loss_context: Callable[[], ContextManager[None]]) -> Tensor:
-    """Run forward + backward of the local batch through the schedule; return the global loss.
+                        loss_context: Callable[[], ContextManager[None]],
+                        schedule_run: Optional[ScheduleRun] = None) -> Tensor:
+    """Run forward + backward of the local batch through the schedule; return the global loss. ``schedule_run``
+    replaces torch's schedule (:data:`~lightning_4d.pipeline.runner.ScheduleRun`: the planner's dry run).
 
     ``dp_group`` is always the dp group (size 1 when ``dp == 1``): ``None`` would mean the whole world,
     where TP/PP peers hold the same targets and would be counted again. Gradients must have been zeroed
@@ -198,7 +200,8 @@ def pipeline_train_loss(runner: PipelineRunner, module: nn.Module, inputs: Any, 
     check_packed(runner, module, inputs)
     total = _token_total(module, targets, dp_group)
     with loss_context():
-        local = runner.train_step(inputs, targets, grad_scale=dp / accumulate, num_tokens=total or 1.0)
+        local = runner.train_step(inputs, targets, grad_scale=dp / accumulate, num_tokens=total or 1.0,
+                                  schedule_run=schedule_run)
     return all_reduce_sum(local.detach().to(torch.float64).reshape(1).clone(), dp_group)[0].float()
 
 

@@ -40,9 +40,13 @@ from lightning_4d.pipeline.tied import sync_tied_grads
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["PipelineRunner", "EvalOutput", "default_token_count"]
+__all__ = ["PipelineRunner", "EvalOutput", "ScheduleRun", "default_token_count"]
 
 LossFn = Callable[[Any, torch.Tensor], Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]
+#: What runs one training step's micro-batches in place of torch's schedule (the planner's dry run, whose fake
+#: process group cannot run its point-to-point): ``run(runner, args, target, losses, kwargs)`` runs forward and
+#: backward, computing each micro-batch loss with :meth:`PipelineRunner.scaled_loss` and appending it to ``losses``.
+ScheduleRun = Callable[["PipelineRunner", tuple, Optional[torch.Tensor], list, dict], None]
 
 
 class EvalOutput(NamedTuple):
@@ -154,7 +158,7 @@ class PipelineRunner:
         self.has_last = self.num_stages - 1 in ids
         self.stages = [PipelineStage(m, s, self.num_stages, self.device, group=pp_group) for m, s in zip(modules, ids)]
         target = self.stages if self.info.multi_stage else self.stages[0]
-        self.schedule = self.info.torch_class(target, self.microbatches, loss_fn=self._scaled_loss, scale_grads=False)
+        self.schedule = self.info.torch_class(target, self.microbatches, loss_fn=self.scaled_loss, scale_grads=False)
         self._mode = "train"
         self._total = 1.0
         self._grad_scale = 1.0
@@ -165,8 +169,9 @@ class PipelineRunner:
             return int(self.token_count_fn(target))
         return default_token_count(target, self.ignore_index)
 
-    def _scaled_loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
-        """Micro-batch loss as handed to torch: its share of the local-batch mean, times ``grad_scale``."""
+    def scaled_loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        """Micro-batch loss as handed to torch's schedule: its share of the local-batch mean, times ``grad_scale``
+        (set by :meth:`train_step`)."""
         if self._mode == "predict":
             return torch.zeros((), device=self.device)
         value = self.loss_fn(output, target)
@@ -207,7 +212,7 @@ class PipelineRunner:
 
     def train_step(
         self, inputs: Any, targets: Optional[torch.Tensor], *, grad_scale: float = 1.0,
-        num_tokens: Optional[int] = None,
+        num_tokens: Optional[int] = None, schedule_run: Optional[ScheduleRun] = None,
     ) -> torch.Tensor:
         """Forward + backward of the local batch through the schedule; gradients accumulate in ``.grad``.
 
@@ -216,6 +221,8 @@ class PipelineRunner:
             targets: targets (batch first); used on the last stage.
             grad_scale: multiplies the gradients (e.g. ``1 / accumulate_grad_batches``); not the returned loss.
             num_tokens: the normaliser ``N`` (default: valid tokens in ``targets``).
+            schedule_run: runs the micro-batches instead of torch's schedule (:data:`ScheduleRun`; the number of
+                micro-batches is then its own).
 
         Returns:
             The local-batch loss as a 0-dim tensor, identical on every pp rank.
@@ -224,7 +231,8 @@ class PipelineRunner:
             >>> # not run: needs a process group
             >>> loss = runner.train_step(tokens, targets)  # doctest: +SKIP
         """
-        self._check_batch(inputs, targets)
+        if schedule_run is None:
+            self._check_batch(inputs, targets)
         if self.has_last:
             if targets is None:
                 raise ValueError(f"pp rank {self.pp_rank} runs the last stage and needs the targets.")
@@ -232,8 +240,12 @@ class PipelineRunner:
         self._grad_scale = float(grad_scale)
         self._mode = "train"
         losses: list[torch.Tensor] = []
-        self.schedule.step(*self._args(inputs), target=targets if self.has_last else None, losses=losses,
-                           return_outputs=False, **self._kwargs(inputs))
+        target = targets if self.has_last else None
+        if schedule_run is not None:
+            schedule_run(self, self._args(inputs), target, losses, self._kwargs(inputs))
+        else:
+            self.schedule.step(*self._args(inputs), target=target, losses=losses, return_outputs=False,
+                               **self._kwargs(inputs))
         loss = torch.zeros((), device=self.device)
         if self.has_last:
             loss = torch.stack([local_of(t).detach().float() for t in losses]).sum() / self._grad_scale

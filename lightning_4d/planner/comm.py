@@ -25,13 +25,16 @@ compute bytes ``c`` = 2 for bf16, activation ``A = b·s·h·c``):
   one whose output backward needs (torch's early stop): a dense block's MLP output reduction is not
   repeated.
 - **pp** (per micro-batch): each stage boundary to another rank carries one activation ``A`` forward
-  (``A / t`` with SP: a rank sends its sequence shard) and its gradient backward.
+  (``A / t`` with SP: a rank sends its sequence shard) and its gradient backward; with tied embeddings on two
+  ranks, the first and last stage exchange the table's local gradient shard once per step.
 - **ep** (per MoE layer and micro-batch): dispatch and combine all-to-alls forward, their reverses
   backward, each of ``S = N·k·h·c·ι`` with ``N = b·s/t`` tokens (SP) routed to ``k`` experts,
   **assuming uniform routing** (each rank sends ``(n − 1)/n`` of its assignments away) times the
   imbalance factor ``ι`` (``TrainSpec.expert_imbalance``); plus one all-to-all of ``E`` int64 counts
   (forward; again when recomputed). With a router aux loss (``TransformerSpec.router_aux_loss``) one
   all-reduce of ``2E + 1`` fp64 statistics per MoE forward over ep and edp (dp without SP).
+- **loss** (:func:`_loss_statistics`): the global-batch loss's few scalars over the ``dp × cp`` ranks (and its
+  broadcast from the last pipeline stage over pp).
 - **dp / edp** (dense parameters over dp, routed experts over edp): FSDP2 all-gathers the
   compute-dtype parameters and reduce-scatters fp32 gradients once per step; ``replicate``
   all-reduces fp32 gradients once. Units as ``lightning_4d.data_parallel`` wraps them: each block
@@ -69,7 +72,7 @@ __all__ = ["KINDS", "Collective", "block_tensor_shapes", "collective_bytes", "co
            "fsdp_elements", "root_tensor_shapes", "summarize",
            "ROUTING_ASSUMPTION"]
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "broadcast")
 ROUTING_ASSUMPTION = "uniform routing: every rank sends (ep-1)/ep of its k·N token copies away, times the imbalance"
 
 
@@ -374,11 +377,19 @@ def comm_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
             recs += [Collective(axis, "all_reduce", "router statistics (aux loss)", fwd_passes * m * n_moe,
                                 8.0 * (2 * spec.num_experts + 1), n) for axis, n in stats if n > 1]
         if dims.cp > 1:  # K/V of every attention layer: all-gathered in forward (again when recomputed), grads back
-            full = kv_gathered_bytes(b, train.seq(spec), spec.kv_width, c, t)
+            full = kv_gathered_bytes(b, train.seq(spec), spec.gathered_kv_width, c, t)
             recs += [Collective("cp", "all_gather", "K/V along the sequence (fwd)", fwd_passes * m * len(layers), full,
                                 dims.cp),
                      Collective("cp", "reduce_scatter", "K/V grads along the sequence (bwd)", m * len(layers), full,
                                 dims.cp)]
+        recs += _loss_statistics(dims, m)
+        last_rank = stage_to_rank(num_stages - 1, dims.pp, style)
+        if spec.tied_embeddings and (first or last) and last_rank != 0:
+            # The token table's two copies (first and last stage): their gradients' local shards are exchanged
+            # once per step (lightning_4d.pipeline.tied), each rank sending its own.
+            rows = -(-spec.vocab_size // t)
+            recs.append(Collective("pp", "send", "tied embedding grads (fp32, once per step)", 1,
+                                   _sharded_rows(rows, h, fsdp_ranks) * 4.0, 2))
         lp = local_params(spec, dims, layers, first, last)
         if fsdp_ranks > 1:  # FSDP2 pads dim 0 of each tensor to a multiple of its shard group
             lp = dict(lp, root=fsdp_elements(root_tensor_shapes(spec, t, first, last), fsdp_ranks),
@@ -387,6 +398,28 @@ def comm_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
         recs += _data_parallel(dims, train, m, r, lp, c, padding)
         out.append(recs)
     return out
+
+
+def _loss_statistics(dims: ParallelDims, m: int) -> list[Collective]:
+    """The global-batch loss's scalars (:mod:`lightning_4d.loss`, :func:`lightning_4d.pipeline.glue.pipeline_train_loss`)
+    over the ``dp × cp`` ranks holding different tokens: without pipelining one all-reduce of ``(Σ n·L, Σ n)`` (2 fp64)
+    per micro-step; with it the token total and the loss (1 fp64 each) once per step, and the last stage's loss
+    broadcast over pp (1 fp32).
+
+    Example:
+        >>> [(c.axis, c.kind, c.size) for c in _loss_statistics(ParallelDims.from_world(4, pp=2), 2)]
+        [('dp', 'all_reduce', 8.0), ('dp', 'all_reduce', 8.0), ('pp', 'broadcast', 4.0)]
+    """
+    axis = "dp_cp" if dims.cp > 1 else "dp"
+    out = []
+    if dims.pp == 1:
+        if dims.dp_cp > 1:
+            out.append(Collective(axis, "all_reduce", "global loss: Σ n·L and Σ n (fp64)", m, 16.0, dims.dp_cp))
+        return out
+    if dims.dp_cp > 1:
+        out += [Collective(axis, "all_reduce", "token total (fp64)", 1, 8.0, dims.dp_cp),
+                Collective(axis, "all_reduce", "global loss (fp64)", 1, 8.0, dims.dp_cp)]
+    return out + [Collective("pp", "broadcast", "loss from the last stage (fp32)", 1, 4.0, dims.pp)]
 
 
 def summarize(records: list[Collective]) -> dict[str, dict[str, float]]:

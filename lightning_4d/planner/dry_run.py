@@ -5,15 +5,18 @@ the same bytes) :func:`dry_run` does, in one process and without allocating any 
 
 1. make the process rank ``r`` of a ``fake`` process group of the full world size
    (:func:`~lightning_4d.planner.fake_world.fake_world`) and build the package's meshes
-   (:func:`lightning_4d.mesh.build_mesh`);
+   (:func:`lightning_4d.mesh.build_mesh`, with the ``cp`` axis under context parallelism);
 2. build the user's LightningModule on the ``meta`` device and rewrite it with
    :func:`lightning_4d.parallelize.parallelize_module` — the very function ``FourDStrategy`` calls:
    pipeline split, expert parallelism, TP/SP, activation checkpointing, FSDP2 / replicate;
 3. turn the (already sharded) meta parameters into fake tensors (``to_empty`` under
-   ``FakeTensorMode``) and run one micro-batch forward and backward through each of the rank's stage
-   modules (the loss under loss parallelism on the last stage), then the strategy's once-per-step
-   tp reduction of sequence-parallel partial gradients and one step of the module's own optimizer
-   (``configure_optimizers``; gradient clipping is not traced);
+   ``FakeTensorMode``) and run one training step of the strategy's own (:mod:`lightning_4d.step`, the functions
+   ``FourDStrategy`` calls): the batch's zigzag sequence shard under context parallelism, the global-batch loss
+   (forward and ``loss_fn`` under loss parallelism and the cp attention, token-weighted over ``dp × cp``; under
+   pipelining the runner's own micro-batch loss weighting, loss broadcast and token totals), the backward, the
+   once-per-step tp reduction of sequence-parallel partial gradients and tied-embedding exchange, one step of the
+   module's own optimizer (``configure_optimizers``, as Lightning builds it) and the expert-bias update (gradient
+   clipping runs only when a Trainer asks for it: not traced);
 4. record every collective with its bytes and mesh axis
    (:class:`~lightning_4d.planner.fake_world.CollectiveRecorder`) and compare them, axis by axis and
    kind by kind, with the formulas of :func:`lightning_4d.planner.comm.comm_per_rank` for the same
@@ -36,8 +39,13 @@ What is real and what is a stand-in:
 - Host-side random draws (``torch.randint``, e.g. the per-TP-rank dropout seeds) run on real tensors.
 - The pipeline check's sequential forward (``check_pipeline_model``) skips itself on meta (no data);
   the split itself is the same. Torch's pipeline schedule is not run (its warm-up reads received
-  values): each stage module runs directly, and the pp traffic is *measured* from the stage boundary
-  tensors (output forward, input gradient backward) instead of traced.
+  values): :func:`lightning_4d.pipeline.glue.pipeline_train_loss` runs with a stand-in schedule
+  (:data:`~lightning_4d.pipeline.runner.ScheduleRun`) that runs each stage module directly, and the pp
+  activation traffic is *measured* from the stage boundary tensors (output forward, input gradient backward)
+  instead of traced. Receives are not counted (the formulas count what each rank sends).
+- Under context parallelism the model's attention masks have no values on fake tensors: the cp attention
+  uses the global causal mask of the same shape (a real run checks the mask at set-up and in every step);
+  scalar reads of fake floating tensors (the loss's token total) give 1.0.
 - One micro-batch: per-step totals of the formulas scale with ``m`` (FSDP gathers per the schedule rule). When a
   rank's ``N·k`` assignments are not a multiple of ``ep`` (a short traced sequence, many ep ranks), the stand-in
   routing cannot be uniform — every rank routes alike, so fewer than ``ep`` assignments reach only the first ranks
@@ -56,9 +64,9 @@ last reduction (torch's checkpoint stops early); GPT-2's embedding output is all
 
 Nothing of the package is patched: the dry run uses the library's own seams — the MoE layers'
 :data:`~lightning_4d.expert_parallel.permute.FIXED_ROUTING` (a ``ContextVar``, set only inside
-:func:`uniform_routing`), the pipeline check's and ``grouped_mm="auto"``'s own rules for meta / fake
-tensors, and :func:`lightning_4d.parallelize.reduce_tp_partial_grads`, the step's tp reduction the
-strategy calls too.
+:func:`uniform_routing`), the pipeline check's, the cp attention's and ``grouped_mm="auto"``'s own rules for
+meta / fake tensors, the pipeline runner's ``schedule_run`` — and calls the step's functions
+(:mod:`lightning_4d.step`) the strategy calls too.
 
 Example:
     >>> import torch
@@ -112,16 +120,16 @@ __all__ = ["RankTrace", "DryRunResult", "dry_run", "fake_friendly_mode", "repres
            "traced_micro_batch", "uniform_experts", "uniform_routing", "DRY_RUN_ASSUMPTIONS"]
 
 DRY_RUN_ASSUMPTIONS = [
-    "dry run: lightning_4d.parallelize.parallelize_module (the code FourDStrategy runs) on a meta model, one rank "
-    "per pipeline rank in a fake process group of the full world size; one micro-batch forward + backward on "
-    "fake tensors, compared with the formulas for m = 1",
+    "dry run: lightning_4d.parallelize.parallelize_module and lightning_4d.step (the code FourDStrategy runs) on a "
+    "meta model, one rank per pipeline rank in a fake process group of the full world size; one training step of "
+    "one micro-batch on fake tensors, compared with the formulas for m = 1",
     "dry run: uniform routing (assignments round-robin over the ep ranks, then their experts); the expert "
     "all-to-alls, dispatch and combine are the real ones",
-    "dry run: pipeline sends measured from the stage boundary tensors (torch's schedule is not run); the "
-    "pipeline's sequential check is skipped on meta",
+    "dry run: pipeline sends measured from the stage boundary tensors (torch's schedule is not run; the rest of "
+    "the strategy's step, lightning_4d.step, is); the pipeline's sequential check is skipped on meta",
 ]
 
-_AXES = ("pp", "dp", "tp", "edp", "ep")  # the axes the formulas name, in the order reports list them
+_AXES = ("pp", "dp", "cp", "dp_cp", "tp", "edp", "ep")  # the axes the formulas name, in the order reports list them
 
 
 # ---------------------------------------------------------------------------------------------- results
@@ -255,17 +263,21 @@ def _span(ids: Sequence[int]) -> str:
 
 # ---------------------------------------------------------------------------------------------- ranks
 def representative_ranks(dims: ParallelDims) -> list[int]:
-    """One global rank per pipeline rank (the roles), with tp / dp coordinates varying between roles.
+    """One global rank per pipeline rank (the roles), with tp / cp / dp coordinates varying between roles.
 
     All ranks of a pipeline rank hold equal shares and send the same bytes, so one of each suffices;
-    pp rank ``r`` is represented by the rank with ``tp = r mod tp`` and ``dp = r mod dp``.
+    pp rank ``r`` is represented by the rank with ``tp = r mod tp``, ``cp = r mod cp`` and ``dp = r mod dp``
+    (the mesh is ``(pp, dp, cp, tp)``).
 
     Example:
         >>> representative_ranks(ParallelDims.from_world(512, tp=8, pp=4, ep=8))
         [0, 137, 274, 411]
+        >>> representative_ranks(ParallelDims.from_world(16, tp=2, pp=2, cp=2))
+        [0, 15]
     """
-    inner = dims.dp * dims.tp
-    return [r * inner + (r % dims.dp) * dims.tp + (r % dims.tp) for r in range(dims.pp)]
+    inner = dims.dp * dims.cp * dims.tp
+    return [r * inner + (r % dims.dp) * dims.cp * dims.tp + (r % dims.cp) * dims.tp + (r % dims.tp)
+            for r in range(dims.pp)]
 
 
 # ---------------------------------------------------------------------------------------------- stand-ins
@@ -286,7 +298,7 @@ def uniform_experts(num_assignments: int, num_experts: int, ep: int = 1) -> torc
 
 def traced_micro_batch(spec: TransformerSpec, dims: ParallelDims, b: int, seq_len: int) -> int:
     """Sequences the dry run traces per micro-batch: ``b``, times the smallest factor that makes each rank's
-    ``N·k`` routed assignments a multiple of ``ep`` (``N`` tokens per rank: ``b·s/tp`` with SP), so that
+    ``N·k`` routed assignments a multiple of ``ep`` (``N`` tokens per rank: ``b·s/cp``, ``/tp`` with SP), so that
     :func:`uniform_experts` gives every ep rank the same share, as the formulas assume.
 
     Example:
@@ -297,7 +309,7 @@ def traced_micro_batch(spec: TransformerSpec, dims: ParallelDims, b: int, seq_le
     """
     if dims.ep == 1 or not spec.num_experts or not spec.top_k or spec.num_experts % dims.ep:
         return b
-    assignments = b * seq_len // (dims.tp if dims.sp else 1) * spec.top_k
+    assignments = b * seq_len // dims.cp // (dims.tp if dims.sp else 1) * spec.top_k
     return b * (dims.ep // math.gcd(assignments, dims.ep))
 
 
@@ -332,8 +344,9 @@ def uniform_routing(ep: int = 1) -> Iterator[None]:
 def fake_friendly_mode() -> TorchDispatchMode:
     """A ``TorchDispatchMode`` letting the package's models run on fake tensors: ``aten.bincount`` of a fake
     tensor gives fake zeros of length ``minlength`` (the router's counts; values never matter),
-    ``aten.randint`` (host seeds) and ``.item()`` of real tensors run for real. On meta tensors (the set-up
-    trace of a meta model) ``bincount`` gives meta zeros likewise.
+    ``aten.randint`` (host seeds) and ``.item()`` of real tensors run for real, ``.item()`` of a fake floating
+    scalar (the loss's token total, read by :func:`~lightning_4d.loss.weighted_global_loss`) gives 1.0. On meta
+    tensors (the set-up trace of a meta model) ``bincount`` gives meta zeros likewise.
 
     Example:
         >>> with fake_friendly_mode():
@@ -351,6 +364,8 @@ def fake_friendly_mode() -> TorchDispatchMode:
             if func.overloadpacket is torch.ops.aten.randint or (is_item_op(func) and not is_fake(args[0])):
                 with unset_fake():
                     return func(*args, **kwargs)
+            if is_item_op(func) and is_fake(args[0]) and args[0].is_floating_point():
+                return 1.0  # a fake statistic read on the host (the loss's token total): nonzero, values never matter
             return func(*args, **kwargs)
 
     return _FakeFriendly()
@@ -384,7 +399,8 @@ def _measured_send(t: torch.Tensor) -> CommRecord:
 def _shared_axes(mesh: FourDMesh) -> dict[str, tuple[str, ...]]:
     """Each axis the formulas name → every mesh axis spanning its process group (as the recorder sees them)."""
     groups = mesh_axis_groups(mesh)
-    return {axis: groups.get(mesh[axis].get_group().group_name, (axis,)) for axis in _AXES}
+    axes = [a for a in _AXES if a != "cp" or mesh.dims.cp > 1]  # no cp dimension without context parallelism
+    return {axis: groups.get(mesh[axis].get_group().group_name, (axis,)) for axis in axes}
 
 
 def _merge_shared_axes(summary: dict[str, dict[str, float]], shared: dict[str, tuple[str, ...]]
@@ -402,13 +418,12 @@ def _merge_shared_axes(summary: dict[str, dict[str, float]], shared: dict[str, t
 def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
                 config: FourDConfig, rank: int, b: int, boundary: dict) -> RankTrace:
     import torch.distributed as dist
-    from torch.distributed.tensor.parallel import loss_parallel
 
+    from lightning_4d.context_parallel import takes_positions
     from lightning_4d.mesh import build_mesh
-    from lightning_4d.parallelize import parallelize_module, reduce_tp_partial_grads
-    from lightning_4d.pipeline.partition import stage_to_rank
-    from lightning_4d.pipeline.staged import INPUTS_KW
+    from lightning_4d.parallelize import parallelize_module
     from lightning_4d.planner.fake_world import CollectiveRecorder, fake_world
+    from lightning_4d.step import after_optimizer_step, finish_backward, loss_context, step_loss
 
     # what Lightning's mixed-precision plugin wraps the training step in
     def autocast() -> contextlib.AbstractContextManager[None]:
@@ -429,49 +444,29 @@ def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Par
         expert_modules = [module.get_submodule(n) for n in plan.expert_modules]
         expert_raf = {_reshards_after_forward(e) for e in expert_modules} - {None}
         runner = plan.pipeline
-        stages = [st.submod for st in runner.stages] if runner is not None else [module]
         stage_ids = list(runner.stage_ids) if runner is not None else [0]
-        num_stages = runner.num_stages if runner is not None else 1
         names = _shared_axes(mesh)
         fake_mode = fake_tensor_mode()
         with fake_mode:
             module.to_empty(device="cpu")
         sends: list[CommRecord] = []
-        style = runner.info.style if runner is not None else "loop"
+        schedule_run = _stand_in_schedule(dims, spec, precision, b, s, coords["pp"], boundary, sends) \
+            if runner is not None else None
         with uniform_routing(dims.ep), CollectiveRecorder(mesh) as rec, fake_mode, fake_friendly_mode():
-            tokens = torch.randint(0, spec.vocab_size, (b, s))
-            # Stages that run the model's own forward get the micro-batch's inputs on every stage.
-            kwargs = {INPUTS_KW: tokens} if runner is not None and runner.inputs_to_every_stage else {}
-            for sid, stage in zip(stage_ids, stages):
-                if sid == 0:
-                    x = tokens
-                else:
-                    shape, dtype = boundary.get("shape"), boundary.get("dtype")
-                    if shape is None:  # no first stage traced: the formula's sequence shard
-                        shape = (b, s // dims.tp if dims.sp else s, spec.hidden)
-                        dtype = precision_info(precision).compute_dtype
-                    x = torch.randn(*shape, dtype=dtype, requires_grad=True)
-                with autocast():
-                    out = stage(x, **kwargs)
-                if sid == 0 and runner is not None:
-                    first = _leaves(out)[0]
-                    boundary.setdefault("shape", tuple(first.shape))
-                    boundary.setdefault("dtype", first.dtype)
-                if sid == num_stages - 1:
-                    targets = torch.randint(0, spec.vocab_size, (b, s))
-                    with loss_parallel() if plan.loss_parallel else contextlib.nullcontext():
-                        with autocast():
-                            loss = module.loss_fn(out, targets)
-                        loss.backward()
-                else:
-                    outs = [t for t in _leaves(out) if t.requires_grad]
-                    torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-                    if stage_to_rank(sid + 1, dims.pp, style) != coords["pp"]:
-                        sends += [_measured_send(t) for t in outs]  # the boundary output
-                if sid > 0 and stage_to_rank(sid - 1, dims.pp, style) != coords["pp"]:
-                    sends.append(_measured_send(x))  # the boundary input's gradient
-            reduce_tp_partial_grads(plan, mesh, module)
+            tokens = torch.randint(0, spec.vocab_size, (b, s))  # (b, s): the micro-batch, whole sequences
+            targets = torch.randint(0, spec.vocab_size, (b, s))
+            module.train()
+            # The strategy's step (lightning_4d.step): sequence shard (cp), loss under loss_parallel / the global
+            # attention, token-weighted over dp × cp; under pp forward and backward inside the pipeline step.
+            with autocast():
+                loss, shard = step_loss(module, tokens, targets, plan, mesh, takes_positions(module),
+                                        schedule_run=schedule_run)
+            if runner is None:
+                with loss_context(plan, shard):
+                    loss.backward()
+            finish_backward(plan, mesh, module)
             skipped = _optimizer_step(module)
+            after_optimizer_step(plan, module)
         traced_records = rec.records + sends
     clear_dtensor_caches()
     assert not dist.is_initialized()
@@ -479,6 +474,8 @@ def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Par
     traced: dict[str, dict[str, float]] = {}
     traced_calls: dict[str, dict[str, int]] = {}
     for t in traced_records:
+        if t.kind == "recv":
+            continue  # bytes received are the peer's send (the formulas count what each rank sends)
         traced_calls.setdefault(t.axis, {})
         traced_calls[t.axis][t.kind] = traced_calls[t.axis].get(t.kind, 0) + 1
         if t.sent_bytes:
@@ -515,6 +512,47 @@ def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Par
     return RankTrace(rank, coords, stage_ids, layout[coords["pp"]], traced, traced_calls, analytic, analytic_calls,
                      differences, time.perf_counter() - start, notes,
                      expert_raf.copy().pop() if len(expert_raf) == 1 else None)
+
+
+def _stand_in_schedule(dims: ParallelDims, spec: TransformerSpec, precision: str, b: int, s: int, pp_rank: int,
+                       boundary: dict, sends: list[CommRecord]) -> Callable[..., None]:
+    """What replaces torch's pipeline schedule in the dry run (a :data:`~lightning_4d.pipeline.runner.ScheduleRun`):
+    one micro-batch forward and backward through each of the rank's stage modules in turn, the last stage's loss by
+    the runner's own :meth:`~lightning_4d.pipeline.runner.PipelineRunner.scaled_loss`; the stage boundary tensors
+    crossing to another pp rank are *measured* as sends (``sends``), a later stage's input is a fake tensor of the
+    shape the first stage produced (``boundary``)."""
+    from lightning_4d.pipeline.partition import stage_to_rank
+
+    def run(runner: Any, args: tuple, target: Optional[torch.Tensor], losses: list, kwargs: dict) -> None:
+        style = runner.info.style
+        for sid, stage in zip(runner.stage_ids, runner.stages):
+            if sid == 0:
+                x: Any = args
+            else:
+                shape, dtype = boundary.get("shape"), boundary.get("dtype")
+                if shape is None:  # no first stage traced: the formula's sequence shard
+                    local = s // dims.cp
+                    shape = (b, local // dims.tp if dims.sp else local, spec.hidden)
+                    dtype = precision_info(precision).compute_dtype
+                x = (torch.randn(*shape, dtype=dtype, requires_grad=True),)
+            out = stage.submod(*x, **kwargs)
+            if sid == 0:
+                first = _leaves(out)[0]
+                boundary.setdefault("shape", tuple(first.shape))
+                boundary.setdefault("dtype", first.dtype)
+            if sid == runner.num_stages - 1:
+                loss = runner.scaled_loss(out, target)
+                losses.append(loss)
+                loss.backward()
+            else:
+                outs = [t for t in _leaves(out) if t.requires_grad]
+                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+                if stage_to_rank(sid + 1, dims.pp, style) != pp_rank:
+                    sends.extend(_measured_send(t) for t in outs)  # the boundary output
+            if sid > 0 and stage_to_rank(sid - 1, dims.pp, style) != pp_rank:
+                sends.append(_measured_send(x[0]))  # the boundary input's gradient
+
+    return run
 
 
 _UNTRACED_STEP = "optimizer step not traced"
@@ -561,7 +599,7 @@ def strategy_config(dims: ParallelDims, train: TrainSpec) -> FourDConfig:
         2
     """
     return FourDConfig(
-        tp=dims.tp, pp=dims.pp, ep=dims.ep, dp=dims.dp, sequence_parallel=dims.sequence_parallel,
+        tp=dims.tp, pp=dims.pp, ep=dims.ep, dp=dims.dp, cp=dims.cp, sequence_parallel=dims.sequence_parallel,
         microbatches=train.microbatches, schedule=train.schedule if dims.pp > 1 else "1f1b",
         virtual_stages=dims.virtual_stages if dims.pp > 1 else None, data_parallel=train.data_parallel,
         activation_checkpointing=train.activation_checkpointing,
@@ -607,7 +645,7 @@ def dry_run(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Paralle
     boundary: dict = {}
     result = DryRunResult(
         world_size=dims.world_size,
-        layout={"tp": dims.tp, "pp": dims.pp, "ep": dims.ep, "dp": dims.dp, "edp": dims.edp,
+        layout={"tp": dims.tp, "pp": dims.pp, "ep": dims.ep, "dp": dims.dp, "cp": dims.cp, "edp": dims.edp,
                 "sequence_parallel": dims.sp, "virtual_stages": dims.virtual_stages,
                 "schedule": train.schedule if dims.pp > 1 else "none", "data_parallel": train.data_parallel,
                 "activation_checkpointing": train.activation_checkpointing},

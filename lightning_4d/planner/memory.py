@@ -221,7 +221,7 @@ def layer_activation_bytes(spec: TransformerSpec, layer: int, dims: ParallelDims
         mlp_div = 1 if c["moe"] else t
         coef = c["R"] + c["T_attn"] / t + c["T_mlp"] / mlp_div + c["scores"] / t
     # Context parallelism: the whole sequence's K/V, gathered for the attention, kept beyond this rank's share.
-    gathered = kv_gathered_bytes(b, train.seq(spec), spec.kv_width, train.act_bytes, t) * (1 - 1 / dims.cp)
+    gathered = kv_gathered_bytes(b, train.seq(spec), spec.gathered_kv_width, train.act_bytes, t) * (1 - 1 / dims.cp)
     return sbh * coef * train.act_bytes / 2 + gathered
 
 

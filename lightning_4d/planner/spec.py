@@ -178,6 +178,18 @@ class TransformerSpec:
         return self.kv_heads * self.head_dim
 
     @property
+    def gathered_kv_width(self) -> int:
+        """Width of the keys (and values) context parallelism all-gathers, ``heads · head_dim``: attention reads K/V
+        repeated to every query head (a model repeats them before ``scaled_dot_product_attention``, or the cp
+        attention does for ``enable_gqa``), so GQA saves nothing on the cp axis (found by the planner's dry run).
+
+        Example:
+            >>> TransformerSpec(vocab_size=8, hidden=64, layers=1, heads=4, kv_heads=2).gathered_kv_width
+            64
+        """
+        return self.heads * self.head_dim
+
+    @property
     def is_moe(self) -> bool:
         """Whether any layer is a mixture of experts."""
         return self.num_experts > 0 and bool(self.moe_layer_ids)

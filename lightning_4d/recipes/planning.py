@@ -488,12 +488,7 @@ def run_plan(cfg: Union[DictConfig, TrainConfig], out_dir: Optional[Union[str, P
     text = [format_table(plan)]
     exit_code = 0
     result = None
-    if plan_cfg.trace and setup.dims.cp > 1:  # the fake world runs no context-parallel step: formulas only
-        note = ("dry run skipped: it does not run context parallelism yet (cp > 1); the cp terms are formulas "
-                "(lightning_4d.context_parallel.cost, checked against traced K/V bytes in the test suite)")
-        plan["dry_run"] = {"ok": None, "skipped": note}
-        text += ["", note]
-    elif plan_cfg.trace:
+    if plan_cfg.trace:
         try:
             result = run_dry_run(setup)
         except Exception as err:  # noqa: BLE001 - the analytic plan stands without the cross-check

@@ -212,14 +212,14 @@ def test_planner_counts_context_parallelism() -> None:
     one, two = ParallelDims(1), ParallelDims(2, cp=2)
     # Activations: half the tokens, plus the other half of the gathered K/V.
     whole, split = (layer_activation_bytes(spec, 0, d, train, b=2) for d in (one, two))
-    assert split == whole / 2 + kv_gathered_bytes(2, 4096, spec.kv_width, train.act_bytes) / 2
+    assert split == whole / 2 + kv_gathered_bytes(2, 4096, spec.gathered_kv_width, train.act_bytes) / 2
     m1, m2 = memory_per_rank(spec, one, train)[0], memory_per_rank(spec, two, train)[0]
     assert m2.params == m1.params / 2  # FSDP2 over dp × cp
     assert m2.activations < 0.6 * m1.activations
     # Communication: the K/V all-gathers and reduce-scatters of the formula on the cp axis.
     records = comm_per_rank(spec, two, train)[0]
     sent = sum(r.bytes_sent for r in records if r.axis == "cp")
-    assert sent == kv_wire_bytes(2, 4096, spec.kv_width, layers=2, cp=2, act_bytes=train.act_bytes)
+    assert sent == kv_wire_bytes(2, 4096, spec.gathered_kv_width, layers=2, cp=2, act_bytes=train.act_bytes)
     assert {r.axis for r in records} >= {"cp", "dp_cp"}
 
 

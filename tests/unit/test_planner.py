@@ -204,7 +204,8 @@ def test_pp_ep_dp_comm_hand_computed():
     recs = comm_per_rank(spec, dims, TrainSpec(global_batch_size=8, microbatches=2))  # b = 2
     b, s, h, t, m = 2, 16, 32, 2, 2
     first, last = summarize(recs[0]), summarize(recs[1])
-    assert first["pp"] == last["pp"] == {"send": m * b * s * h * 2 / t}  # SP shard, one boundary each way
+    # SP shard, one boundary each way; the last stage's loss (1 fp32) broadcast over pp once per step
+    assert first["pp"] == last["pp"] == {"send": m * b * s * h * 2 / t, "broadcast": (1 / 2) * 4}
     tokens = b * s / t
     a2a = 4 * m * 2 * (1 / 2) * tokens * 2 * h * 2 + m * 2 * (1 / 2) * 8 * 4  # 2 MoE layers; + counts
     assert first["ep"] == {"all_to_all": a2a}

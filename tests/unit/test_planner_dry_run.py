@@ -48,11 +48,40 @@ DENSE = {
     # dp = 3 divides no dimension: FSDP2 pads every tensor's dim 0 to a multiple of 3 (the formulas too)
     "tp+sp, fsdp over dp=3 (padded)": (6, dict(tp=2), dict(), 2, {"tp", "dp"}),
     "pp 1f1b, fsdp over dp=3 (padded)": (6, dict(pp=2), dict(microbatches=2), 2, {"dp", "pp"}),
-    # HSDP: reduce-scatter / all-gather inside dp_shard, the gradient shard all-reduced over dp_replicate
-    "hsdp 2x2, tp+sp": (8, dict(tp=2, dp_shard=2), dict(data_parallel="hsdp"), 2, {"tp", "dp_shard", "dp_replicate"}),
+    # HSDP: reduce-scatter / all-gather inside dp_shard, the gradient shard all-reduced over dp_replicate (the
+    # global loss's scalars over the whole dp group)
+    "hsdp 2x2, tp+sp": (8, dict(tp=2, dp_shard=2), dict(data_parallel="hsdp"), 2,
+                        {"tp", "dp", "dp_shard", "dp_replicate"}),
     "hsdp 3x2 (padded), pp 1f1b": (12, dict(pp=2, dp_shard=2), dict(data_parallel="hsdp", microbatches=2), 2,
-                                   {"pp", "dp_shard", "dp_replicate"}),
+                                   {"pp", "dp", "dp_shard", "dp_replicate"}),
 }
+
+
+# Context parallelism: the sequence cut in zigzag chunks (lightning_4d.context_parallel), K/V all-gathered over cp in
+# every attention call (reduce-scatter backward), parameters data-parallel over dp × cp (with dp = 1 the dp × cp
+# group is the cp group: FSDP's traffic is named cp; cp × tp: test_context_parallel_kv_bytes_by_hand)
+DENSE.update({
+    "cp=2, fsdp over dp×cp": (4, dict(cp=2), dict(), 2, {"cp", "dp_cp"}),
+    "cp=2 × pp=2, fsdp over dp×cp": (8, dict(pp=2, cp=2), dict(microbatches=2), 2, {"pp", "cp", "dp_cp"}),
+})
+
+
+def test_context_parallel_kv_bytes_by_hand():
+    """The K/V all-gather of every attention call on the fake cp group against the bytes worked out by hand: the
+    package's Llama repeats its 2 K/V heads to the 4 query heads before attention, so K and V are gathered 4 heads
+    wide (``TransformerSpec.gathered_kv_width``, not the ``kv_width`` of the projections)."""
+    cfg = LlamaConfig(n_layers=2, **LLAMA)
+    b, T, heads, hd, fp32 = 1, 32, 4, 16, 4
+    for tp, ac, passes in ((1, None, 1), (2, "full", 2)):  # full AC gathers again in the recomputed forward
+        dims = ParallelDims.from_world(4 * tp, tp=tp, cp=2)  # dp = 2: FSDP's dp × cp group is not the cp group
+        train = TrainSpec(global_batch_size=dims.dp, precision="32-true", activation_checkpointing=ac)
+        result = dry_run(lambda: CausalLM(Llama(cfg)), TransformerSpec.from_config(cfg, seq_len=T), dims, train)
+        assert result.ok, result.format()
+        gathered = 2 * b * T * heads * hd // tp * fp32  # K and V stacked, the whole sequence, this tp rank's heads
+        for r in result.ranks:
+            assert r.traced["cp"]["all_gather"] == 2 * passes * gathered / 2  # 2 layers, (cp − 1)/cp of it sent
+            assert r.traced["cp"]["reduce_scatter"] == 2 * gathered / 2
+            assert r.traced_calls["cp"] == {"all_gather": 2 * passes, "reduce_scatter": 2}
 
 
 @pytest.mark.parametrize("name", list(DENSE))
@@ -83,7 +112,17 @@ def test_moe_under_hsdp_keeps_experts_fsdp_over_edp():
     dims = ParallelDims.from_world(8, tp=2, ep=2, dp_shard=2)
     train = TrainSpec(global_batch_size=4, data_parallel="hsdp", precision="32-true")
     result = dry_run(lambda: CausalLM(MoETransformer(cfg)), TransformerSpec.from_config(cfg, seq_len=32), dims, train)
-    _check(result, {"tp", "ep", "edp", "dp_shard", "dp_replicate"})
+    _check(result, {"tp", "dp", "ep", "edp", "dp_shard", "dp_replicate"})
+
+
+def test_moe_under_context_parallelism_routes_the_rank_s_sequence_shard():
+    from lightning_4d.models.moe import MoEConfig, MoETransformer
+
+    cfg = MoEConfig(num_experts=4, top_k=2, expert_hidden=32, n_layers=2, **LLAMA)
+    dims = ParallelDims.from_world(4, cp=2, ep=2)  # experts folded over dp × cp × tp: edp = 2·2·1 / 2 = 2
+    result = dry_run(lambda: CausalLM(MoETransformer(cfg)), TransformerSpec.from_config(cfg, seq_len=32), dims,
+                     TrainSpec(global_batch_size=dims.dp, precision="32-true"))
+    _check(result, {"cp", "dp_cp", "ep", "edp"})
 
 
 def test_gpt2_fused_qkv_and_tied_table_padded_over_dp3():
