@@ -3,10 +3,14 @@
 One forward + backward of the package's Llama (4 layers, dim 128, 8 heads, 4 K/V heads) on one sequence of
 ``T`` tokens (``--seq``, default 4096 8192) split zigzag over ``cp`` gloo ranks, attention made global by
 :class:`~lightning_4d.context_parallel.ContextParallelAttention`. Measured per rank: the activation bytes the
-backward keeps (every tensor saved for backward, counted once per storage, via ``saved_tensors_hooks``) and the bytes
-sent on the cp axis (:class:`~lightning_4d.comm.CommCounter`). Printed beside them: the cp = 1 activations divided by
-``cp``, the formula :func:`~lightning_4d.context_parallel.cost.activation_bytes_per_rank` (activations ÷ cp plus
-the gathered K/V) and :func:`~lightning_4d.context_parallel.cost.kv_wire_bytes`.
+backward keeps (every tensor saved for backward, counted once per storage, via ``saved_tensors_hooks``; the weights
+the matmuls save are parameters, left out) and the bytes sent on the cp axis (:class:`~lightning_4d.comm.CommCounter`).
+cp = 1 is the plain model (its own causal attention, no context-parallel machinery). Printed beside them: the cp = 1
+activations divided by ``cp``, the formula :func:`~lightning_4d.context_parallel.cost.activation_bytes_per_rank`
+(activations ÷ cp plus the gathered K/V and the additive mask), the planner's own activation term
+(:func:`planner_activation_bytes`: :func:`~lightning_4d.planner.memory.memory_per_rank`'s ``activations`` for the same
+model, sequence and cp) with its ratio to the measurement, and :func:`~lightning_4d.context_parallel.cost.kv_wire_bytes`.
+The table is quoted in docs/context_parallel_measurements.md (tests/unit/test_cp_measurements.py checks it).
 
 Run: python bench/bench_context_parallel.py [--seq 4096 8192]
 """
@@ -27,22 +31,30 @@ from lightning_4d.testing import run_world  # noqa: E402
 LAYERS, DIM, HEADS, KV_HEADS, VOCAB = 4, 128, 8, 4, 256
 
 
+def _model_config() -> Any:
+    from lightning_4d.models import LlamaConfig
+
+    return LlamaConfig(vocab_size=VOCAB, dim=DIM, n_layers=LAYERS, n_heads=HEADS, n_kv_heads=KV_HEADS,
+                       ffn_hidden=4 * DIM, max_seq_len=1 << 16)
+
+
 def _model() -> Any:
-    from lightning_4d.models import Llama, LlamaConfig
+    from lightning_4d.models import Llama
 
     torch.manual_seed(0)
-    return Llama(LlamaConfig(vocab_size=VOCAB, dim=DIM, n_layers=LAYERS, n_heads=HEADS, n_kv_heads=KV_HEADS,
-                             ffn_hidden=4 * DIM, max_seq_len=1 << 16))
+    return Llama(_model_config())
 
 
-def _saved_bytes(fn: Any) -> tuple[Any, float]:
-    """``fn()`` and the bytes of the distinct storages it saved for backward."""
+def _saved_bytes(fn: Any, params: set[int]) -> tuple[Any, float]:
+    """``fn()`` and the bytes of the distinct storages it saved for backward, parameters (``params``: their storages'
+    addresses; weights saved by the matmuls are not activations) left out."""
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "meta":
             storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
+            if storage.data_ptr() not in params:
+                seen[storage.data_ptr()] = storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -57,15 +69,30 @@ def _rank(rank: int, seq: int, cp: int) -> dict[str, float]:
     from lightning_4d.context_parallel import ContextParallelAttention, shard_batch
 
     model = _model()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     tokens = torch.randint(0, VOCAB, (1, seq), generator=torch.Generator().manual_seed(1))
     mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
-    inputs, _, shard = shard_batch(tokens, tokens, mesh.get_group(), cp, rank, takes_positions=True)
     with CommCounter(mesh_axis_groups(mesh)) as counter:
-        with ContextParallelAttention(shard):
-            logits, saved = _saved_bytes(lambda: model(*inputs))
+        if cp == 1:  # what a run without context parallelism does: the model's own causal attention
+            logits, saved = _saved_bytes(lambda: model(tokens), params)
+        else:
+            inputs, _, shard = shard_batch(tokens, tokens, mesh.get_group(), cp, rank, takes_positions=True)
+            with ContextParallelAttention(shard):
+                logits, saved = _saved_bytes(lambda: model(*inputs), params)
         logits.float().pow(2).mean().backward()
     sent = sum(v["sent_bytes"] for (axis, _), v in counter.totals().items() if axis == "cp")
     return {"saved": saved, "sent": sent}
+
+
+def planner_activation_bytes(seq: int, cp: int) -> float:
+    """The planner's activation term for the bench's model, one sequence of ``seq`` tokens, fp32, ``cp`` ranks:
+    :func:`lightning_4d.planner.memory.memory_per_rank`'s ``activations`` (its blocks) of the one rank."""
+    from lightning_4d.mesh import ParallelDims
+    from lightning_4d.planner import TrainSpec, TransformerSpec, memory_per_rank
+
+    spec = TransformerSpec.from_config(_model_config(), seq_len=seq)
+    train = TrainSpec(1, seq_len=seq, precision="32-true", kernels="eager")
+    return memory_per_rank(spec, ParallelDims.from_world(cp, cp=cp), train)[0].activations
 
 
 def main() -> None:
@@ -75,8 +102,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, nargs="+", default=[4096, 8192])
     args = parser.parse_args()
     kv_width = HEADS * DIM // HEADS  # the package's Llama repeats K/V to every head before SDPA
-    print(f"{'T':>6} {'cp':>3} {'saved MB/rank':>14} {'cp=1 / cp':>10} {'formula':>10} {'K/V sent MB':>12} "
-          f"{'formula':>9}")
+    print(f"| T | cp | saved MB/rank | cp=1 / cp | formula | planner | planner / saved | K/V sent MB | formula |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for seq in args.seq:
         whole = 0.0
         for cp in (1, 2, 4):
@@ -84,9 +111,11 @@ def main() -> None:
             saved = max(r["saved"] for r in got)
             whole = whole or saved
             formula = activation_bytes_per_rank(whole, 1, seq, kv_width, LAYERS, cp, act_bytes=4)
+            planner = planner_activation_bytes(seq, cp)
             kv = kv_wire_bytes(1, seq, kv_width, LAYERS, cp, act_bytes=4)
-            print(f"{seq:>6} {cp:>3} {saved / 1e6:>14.1f} {whole / cp / 1e6:>10.1f} {formula / 1e6:>10.1f} "
-                  f"{got[0]['sent'] / 1e6:>12.2f} {kv / 1e6:>9.2f}")
+            print(f"| {seq} | {cp} | {saved / 1e6:.1f} | {whole / cp / 1e6:.1f} | {formula / 1e6:.1f} | "
+                  f"{planner / 1e6:.1f} | {planner / saved:.2f} | {got[0]['sent'] / 1e6:.2f} | {kv / 1e6:.2f} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -374,7 +374,7 @@ def comm_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
             recs += [Collective(axis, "all_reduce", "router statistics (aux loss)", fwd_passes * m * n_moe,
                                 8.0 * (2 * spec.num_experts + 1), n) for axis, n in stats if n > 1]
         if dims.cp > 1:  # K/V of every attention layer: all-gathered in forward (again when recomputed), grads back
-            full = kv_gathered_bytes(b, train.seq(spec), spec.kv_width, c, t)
+            full = kv_gathered_bytes(b, train.seq(spec), spec.q_width, c, t)  # K/V repeated to every head
             recs += [Collective("cp", "all_gather", "K/V along the sequence (fwd)", fwd_passes * m * len(layers), full,
                                 dims.cp),
                      Collective("cp", "reduce_scatter", "K/V grads along the sequence (bwd)", m * len(layers), full,
