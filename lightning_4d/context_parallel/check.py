@@ -42,13 +42,21 @@ from lightning_4d.context_parallel.sharding import shard_batch, takes_positions
 from lightning_4d.context_parallel.zigzag import zigzag_split
 from lightning_4d.precision import allowed_difference, max_difference
 
-__all__ = ["ModelInfo", "check_context_parallel", "check_declared", "example_length"]
+__all__ = ["ModelInfo", "check_context_parallel", "check_declared", "declared_sliding_window", "example_length"]
 
 _SCORE_FUNCS = {torch.matmul, torch.bmm, torch.baddbmm, torch.einsum, torch.softmax, F.softmax, torch.Tensor.softmax,
                 torch.Tensor.__matmul__, torch.Tensor.matmul, torch.Tensor.bmm}
 
 
-def _sliding_window(owner: Any) -> Optional[int]:
+def declared_sliding_window(owner: Any) -> Optional[int]:
+    """The sliding window (tokens) a module or a config declares for its attention, else ``None``.
+
+    Example:
+        >>> class Cfg:
+        ...     sliding_window, layer_types = 4, ["full_attention"]
+        >>> declared_sliding_window(Cfg()) is None
+        True
+    """
     window = getattr(owner, "sliding_window", None)
     layer_types = getattr(owner, "layer_types", None) or ()
     if isinstance(window, int) and not isinstance(window, bool) and window > 0:
@@ -69,7 +77,7 @@ def check_declared(module: nn.Module) -> None:
         if owner is None:
             continue
         whose = "it" if owner is sub else "its config"
-        window = _sliding_window(owner)
+        window = declared_sliding_window(owner)
         if window is not None:
             raise UnsplittableAttention(
                 f"context parallelism cannot split the attention of module {name!r} ({type(sub).__name__}): {whose} "

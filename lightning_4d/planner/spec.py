@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from lightning_4d.models.llama import LlamaConfig
 
 __all__ = ["TransformerSpec", "TrainSpec", "seed_moe_1t", "planner_only", "DATA_PARALLEL_MODES",
-           "SELECTIVE_POLICIES", "RUNTIME_SELECTIVE_POLICY", "KERNELS"]
+           "SELECTIVE_POLICIES", "RUNTIME_SELECTIVE_POLICY", "KERNELS", "ATTENTION_KINDS"]
 
 #: Data-parallel modes the planner models (:mod:`lightning_4d.planner.dp_modes`): the runtime's
 #: (``lightning_4d.config.DATA_PARALLEL``) plus ZeRO-1/2, which only the planner models.
@@ -96,6 +96,11 @@ def _positive(name: str, value: object, allow_zero: bool = False) -> None:
         raise ValueError(f"{name}={value!r} must be an integer >= {low}.")
 
 
+#: ``TransformerSpec.attention``: plain causal attention (context parallelism splits it), or a mask context
+#: parallelism refuses (a sliding window, ALiBi's position bias).
+ATTENTION_KINDS = ("causal", "sliding_window", "alibi")
+
+
 @dataclass(frozen=True)
 class TransformerSpec:
     """Shape of a decoder-only transformer (see the module docstring for the counting rules).
@@ -139,6 +144,7 @@ class TransformerSpec:
     fused_qkv: bool = False  # one (3·h)-row q|k|v projection (GPT-2's c_attn) instead of three
     head_size: Optional[int] = None  # width of one head when it is not hidden // heads (Qwen3, Gemma)
     qk_norm: bool = False  # a norm of width head_dim on q and on k in every layer (Qwen3, OLMo 2)
+    attention: str = "causal"  # ATTENTION_KINDS: whether context parallelism can split it (cp_refusal)
 
     def __post_init__(self) -> None:
         for n in ("vocab_size", "hidden", "layers", "heads", "seq_len", "moe_every"):
@@ -154,11 +160,40 @@ class TransformerSpec:
             raise ValueError(f"hidden={self.hidden}, heads={self.heads}, kv_heads={self.kv_heads}: hidden must be a "
                              f"multiple of heads (or give head_size) and heads a multiple of kv_heads.")
         _positive("head_size", self.head_size if self.head_size is not None else 1)
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention={self.attention!r} must be one of {ATTENTION_KINDS}.")
         if self.norm not in ("rmsnorm", "layernorm"):
             raise ValueError(f"norm={self.norm!r} must be 'rmsnorm' or 'layernorm'.")
         if self.num_experts and not (1 <= self.top_k <= self.num_experts and self.expert_hidden >= 1):
             raise ValueError(f"MoE needs 1 <= top_k <= num_experts and expert_hidden >= 1; got top_k={self.top_k}, "
                              f"num_experts={self.num_experts}, expert_hidden={self.expert_hidden}.")
+
+    def cp_refusal(self, cp: int, seq_len: Optional[int] = None, tp: int = 1) -> Optional[str]:
+        """Why context parallelism of degree ``cp`` cannot split this model's attention on sequences of ``seq_len``
+        tokens (``None``: the spec's) with sequence parallelism over ``tp``, or ``None`` when it can: the attention
+        must be plain causal (a sliding window or ALiBi is refused at set-up,
+        :mod:`lightning_4d.context_parallel.check`) and the sequence must cut into ``2·cp`` zigzag chunks
+        (:func:`lightning_4d.context_parallel.zigzag.check_sequence_length`).
+
+        Example:
+            >>> spec = TransformerSpec(vocab_size=8, hidden=8, layers=1, heads=2, seq_len=8)
+            >>> spec.cp_refusal(2) is None, spec.cp_refusal(8)[:23]
+            (True, 'sequence length 8 is no')
+            >>> spec.with_(attention="sliding_window").cp_refusal(2)[:40]
+            'its attention is sliding_window: the zig'
+        """
+        from lightning_4d.context_parallel.zigzag import check_sequence_length
+
+        if cp == 1:
+            return None
+        if self.attention != "causal":
+            return (f"its attention is {self.attention}: the zigzag chunks cannot express that mask (context "
+                    f"parallelism recomputes only causal and per-document masks)")
+        try:
+            check_sequence_length(seq_len or self.seq_len, cp, tp)
+        except ValueError as err:
+            return str(err)
+        return None
 
     # ----------------------------------------------------------------- structure
     @property

@@ -523,7 +523,8 @@ def run_plan(cfg: Union[DictConfig, TrainConfig], out_dir: Optional[Union[str, P
             exit_code = EXIT_TRACE_DIFFERS
     if plan_cfg.search:
         try:
-            cands = search(setup.spec, setup.cluster, setup.train, top=plan_cfg.top)
+            cp = tuple(plan_cfg.context_parallel) if plan_cfg.context_parallel is not None else None
+            cands = search(setup.spec, setup.cluster, setup.train, top=plan_cfg.top, context_parallel=cp)
         except NoLayoutFits as err:
             raise PlanError(str(err)) from None
         except ValueError as err:

@@ -1,0 +1,58 @@
+"""``docs/context_parallel_measurements.md`` (written by ``bench/bench_context_parallel.py --markdown``) supports what
+the README quotes from it: the planner's activation estimate within 25 % of the CPU measurement at every sequence and
+cp, and the K/V bytes sent equal to the formula. The planner and formula columns are recomputed from the code, so a
+change of the planner's model that the measured table no longer supports fails here (re-run the benchmark)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+DOC = REPO / "docs" / "context_parallel_measurements.md"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_context_parallel", REPO / "bench" / "bench_context_parallel.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _rows() -> list[dict[str, float]]:
+    lines = [x for x in DOC.read_text().splitlines() if x.startswith("| ") and x[2].isdigit()]
+    keys = ("T", "cp", "saved", "ideal", "formula", "planner", "ratio", "sent", "kv_formula")
+    return [dict(zip(keys, (float(c) for c in x.strip("|").split("|")))) for x in lines]
+
+
+def test_planner_within_25_percent_of_the_measurement() -> None:
+    rows = _rows()
+    assert {(int(r["T"]), int(r["cp"])) for r in rows} >= {(t, cp) for t in (4096, 8192) for cp in (1, 2, 4)}
+    bench = _bench()
+    for r in rows:
+        T, cp = int(r["T"]), int(r["cp"])
+        assert abs(bench.planner_activation_bytes(T, cp) / 1e6 - r["planner"]) <= 0.05, (T, cp)  # the code's figure
+        assert abs(r["ratio"] - r["planner"] / r["saved"]) < 0.01
+        assert 0.75 <= r["planner"] / r["saved"] <= 1.25, (T, cp, r)
+
+
+def test_kv_bytes_equal_the_formula_and_the_formula_column_is_the_code() -> None:
+    from lightning_4d.context_parallel.cost import activation_bytes_per_rank, kv_wire_bytes
+
+    bench = _bench()
+    rows = _rows()
+    for r in rows:
+        T, cp = int(r["T"]), int(r["cp"])
+        assert r["sent"] == r["kv_formula"] == round(kv_wire_bytes(1, T, bench.DIM, bench.LAYERS, cp, 4) / 1e6, 2)
+        whole = next(x["saved"] for x in rows if x["T"] == T and x["cp"] == 1) * 1e6
+        formula = activation_bytes_per_rank(whole, 1, T, bench.DIM, bench.LAYERS, cp, act_bytes=4) / 1e6
+        assert abs(formula - r["formula"]) <= 0.1 + 1e-3 * formula, (T, cp)
+
+
+def test_readme_quotes_the_measured_agreement() -> None:
+    readme = (REPO / "README.md").read_text()
+    quoted = re.search(r"planner's activation estimate is within (\d+) % of the CPU measurement", readme)
+    assert quoted, "README (Context parallel) should quote the planner's agreement with docs/context_parallel_measurements.md"
+    worst = max(abs(1 - r["planner"] / r["saved"]) for r in _rows())
+    assert worst * 100 <= int(quoted.group(1)) < worst * 100 + 1
