@@ -9,7 +9,8 @@ cp = 1 is the plain model (its own causal attention, no context-parallel machine
 activations divided by ``cp``, the formula :func:`~lightning_4d.context_parallel.cost.activation_bytes_per_rank`
 (activations ÷ cp plus the gathered K/V and the additive mask), the planner's own activation term
 (:func:`planner_activation_bytes`: :func:`~lightning_4d.planner.memory.memory_per_rank`'s ``activations`` for the same
-model, sequence and cp) with its ratio to the measurement, and :func:`~lightning_4d.context_parallel.cost.kv_wire_bytes`.
+model, sequence and cp) with its ratio to the measurement, and
+:func:`~lightning_4d.context_parallel.cost.kv_wire_bytes`.
 The table is quoted in docs/context_parallel_measurements.md (tests/unit/test_cp_measurements.py checks it).
 
 Run: python bench/bench_context_parallel.py [--seq 4096 8192]

@@ -3,9 +3,9 @@ per rank. The ring formulas are :func:`lightning_4d.comm.wire_bytes` (the one ow
 
 Per attention layer and micro-batch, every rank all-gathers K and V (one stacked tensor) in forward and
 reduce-scatters their gradients in backward; activation checkpointing runs the forward, and so the all-gather,
-again. The gathered tensor holds ``S = 2·b·T·w_kv/tp·c`` bytes (``w_kv``: the K/V features SDPA receives; with GQA those are
-the heads repeated to every query head, ``w_kv = heads·head_dim``, whether the model repeats them itself or leaves it
-to SDPA's ``enable_gqa``, which :class:`~.attention.ContextParallelAttention` repeats before gathering). Each rank
+again. The gathered tensor holds ``S = 2·b·T·w_kv/tp·c`` bytes (``w_kv``: the K/V features SDPA receives; with GQA
+those are the heads repeated to every query head, ``w_kv = heads·head_dim``, whether the model repeats them itself or
+leaves it to SDPA's ``enable_gqa``, which :class:`~.attention.ContextParallelAttention` repeats before gathering). Each rank
 keeps the gathered K/V of every layer for backward (``S`` per layer) while its other activations fall to ``1/cp``.
 The global causal mask is passed to SDPA, whose kernels turn it into an additive mask of the query dtype and keep
 it for backward: ``M = T/cp · T · c`` bytes per layer (:func:`mask_bytes`; per sequence with packed documents), the

@@ -44,8 +44,9 @@ divided by ``t`` only with SP (without SP every tp rank routes the same tokens).
 recomputation stores only ``2·s·b·h`` per layer (``/ t`` with SP) plus one layer's working set.
 fp32 activations double everything. Context parallelism (``cp > 1``) holds ``s/cp`` tokens of all this, plus per
 layer the gathered K/V beyond its share and the additive ``s/cp × s`` mask SDPA keeps
-(:mod:`lightning_4d.context_parallel.cost`; measured by ``bench/bench_context_parallel.py``). A rank holds ``in_flight`` micro-batches
-(:func:`~lightning_4d.planner.bubble.in_flight_microbatches`) of its layers' activations; the last
+(:mod:`lightning_4d.context_parallel.cost`; measured by ``bench/bench_context_parallel.py``). A rank holds
+``in_flight`` micro-batches (:func:`~lightning_4d.planner.bubble.in_flight_microbatches`) of its layers'
+activations; the last
 stage also holds one micro-batch of logits ``s·b·V/t·(c + 4)`` (bf16 logits and fp32 softmax).
 
 Example:

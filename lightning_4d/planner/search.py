@@ -3,8 +3,8 @@ the ones that fit ranked by estimated step time.
 
 Candidates: ``tp`` a divisor of the world no larger than a node that divides the head and kv-head
 counts; ``pp`` a divisor of ``world / tp`` with ``pp · v`` stages no more than the layers; ``cp`` (context
-parallelism) a divisor of ``world / (tp · pp)`` among the ``context_parallel`` choices (default: every one), above 1
-only when the spec's attention can be split and the sequence cuts into ``2·cp`` zigzag chunks (``cp·tp`` tokens each
+parallelism) a divisor of ``world / (tp · pp)`` among the ``context_parallel`` choices (default
+:data:`CP_CHOICES`), above 1 only when the spec's attention can be split and the sequence cuts into ``2·cp`` zigzag chunks (``cp·tp`` tokens each
 under sequence parallelism: :meth:`~lightning_4d.planner.spec.TransformerSpec.cp_refusal`); ``dp =
 world / (tp · cp · pp)`` dividing the global batch; ``ep`` a divisor of ``dp · cp · tp`` and of the expert count
 (1 for dense models); every schedule of ``lightning_4d.config.SCHEDULES`` (``1f1b`` only when
@@ -44,7 +44,7 @@ from lightning_4d.planner.memory import check_layout, memory_per_rank, stage_lay
 from lightning_4d.planner.roofline import StepEstimate, estimate_step
 from lightning_4d.planner.spec import DATA_PARALLEL_MODES, TrainSpec, TransformerSpec
 
-__all__ = ["Candidate", "NoLayoutFits", "enumerate_layouts", "search"]
+__all__ = ["CP_CHOICES", "Candidate", "NoLayoutFits", "enumerate_layouts", "search"]
 
 _GB = 1e9
 
@@ -123,6 +123,8 @@ def _node_shard(dp: int, tp: int, gpus_per_node: int) -> Optional[int]:
 
 #: Options the search varies besides the degrees, schedule and micro-batches.
 AC_CHOICES = (None, "selective", "full")
+#: Context-parallel degrees the search tries by default (``None``: every divisor of the world; ``(1,)``: none).
+CP_CHOICES = (1, 2, 4, 8)
 DP_CHOICES = DATA_PARALLEL_MODES
 
 
@@ -131,7 +133,8 @@ def enumerate_layouts(spec: TransformerSpec, cluster: ClusterSpec, train: TrainS
                       activation_checkpointing: Sequence[Optional[str]] = AC_CHOICES,
                       sequence_parallel: Sequence[bool] = (True, False),
                       data_parallel: Sequence[str] = DP_CHOICES, runtime_only: bool = True,
-                      context_parallel: Optional[Sequence[int]] = None) -> Iterator[tuple[ParallelDims, TrainSpec]]:
+                      context_parallel: Optional[Sequence[int]] = CP_CHOICES
+                      ) -> Iterator[tuple[ParallelDims, TrainSpec]]:
     """Every valid ``(ParallelDims, TrainSpec)`` pair (module docstring); ``train``'s micro-batches, schedule,
     data-parallel mode, activation checkpointing are replaced by each candidate's. With ``runtime_only``
     (default) a layout must pass the strategy's own validation (``FourDConfig``): data-parallel modes the
@@ -241,12 +244,12 @@ def search(spec: TransformerSpec, cluster: ClusterSpec, train: TrainSpec, top: i
            schedules: Optional[Sequence[str]] = None, max_tp: Optional[int] = None, distinct: bool = True,
            activation_checkpointing: Sequence[Optional[str]] = AC_CHOICES,
            sequence_parallel: Sequence[bool] = (True, False), data_parallel: Sequence[str] = DP_CHOICES,
-           runtime_only: bool = True, context_parallel: Optional[Sequence[int]] = None) -> list[Candidate]:
+           runtime_only: bool = True, context_parallel: Optional[Sequence[int]] = CP_CHOICES) -> list[Candidate]:
     """The ``top`` fastest fitting layouts, each with a reason string.
 
     With ``distinct`` (default) only the fastest schedule / micro-batch count of each ``(tp, cp, pp, ep)``
     is listed, so the top five show five different degree choices. ``context_parallel``: the cp degrees tried
-    (:func:`enumerate_layouts`; ``None``: every one the model and sequence allow).
+    (:func:`enumerate_layouts`; each only where the model and the sequence allow it; ``None``: every divisor).
 
     Raises:
         NoLayoutFits: nothing fits; the message names the smallest peak memory needed and its layout.

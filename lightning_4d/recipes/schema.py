@@ -610,8 +610,8 @@ class PlanConfig:
     saves: ``matmuls``, the runtime's, or TorchTitan's ``every_other_matmul``), ``compile`` (``torch.compile``'d
     kernels), ``float8`` (Float8 linears), ``data_parallel`` (``zero1`` / ``zero2`` instead of
     ``parallel.data_parallel``) and ``kernels=fused`` (what Megatron / Transformer Engine's fused kernels keep for
-    backward instead of PyTorch's eager kernels). ``search``: rank every layout of the cluster and show the ``top`` ones;
-    ``context_parallel``: the cp degrees it tries (each only where the model's attention and the sequence allow it,
+    backward instead of PyTorch's eager kernels). ``search``: rank every layout of the cluster and show the ``top``
+    ones; ``context_parallel``: the cp degrees it tries (each only where the model's attention and the sequence allow it,
     ranked like the rest; ``null``: every divisor of the world, ``[1]``: none).
     ``trace``: dry-run the real rewriting on a fake process group and compare traced bytes with the formulas,
     over ``trace_blocks`` blocks (``null``: the whole model up to 8 blocks) and the ranks ``trace_ranks``
@@ -653,7 +653,7 @@ class PlanConfig:
     kernels: str = "eager"
     search: bool = False
     top: int = 5
-    context_parallel: Optional[List[int]] = field(default_factory=lambda: [1, 2, 4, 8])
+    context_parallel: Optional[List[int]] = field(default_factory=lambda: [1, 2, 4, 8])  # search.CP_CHOICES
     trace: bool = True
     trace_blocks: Optional[int] = None
     trace_ranks: Optional[List[int]] = None

@@ -14,7 +14,8 @@ DOC = REPO / "docs" / "context_parallel_measurements.md"
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_context_parallel", REPO / "bench" / "bench_context_parallel.py")
+    path = REPO / "bench" / "bench_context_parallel.py"
+    spec = importlib.util.spec_from_file_location("bench_context_parallel", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -53,6 +54,6 @@ def test_kv_bytes_equal_the_formula_and_the_formula_column_is_the_code() -> None
 def test_readme_quotes_the_measured_agreement() -> None:
     readme = (REPO / "README.md").read_text()
     quoted = re.search(r"planner's activation estimate is within (\d+) % of the CPU measurement", readme)
-    assert quoted, "README (Context parallel) should quote the planner's agreement with docs/context_parallel_measurements.md"
+    assert quoted, "README (Context parallel) should quote the agreement of docs/context_parallel_measurements.md"
     worst = max(abs(1 - r["planner"] / r["saved"]) for r in _rows())
     assert worst * 100 <= int(quoted.group(1)) < worst * 100 + 1
