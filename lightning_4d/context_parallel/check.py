@@ -46,10 +46,27 @@ from lightning_4d.context_parallel.windows import track_windows
 from lightning_4d.context_parallel.zigzag import zigzag_split
 from lightning_4d.precision import allowed_difference, max_difference
 
-__all__ = ["ModelInfo", "check_context_parallel", "check_declared", "example_length"]
+__all__ = ["ModelInfo", "check_context_parallel", "check_declared", "declared_sliding_window", "example_length"]
 
 _SCORE_FUNCS = {torch.matmul, torch.bmm, torch.baddbmm, torch.einsum, torch.softmax, F.softmax, torch.Tensor.softmax,
                 torch.Tensor.__matmul__, torch.Tensor.matmul, torch.Tensor.bmm}
+
+
+def declared_sliding_window(owner: Any) -> Optional[int]:
+    """The sliding window (tokens) a module or a config declares for its attention, else ``None``.
+
+    Example:
+        >>> class Cfg:
+        ...     sliding_window, layer_types = 4, ["full_attention"]
+        >>> declared_sliding_window(Cfg()) is None
+        True
+    """
+    window = getattr(owner, "sliding_window", None)
+    layer_types = getattr(owner, "layer_types", None) or ()
+    if isinstance(window, int) and not isinstance(window, bool) and window > 0:
+        if not layer_types or "sliding_attention" in layer_types:
+            return window
+    return None
 
 
 def check_declared(module: nn.Module) -> None:

@@ -24,7 +24,9 @@ The layers of the planner:
 
 Example:
     >>> from lightning_4d.planner import seed_moe_1t, TrainSpec, ClusterSpec, H200, search
-    >>> best = search(seed_moe_1t(), ClusterSpec(128, 8, H200), TrainSpec(global_batch_size=1024))[0]
+    >>> best = search(seed_moe_1t(), ClusterSpec(128, 8, H200), TrainSpec(global_batch_size=1024),
+    ...               schedules=("1f1b",), activation_checkpointing=("full",), sequence_parallel=(True,),
+    ...               data_parallel=("fsdp",), context_parallel=(1,))[0]  # a few options: every one takes minutes
     >>> best.estimate.mfu > 0.1
     True
 """

@@ -376,12 +376,20 @@ def comm_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
             stats = [("ep", dims.ep), ("edp", dims.edp)] if (dims.sp or t == 1) else [("dp", dims.dp_cp)]
             recs += [Collective(axis, "all_reduce", "router statistics (aux loss)", fwd_passes * m * n_moe,
                                 8.0 * (2 * spec.num_experts + 1), n) for axis, n in stats if n > 1]
-        if dims.cp > 1:  # K/V of every attention layer: all-gathered in forward (again when recomputed), grads back
+        algorithm = train.cp_algorithm_for(spec, dims.cp, t)
+        if algorithm == "allgather":  # K/V of every attention layer: all-gathered in forward (again when
+            # recomputed), their gradients reduce-scattered in backward
             full = kv_gathered_bytes(b, train.seq(spec), spec.gathered_kv_width, c, t)
             recs += [Collective("cp", "all_gather", "K/V along the sequence (fwd)", fwd_passes * m * len(layers), full,
                                 dims.cp),
                      Collective("cp", "reduce_scatter", "K/V grads along the sequence (bwd)", m * len(layers), full,
                                 dims.cp)]
+        elif algorithm == "ulysses":  # q|k|v heads <-> sequence and the output back, forward (again when
+            # recomputed) and backward: all-to-alls of this rank's b·(T/cp)·w/tp elements (K/V as wide as q)
+            local = b * train.seq(spec) / dims.cp * spec.q_width / t * c
+            passes = (fwd_passes + 1) * m * len(layers)
+            recs += [Collective("cp", "all_to_all", "q, k, v heads <-> sequence (fwd, bwd)", passes, 3 * local, dims.cp),
+                     Collective("cp", "all_to_all", "attention output back (fwd, bwd)", passes, local, dims.cp)]
         recs += _loss_statistics(dims, m)
         last_rank = stage_to_rank(num_stages - 1, dims.pp, style)
         if spec.tied_embeddings and (first or last) and last_rank != 0:

@@ -602,7 +602,7 @@ def strategy_config(dims: ParallelDims, train: TrainSpec) -> FourDConfig:
         tp=dims.tp, pp=dims.pp, ep=dims.ep, dp=dims.dp, cp=dims.cp, sequence_parallel=dims.sequence_parallel,
         microbatches=train.microbatches, schedule=train.schedule if dims.pp > 1 else "1f1b",
         virtual_stages=dims.virtual_stages if dims.pp > 1 else None, data_parallel=train.data_parallel,
-        activation_checkpointing=train.activation_checkpointing,
+        activation_checkpointing=train.activation_checkpointing, cp_algorithm=train.cp_algorithm,
         dp_shard=(train.dp_shard or dims.dp_shard) if train.data_parallel == "hsdp" else None)
 
 

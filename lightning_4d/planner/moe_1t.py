@@ -89,7 +89,8 @@ def best_layouts(world: int, device: DeviceSpec, top: int = 3) -> list[Candidate
     spec = seed_moe_1t(SEQ_LEN)
     return search(spec, ClusterSpec(world // 8, 8, device), TrainSpec(GLOBAL_BATCH, seq_len=SEQ_LEN), top=top,
                   schedules=("1f1b", "interleaved_1f1b", "zbv"), activation_checkpointing=("selective", "full"),
-                  sequence_parallel=(True,), data_parallel=("fsdp", "hsdp"))
+                  sequence_parallel=(True,), data_parallel=("fsdp", "hsdp"),
+                  context_parallel=(1,))  # 4096-token sequences: context parallelism is for longer ones
 
 
 def _fmt_seed(rows: list[dict[str, Any]]) -> list[str]:

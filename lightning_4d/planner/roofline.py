@@ -9,9 +9,9 @@ Per pipeline rank (the slowest one sets the pace):
   ``6·k·N_expert·ι`` for the busiest ep rank, the head on the last stage) is reported alongside.
 - ``comm[axis] = Σ bytes_sent / bandwidth(axis) + calls · latency(axis)``, with NVLink bandwidth for
   axes inside a node and the NIC's across nodes (:func:`~lightning_4d.planner.hardware.axes_crossing_nodes`).
-- tp, ep and pp traffic sit on the critical path; FSDP / replicate traffic overlaps with compute
+- tp, cp (K/V), ep and pp traffic sit on the critical path; FSDP / replicate traffic overlaps with compute
   and only its excess shows: ``dp_exposed = max(0, comm_dp + comm_edp − compute)``.
-- ``step = (compute + comm_tp + comm_ep + comm_pp) / (1 − bubble) + dp_exposed + optimizer`` with the
+- ``step = (compute + comm_tp + comm_cp + comm_ep + comm_pp) / (1 − bubble) + dp_exposed + optimizer`` with the
   bubble of the exact schedule (:func:`~lightning_4d.pipeline.schedules.bubble_theory`: the closed form
   equal to the replay of torch's action table) and the AdamW step at the HBM bandwidth. HSDP / ZeRO traffic comes from
   :mod:`~lightning_4d.planner.dp_modes`.
@@ -52,7 +52,7 @@ from lightning_4d.planner.spec import TrainSpec, TransformerSpec
 
 __all__ = ["StepEstimate", "rank_flops", "estimate_step", "comm_seconds", "shared_cores_step"]
 
-_CRITICAL = ("tp", "ep", "pp")
+_CRITICAL = ("tp", "cp", "ep", "pp")  # on the critical path (cp: the K/V all-gathers / reduce-scatters)
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,7 @@ def _dp_mode_seconds(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec
     lp = local_params(spec, dims, layers, first, last)
     d = cluster.device
     out = {"dp": 0.0, "edp": 0.0}
-    for axis, params, n, units in (("dp", lp["dense"], dims.dp, len(layers) + 1),
+    for axis, params, n, units in (("dp", lp["dense"], dims.dp_cp, len(layers) + 1),
                                    ("edp", lp["experts"], dims.edp, sum(1 for e in lp["layer_experts"] if e))):
         if n == 1 or not params:
             continue
@@ -253,7 +253,7 @@ def shared_cores_step(work: list[tuple[float, float]], dims: ParallelDims, clust
     g = cluster.gpus_per_node
     if cores is None or cores >= g:
         return 0.0
-    per_role = dims.dp * dims.tp
+    per_role = dims.dp * dims.cp * dims.tp  # ranks of one pipeline rank
     out = 0.0
     for node in range(-(-dims.world_size // g)):
         ranks = range(node * g, min((node + 1) * g, dims.world_size))
@@ -270,4 +270,4 @@ def _held_params(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec, la
     lp = local_params(spec, dims, layers, first, last)
     if train.data_parallel == "replicate":
         return float(lp["dense"] + lp["experts"])
-    return lp["dense"] / dims.dp + lp["experts"] / dims.edp
+    return lp["dense"] / dims.dp_cp + lp["experts"] / dims.edp

@@ -1,9 +1,12 @@
-"""Layout search: every valid (tp, pp, ep, dp, micro-batches, schedule) for a model on a cluster,
+"""Layout search: every valid (tp, cp, pp, ep, dp, micro-batches, schedule) for a model on a cluster,
 the ones that fit ranked by estimated step time.
 
 Candidates: ``tp`` a divisor of the world no larger than a node that divides the head and kv-head
-counts; ``pp`` a divisor of ``world / tp`` with ``pp · v`` stages no more than the layers; ``dp =
-world / (tp · pp)`` dividing the global batch; ``ep`` a divisor of ``dp · tp`` and of the expert count
+counts; ``pp`` a divisor of ``world / tp`` with ``pp · v`` stages no more than the layers; ``cp`` (context
+parallelism) a divisor of ``world / (tp · pp)`` among the ``context_parallel`` choices (default
+:data:`CP_CHOICES`), above 1 only when the spec's attention can be split and the sequence cuts into ``2·cp`` zigzag chunks (``cp·tp`` tokens each
+under sequence parallelism: :meth:`~lightning_4d.planner.spec.TransformerSpec.cp_refusal`); ``dp =
+world / (tp · cp · pp)`` dividing the global batch; ``ep`` a divisor of ``dp · cp · tp`` and of the expert count
 (1 for dense models); every schedule of ``lightning_4d.config.SCHEDULES`` (``1f1b`` only when
 ``pp = 1``); micro-batch counts that split the local batch evenly and satisfy the schedule's rule
 (``lightning_4d.pipeline.schedules.validate_microbatches``); sequence parallelism on and off (``tp > 1``),
@@ -41,7 +44,7 @@ from lightning_4d.planner.memory import check_layout, memory_per_rank, stage_lay
 from lightning_4d.planner.roofline import StepEstimate, estimate_step
 from lightning_4d.planner.spec import DATA_PARALLEL_MODES, TrainSpec, TransformerSpec
 
-__all__ = ["Candidate", "NoLayoutFits", "enumerate_layouts", "search"]
+__all__ = ["CP_CHOICES", "Candidate", "NoLayoutFits", "enumerate_layouts", "search"]
 
 _GB = 1e9
 
@@ -63,15 +66,17 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        """Short text: ``tp=8 pp=4 ep=8 dp=4 m=16 1f1b``."""
+        """Short text: ``tp=8 pp=4 ep=8 dp=4 m=16 1f1b`` (``cp=2`` after ``tp`` with context parallelism)."""
         d = self.dims
-        return (f"tp={d.tp} pp={d.pp} ep={d.ep} dp={d.dp} m={self.train.microbatches} "
+        cp = f"cp={d.cp} " if d.cp > 1 else ""
+        return (f"tp={d.tp} {cp}pp={d.pp} ep={d.ep} dp={d.dp} m={self.train.microbatches} "
                 f"{self.train.schedule if d.pp > 1 else '-'}")
 
     def as_dict(self) -> dict:
         """Plain dict for JSON."""
         d = self.dims
-        return {"tp": d.tp, "pp": d.pp, "ep": d.ep, "dp": d.dp, "edp": d.edp, "virtual_stages": d.virtual_stages,
+        return {"tp": d.tp, "cp": d.cp, "pp": d.pp, "ep": d.ep, "dp": d.dp, "edp": d.edp,
+                "virtual_stages": d.virtual_stages,
                 "sequence_parallel": d.sequence_parallel, "microbatches": self.train.microbatches,
                 "schedule": self.train.schedule, "peak_memory": self.peak_memory, "fits": self.fits,
                 "step_s": self.estimate.step_s if self.estimate else None,
@@ -94,7 +99,8 @@ def _microbatch_choices(schedule: str, pp: int, v: int, local_batch: int) -> lis
 
 
 def _runtime_accepts(world: int, tp: int, pp: int, ep: int, sp: bool, m: int, schedule: str, v: int,
-                     data_parallel: str, ac: Optional[str], dp_shard: Optional[int]) -> Optional[ParallelDims]:
+                     data_parallel: str, ac: Optional[str], dp_shard: Optional[int], cp: int = 1
+                     ) -> Optional[ParallelDims]:
     """The layout as the strategy validates it (``lightning_4d.config.FourDConfig``), or ``None``."""
     from lightning_4d.config import FourDConfig
 
@@ -102,7 +108,7 @@ def _runtime_accepts(world: int, tp: int, pp: int, ep: int, sp: bool, m: int, sc
     try:
         cfg = FourDConfig(tp=tp, pp=pp, ep=ep, sequence_parallel=sp, microbatches=m if pp > 1 else None,
                           schedule=schedule, virtual_stages=v if pp > 1 else None, data_parallel=data_parallel,
-                          activation_checkpointing=ac, **kwargs)
+                          activation_checkpointing=ac, cp=cp, **kwargs)
         return cfg.resolve(world)
     except (ValueError, NotImplementedError, TypeError):
         return None
@@ -117,6 +123,8 @@ def _node_shard(dp: int, tp: int, gpus_per_node: int) -> Optional[int]:
 
 #: Options the search varies besides the degrees, schedule and micro-batches.
 AC_CHOICES = (None, "selective", "full")
+#: Context-parallel degrees the search tries by default (``None``: every divisor of the world; ``(1,)``: none).
+CP_CHOICES = (1, 2, 4, 8)
 DP_CHOICES = DATA_PARALLEL_MODES
 
 
@@ -124,65 +132,83 @@ def enumerate_layouts(spec: TransformerSpec, cluster: ClusterSpec, train: TrainS
                       schedules: Optional[Sequence[str]] = None, max_tp: Optional[int] = None,
                       activation_checkpointing: Sequence[Optional[str]] = AC_CHOICES,
                       sequence_parallel: Sequence[bool] = (True, False),
-                      data_parallel: Sequence[str] = DP_CHOICES, runtime_only: bool = True
+                      data_parallel: Sequence[str] = DP_CHOICES, runtime_only: bool = True,
+                      context_parallel: Optional[Sequence[int]] = CP_CHOICES
                       ) -> Iterator[tuple[ParallelDims, TrainSpec]]:
     """Every valid ``(ParallelDims, TrainSpec)`` pair (module docstring); ``train``'s micro-batches, schedule,
     data-parallel mode, activation checkpointing are replaced by each candidate's. With ``runtime_only``
     (default) a layout must pass the strategy's own validation (``FourDConfig``): data-parallel modes the
-    runtime does not offer (ZeRO-1/2) are skipped; without it they are planned.
+    runtime does not offer (ZeRO-1/2) are skipped; without it they are planned. ``context_parallel``: the cp
+    degrees tried (``None``: every divisor of the world; ``(1,)``: none).
 
     Example:
         >>> from lightning_4d.planner.spec import TransformerSpec, TrainSpec
         >>> spec = TransformerSpec(vocab_size=8, hidden=8, layers=2, heads=2, seq_len=4)
-        >>> sorted({(d.tp, d.pp) for d, _ in enumerate_layouts(spec, ClusterSpec(1, 2), TrainSpec(2))})
-        [(1, 1), (1, 2), (2, 1)]
+        >>> sorted({(d.tp, d.cp, d.pp) for d, _ in enumerate_layouts(spec, ClusterSpec(1, 2), TrainSpec(2))})
+        [(1, 1, 1), (1, 1, 2), (1, 2, 1), (2, 1, 1)]
     """
     from lightning_4d.config import SCHEDULES
 
     world = cluster.world_size
     schedules = tuple(schedules) if schedules is not None else SCHEDULES
     max_tp = max_tp or cluster.gpus_per_node
+    seq = train.seq(spec)
     for tp in _divisors(world):
         if tp > max_tp or spec.heads % tp or spec.kv_heads % tp:
             continue
         for pp in _divisors(world // tp):
-            dp = world // (tp * pp)
-            if train.global_batch_size % dp:
-                continue
-            local = train.global_batch_size // dp
-            eps = [e for e in _divisors(dp * tp) if spec.num_experts % e == 0] if spec.is_moe else [1]
-            for schedule in (schedules if pp > 1 else ("1f1b",)):
-                v = default_virtual_stages(schedule, pp)
-                if pp * v > spec.layers:
+            for cp in _divisors(world // (tp * pp)):
+                if (context_parallel is not None and cp not in context_parallel) or spec.cp_refusal(cp, seq):
                     continue
-                for ep in eps:
-                    for sp in (sequence_parallel if tp > 1 else (True,)):
-                        for mode in (data_parallel if dp > 1 or ep < tp else ("fsdp",)):
-                            shard = _node_shard(dp, tp, cluster.gpus_per_node) if mode == "hsdp" else None
-                            if mode == "hsdp" and shard is None:
-                                continue
-                            for ac in activation_checkpointing:
-                                for m in _microbatch_choices(schedule, pp, v, local):
-                                    if runtime_only:
-                                        dims = _runtime_accepts(world, tp, pp, ep, sp, m, schedule, v, mode, ac,
-                                                                shard)
-                                    else:
-                                        try:
-                                            dims = ParallelDims.from_world(world, tp=tp, pp=pp, ep=ep,
-                                                                           sequence_parallel=sp, virtual_stages=v)
-                                        except ValueError:
-                                            dims = None
-                                    if dims is None:
-                                        break
-                                    try:
-                                        check_layout(spec, dims)
-                                    except ValueError:
-                                        break
-                                    if (spec.tied_embeddings and dims.dp > 1 and pp > 1
-                                            and get_schedule_info(schedule).style == "v"):
-                                        break  # refused by the runtime (derive_plan.check_tied_across_v_stages)
-                                    yield dims, train.with_(microbatches=m, schedule=schedule, data_parallel=mode,
-                                                            activation_checkpointing=ac, dp_shard=shard)
+                dp = world // (tp * pp * cp)
+                if train.global_batch_size % dp:
+                    continue
+                yield from _with_options(spec, cluster, train, tp, pp, cp, dp, schedules, activation_checkpointing,
+                                         sequence_parallel, data_parallel, runtime_only)
+
+
+def _with_options(spec: TransformerSpec, cluster: ClusterSpec, train: TrainSpec, tp: int, pp: int, cp: int, dp: int,
+                  schedules: Sequence[str], activation_checkpointing: Sequence[Optional[str]],
+                  sequence_parallel: Sequence[bool], data_parallel: Sequence[str], runtime_only: bool
+                  ) -> Iterator[tuple[ParallelDims, TrainSpec]]:
+    """The layouts of degrees ``(tp, pp, cp, dp)``: every ep, schedule, sequence parallelism, data-parallel mode,
+    activation checkpointing and micro-batch count the runtime accepts (:func:`enumerate_layouts`)."""
+    world = cluster.world_size
+    local = train.global_batch_size // dp
+    eps = [e for e in _divisors(dp * cp * tp) if spec.num_experts % e == 0] if spec.is_moe else [1]
+    for schedule in (schedules if pp > 1 else ("1f1b",)):
+        v = default_virtual_stages(schedule, pp)
+        if pp * v > spec.layers:
+            continue
+        for ep in eps:
+            for sp in (sequence_parallel if tp > 1 else (True,)):
+                if cp > 1 and sp and spec.cp_refusal(cp, train.seq(spec), tp):
+                    continue  # each rank's T/cp tokens do not split again over tp
+                for mode in (data_parallel if dp * cp > 1 or ep < tp else ("fsdp",)):
+                    shard = _node_shard(dp, tp, cluster.gpus_per_node) if mode == "hsdp" else None
+                    if mode == "hsdp" and (shard is None or cp > 1):  # the runtime shards over dp × cp, no HSDP
+                        continue
+                    for ac in activation_checkpointing:
+                        for m in _microbatch_choices(schedule, pp, v, local):
+                            if runtime_only:
+                                dims = _runtime_accepts(world, tp, pp, ep, sp, m, schedule, v, mode, ac, shard, cp)
+                            else:
+                                try:
+                                    dims = ParallelDims.from_world(world, tp=tp, pp=pp, ep=ep, sequence_parallel=sp,
+                                                                   virtual_stages=v, cp=cp)
+                                except ValueError:
+                                    dims = None
+                            if dims is None:
+                                break
+                            try:
+                                check_layout(spec, dims)
+                            except ValueError:
+                                break
+                            if (spec.tied_embeddings and dims.dp_cp > 1 and pp > 1
+                                    and get_schedule_info(schedule).style == "v"):
+                                break  # refused by the runtime (derive_plan.check_tied_across_v_stages)
+                            yield dims, train.with_(microbatches=m, schedule=schedule, data_parallel=mode,
+                                                    activation_checkpointing=ac, dp_shard=shard)
 
 
 def _reason(c: Candidate, best: Candidate, device_bytes: float) -> str:
@@ -201,12 +227,13 @@ def _reason(c: Candidate, best: Candidate, device_bytes: float) -> str:
     if e.step_s - b.step_s <= 1e-3 * b.step_s:
         return f"as fast as #1 (step {e.step_s:.3g} s, MFU {e.mfu:.1%}) but ranked after it on memory; {mem}"
     why = {"compute": "more compute on the slowest rank (uneven stages, the head, expert imbalance)",
-           "comm_tp": "more TP traffic",
+           "comm_tp": "more TP traffic", "comm_cp": "more context-parallel K/V traffic",
            "comm_ep": "more expert all-to-all traffic", "comm_pp": "more pipeline sends",
            "bubble": f"a larger pipeline bubble ({e.bubble:.1%} vs {b.bubble:.1%})",
            "dp_exposed": "data-parallel traffic not hidden behind compute",
            "optimizer": "a larger optimizer step (less sharded states)"}[worst]
-    axes = {"comm_tp": ("tp",), "comm_ep": ("ep",), "comm_pp": ("pp",), "dp_exposed": ("dp", "edp")}.get(worst, ())
+    axes = {"comm_tp": ("tp",), "comm_cp": ("cp",), "comm_ep": ("ep",), "comm_pp": ("pp",),
+            "dp_exposed": ("dp", "edp")}.get(worst, ())
     cross = [a for a in axes if e.crossing.get(a) and getattr(c.dims, a) > 1]
     extra = f" ({', '.join(cross)} crosses nodes)" if cross else ""
     return (f"{e.step_s / b.step_s - 1:.1%} slower than #1: +{deltas[worst]:.3g} s from {why}{extra}; "
@@ -217,11 +244,12 @@ def search(spec: TransformerSpec, cluster: ClusterSpec, train: TrainSpec, top: i
            schedules: Optional[Sequence[str]] = None, max_tp: Optional[int] = None, distinct: bool = True,
            activation_checkpointing: Sequence[Optional[str]] = AC_CHOICES,
            sequence_parallel: Sequence[bool] = (True, False), data_parallel: Sequence[str] = DP_CHOICES,
-           runtime_only: bool = True) -> list[Candidate]:
+           runtime_only: bool = True, context_parallel: Optional[Sequence[int]] = CP_CHOICES) -> list[Candidate]:
     """The ``top`` fastest fitting layouts, each with a reason string.
 
-    With ``distinct`` (default) only the fastest schedule / micro-batch count of each ``(tp, pp, ep)``
-    is listed, so the top five show five different degree choices.
+    With ``distinct`` (default) only the fastest schedule / micro-batch count of each ``(tp, cp, pp, ep)``
+    is listed, so the top five show five different degree choices. ``context_parallel``: the cp degrees tried
+    (:func:`enumerate_layouts`; each only where the model and the sequence allow it; ``None``: every divisor).
 
     Raises:
         NoLayoutFits: nothing fits; the message names the smallest peak memory needed and its layout.
@@ -242,7 +270,7 @@ def search(spec: TransformerSpec, cluster: ClusterSpec, train: TrainSpec, top: i
     count = 0
     overhead = cluster.device.allocator_overhead
     for dims, tr in enumerate_layouts(spec, cluster, train, schedules, max_tp, activation_checkpointing,
-                                      sequence_parallel, data_parallel, runtime_only):
+                                      sequence_parallel, data_parallel, runtime_only, context_parallel):
         count += 1
         layout = stage_layout(spec, dims, tr.schedule)
         try:
@@ -255,7 +283,7 @@ def search(spec: TransformerSpec, cluster: ClusterSpec, train: TrainSpec, top: i
             smallest = cand
         if not cand.fits:
             continue
-        key = (dims.tp, dims.pp, dims.ep)
+        key = (dims.tp, dims.cp, dims.pp, dims.ep)
         if key not in crossing_cache:
             crossing_cache[key] = axes_crossing_nodes(dims, cluster)
         native = tr.data_parallel in ("fsdp", "replicate")
@@ -280,8 +308,8 @@ def search(spec: TransformerSpec, cluster: ClusterSpec, train: TrainSpec, top: i
     chosen: list[Candidate] = []
     seen: set[tuple] = set()
     for c in fitting:
-        key = (c.dims.tp, c.dims.pp, c.dims.ep) if distinct else (c.label, c.dims.sp, c.train.data_parallel,
-                                                                   c.train.activation_checkpointing)
+        key = ((c.dims.tp, c.dims.cp, c.dims.pp, c.dims.ep) if distinct
+               else (c.label, c.dims.sp, c.train.data_parallel, c.train.activation_checkpointing))
         if key not in seen:
             seen.add(key)
             chosen.append(c)

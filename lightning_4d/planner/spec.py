@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from lightning_4d.models.llama import LlamaConfig
 
 __all__ = ["TransformerSpec", "TrainSpec", "seed_moe_1t", "planner_only", "DATA_PARALLEL_MODES",
-           "SELECTIVE_POLICIES", "RUNTIME_SELECTIVE_POLICY", "KERNELS"]
+           "SELECTIVE_POLICIES", "RUNTIME_SELECTIVE_POLICY", "KERNELS", "ATTENTION_KINDS"]
 
 #: Data-parallel modes the planner models (:mod:`lightning_4d.planner.dp_modes`): the runtime's
 #: (``lightning_4d.config.DATA_PARALLEL``) plus ZeRO-1/2, which only the planner models.
@@ -96,6 +96,11 @@ def _positive(name: str, value: object, allow_zero: bool = False) -> None:
         raise ValueError(f"{name}={value!r} must be an integer >= {low}.")
 
 
+#: ``TransformerSpec.attention``: plain causal attention (context parallelism splits it), or a mask context
+#: parallelism refuses (a sliding window, ALiBi's position bias).
+ATTENTION_KINDS = ("causal", "sliding_window", "alibi")
+
+
 @dataclass(frozen=True)
 class TransformerSpec:
     """Shape of a decoder-only transformer (see the module docstring for the counting rules).
@@ -139,6 +144,7 @@ class TransformerSpec:
     fused_qkv: bool = False  # one (3·h)-row q|k|v projection (GPT-2's c_attn) instead of three
     head_size: Optional[int] = None  # width of one head when it is not hidden // heads (Qwen3, Gemma)
     qk_norm: bool = False  # a norm of width head_dim on q and on k in every layer (Qwen3, OLMo 2)
+    attention: str = "causal"  # ATTENTION_KINDS: whether context parallelism can split it (cp_refusal)
 
     def __post_init__(self) -> None:
         for n in ("vocab_size", "hidden", "layers", "heads", "seq_len", "moe_every"):
@@ -154,11 +160,40 @@ class TransformerSpec:
             raise ValueError(f"hidden={self.hidden}, heads={self.heads}, kv_heads={self.kv_heads}: hidden must be a "
                              f"multiple of heads (or give head_size) and heads a multiple of kv_heads.")
         _positive("head_size", self.head_size if self.head_size is not None else 1)
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention={self.attention!r} must be one of {ATTENTION_KINDS}.")
         if self.norm not in ("rmsnorm", "layernorm"):
             raise ValueError(f"norm={self.norm!r} must be 'rmsnorm' or 'layernorm'.")
         if self.num_experts and not (1 <= self.top_k <= self.num_experts and self.expert_hidden >= 1):
             raise ValueError(f"MoE needs 1 <= top_k <= num_experts and expert_hidden >= 1; got top_k={self.top_k}, "
                              f"num_experts={self.num_experts}, expert_hidden={self.expert_hidden}.")
+
+    def cp_refusal(self, cp: int, seq_len: Optional[int] = None, tp: int = 1) -> Optional[str]:
+        """Why context parallelism of degree ``cp`` cannot split this model's attention on sequences of ``seq_len``
+        tokens (``None``: the spec's) with sequence parallelism over ``tp``, or ``None`` when it can: the attention
+        must be plain causal (a sliding window or ALiBi is refused at set-up,
+        :mod:`lightning_4d.context_parallel.check`) and the sequence must cut into ``2·cp`` zigzag chunks
+        (:func:`lightning_4d.context_parallel.zigzag.check_sequence_length`).
+
+        Example:
+            >>> spec = TransformerSpec(vocab_size=8, hidden=8, layers=1, heads=2, seq_len=8)
+            >>> spec.cp_refusal(2) is None, spec.cp_refusal(8)[:23]
+            (True, 'sequence length 8 is no')
+            >>> spec.with_(attention="sliding_window").cp_refusal(2)[:40]
+            'its attention is sliding_window: the zig'
+        """
+        from lightning_4d.context_parallel.zigzag import check_sequence_length
+
+        if cp == 1:
+            return None
+        if self.attention != "causal":
+            return (f"its attention is {self.attention}: the zigzag chunks cannot express that mask (context "
+                    f"parallelism recomputes only causal and per-document masks)")
+        try:
+            check_sequence_length(seq_len or self.seq_len, cp, tp)
+        except ValueError as err:
+            return str(err)
+        return None
 
     # ----------------------------------------------------------------- structure
     @property
@@ -409,6 +444,8 @@ class TrainSpec:
         meta_built: the model is built on the meta device, so set-up holds only this rank's shards plus one
             chunk of initialisation scratch (:mod:`lightning_4d.planner.setup_memory`); ``False``: built for
             real, every rank holds the whole model at set-up.
+        cp_algorithm: the context-parallel attention (``"auto"``, ``"allgather"``, ``"ulysses"``: the runtime's
+            option, :mod:`lightning_4d.context_parallel.algorithm`); :meth:`cp_algorithm_for` resolves it per layout.
 
     Example:
         >>> TrainSpec(global_batch_size=8).act_bytes
@@ -433,9 +470,14 @@ class TrainSpec:
     float8: bool = False
     kernels: str = "eager"
     meta_built: bool = True
+    cp_algorithm: str = "auto"
 
     def __post_init__(self) -> None:
+        from lightning_4d.context_parallel.algorithm import CP_ALGORITHMS
+
         _positive("global_batch_size", self.global_batch_size)
+        if self.cp_algorithm not in CP_ALGORITHMS:
+            raise ValueError(f"cp_algorithm={self.cp_algorithm!r} must be one of {CP_ALGORITHMS}.")
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels={self.kernels!r} must be one of {KERNELS}.")
         if self.precision not in PLANNER_PRECISIONS:
@@ -460,6 +502,26 @@ class TrainSpec:
     def seq(self, spec: TransformerSpec) -> int:
         """Sequence length used (this spec's, else the model's)."""
         return self.seq_len or spec.seq_len
+
+    def cp_algorithm_for(self, spec: TransformerSpec, cp: int, tp: int = 1) -> str:
+        """The context-parallel algorithm the runtime runs for ``spec`` under ``cp`` and ``tp`` (``""`` at cp=1):
+        :func:`~lightning_4d.context_parallel.algorithm.choose_algorithm` on the spec's heads, K/V repeated to every
+        query head as SDPA receives them (what the planner's K/V formulas assume too).
+
+        Raises:
+            ValueError: ``cp_algorithm="ulysses"`` with heads per tp rank not divisible by ``cp``.
+
+        Example:
+            >>> spec = TransformerSpec(vocab_size=8, hidden=64, layers=1, heads=4, kv_heads=2)
+            >>> train = TrainSpec(global_batch_size=8)
+            >>> train.cp_algorithm_for(spec, 2), train.cp_algorithm_for(spec, 8), train.cp_algorithm_for(spec, 1)
+            ('ulysses', 'allgather', '')
+        """
+        from lightning_4d.context_parallel.algorithm import choose_algorithm
+
+        if cp == 1:
+            return ""
+        return choose_algorithm(self.cp_algorithm, [("the attention", spec.heads, spec.heads, False)], cp, tp)
 
     def with_(self, **changes: Any) -> "TrainSpec":
         """A copy with some fields changed."""

@@ -116,6 +116,19 @@ def hf_shape(model: HFModelConfig) -> HFShape:
     )
 
 
+def _attention_kind(text: PreTrainedConfig) -> str:
+    """``TransformerSpec.attention`` of a text config: ``sliding_window`` when it declares one for any layer (as
+    :func:`~lightning_4d.context_parallel.check.declared_sliding_window` reads it at set-up), ``alibi`` for ALiBi
+    models, else ``causal`` (what context parallelism can split)."""
+    from lightning_4d.context_parallel.check import declared_sliding_window
+
+    if declared_sliding_window(text) is not None:
+        return "sliding_window"
+    if getattr(text, "alibi", False) or str(getattr(text, "model_type", "")) in ("bloom", "mpt"):
+        return "alibi"
+    return "causal"
+
+
 def _spec_fields(text: PreTrainedConfig) -> tuple[dict[str, Any], list[str]]:
     """:class:`~lightning_4d.planner.TransformerSpec` keyword arguments of a ``transformers`` text config and what
     they leave out (pure; duck-typed on the config's attributes).
@@ -151,6 +164,7 @@ def _spec_fields(text: PreTrainedConfig) -> tuple[dict[str, Any], list[str]]:
                      "not modelled)")
     ffn = getattr(text, "intermediate_size", None)
     kw["ffn_hidden"] = int(ffn) if ffn else None
+    kw["attention"] = _attention_kind(text)
     experts = next((int(getattr(text, k)) for k in _EXPERT_KEYS if isinstance(getattr(text, k, None), int)), 0)
     if experts:
         top_k = int(getattr(text, "num_experts_per_tok", 1) or 1)

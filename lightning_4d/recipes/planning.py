@@ -270,7 +270,7 @@ def plan_setup(cfg: Union[DictConfig, TrainConfig]) -> PlanSetup:
                       activation_checkpointing=par.activation_checkpointing, flash_attention=plan.flash_attention,
                       expert_imbalance=plan.expert_imbalance, dp_shard=getattr(par, "dp_shard", None),
                       selective_policy=plan.selective_policy, compile=plan.compile, float8=plan.float8,
-                      kernels=plan.kernels)
+                      kernels=plan.kernels, cp_algorithm=getattr(par, "cp_algorithm", None) or "auto")
     notes += [f"planner only: {x}" for x in planner_only(train)]
     bad = [r for r in plan.trace_ranks or [] if not 0 <= r < world]
     if bad:
@@ -518,7 +518,8 @@ def run_plan(cfg: Union[DictConfig, TrainConfig], out_dir: Optional[Union[str, P
             exit_code = EXIT_TRACE_DIFFERS
     if plan_cfg.search:
         try:
-            cands = search(setup.spec, setup.cluster, setup.train, top=plan_cfg.top)
+            cp = tuple(plan_cfg.context_parallel) if plan_cfg.context_parallel is not None else None
+            cands = search(setup.spec, setup.cluster, setup.train, top=plan_cfg.top, context_parallel=cp)
         except NoLayoutFits as err:
             raise PlanError(str(err)) from None
         except ValueError as err:

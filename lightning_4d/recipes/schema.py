@@ -610,7 +610,9 @@ class PlanConfig:
     saves: ``matmuls``, the runtime's, or TorchTitan's ``every_other_matmul``), ``compile`` (``torch.compile``'d
     kernels), ``float8`` (Float8 linears), ``data_parallel`` (``zero1`` / ``zero2`` instead of
     ``parallel.data_parallel``) and ``kernels=fused`` (what Megatron / Transformer Engine's fused kernels keep for
-    backward instead of PyTorch's eager kernels). ``search``: rank every layout of the cluster and show the ``top`` ones.
+    backward instead of PyTorch's eager kernels). ``search``: rank every layout of the cluster and show the ``top``
+    ones; ``context_parallel``: the cp degrees it tries (each only where the model's attention and the sequence allow it,
+    ranked like the rest; ``null``: every divisor of the world, ``[1]``: none).
     ``trace``: dry-run the real rewriting on a fake process group and compare traced bytes with the formulas,
     over ``trace_blocks`` blocks (``null``: the whole model up to 8 blocks) and the ranks ``trace_ranks``
     (``null``: one per pipeline rank). ``materialize_rank``: also set up that global rank for real in this process
@@ -651,6 +653,7 @@ class PlanConfig:
     kernels: str = "eager"
     search: bool = False
     top: int = 5
+    context_parallel: Optional[List[int]] = field(default_factory=lambda: [1, 2, 4, 8])  # search.CP_CHOICES
     trace: bool = True
     trace_blocks: Optional[int] = None
     trace_ranks: Optional[List[int]] = None
@@ -690,6 +693,8 @@ class PlanConfig:
         for key in ("gpus_per_node", "nodes", "global_batch_size", "seq_len", "trace_blocks", "cpu_cores"):
             _positive(f"plan.{key}", getattr(self, key), allow_none=True)
         _positive("plan.top", self.top)
+        for cp in self.context_parallel or []:
+            _positive("plan.context_parallel", cp)
         if not self.expert_imbalance >= 1.0:
             raise RecipeConfigError(
                 f"plan.expert_imbalance={self.expert_imbalance} must be >= 1 (1 = uniform routing).")

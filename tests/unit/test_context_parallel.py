@@ -202,25 +202,36 @@ def test_example_length_avoids_model_dimensions() -> None:
 
 
 def test_planner_counts_context_parallelism() -> None:
-    from lightning_4d.context_parallel.cost import kv_gathered_bytes, kv_wire_bytes
+    from lightning_4d.context_parallel.cost import kv_gathered_bytes, kv_wire_bytes, mask_bytes, ulysses_wire_bytes
     from lightning_4d.planner.comm import comm_per_rank
     from lightning_4d.planner.memory import layer_activation_bytes, memory_per_rank
     from lightning_4d.planner.spec import TrainSpec, TransformerSpec
 
     spec = TransformerSpec(vocab_size=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn_hidden=64, seq_len=4096)
-    train = TrainSpec(global_batch_size=2)
+    train = TrainSpec(global_batch_size=2, cp_algorithm="allgather")
     one, two = ParallelDims(1), ParallelDims(2, cp=2)
-    # Activations: half the tokens, plus the other half of the gathered K/V.
+    # Activations (K/V all-gather): half the tokens, plus the other half of the gathered K/V (repeated to every query head, as SDPA
+    # receives them) and the additive (T/2, T) mask SDPA keeps.
     whole, split = (layer_activation_bytes(spec, 0, d, train, b=2) for d in (one, two))
-    assert split == whole / 2 + kv_gathered_bytes(2, 4096, spec.gathered_kv_width, train.act_bytes) / 2
+    assert split == (whole / 2 + kv_gathered_bytes(2, 4096, spec.gathered_kv_width, train.act_bytes) / 2
+                     + 2048 * 4096 * train.act_bytes)
+    assert mask_bytes(4096, 2, train.act_bytes) == 2048 * 4096 * train.act_bytes
     m1, m2 = memory_per_rank(spec, one, train)[0], memory_per_rank(spec, two, train)[0]
     assert m2.params == m1.params / 2  # FSDP2 over dp × cp
-    assert m2.activations < 0.6 * m1.activations
+    assert m2.activations == 2 * split  # (hidden 32 at T = 4096: the T² mask outweighs what cp saves)
     # Communication: the K/V all-gathers and reduce-scatters of the formula on the cp axis.
     records = comm_per_rank(spec, two, train)[0]
     sent = sum(r.bytes_sent for r in records if r.axis == "cp")
     assert sent == kv_wire_bytes(2, 4096, spec.gathered_kv_width, layers=2, cp=2, act_bytes=train.act_bytes)
     assert {r.axis for r in records} >= {"cp", "dp_cp"}
+    # Ulysses ("auto" picks it: 4 heads divide by cp=2): activations exactly half, its all-to-alls on the cp axis.
+    ulysses = train.with_(cp_algorithm="auto")
+    assert ulysses.cp_algorithm_for(spec, 2) == "ulysses"
+    assert layer_activation_bytes(spec, 0, two, ulysses, b=2) == whole / 2
+    records = comm_per_rank(spec, two, ulysses)[0]
+    assert {r.kind for r in records if r.axis == "cp"} == {"all_to_all"}
+    sent = sum(r.bytes_sent for r in records if r.axis == "cp")
+    assert sent == ulysses_wire_bytes(2, 4096, spec.q_width, spec.q_width, layers=2, cp=2, act_bytes=train.act_bytes)
 
 
 def test_planner_compute_time_falls_with_cp() -> None:
