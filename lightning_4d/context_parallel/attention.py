@@ -269,7 +269,9 @@ class ContextParallelAttention(TorchFunctionMode):
             rep = query.shape[-3] // key.shape[-3]
             key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)  # (…, H, T/cp, E)
         if self.algorithm == "ulysses":  # plain causal: SDPA's own causal mask on the whole sequence, in order
-            plain = documents is False and window is None
+            # causal without packed documents (a model's mask from its local positions names "documents" that are
+            # only the two zigzag chunks): SDPA's own causal kernel, no (T, T) mask kept for backward
+            plain = window is None and (documents is False or (documents is True and shard.global_docs is None))
 
             def whole() -> Optional[Tensor]:
                 return None if documents is None or plain else shard.whole_mask(documents, query.device, window)

@@ -421,6 +421,8 @@ def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Par
 
     from lightning_4d.context_parallel import takes_positions
     from lightning_4d.mesh import build_mesh
+    from lightning_4d.derive_plan import plan_layout
+    from lightning_4d.mesh import Axis
     from lightning_4d.parallelize import parallelize_module
     from lightning_4d.planner.fake_world import CollectiveRecorder, fake_world
     from lightning_4d.step import after_optimizer_step, finish_backward, loss_context, step_loss
@@ -440,7 +442,12 @@ def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Par
         with torch.device("meta"):
             module = build()
         with fake_friendly_mode():  # the set-up trace routes on meta tensors too
-            plan = parallelize_module(module, mesh, config, precision, accumulate=1)
+            # cp: the algorithm from the spec's heads (K/V repeated to every query head, as the formulas assume),
+            # not a second trace of the model on meta (an MoE's routing has no values there)
+            heads = [("the attention", spec.heads, spec.heads, False)] if dims.cp > 1 else None
+            layout = plan_layout(module, mesh.dims, config, mesh[Axis.TP] if dims.tp > 1 else None,
+                                 attention_heads=heads)
+            plan = parallelize_module(module, mesh, config, precision, accumulate=1, plan=layout)
         expert_modules = [module.get_submodule(n) for n in plan.expert_modules]
         expert_raf = {_reshards_after_forward(e) for e in expert_modules} - {None}
         runner = plan.pipeline

@@ -319,7 +319,7 @@ def test_search_prefers_model_parallel_when_memory_forces_it():
     cap = min(c.peak_memory for c in every if c.dims.dp == 4) - 1  # pure data parallelism no longer fits
     expected = min((c for c in every if c.peak_memory <= cap), key=lambda c: (c.estimate.step_s, c.peak_memory))
     res = search(spec, ClusterSpec(1, 4, CPU_TOY.with_(memory_bytes=cap)), TrainSpec(32))
-    assert res[0].label == expected.label and res[0].dims.tp * res[0].dims.pp > 1
+    assert res[0].label == expected.label and res[0].dims.tp * res[0].dims.pp * res[0].dims.cp > 1
     assert all(c.peak_memory <= cap for c in res)
 
 

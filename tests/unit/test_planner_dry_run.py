@@ -69,12 +69,13 @@ DENSE.update({
 def test_context_parallel_kv_bytes_by_hand():
     """The K/V all-gather of every attention call on the fake cp group against the bytes worked out by hand: the
     package's Llama repeats its 2 K/V heads to the 4 query heads before attention, so K and V are gathered 4 heads
-    wide (``TransformerSpec.gathered_kv_width``, not the ``kv_width`` of the projections)."""
+    wide (``TransformerSpec.gathered_kv_width``, not the ``kv_width`` of the projections); and Ulysses' all-to-alls."""
     cfg = LlamaConfig(n_layers=2, **LLAMA)
     b, T, heads, hd, fp32 = 1, 32, 4, 16, 4
     for tp, ac, passes in ((1, None, 1), (2, "full", 2)):  # full AC gathers again in the recomputed forward
         dims = ParallelDims.from_world(4 * tp, tp=tp, cp=2)  # dp = 2: FSDP's dp × cp group is not the cp group
-        train = TrainSpec(global_batch_size=dims.dp, precision="32-true", activation_checkpointing=ac)
+        train = TrainSpec(global_batch_size=dims.dp, precision="32-true", activation_checkpointing=ac,
+                          cp_algorithm="allgather")
         result = dry_run(lambda: CausalLM(Llama(cfg)), TransformerSpec.from_config(cfg, seq_len=T), dims, train)
         assert result.ok, result.format()
         gathered = 2 * b * T * heads * hd // tp * fp32  # K and V stacked, the whole sequence, this tp rank's heads
@@ -82,6 +83,14 @@ def test_context_parallel_kv_bytes_by_hand():
             assert r.traced["cp"]["all_gather"] == 2 * passes * gathered / 2  # 2 layers, (cp − 1)/cp of it sent
             assert r.traced["cp"]["reduce_scatter"] == 2 * gathered / 2
             assert r.traced_calls["cp"] == {"all_gather": 2 * passes, "reduce_scatter": 2}
+        # Ulysses ("auto": this tp rank's heads divide by cp): q|k|v stacked (3 tensors) and the output, all-to-all
+        # in forward (again when recomputed) and backward; each sends (cp − 1)/cp of the rank's T/cp tokens.
+        result = dry_run(lambda: CausalLM(Llama(cfg)), TransformerSpec.from_config(cfg, seq_len=T), dims,
+                         train.with_(cp_algorithm="auto"))
+        assert result.ok, result.format()
+        local = b * T // 2 * heads * hd // tp * fp32  # one of q, k, v or the output on this rank
+        for r in result.ranks:
+            assert r.traced["cp"] == {"all_to_all": 2 * (passes + 1) * (3 + 1) * local / 2}
 
 
 @pytest.mark.parametrize("name", list(DENSE))
