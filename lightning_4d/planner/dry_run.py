@@ -34,8 +34,8 @@ What is real and what is a stand-in:
   ``torch._grouped_mm`` takes bf16 only).
   The router's own token counts are fake zeros (they only feed the aux-loss statistics).
 - Host-side random draws (``torch.randint``, e.g. the per-TP-rank dropout seeds) run on real tensors.
-- The pipeline check's sequential forward (``check_pipeline_model``) skips itself on meta (no data);
-  the split itself is the same. Torch's pipeline schedule is not run (its warm-up reads received
+- The pipeline stages are installed and pruned as in training (``pipeline.glue.install_stages``); their
+  value check (``pipeline.checks.check_staged``) compares nothing on meta (no data). Torch's pipeline schedule is not run (its warm-up reads received
   values): each stage module runs directly, and the pp traffic is *measured* from the stage boundary
   tensors (output forward, input gradient backward) instead of traced.
 - One micro-batch: per-step totals of the formulas scale with ``m`` (FSDP gathers per the schedule rule). When a
@@ -407,7 +407,7 @@ def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Par
     from lightning_4d.mesh import build_mesh
     from lightning_4d.parallelize import parallelize_module, reduce_tp_partial_grads
     from lightning_4d.pipeline.partition import stage_to_rank
-    from lightning_4d.pipeline.staged import INPUTS_KW
+    from lightning_4d.pipeline.stages import INPUTS_KW
     from lightning_4d.planner.fake_world import CollectiveRecorder, fake_world
 
     # what Lightning's mixed-precision plugin wraps the training step in
