@@ -216,19 +216,17 @@ class StagedForward(StageForward):
 
     # -- set-up ---------------------------------------------------------------------------------------
     def install(self) -> None:
-        """Make the shape stubs of the pre-block modules that hold parameters (from the full modules) and replace the
-        blocks container by a :class:`StagedBlocks` over the blocks present now."""
+        """Make the shape stubs of the pre-block modules that hold parameters (from the full modules), then install
+        the blocks container."""
         for path in self.split.pre:
             self.stubs[path] = ShapeStub(registered_submodule(self.root, path))
-        path = self.trace.blocks_path
-        container = registered_submodule(self.root, path)
-        assert container is not None
-        staged = StagedBlocks(child_modules(container), self.order, isinstance(container, nn.ModuleList))
+        super().install()
+
+    def container(self, blocks: dict[str, nn.Module], was_list: bool) -> StagedBlocks:
+        """A :class:`StagedBlocks` that hands out this object's dispatchers while a stage runs."""
+        staged = StagedBlocks(blocks, self.order, was_list)
         object.__setattr__(staged, "_staged", self)
-        parent_path, _, name = path.rpartition(".")
-        parent = registered_submodule(self.root, parent_path)
-        assert parent is not None
-        setattr(parent, name, staged)
+        return staged
 
     def describe(self) -> str:
         stubs = ", ".join(self.stubs) or "none"

@@ -19,20 +19,9 @@ Each local stage gets a :class:`StageModule` — what ``PipelineStage(submod=...
 modules and registers them under the same paths, so its parameter names equal the model's too.
 
 Example:
-    >>> import torch
-    >>> from torch import nn
-    >>> class Net(nn.Module):
-    ...     def __init__(self):
-    ...         super().__init__()
-    ...         self.emb = nn.Embedding(10, 4)
-    ...         self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
-    ...         self.head = nn.Linear(4, 10)
-    ...     def forward(self, x):
-    ...         h = self.emb(x)
-    ...         for layer in self.layers:
-    ...             h = layer(h)
-    ...         return self.head(h)
-    >>> net = Net()
+    >>> net = nn.Sequential(); net.add_module("emb", nn.Embedding(10, 4))
+    >>> net.add_module("layers", nn.ModuleList(nn.Linear(4, 4) for _ in range(4)))
+    >>> net.add_module("head", nn.Linear(4, 10))
     >>> parts = build_pipeline_stages(net, pp_rank=1, pp=2)
     >>> sorted(name for name, _ in net.named_parameters())[:2]
     ['head.bias', 'head.weight']
@@ -177,10 +166,14 @@ class StageForward:
         self.stubs: dict[str, nn.Module] = {}
 
     def install(self) -> None:
-        """Replace the blocks container by an ``nn.ModuleDict`` under the original keys (pruning deletes from it)."""
-        container = registered_submodule(self.root, self.split.blocks_path)
-        assert container is not None
-        _set(self.root, self.split.blocks_path, nn.ModuleDict(child_modules(container)))
+        """Replace the blocks container by :meth:`container` over its blocks (pruning deletes from it)."""
+        found = registered_submodule(self.root, self.split.blocks_path)
+        assert found is not None
+        _set(self.root, self.split.blocks_path, self.container(child_modules(found), isinstance(found, nn.ModuleList)))
+
+    def container(self, blocks: dict[str, nn.Module], was_list: bool) -> nn.ModuleDict:
+        """The installed blocks container: an ``nn.ModuleDict`` under the original keys."""
+        return nn.ModuleDict(blocks)
 
     def run(self, index: int, args: tuple, inputs: Any) -> Any:
         """Forward of stage ``index``: ``args`` are the model inputs (stage 0) or the previous stage's output;
