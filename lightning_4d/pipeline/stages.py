@@ -138,7 +138,7 @@ INPUTS_KW = "fourd_inputs"  # the micro-batch's model inputs, passed by the sche
 
 class StageForward:
     """How a model's pipeline stages run: the one interface that pruning (:func:`prune_stages`), the stage modules,
-    the set-up check (:func:`~lightning_4d.pipeline.staged.check_staged`) and the runner use. Two kinds exist:
+    the set-up check (:func:`~lightning_4d.pipeline.checks.check_staged`) and the runner use. Two kinds exist:
     :class:`ChainForward` (what the pipeline hooks name, chained: pre → blocks → post) and
     :class:`~lightning_4d.pipeline.staged.StagedForward` (the model's own forward run stage by stage).
 
