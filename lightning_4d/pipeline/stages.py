@@ -197,7 +197,7 @@ class ChainForward(StageForward):
     Example:
         >>> net = nn.Sequential(); net.add_module("layers", nn.ModuleList([nn.Linear(2, 2)]))
         >>> ChainForward(net, find_pipeline_split(net), {0: ["0"]}, post_fn=torch.relu).describe()
-        "a chain [] → layers[*] → ['<post>'] on one tensor"
+        "a chain [] → layers[*] → ['pipeline_post_blocks'] on one tensor"
     """
 
     def __init__(self, root: nn.Module, split: PipelineSplit, stage_keys: Mapping[int, Sequence[str]],
@@ -225,8 +225,8 @@ class ChainForward(StageForward):
         return self.post_fn(h) if self.post_fn is not None else _chain(self.root, self.split.post, (h,))
 
     def describe(self) -> str:
-        pre = ["<pre>"] if self.pre_fn is not None else list(self.split.pre)
-        post = ["<post>"] if self.post_fn is not None else list(self.split.post)
+        pre = [PIPELINE_PRE] if self.pre_fn is not None else list(self.split.pre)
+        post = [PIPELINE_POST] if self.post_fn is not None else list(self.split.post)
         return f"a chain {pre} → {self.split.blocks_path}[*] → {post} on one tensor"
 
 
