@@ -34,7 +34,7 @@ from lightning_4d.expert_parallel.rewrite import find_moe_modules, mixtral_sourc
 from lightning_4d.hooks import BLOCKS_PATH, user_hook
 from lightning_4d.layout_plan import ExpertEntry, LayoutPlan
 from lightning_4d.mesh import ParallelDims
-from lightning_4d.pipeline.glue import check_pipeline_model, uses_pipeline_hooks
+from lightning_4d.pipeline.glue import hooks_split, uses_pipeline_hooks
 from lightning_4d.pipeline.partition import partition_blocks
 from lightning_4d.pipeline.schedules import get_schedule_info
 from lightning_4d.pipeline.staged import check_stage_owners
@@ -85,7 +85,7 @@ def plan_layout(module: nn.Module, dims: ParallelDims, config: Optional[FourDCon
         get_schedule_info(config.schedule)  # an unknown schedule fails here, before anything changes
         num_stages = dims.pp * dims.virtual_stages
         if hooks:
-            order = tuple(check_pipeline_model(module, blocks_path, values=False).block_keys)
+            order = tuple(hooks_split(module, blocks_path).block_keys)
         else:
             check_stage_owners(module, trace)
             order = tuple(trace.block_order)

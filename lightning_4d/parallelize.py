@@ -41,15 +41,9 @@ from lightning_4d.mesh import Axis, FourDMesh, ParallelDims
 from lightning_4d.hooks import TP_PLAN, user_hook
 from lightning_4d.derive_plan import plan_layout
 from lightning_4d.layout_plan import LayoutPlan
-from lightning_4d.pipeline.glue import (
-    ModelSplit,
-    build_runner,
-    check_after_tensor_parallel,
-    check_pipeline_model,
-    split_pipeline,
-)
+from lightning_4d.pipeline.checks import check_staged
+from lightning_4d.pipeline.glue import build_runner, check_after_tensor_parallel, install_stages, split_pipeline
 from lightning_4d.pipeline.runner import PipelineRunner
-from lightning_4d.pipeline.staged import StagedForward, check_staged
 from lightning_4d.tensor_parallel import apply_tensor_parallel
 from lightning_4d.tensor_parallel.apply import run_user_plan_once
 from lightning_4d.tensor_parallel.layouts import attach_plan
@@ -148,17 +142,6 @@ def parallelize_module(
     return apply_layout(module, plan, mesh, config, precision, accumulate=accumulate, device=device)
 
 
-def _stage_split(module: nn.Module, plan: LayoutPlan) -> ModelSplit:
-    """The plan's pipeline split installed on the (still whole) model: stages that run the model's own forward,
-    or the chain the user's pipeline hooks name."""
-    if plan.pipeline_hooks:
-        return check_pipeline_model(module, plan.blocks_path, values=False)
-    staged = StagedForward(module, plan.model_trace(), plan.stage_keys())
-    staged.make_stubs()
-    staged.install()
-    return staged
-
-
 def apply_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, config: Optional[FourDConfig] = None,
                  precision: str = "32-true", accumulate: int = 1, device: Optional[torch.device] = None
                  ) -> ParallelPlan:
@@ -180,10 +163,9 @@ def apply_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, config: O
     attach_plan(module, plan)  # materialisation, checkpoints and exports read the row permutations from it
     record = ParallelPlan(blocks_path=plan.blocks_path, blocks=_blocks_of(module.get_submodule(plan.blocks_path)),
                           input_shape=plan.input_shape, layout=plan)
-    parts = split = None
+    parts = None
     if dims.pp > 1:
-        split = _stage_split(module, plan)
-        parts = split_pipeline(module, mesh, config, split)
+        parts = split_pipeline(mesh, config, install_stages(module, plan))
         record.blocks = _blocks_of(module.get_submodule(plan.blocks_path))
     _apply_experts(module, mesh, record, accumulate)
     if dims.tp > 1:
@@ -232,8 +214,7 @@ def apply_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, config: O
                                 reshard_after_forward=reshards_after_forward(dims.pp))
 
     if parts is not None:
-        assert split is not None
-        record.pipeline = build_runner(module, mesh, config, parts, split, device=device)
+        record.pipeline = build_runner(module, mesh, config, parts, device=device)
         record.pipeline_tied = list(parts.tied)
     return record
 
@@ -278,13 +259,10 @@ def check_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, accumulat
             expected = module(*args)
     finally:
         module.train(was_training)
-    split = None
+    stages = None
     if dims.pp > 1:
-        split = _stage_split(module, plan)
-        if plan.pipeline_hooks:
-            check_pipeline_model(module, plan.blocks_path)  # the chain pre -> blocks -> post, before sharding
-        else:
-            check_staged(split, example, expected)
+        stages = install_stages(module, plan)
+        check_staged(stages, example, expected)
     if dims.tp == 1:
         return
     record_plan = ParallelPlan(blocks_path=plan.blocks_path, layout=plan)
@@ -293,7 +271,7 @@ def check_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, accumulat
     run_user_plan_once(module, plan.tensor_parallel, mesh[Axis.TP], dims.sp)
     apply_tensor_parallel(module, mesh, record_plan, plan.tensor_parallel)
     check_with_experts_replayed(module, expert_calls, mesh[Axis.TP],
-                                lambda: check_after_tensor_parallel(module, split, example, expected))
+                                lambda: check_after_tensor_parallel(module, stages, example, expected))
 
 
 def reduce_tp_partial_grads(plan: Optional[ParallelPlan], mesh: FourDMesh, model: nn.Module) -> None:

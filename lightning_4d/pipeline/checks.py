@@ -1,4 +1,6 @@
-"""Single-process check that a model's forward is the composition pipeline stages will run.
+"""Single-process checks that pipeline stages, run in order, compute the model's forward: :func:`check_staged` for
+any :class:`~lightning_4d.pipeline.stages.StageForward` (before and after the tensor-parallel rewrite),
+:func:`check_sequential` for a chain pre → blocks → post before sharding (it also says which side differs).
 
 Example:
     >>> import torch
@@ -16,18 +18,48 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
 from lightning_4d._compat import child_modules, registered_submodule
-from lightning_4d.pipeline.stages import HOOK_HINT, PipelineSplit, StageModule, find_pipeline_split
+from lightning_4d.pipeline.stages import HOOK_HINT, ChainForward, PipelineSplit, StageForward, find_pipeline_split
 from lightning_4d.precision import max_difference
 from lightning_4d.verify import compare_forward
 
-__all__ = ["check_sequential"]
+__all__ = ["check_sequential", "check_staged"]
+
+
+def check_staged(stages: StageForward, example: Any, expected: Any) -> None:
+    """Run every stage in order in one process on ``example`` and compare with ``expected`` (the plain
+    forward's output) within :func:`lightning_4d.precision.allowed_difference`. Raises a ``ValueError``
+    naming the model and the hooks when they differ.
+
+    Example:
+        >>> from lightning_4d.models import Llama, LlamaConfig
+        >>> from lightning_4d.pipeline.staged import prepare_staged
+        >>> from lightning_4d.trace import trace_model
+        >>> lm = Llama(LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, ffn_hidden=32, max_seq_len=8))
+        >>> tokens = torch.randint(0, 32, (2, 8))
+        >>> trace = trace_model(lm, "layers", tokens)
+        >>> check_staged(prepare_staged(lm, trace, num_stages=2), tokens, trace.output)  # equal: passes
+    """
+    cls = type(stages.root).__name__
+
+    def run() -> Any:
+        h: Any = example if isinstance(example, tuple) else (example,)
+        for index in range(stages.num_stages):
+            h = stages.run(index, h if index == 0 else (h,), example)
+        return h
+
+    compare_forward(stages.root, run, expected, lambda err: ValueError(
+        f"{cls}: running its forward stage by stage failed with {type(err).__name__}: {err}. Pipeline stages "
+        f"run {stages.describe()}; otherwise {HOOK_HINT}."
+    ), lambda diff, _allowed: ValueError(
+        f"{cls}: its forward run stage by stage differs from the plain forward (max abs difference {diff:.3g}). "
+        f"Pipeline stages run {stages.describe()}; if that changes the values, {HOOK_HINT}."
+    ))
 
 
 def _diff(a: Any, b: Any) -> float:
@@ -69,7 +101,7 @@ def check_sequential(
     """
     cls = type(model).__name__
     split = split or find_pipeline_split(model, blocks_path)
-    whole = StageModule(model, split, 0, 1, split.block_keys, pre_fn, post_fn)
+    whole = ChainForward(model, split, {0: split.block_keys}, pre_fn, post_fn)
     container = registered_submodule(model, split.blocks_path)
     assert container is not None
     blocks = child_modules(container)
@@ -92,13 +124,13 @@ def check_sequential(
     def differs(err: float, allowed: float) -> ValueError:  # called in eval mode, without grad
         side = "the modules after the blocks (post) or the blocks themselves"
         if "in" in seen:
-            pre_out = whole.pre_fn(*args) if whole.pre_fn else _chain(model, split.pre, args)
+            pre_out = whole.run_pre(args)
             block_in = seen["in"][0] if len(seen["in"]) == 1 else seen["in"]
             if _diff(pre_out, block_in) > allowed:
                 side = "the modules before the blocks (pre)"
             elif "out" in seen:
                 last_out = seen["out"]
-                post_out = whole.post_fn(last_out) if whole.post_fn else _chain(model, split.post, (last_out,))
+                post_out = whole.run_post(last_out)
                 if _diff(post_out, expected) > allowed:
                     side = "the modules after the blocks (post)"
                 else:
@@ -109,16 +141,7 @@ def check_sequential(
             f"composition, so {HOOK_HINT}."
         )
 
-    compare_forward(model, lambda: whole(*args), expected, lambda err: ValueError(
+    compare_forward(model, lambda: whole.run(0, args, None), expected, lambda err: ValueError(
         f"{cls}: running its modules in order ({chain}) failed with {type(err).__name__}: {err}. Pipeline stages "
         f"run that composition, so its forward must be a plain chain; otherwise {HOOK_HINT}."
     ), differs)
-
-
-def _chain(model: nn.Module, paths: Sequence[str], args: tuple) -> Any:
-    h: Any = args if len(args) != 1 else args[0]
-    for path in paths:
-        mod = registered_submodule(model, path)
-        if mod is not None:
-            h = mod(*h) if isinstance(h, tuple) else mod(h)
-    return h

@@ -19,7 +19,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, Optional, Sequence, Union
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,63 +27,56 @@ from torch import Tensor, nn
 
 from lightning_4d.batches import PackedInputs, check_takes_positions
 from lightning_4d.config import FourDConfig
-from lightning_4d.distributed import all_reduce_sum, is_on_meta, to_full
+from lightning_4d.distributed import all_reduce_sum, to_full
 from lightning_4d.hooks import PIPELINE_HOOKS, PIPELINE_POST, PIPELINE_PRE, PIPELINE_SPLIT, user_hook
+from lightning_4d.layout_plan import LayoutPlan
 from lightning_4d.mesh import Axis, FourDMesh
-from lightning_4d.pipeline.checks import check_sequential
+from lightning_4d.pipeline.checks import check_staged
 from lightning_4d.pipeline.partition import PipelineSplit, stage_ids_for_rank
 from lightning_4d.pipeline.runner import PipelineRunner, ScheduleRun
 from lightning_4d.pipeline.schedules import get_schedule_info
-from lightning_4d.pipeline.staged import StagedForward, check_staged, prune_staged
-from lightning_4d.pipeline.stages import PipelineParts, build_pipeline_stages, find_pipeline_split
+from lightning_4d.pipeline.staged import StagedForward
+from lightning_4d.pipeline.stages import ChainForward, PipelineParts, StageForward, find_pipeline_split, prune_stages
 from lightning_4d.pipeline.tied import sync_tied_grads
-from lightning_4d.trace import example_tokens
 from lightning_4d.verify import check_tensor_parallel
 
-__all__ = ["ModelSplit", "check_after_tensor_parallel", "check_pipeline_model", "split_pipeline",
-           "build_runner", "check_packed", "pipeline_train_loss", "pipeline_eval", "staged_forward", "sync_tied",
-           "uses_pipeline_hooks"]
-
-# How a model is cut into pipeline stages: its own forward run stage by stage (no hooks), or the chain
-# pre → blocks → post that the user's pipeline hooks name. :func:`staged_forward` tells them apart.
-ModelSplit = Union[StagedForward, PipelineSplit]
+__all__ = ["check_after_tensor_parallel", "hooks_split", "install_stages", "split_pipeline", "build_runner",
+           "check_packed", "pipeline_train_loss", "pipeline_eval", "sync_tied", "uses_pipeline_hooks"]
 
 
-def staged_forward(split: ModelSplit) -> Optional[StagedForward]:
-    """The one place the two pipeline mechanisms are told apart: the :class:`StagedForward` when the stages run
-    the model's own forward, ``None`` when they chain what the pipeline hooks name.
+def hooks_split(module: nn.Module, blocks_path: str) -> PipelineSplit:
+    """The split the user's pipeline hooks name: :func:`~lightning_4d.hooks.PipelineSplitHook`'s answer (a blocks
+    path or a full split), else the modules found around ``blocks_path``.
 
     Example:
-        >>> staged_forward(PipelineSplit("layers", ("0", "1"))) is None
-        True
-    """
-    return split if isinstance(split, StagedForward) else None
-
-
-def check_pipeline_model(module: nn.Module, blocks_path: str, values: bool = True) -> PipelineSplit:
-    """Find the split and check on a tiny input (:func:`~lightning_4d.trace.example_tokens`, the one builder of
-    example inputs) that pre → blocks → post equals ``module(inputs)``.
-
-    Runs on the full (unsharded) model on every rank before any collective; a mismatch raises a
-    ``ValueError`` naming the hooks ``pipeline_pre_blocks`` / ``pipeline_post_blocks`` /
-    ``configure_pipeline_split``. On the meta device (a planner dry run), or with ``values=False`` (planning),
-    there is no data to compare: the split only, as :func:`~lightning_4d.pipeline.staged.check_staged` does.
+        >>> net = nn.Sequential(); net.add_module("layers", nn.ModuleList([nn.Linear(2, 2)]))
+        >>> hooks_split(net, "layers").block_keys
+        ('0',)
     """
     hook = user_hook(module, PIPELINE_SPLIT)
     split = hook() if hook else find_pipeline_split(module, blocks_path)
-    if isinstance(split, str):
-        split = find_pipeline_split(module, split)
-    if not values or is_on_meta(module):
-        return split
-    with torch.no_grad():
-        was_training = module.training
-        module.eval()  # dropout off for the comparison
-        try:
-            check_sequential(module, example_tokens(module), split=split,
-                             pre_fn=user_hook(module, PIPELINE_PRE), post_fn=user_hook(module, PIPELINE_POST))
-        finally:
-            module.train(was_training)
-    return split
+    return find_pipeline_split(module, split) if isinstance(split, str) else split
+
+
+def install_stages(module: nn.Module, plan: LayoutPlan) -> StageForward:
+    """How the stages of ``module`` (still whole) run, installed on it: the chain its pipeline hooks name
+    (``plan.pipeline_hooks``), else its own forward stage by stage. The one builder of stages from the plan's
+    stage assignment; :func:`split_pipeline` prunes what it returns.
+
+    Example:
+        >>> net = nn.Sequential(); net.add_module("layers", nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]))
+        >>> plan = LayoutPlan(degrees=(("pp", 2),), blocks_path="layers", block_order=("0", "1"),
+        ...                   stages=(("0",), ("1",)), pipeline_hooks=True)
+        >>> install_stages(net, plan).num_stages
+        2
+    """
+    if plan.pipeline_hooks:
+        stages: StageForward = ChainForward(module, hooks_split(module, plan.blocks_path), plan.stage_keys(),
+                                            user_hook(module, PIPELINE_PRE), user_hook(module, PIPELINE_POST))
+    else:
+        stages = StagedForward(module, plan.model_trace(), plan.stage_keys())
+    stages.install()
+    return stages
 
 
 def uses_pipeline_hooks(module: nn.Module) -> bool:
@@ -91,52 +84,52 @@ def uses_pipeline_hooks(module: nn.Module) -> bool:
     return any(user_hook(module, name) for name in PIPELINE_HOOKS)
 
 
-def check_after_tensor_parallel(module: nn.Module, split: Optional[ModelSplit], example: Any, expected: Any) -> None:
+def check_after_tensor_parallel(module: nn.Module, stages: Optional[StageForward], example: Any, expected: Any
+                                ) -> None:
     """After the tensor-parallel rewrite, the sharded model against the unsharded output on the traced input:
-    the plain forward without a pipeline (:func:`~lightning_4d.verify.check_tensor_parallel`), the stages in
-    order when they run the model's own forward; a chain the pipeline hooks name was checked before sharding
-    (:func:`check_pipeline_model`).
+    the plain forward without a pipeline (:func:`~lightning_4d.verify.check_tensor_parallel`), else the stages in
+    order (:func:`~lightning_4d.pipeline.checks.check_staged`).
 
     Example:
         >>> lin, x = nn.Linear(2, 2), torch.ones(1, 2)
         >>> check_after_tensor_parallel(lin, None, x, lin(x).detach())  # the same forward: passes
     """
-    if split is None:
+    if stages is None:
         check_tensor_parallel(module, example, expected)
         return
-    staged = staged_forward(split)
-    if staged is None:
-        return
     try:
-        check_staged(staged, example, expected)
+        check_staged(stages, example, expected)
     except ValueError as err:
         raise ValueError(f"With tensor parallelism: {err}") from err
 
 
-def split_pipeline(module: nn.Module, mesh: FourDMesh, config: FourDConfig, split: ModelSplit) -> PipelineParts:
-    """Prune ``module`` in place to this rank's stages (original parameter names kept)."""
+def split_pipeline(mesh: FourDMesh, config: FourDConfig, stages: StageForward) -> PipelineParts:
+    """Prune the model in place to this rank's stages (original parameter names kept).
+
+    Example:
+        >>> # not run: needs a mesh
+        >>> parts = split_pipeline(mesh, config, install_stages(lm, plan))  # doctest: +SKIP
+    """
     dims = mesh.dims
-    info = get_schedule_info(config.schedule)
-    staged = staged_forward(split)
-    if staged is not None:
-        return prune_staged(staged, stage_ids_for_rank(mesh.rank(Axis.PP), dims.pp, dims.virtual_stages, info.style))
-    assert isinstance(split, PipelineSplit)
-    return build_pipeline_stages(
-        module, mesh.rank(Axis.PP), dims.pp, dims.virtual_stages, info.style, split=split,
-        pre_fn=user_hook(module, PIPELINE_PRE), post_fn=user_hook(module, PIPELINE_POST),
-    )
+    style = get_schedule_info(config.schedule).style
+    return prune_stages(stages, stage_ids_for_rank(mesh.rank(Axis.PP), dims.pp, dims.virtual_stages, style))
 
 
-def build_runner(module: nn.Module, mesh: FourDMesh, config: FourDConfig, parts: PipelineParts, split: ModelSplit,
+def build_runner(module: nn.Module, mesh: FourDMesh, config: FourDConfig, parts: PipelineParts,
                  device: Optional[torch.device] = None) -> PipelineRunner:
     """The torch schedule over this rank's (already TP/DP-wrapped) stage modules, on ``device`` (default: the
     stages' parameters' device; a model still on the meta device passes the device it will be materialised on).
-    Stages that run the model's own forward get the micro-batch's inputs on every stage."""
+    Stages that run the model's own forward get the micro-batch's inputs on every stage.
+
+    Example:
+        >>> # not run: needs a process group
+        >>> runner = build_runner(lm, mesh, config, parts)  # doctest: +SKIP
+    """
     ignore = getattr(module, "ignore_index", -100)
     count = getattr(module, "count_targets", None)
     return PipelineRunner(
         parts.modules, mesh[Axis.PP], module.loss_fn, schedule=config.schedule, microbatches=config.microbatches,
-        inputs_to_every_stage=staged_forward(split) is not None,
+        inputs_to_every_stage=parts.modules[0].stage_forward.inputs_to_every_stage,
         ignore_index=-100 if ignore is None else ignore,
         token_count_fn=(lambda t: int(count(t))) if callable(count) else None,
         model=module,  # tied weights are synchronised by the strategy once per optimizer step

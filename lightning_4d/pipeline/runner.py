@@ -35,6 +35,7 @@ from lightning_4d.distributed import local_of
 from lightning_4d.loss import count_targets, token_weighted
 from lightning_4d.pipeline.partition import stage_ids_for_rank, stage_to_rank
 from lightning_4d.pipeline.schedules import get_schedule_info, validate_microbatches
+from lightning_4d.pipeline.stages import INPUTS_KW
 from lightning_4d.pipeline.tied import sync_tied_grads
 
 if TYPE_CHECKING:
@@ -206,8 +207,6 @@ class PipelineRunner:
         # Stages that run the model's own forward derive masks / rotary tables from the inputs.
         if not self.inputs_to_every_stage:
             return {}
-        from lightning_4d.pipeline.staged import INPUTS_KW
-
         return {INPUTS_KW: inputs}
 
     def train_step(

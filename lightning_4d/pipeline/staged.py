@@ -17,8 +17,8 @@ rank), with three changes that :class:`StagedForward` makes while a stage runs:
   as the model wrote them.
 
 Which argument carries the hidden state, and what runs before/after the blocks, comes from
-:func:`lightning_4d.trace.trace_model`; :func:`check_staged` replays all stages in one process on a
-tiny input and compares with the plain forward before anything is split.
+:func:`lightning_4d.trace.trace_model`; :func:`~lightning_4d.pipeline.checks.check_staged` replays all stages in one
+process on a tiny input and compares with the plain forward before anything is split.
 
 Example:
     >>> from lightning_4d.models import Llama, LlamaConfig
@@ -36,22 +36,17 @@ from __future__ import annotations
 import copy
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from lightning_4d._compat import child_modules, pytree, registered_submodule
-from lightning_4d.verify import compare_forward
 from lightning_4d.pipeline.partition import partition_blocks
-from lightning_4d.pipeline.stages import HOOK_HINT, PipelineParts, PipelineSplit, StageModule
-from lightning_4d.pipeline.tied import find_tied_parameters
+from lightning_4d.pipeline.stages import HOOK_HINT, PipelineSplit, StageForward
 from lightning_4d.trace import ModelTrace
 
-__all__ = ["INPUTS_KW", "check_stage_owners", "ShapeStub", "StageDone", "StagedBlocks", "StagedForward", "check_staged", "prepare_staged",
-           "prune_staged"]
-
-INPUTS_KW = "fourd_inputs"  # the micro-batch's model inputs, passed by the schedule to every stage
+__all__ = ["check_stage_owners", "ShapeStub", "StageDone", "StagedBlocks", "StagedForward", "prepare_staged"]
 
 
 class StageDone(Exception):
@@ -71,7 +66,8 @@ class ShapeStub(nn.Module):
     stage's device that holds one element (an expanded scalar: no memory however large the weight), a
     submodule is a stand-in too, and plain values (``padding_idx``, ``embed_scale``) are the module's own.
     Methods are not answered: they would compute with weights this stage does not hold. What the stand-in
-    gets wrong shows in :func:`check_staged`, which compares the stages with the plain forward.
+    gets wrong shows in :func:`~lightning_4d.pipeline.checks.check_staged`, which compares the stages with the plain
+    forward.
 
     Example:
         >>> stub = ShapeStub(nn.Embedding(10, 4))
@@ -194,7 +190,7 @@ class StagedBlocks(nn.ModuleDict):
         return list(self._order) if self._active() else super().keys()
 
 
-class StagedForward:
+class StagedForward(StageForward):
     """Runs one stage of a pipelined model through the model's own ``forward`` (see the module doc).
 
     Args:
@@ -202,36 +198,41 @@ class StagedForward:
         trace: the model's :class:`~lightning_4d.trace.ModelTrace` (taken on the full model).
         stage_keys: block keys of every stage (all stages of the pipeline, by stage index).
     """
-    def __init__(self, root: nn.Module, trace: ModelTrace, stage_keys: dict[int, list[str]]) -> None:
-        self.root = root
+
+    inputs_to_every_stage = True  # later stages derive masks and rotary tables from the inputs
+
+    def __init__(self, root: nn.Module, trace: ModelTrace, stage_keys: Mapping[int, Sequence[str]]) -> None:
+        def holds_params(path: str) -> bool:
+            mod = registered_submodule(root, path)
+            return mod is not None and any(True for _ in mod.parameters())
+
+        pre = tuple(p for p in trace.pre if holds_params(p))
+        post = tuple(p for p in trace.post if holds_params(p))
+        super().__init__(root, PipelineSplit(trace.blocks_path, tuple(trace.block_order), pre, post), stage_keys)
         self.trace = trace
         self.order = tuple(trace.block_order)
         self.hidden = trace.hidden
-        self.num_stages = len(stage_keys)
-        self.stage_keys = {s: tuple(k) for s, k in stage_keys.items()}
         self.stage: Optional[_Stage] = None
-        self.stubs: dict[str, ShapeStub] = {}
 
     # -- set-up ---------------------------------------------------------------------------------------
-    def install(self, container_path: Optional[str] = None) -> StagedBlocks:
-        """Replace the blocks container by a :class:`StagedBlocks` over the blocks present now."""
-        path = container_path or self.trace.blocks_path
-        container = registered_submodule(self.root, path)
-        assert container is not None
-        staged = StagedBlocks(child_modules(container), self.order, isinstance(container, nn.ModuleList))
+    def install(self) -> None:
+        """Make the shape stubs of the pre-block modules that hold parameters (from the full modules), then install
+        the blocks container."""
+        for path in self.split.pre:
+            self.stubs[path] = ShapeStub(registered_submodule(self.root, path))
+        super().install()
+
+    def container(self, blocks: dict[str, nn.Module], was_list: bool) -> StagedBlocks:
+        """A :class:`StagedBlocks` that hands out this object's dispatchers while a stage runs."""
+        staged = StagedBlocks(blocks, self.order, was_list)
         object.__setattr__(staged, "_staged", self)
-        parent_path, _, name = path.rpartition(".")
-        parent = registered_submodule(self.root, parent_path)
-        assert parent is not None
-        setattr(parent, name, staged)
         return staged
 
-    def make_stubs(self) -> None:
-        """Shape stubs for the pre-block modules that hold parameters (made from the full modules)."""
-        for path in self.trace.pre:
-            mod = registered_submodule(self.root, path)
-            if mod is not None and any(True for _ in mod.parameters()):
-                self.stubs[path] = ShapeStub(mod)
+    def describe(self) -> str:
+        stubs = ", ".join(self.stubs) or "none"
+        return (f"the model's forward with the blocks of other stages skipped and, on later stages, the modules before "
+                f"the blocks ({stubs}) replaced by shape-only stand-ins (zeros of the right shape: what the blocks "
+                f"receive, masks and rotary tables, is computed with them)")
 
     # -- running --------------------------------------------------------------------------------------
     def dispatcher(self, pos: int) -> Callable[..., Any]:
@@ -295,39 +296,6 @@ class StagedForward:
         return out
 
 
-def check_staged(staged: StagedForward, example: Any, expected: Any) -> None:
-    """Run every stage in order in one process on ``example`` and compare with ``expected`` (the plain
-    forward's output) within :func:`lightning_4d.precision.allowed_difference`. Raises a ``ValueError``
-    naming the model and the hooks when they differ.
-
-    Example:
-        >>> from lightning_4d.models import Llama, LlamaConfig
-        >>> from lightning_4d.trace import trace_model
-        >>> lm = Llama(LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, ffn_hidden=32, max_seq_len=8))
-        >>> tokens = torch.randint(0, 32, (2, 8))
-        >>> trace = trace_model(lm, "layers", tokens)
-        >>> check_staged(prepare_staged(lm, trace, num_stages=2), tokens, trace.output)  # equal: passes
-    """
-    cls = type(staged.root).__name__
-    stubs = ", ".join(staged.stubs) or "none"
-
-    def run() -> Any:
-        h: Any = example if isinstance(example, tuple) else (example,)
-        for index in range(staged.num_stages):
-            h = staged.run(index, h if index == 0 else (h,), example)
-        return h
-
-    compare_forward(staged.root, run, expected, lambda err: ValueError(
-        f"{cls}: running its forward stage by stage failed with {type(err).__name__}: {err}. Pipeline stages "
-        f"run the model's forward with the blocks of other stages skipped and, on later stages, the modules "
-        f"before the blocks ({stubs}) replaced by shape-only stand-ins; otherwise {HOOK_HINT}."
-    ), lambda diff, _allowed: ValueError(
-        f"{cls}: its forward run stage by stage differs from the plain forward (max abs difference {diff:.3g}). "
-        f"Later stages compute what the blocks receive (masks, rotary tables) with the modules before the "
-        f"blocks ({stubs}) replaced by zeros of the right shape; if those values matter, {HOOK_HINT}."
-    ))
-
-
 def check_stage_owners(root: nn.Module, trace: ModelTrace) -> None:
     """Refuse modules with parameters that run both before and after the blocks (or between them): no single
     pipeline stage can own them.
@@ -347,7 +315,7 @@ def check_stage_owners(root: nn.Module, trace: ModelTrace) -> None:
 
 def prepare_staged(root: nn.Module, trace: ModelTrace, num_stages: int) -> StagedForward:
     """Partition the blocks over ``num_stages`` stages, make the shape stubs and install the staged
-    container on the full model (nothing is removed yet; :func:`prune_staged` does that).
+    container on the full model (nothing is removed yet; :func:`~lightning_4d.pipeline.stages.prune_stages` does that).
 
     Example:
         >>> from lightning_4d.models import Llama, LlamaConfig
@@ -362,61 +330,5 @@ def prepare_staged(root: nn.Module, trace: ModelTrace, num_stages: int) -> Stage
     check_stage_owners(root, trace)
     parts = partition_blocks(len(trace.block_order), num_stages)
     staged = StagedForward(root, trace, {s: [trace.block_order[i] for i in idx] for s, idx in enumerate(parts)})
-    staged.make_stubs()
     staged.install()
     return staged
-
-
-def prune_staged(staged: StagedForward, stage_ids: list[int]) -> PipelineParts:
-    """Keep this rank's stages only: other blocks are dropped, pre-block modules become stubs unless
-    this rank runs stage 0, post-block modules are dropped unless it runs the last stage. Returns the
-    :class:`~lightning_4d.pipeline.stages.PipelineParts` (stage modules keep the original parameter names).
-
-    Example:
-        >>> from lightning_4d.models import Llama, LlamaConfig
-        >>> from lightning_4d.trace import trace_model
-        >>> lm = Llama(LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, ffn_hidden=32, max_seq_len=8))
-        >>> tokens = torch.randint(0, 32, (2, 8))
-        >>> trace = trace_model(lm, "layers", tokens)
-        >>> parts = prune_staged(prepare_staged(lm, trace, num_stages=2), [0])  # this rank runs stage 0
-        >>> parts.stage_ids, parts.parts, sorted(n for n in lm.state_dict() if not n.startswith("layers"))
-        ([0], [[0], [1]], ['tok_embeddings.weight'])
-    """
-    root, trace = staged.root, staged.trace
-
-    def holds_params(path: str) -> bool:
-        mod = registered_submodule(root, path)
-        return mod is not None and any(True for _ in mod.parameters())
-
-    split = PipelineSplit(trace.blocks_path, trace.block_order, tuple(p for p in trace.pre if holds_params(p)),
-                          tuple(p for p in trace.post if holds_params(p)))
-    tied = find_tied_parameters(root, split)
-    keep = {k for s in stage_ids for k in staged.stage_keys[s]}
-    container = registered_submodule(root, trace.blocks_path)
-    assert isinstance(container, StagedBlocks)
-    for key in [k for k in child_modules(container) if k not in keep]:
-        del container[key]
-    if 0 not in stage_ids:
-        for path in split.pre:
-            parent_path, _, name = path.rpartition(".")
-            setattr(registered_submodule(root, parent_path), name, staged.stubs[path])
-    if staged.num_stages - 1 not in stage_ids:
-        for path in split.post:
-            parent_path, _, name = path.rpartition(".")
-            setattr(registered_submodule(root, parent_path), name, None)
-    mounted = PipelineSplit(split.blocks_path, split.block_keys, split.pre if 0 in stage_ids else (), split.post)
-    modules: list[nn.Module] = []
-    for s in stage_ids:
-        stage = StageModule(root, mounted, s, staged.num_stages, list(staged.stage_keys[s]))
-        stage.forward = _stage_forward(staged, s)  # type: ignore[method-assign]
-        modules.append(stage)
-    order = {k: i for i, k in enumerate(trace.block_order)}
-    parts = [[order[k] for k in staged.stage_keys[s]] for s in range(staged.num_stages)]
-    return PipelineParts(root, modules, list(stage_ids), staged.num_stages, parts, split, tied)
-
-
-def _stage_forward(staged: StagedForward, index: int) -> Callable[..., Any]:
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        return staged.run(index, args, kwargs.get(INPUTS_KW))
-
-    return forward

@@ -5,31 +5,23 @@ default the one of identical-type children that holds the most parameters. Modul
 before that container (in it parent, and in each ancestor up to the root) run on the first stage
 (e.g. the token embedding); modules registered after it run on the last stage (final norm, head).
 
-:func:`build_pipeline_stages` prunes the model **in place** (or a deep copy with ``copy=True``):
-the blocks container becomes an ``nn.ModuleDict`` keyed by the original indices holding only this
-rank's blocks, and absent pre/post modules are set to ``None``. So ``model.named_parameters()``
-on every rank lists exactly its own parameters under their single-process names
-(``layers.3.attention.wq.weight``), and optimizers / checkpoints stay layout-independent.
+One mechanism makes the stages: a :class:`StageForward` says how they run, either :class:`ChainForward` (pre →
+blocks → post on one tensor: a plain chain, or what the user's pipeline hooks name) or
+:class:`~lightning_4d.pipeline.staged.StagedForward` (the model's own forward, stage by stage), and
+:func:`prune_stages` prunes the model **in place** to this rank's stages: the blocks container becomes an
+``nn.ModuleDict`` keyed by the original indices holding only this rank's blocks, and absent pre/post modules
+are set to ``None`` (or a stand-in). So ``model.named_parameters()`` on every rank lists exactly its own
+parameters under their single-process names (``layers.3.attention.wq.weight``), and optimizers / checkpoints
+stay layout-independent. :func:`build_pipeline_stages` does both for a chain without a plan.
 
 Each local stage gets a :class:`StageModule` — what ``PipelineStage(submod=...)`` runs and whose
 ``parameters()`` it uses for gradient handling. It *shares* (does not copy) the pruned model's
 modules and registers them under the same paths, so its parameter names equal the model's too.
 
 Example:
-    >>> import torch
-    >>> from torch import nn
-    >>> class Net(nn.Module):
-    ...     def __init__(self):
-    ...         super().__init__()
-    ...         self.emb = nn.Embedding(10, 4)
-    ...         self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
-    ...         self.head = nn.Linear(4, 10)
-    ...     def forward(self, x):
-    ...         h = self.emb(x)
-    ...         for layer in self.layers:
-    ...             h = layer(h)
-    ...         return self.head(h)
-    >>> net = Net()
+    >>> net = nn.Sequential(); net.add_module("emb", nn.Embedding(10, 4))
+    >>> net.add_module("layers", nn.ModuleList(nn.Linear(4, 4) for _ in range(4)))
+    >>> net.add_module("head", nn.Linear(4, 10))
     >>> parts = build_pipeline_stages(net, pp_rank=1, pp=2)
     >>> sorted(name for name, _ in net.named_parameters())[:2]
     ['head.bias', 'head.weight']
@@ -40,7 +32,7 @@ Example:
 from __future__ import annotations
 
 import copy as _copy
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -52,7 +44,8 @@ from lightning_4d.hooks import PIPELINE_POST, PIPELINE_PRE, PIPELINE_SPLIT, hook
 from lightning_4d.pipeline.partition import PipelineSplit, StageStyle, partition_blocks, stage_ids_for_rank
 from lightning_4d.pipeline.tied import find_tied_parameters
 
-__all__ = ["PipelineSplit", "StageModule", "PipelineParts", "find_pipeline_split", "build_pipeline_stages", "HOOK_HINT"]
+__all__ = ["HOOK_HINT", "INPUTS_KW", "ChainForward", "PipelineParts", "PipelineSplit", "StageForward", "StageModule",
+           "build_pipeline_stages", "find_pipeline_split", "prune_stages"]
 
 HOOK_HINT = (
     f"implement {hook_call(PIPELINE_PRE)} (what runs before the blocks, on the first stage) and/or "
@@ -140,47 +133,133 @@ def find_pipeline_split(root: nn.Module, blocks_path: Optional[str] = None) -> P
     return PipelineSplit(blocks_path, keys, pre, post)
 
 
-class StageModule(nn.Module):
-    """One pipeline stage: pre-modules (first stage), this stage's blocks, post-modules (last stage).
+INPUTS_KW = "fourd_inputs"  # the micro-batch's model inputs, passed by the schedule to every stage that needs them
 
-    The modules are shared with the model and registered under their original paths, so
-    ``named_parameters()`` yields the single-process names. ``forward`` on the first stage takes the
-    model inputs; later stages take the previous stage's output.
+
+class StageForward:
+    """How a model's pipeline stages run: the one interface that pruning (:func:`prune_stages`), the stage modules,
+    the set-up check (:func:`~lightning_4d.pipeline.checks.check_staged`) and the runner use. Two kinds exist:
+    :class:`ChainForward` (what the pipeline hooks name, chained: pre → blocks → post) and
+    :class:`~lightning_4d.pipeline.staged.StagedForward` (the model's own forward run stage by stage).
+
+    Attributes:
+        root: the model holding the modules.
+        split: the blocks container (keys in call order) and the modules with parameters before / after it.
+        stage_keys: block keys of every stage, by stage index; ``num_stages`` their number.
+        stubs: what replaces a module before the blocks on ranks without stage 0 (absent: ``None``).
+        inputs_to_every_stage: whether each stage gets the micro-batch's inputs as keyword :data:`INPUTS_KW`.
+
+    Example:
+        >>> net = nn.Sequential(); net.add_module("layers", nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]))
+        >>> chain = ChainForward(net, find_pipeline_split(net), {0: ["0"], 1: ["1"]})
+        >>> chain.num_stages, chain.run(1, (chain.run(0, (torch.ones(1, 2),), None),), None).shape
+        (2, torch.Size([1, 2]))
+    """
+
+    inputs_to_every_stage = False
+
+    def __init__(self, root: nn.Module, split: PipelineSplit, stage_keys: Mapping[int, Sequence[str]]) -> None:
+        self.root = root
+        self.split = split
+        self.stage_keys = {s: tuple(k) for s, k in stage_keys.items()}
+        self.num_stages = len(self.stage_keys)
+        self.stubs: dict[str, nn.Module] = {}
+
+    def install(self) -> None:
+        """Replace the blocks container by :meth:`container` over its blocks (pruning deletes from it)."""
+        found = registered_submodule(self.root, self.split.blocks_path)
+        assert found is not None
+        _set(self.root, self.split.blocks_path, self.container(child_modules(found), isinstance(found, nn.ModuleList)))
+
+    def container(self, blocks: dict[str, nn.Module], was_list: bool) -> nn.ModuleDict:
+        """The installed blocks container: an ``nn.ModuleDict`` under the original keys."""
+        return nn.ModuleDict(blocks)
+
+    def run(self, index: int, args: tuple, inputs: Any) -> Any:
+        """Forward of stage ``index``: ``args`` are the model inputs (stage 0) or the previous stage's output;
+        ``inputs`` the micro-batch's model inputs (``None`` unless :attr:`inputs_to_every_stage`)."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """What the stages run, for the set-up check's errors."""
+        raise NotImplementedError
+
+
+class ChainForward(StageForward):
+    """Stages that chain what the pipeline hooks name: pre-modules (or ``pre_fn``) on stage 0, this stage's blocks
+    on one tensor, post-modules (or ``post_fn``) on the last stage.
 
     Args:
-        root: the (pruned or full) model holding the modules.
-        split: where the model splits.
-        stage_index / num_stages: this stage and the pipeline length.
-        block_keys: keys (original indices) of this stage's blocks, in order.
+        root / split / stage_keys: see :class:`StageForward`.
         pre_fn: ``pre_fn(*inputs) -> h`` replacing the chained pre-modules (first stage).
         post_fn: ``post_fn(h) -> output`` replacing the chained post-modules (last stage).
 
     Example:
-        >>> net = nn.Sequential(); net.add_module("layers", nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]))
-        >>> split = find_pipeline_split(net)
-        >>> StageModule(net, split, 0, 1, ["0", "1"])(torch.ones(1, 2)).shape
-        torch.Size([1, 2])
+        >>> net = nn.Sequential(); net.add_module("layers", nn.ModuleList([nn.Linear(2, 2)]))
+        >>> ChainForward(net, find_pipeline_split(net), {0: ["0"]}, post_fn=torch.relu).describe()
+        "a chain [] → layers[*] → ['pipeline_post_blocks'] on one tensor"
     """
 
-    def __init__(
-        self,
-        root: nn.Module,
-        split: PipelineSplit,
-        stage_index: int,
-        num_stages: int,
-        block_keys: Sequence[str],
-        pre_fn: Optional[Callable[..., Any]] = None,
-        post_fn: Optional[Callable[[Any], Any]] = None,
-    ) -> None:
-        super().__init__()
-        self.stage_index = stage_index
-        self.num_stages = num_stages
-        self.blocks_path = split.blocks_path
-        self.block_keys = list(block_keys)
-        self.pre_paths = list(split.pre) if stage_index == 0 else []
-        self.post_paths = list(split.post) if stage_index == num_stages - 1 else []
+    def __init__(self, root: nn.Module, split: PipelineSplit, stage_keys: Mapping[int, Sequence[str]],
+                 pre_fn: Optional[Callable[..., Any]] = None, post_fn: Optional[Callable[[Any], Any]] = None) -> None:
+        super().__init__(root, split, stage_keys)
         self.pre_fn = pre_fn
         self.post_fn = post_fn
+
+    def run(self, index: int, args: tuple, inputs: Any) -> Any:
+        if index == 0:
+            h = self.run_pre(args)
+        else:
+            h = args if len(args) != 1 else args[0]  # (B, T, D) activations from the previous stage
+        blocks = child_modules(registered_submodule(self.root, self.split.blocks_path))
+        for key in self.stage_keys[index]:
+            h = blocks[key](*h) if isinstance(h, tuple) else blocks[key](h)  # (B, T, D)
+        return self.run_post(h) if index == self.num_stages - 1 else h
+
+    def run_pre(self, args: tuple) -> Any:
+        """What runs before the blocks on stage 0: ``pre_fn(*args)`` or the pre-modules in order."""
+        return self.pre_fn(*args) if self.pre_fn is not None else _chain(self.root, self.split.pre, args)
+
+    def run_post(self, h: Any) -> Any:
+        """What runs after the blocks on the last stage: ``post_fn(h)`` or the post-modules in order."""
+        return self.post_fn(h) if self.post_fn is not None else _chain(self.root, self.split.post, (h,))
+
+    def describe(self) -> str:
+        pre = [PIPELINE_PRE] if self.pre_fn is not None else list(self.split.pre)
+        post = [PIPELINE_POST] if self.post_fn is not None else list(self.split.post)
+        return f"a chain {pre} → {self.split.blocks_path}[*] → {post} on one tensor"
+
+
+def _chain(root: nn.Module, paths: Sequence[str], args: tuple) -> Any:
+    """The modules at ``paths`` called in order on ``args`` (those absent on this rank skipped)."""
+    h: Any = args if len(args) != 1 else args[0]
+    for path in paths:
+        mod = registered_submodule(root, path)
+        if mod is not None:
+            h = mod(*h) if isinstance(h, tuple) else mod(h)
+    return h
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: what ``PipelineStage(submod=...)`` runs and whose ``parameters()`` it uses. Holds the
+    pre-modules (stage 0), this stage's blocks and the post-modules (last stage), shared with the model and
+    registered under their original paths, so ``named_parameters()`` yields the single-process names; its forward
+    is ``stage_forward.run`` for this stage.
+
+    Example:
+        >>> net = nn.Sequential(); net.add_module("layers", nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]))
+        >>> stage = StageModule(ChainForward(net, find_pipeline_split(net), {0: ["0", "1"]}), 0)
+        >>> stage(torch.ones(1, 2)).shape, [n for n, _ in stage.named_parameters()][:1]
+        (torch.Size([1, 2]), ['layers.0.weight'])
+    """
+
+    def __init__(self, stage_forward: StageForward, stage_index: int) -> None:
+        super().__init__()
+        root, split = stage_forward.root, stage_forward.split
+        self.stage_forward = stage_forward
+        self.stage_index = stage_index
+        self.num_stages = stage_forward.num_stages
+        self.block_keys = list(stage_forward.stage_keys[stage_index])
         container = registered_submodule(root, split.blocks_path)
         if container is None:
             raise ValueError(f"the model has no blocks container at {split.blocks_path!r}")
@@ -190,11 +269,13 @@ class StageModule(nn.Module):
             if block is None:
                 raise ValueError(f"block {split.blocks_path}.{key} is not on this rank (pruned away?)")
             blocks[key] = block
-        for path in self.pre_paths:
+        pre = split.pre if self.is_first else ()
+        post = split.post if self.is_last else ()
+        for path in pre:
             if (mod := registered_submodule(root, path)) is not None:
                 self._mount(path, mod)
         self._mount(split.blocks_path, blocks)
-        for path in self.post_paths:
+        for path in post:
             if (mod := registered_submodule(root, path)) is not None:
                 self._mount(path, mod)
 
@@ -217,35 +298,8 @@ class StageModule(nn.Module):
         """Whether this is the last stage (runs the post-modules)."""
         return self.stage_index == self.num_stages - 1
 
-    def _module(self, path: str) -> Optional[nn.Module]:
-        return registered_submodule(self, path)
-
-    def forward(self, *args: Any) -> Any:
-        if self.is_first:
-            if self.pre_fn is not None:
-                h = self.pre_fn(*args)  # e.g. (B, T) token ids -> (B, T, D)
-            else:
-                h = args if len(args) != 1 else args[0]
-                for path in self.pre_paths:
-                    mod = self._module(path)
-                    if mod is not None:
-                        h = mod(*h) if isinstance(h, tuple) else mod(h)
-        else:
-            h = args if len(args) != 1 else args[0]  # (B, T, D) activations from the previous stage
-        blocks = self._module(self.blocks_path)
-        assert blocks is not None
-        for key in self.block_keys:
-            block = blocks[key]
-            h = block(*h) if isinstance(h, tuple) else block(h)  # (B, T, D)
-        if self.is_last:
-            if self.post_fn is not None:
-                h = self.post_fn(h)
-            else:
-                for path in self.post_paths:
-                    mod = self._module(path)
-                    if mod is not None:
-                        h = mod(*h) if isinstance(h, tuple) else mod(h)  # e.g. (B, T, V) logits
-        return h
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.stage_forward.run(self.stage_index, args, kwargs.get(INPUTS_KW))
 
     def extra_repr(self) -> str:
         return f"stage={self.stage_index}/{self.num_stages}, blocks={self.block_keys}"
@@ -274,6 +328,40 @@ class PipelineParts:
     tied: list[tuple[str, str]] = field(default_factory=list)
 
 
+def prune_stages(stage_forward: StageForward, stage_ids: Sequence[int]) -> PipelineParts:
+    """Prune the model in place to this rank's stages and build their :class:`StageModule` objects: the one way
+    pipeline stages are made (from the plan's stage assignment, whichever way the stages run). Blocks of other
+    stages are deleted from the (installed, :meth:`StageForward.install`) container; modules before the blocks
+    become their stand-in (or ``None``) unless this rank runs stage 0, modules after them ``None`` unless it runs
+    the last stage. Tied first/last-stage parameters are reported in ``PipelineParts.tied``.
+
+    Example:
+        >>> net = nn.Sequential(); net.add_module("layers", nn.ModuleList(nn.Linear(2, 2) for _ in range(4)))
+        >>> chain = ChainForward(net, find_pipeline_split(net), {0: ["0"], 1: ["1", "2"], 2: ["3"]})
+        >>> chain.install()
+        >>> parts = prune_stages(chain, [1])
+        >>> parts.parts, list(net.layers), [m.block_keys for m in parts.modules]
+        ([[0], [1, 2], [3]], ['1', '2'], [['1', '2']])
+    """
+    root, split = stage_forward.root, stage_forward.split
+    tied = find_tied_parameters(root, split)
+    keep = {k for s in stage_ids for k in stage_forward.stage_keys[s]}
+    container = registered_submodule(root, split.blocks_path)
+    assert isinstance(container, nn.ModuleDict), "install() the stage forward before pruning"
+    for key in [k for k in child_modules(container) if k not in keep]:
+        del container[key]
+    if 0 not in stage_ids:
+        for path in split.pre:
+            _set(root, path, stage_forward.stubs.get(path))
+    if stage_forward.num_stages - 1 not in stage_ids:
+        for path in split.post:
+            _set(root, path, None)
+    modules = [StageModule(stage_forward, s) for s in stage_ids]
+    order = {k: i for i, k in enumerate(split.block_keys)}
+    parts = [[order[k] for k in stage_forward.stage_keys[s]] for s in range(stage_forward.num_stages)]
+    return PipelineParts(root, modules, list(stage_ids), stage_forward.num_stages, parts, split, tied)
+
+
 def build_pipeline_stages(
     model: nn.Module,
     pp_rank: int,
@@ -290,12 +378,12 @@ def build_pipeline_stages(
     post_fn: Optional[Callable[[Any], Any]] = None,
     copy: bool = False,
 ) -> PipelineParts:
-    """Prune ``model`` to this rank's stages and build their :class:`StageModule` objects.
+    """Partition a model whose forward is a chain pre → blocks → post (:class:`ChainForward`) and prune it to this
+    rank's stages (:func:`prune_stages`), without Lightning or a plan.
 
     Every rank must start from the same full model (same seed). The model is modified **in place**
     (``copy=False``, so a LightningModule's ``parameters()`` become the local ones) or a deep copy.
-    Tied first/last-stage parameters are reported in ``PipelineParts.tied``; sum their gradients with
-    :func:`lightning_4d.pipeline.tied.sync_tied_grads` after backward.
+    Sum the gradients of ``PipelineParts.tied`` with :func:`lightning_4d.pipeline.tied.sync_tied_grads`.
 
     Args:
         model: the full model.
@@ -303,7 +391,7 @@ def build_pipeline_stages(
         split / blocks_path: where to split (found automatically if both are ``None``).
         layers_per_stage, embed_weight, head_weight: passed to
             :func:`~lightning_4d.pipeline.partition.partition_blocks`.
-        pre_fn / post_fn: custom first-stage prologue / last-stage epilogue (see :class:`StageModule`).
+        pre_fn / post_fn: custom first-stage prologue / last-stage epilogue (see :class:`ChainForward`).
         copy: prune a deep copy and leave ``model`` untouched.
 
     Example:
@@ -315,24 +403,10 @@ def build_pipeline_stages(
     if copy:
         model = _copy.deepcopy(model)
     split = split or find_pipeline_split(model, blocks_path)
-    num_stages = pp * virtual_stages
-    parts = partition_blocks(split.num_blocks, num_stages, layers_per_stage=layers_per_stage,
+    parts = partition_blocks(split.num_blocks, pp * virtual_stages, layers_per_stage=layers_per_stage,
                              embed_weight=embed_weight, head_weight=head_weight)
     stage_ids = stage_ids_for_rank(pp_rank, pp, virtual_stages, style)
-    tied = find_tied_parameters(model, split)
-    keep = {split.block_keys[i] for s in stage_ids for i in parts[s]}
-    container = registered_submodule(model, split.blocks_path)
-    assert container is not None
-    kept = nn.ModuleDict({k: m for k, m in child_modules(container).items() if k in keep})
-    _set(model, split.blocks_path, kept)
-    if 0 not in stage_ids:
-        for path in split.pre:
-            _set(model, path, None)
-    if num_stages - 1 not in stage_ids:
-        for path in split.post:
-            _set(model, path, None)
-    modules = [
-        StageModule(model, split, s, num_stages, [split.block_keys[i] for i in parts[s]], pre_fn, post_fn)
-        for s in stage_ids
-    ]
-    return PipelineParts(model, modules, stage_ids, num_stages, parts, split, tied)
+    chain = ChainForward(model, split, {s: [split.block_keys[i] for i in idx] for s, idx in enumerate(parts)},
+                         pre_fn, post_fn)
+    chain.install()
+    return prune_stages(chain, stage_ids)

@@ -37,12 +37,12 @@ What is real and what is a stand-in:
   ``torch._grouped_mm`` takes bf16 only).
   The router's own token counts are fake zeros (they only feed the aux-loss statistics).
 - Host-side random draws (``torch.randint``, e.g. the per-TP-rank dropout seeds) run on real tensors.
-- The pipeline check's sequential forward (``check_pipeline_model``) skips itself on meta (no data);
-  the split itself is the same. Torch's pipeline schedule is not run (its warm-up reads received
-  values): :func:`lightning_4d.pipeline.glue.pipeline_train_loss` runs with a stand-in schedule
-  (:data:`~lightning_4d.pipeline.runner.ScheduleRun`) that runs each stage module directly, and the pp
-  activation traffic is *measured* from the stage boundary tensors (output forward, input gradient backward)
-  instead of traced. Receives are not counted (the formulas count what each rank sends).
+- The pipeline stages are installed and pruned as in training (``pipeline.glue.install_stages``); their
+  value check (``pipeline.checks.check_staged``) compares nothing on meta (no data). Torch's pipeline schedule is
+  not run (its warm-up reads received values): :func:`lightning_4d.pipeline.glue.pipeline_train_loss` runs with a
+  stand-in schedule (:data:`~lightning_4d.pipeline.runner.ScheduleRun`) that runs each stage module directly, and
+  the pp activation traffic is *measured* from the stage boundary tensors (output forward, input gradient
+  backward) instead of traced. Receives are not counted (the formulas count what each rank sends).
 - Under context parallelism the model's attention masks have no values on fake tensors: the cp attention
   uses the global causal mask of the same shape (a real run checks the mask at set-up and in every step);
   scalar reads of fake floating tensors (the loss's token total) give 1.0.

@@ -23,8 +23,9 @@ SEQ = 16
 
 
 def build_model(kind: str) -> torch.nn.Module:
-    """A tiny reference model of ``kind`` (llama | llama-<layers> | gpt2[-<layers>] | hf | moe* | mixtral), or a
-    third-party model from :mod:`tests.distributed.byom_models` (hf-llama, hf-gpt2, nanogpt, titan, ...)."""
+    """A tiny reference model of ``kind`` (llama | llama-<layers> | llama-hooks | gpt2[-<layers>] | hf | moe* |
+    mixtral), or a third-party model from :mod:`tests.distributed.byom_models` (hf-llama, hf-gpt2, nanogpt, titan,
+    ...)."""
     from tests.distributed import byom_models
 
     if kind.startswith("cp-"):
@@ -36,6 +37,10 @@ def build_model(kind: str) -> torch.nn.Module:
     if kind == "llama-wide":  # llama-2's parameter names with a wider hidden size (checkpoint shape checks)
         return Llama(LlamaConfig(vocab_size=VOCAB, dim=48, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=64,
                                  max_seq_len=SEQ))
+    if kind == "llama-hooks":  # its LightningModule implements the pipeline hooks (see fit_spec)
+        from tests.distributed.pipeline_models import build_scaled_llama
+
+        return build_scaled_llama(VOCAB, SEQ)
     kind, _, layers_str = kind.partition("-") if kind.split("-")[0] in ("llama", "gpt2") else (kind, "", "")
     layers = int(layers_str) if layers_str else 2
     if kind == "llama":
@@ -197,7 +202,12 @@ def fit_spec(spec: dict[str, Any]) -> dict[str, Any]:
             model = build_model(spec.get("model", "llama"))
     else:
         model = build_model(spec.get("model", "llama"))
-    lm = CausalLM(model, lr=spec.get("lr", 1e-3))
+    if spec.get("model") == "llama-hooks":
+        from tests.distributed.pipeline_models import HookedCausalLM
+
+        lm: CausalLM = HookedCausalLM(model, lr=spec.get("lr", 1e-3))
+    else:
+        lm = CausalLM(model, lr=spec.get("lr", 1e-3))
     if spec.get("meta") and (spec.get("strategy") is None or spec.get("premat")):
         from lightning_4d.materialize import materialize
 

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_4d.models import CausalLM
+
 VOCAB, DIM, SEQ, BATCH, LAYERS = 16, 8, 4, 8, 8
 
 
@@ -101,3 +103,31 @@ def assert_causal(events: list[Any], step: int) -> None:
         before = {"F": (e.stage - 1, "F"), "B": (e.stage + 1, "B"), "I": (e.stage + 1, "B"), "W": (e.stage, "B")}
         dep = (*before[e.kind], e.microbatch)
         assert dep not in end or end[dep] <= e.t0, f"{e} started before {dep} ended ({end[dep]})"
+
+
+
+def build_scaled_llama(vocab: int, seq: int) -> nn.Module:
+    """A 4-layer package Llama whose forward scales the embedding: no plain chain, so with
+    :class:`HookedCausalLM` the stages must run what its pipeline hooks say."""
+    from lightning_4d.models import Llama, LlamaConfig
+
+    class ScaledLlama(Llama):
+        def forward(self, tokens: torch.Tensor, position_ids: Any = None) -> torch.Tensor:
+            h = self.tok_embeddings(tokens) * 2.0  # (B, T, D)
+            for layer in self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers:
+                h = layer(h)
+            return self.output(self.norm(h))  # (B, T, V)
+
+    return ScaledLlama(LlamaConfig(vocab_size=vocab, dim=32, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=64,
+                                   max_seq_len=seq))
+
+
+class HookedCausalLM(CausalLM):
+    """A LightningModule implementing the package's pipeline hooks for :func:`build_scaled_llama` (a hook ignored
+    or mis-wired shows as a set-up refusal or a loss difference)."""
+
+    def pipeline_pre_blocks(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.tok_embeddings(tokens) * 2.0  # (B, T) -> (B, T, D)
+
+    def pipeline_post_blocks(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.output(self.model.norm(h))  # (B, T, D) -> (B, T, V)

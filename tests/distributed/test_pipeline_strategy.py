@@ -1,5 +1,6 @@
 """Pipeline parallel through the Lightning strategy: every schedule at pp=2 and pp=4, composed with TP/SP
-and DP (FSDP2 / replicate), GPT-2's tied embedding across stages, MoE with ep, activation checkpointing;
+and DP (FSDP2 / replicate), GPT-2's tied embedding across stages, MoE with ep, activation checkpointing, a model
+implementing the pipeline hooks;
 with gradient accumulation and clipping; validate and predict through the pipeline; clear errors."""
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ BASE: dict[str, Any] = dict(steps=3, accumulate=2, clip=0.05, predict=True, vali
 WORLDS: dict[int, list[tuple[str, dict[str, Any]]]] = {
     2: [("llama-4", dict(pp=2, schedule=s)) for s in SCHEDULES]
     + [("gpt2-4", dict(pp=2)), ("gpt2-4", dict(pp=2, schedule="zbv")),
-       ("llama-4", dict(pp=2, activation_checkpointing="full"))],
+       ("llama-4", dict(pp=2, activation_checkpointing="full")), ("llama-hooks", dict(pp=2))],
     4: [("llama-8", dict(pp=4, schedule=s)) for s in SCHEDULES]
     + [("llama-8", dict(pp=2, tp=2, schedule=s)) for s in SCHEDULES]
     + [("llama-8", dict(pp=2, schedule=s, data_parallel=m)) for s in SCHEDULES for m in ("fsdp", "replicate")]
-    + [("gpt2-4", dict(pp=2, tp=2)), ("moe", dict(pp=2, ep=2)), ("moe", dict(pp=2, tp=2, ep=2))],
+    + [("gpt2-4", dict(pp=2, tp=2)), ("moe", dict(pp=2, ep=2)), ("moe", dict(pp=2, tp=2, ep=2)),
+       ("llama-hooks", dict(pp=2, tp=2))],
     8: [("llama-8", dict(pp=2, tp=2, schedule=s)) for s in SCHEDULES],
 }
 

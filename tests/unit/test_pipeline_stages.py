@@ -97,7 +97,7 @@ def test_check_sequential_names_the_hook() -> None:
     ref = ScaledEmbedLM()
     parts = [build_pipeline_stages(ref, r, 2, copy=True, pre_fn=None) for r in range(2)]
     first = parts[0].modules[0]
-    first.pre_fn = lambda t: first.tok(t) * 2.0
+    first.stage_forward.pre_fn = lambda t: first.tok(t) * 2.0
     torch.testing.assert_close(parts[1].modules[0](first(tokens)), ref(tokens))
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_4d.pipeline.staged import ShapeStub, check_staged, prepare_staged
+from lightning_4d.pipeline.checks import check_staged
+from lightning_4d.pipeline.staged import ShapeStub, prepare_staged
 
 
 def test_stub_answers_attributes_with_shapes_not_memory() -> None:
