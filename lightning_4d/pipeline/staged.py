@@ -390,7 +390,7 @@ def prune_staged(staged: StagedForward, stage_ids: list[int]) -> PipelineParts:
 
     split = PipelineSplit(trace.blocks_path, trace.block_order, tuple(p for p in trace.pre if holds_params(p)),
                           tuple(p for p in trace.post if holds_params(p)))
-    tied = find_tied_parameters(root, split)
+    tied = find_tied_parameters(root, split, {k: s for s, keys in staged.stage_keys.items() for k in keys})
     keep = {k for s in stage_ids for k in staged.stage_keys[s]}
     container = registered_submodule(root, trace.blocks_path)
     assert isinstance(container, StagedBlocks)

@@ -319,7 +319,7 @@ def build_pipeline_stages(
     parts = partition_blocks(split.num_blocks, num_stages, layers_per_stage=layers_per_stage,
                              embed_weight=embed_weight, head_weight=head_weight)
     stage_ids = stage_ids_for_rank(pp_rank, pp, virtual_stages, style)
-    tied = find_tied_parameters(model, split)
+    tied = find_tied_parameters(model, split, {split.block_keys[i]: s for s, idx in enumerate(parts) for i in idx})
     keep = {split.block_keys[i] for s in stage_ids for i in parts[s]}
     container = registered_submodule(model, split.blocks_path)
     assert container is not None

@@ -72,7 +72,7 @@ ZOO_KINDS = ("hf-stablelm", "hf-gemma2", "hf-gemma3", "hf-phi3", "hf-olmo2", "hf
              "hf-falcon-mq", "hf-falcon", "hf-llama4", "hf-opt", "hf-mq", "hf-bloom", "hf-mpt", "hf-qwen3next",
              "hf-xglm", "hf-gptneo", "hf-codegen", "hf-cohere", "hf-apertus", "hf-dbrx", "hf-jetmoe", "hf-mamba2",
              "hf-mamba2grp", "hf-granite4h", "hf-lfm2", "hf-falconh1",
-             "hf-nemotronh", "hf-granite4hmoe", "tt-llama3",
+             "hf-nemotronh", "hf-zamba2", "hf-granite4hmoe", "tt-llama3",
              "tt-qwen3moe")
 ZOO_MOE_KINDS = ("hf-olmoe", "hf-gptoss", "hf-llama4", "hf-qwen3next", "hf-jetmoe", "hf-granite4hmoe", "tt-qwen3moe")
 
@@ -212,6 +212,15 @@ def _hf(family: str, layers: int) -> nn.Module:
                                         mamba_chunk_size=SEQ // 2, position_embedding_type="rope",
                                         layer_types=["linear_attention", "attention"] * (layers // 2)
                                         + ["linear_attention"] * (layers % 2))
+    elif family == "zamba2":  # Zamba2: one shared attention+MLP block reused at every hybrid layer, per-use adapters
+        cfg = tf.Zamba2Config(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers, mamba_d_state=12,
+                              mamba_d_conv=4, mamba_expand=2, mamba_ngroups=1, n_mamba_heads=HEADS * 2,
+                              chunk_size=SEQ // 2, use_mamba_kernels=False, intermediate_size=FFN,
+                              num_attention_heads=HEADS, num_key_value_heads=HEADS, attention_dropout=0.0,
+                              num_mem_blocks=1, use_shared_attention_adapter=True, adapter_rank=8, use_mem_rope=True,
+                              max_position_embeddings=SEQ, use_cache=False, bos_token_id=0, eos_token_id=1,
+                              pad_token_id=None,
+                              layers_block_type=["hybrid"] * layers if layers < 4 else ["hybrid", "mamba"] * (layers // 2))
     elif family == "mq":
         cfg = tf.LlamaConfig(**_common(layers), num_attention_heads=HEADS, num_key_value_heads=1,
                              intermediate_size=FFN)

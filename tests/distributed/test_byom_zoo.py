@@ -58,6 +58,7 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any], int]] = {
 
 _HF0 = "model.model.model.layers.0"
 _MAMBA0 = "model.model.backbone.layers.0.mixer"
+_ZAMBA_SHARED = f"{_HF0}.shared_transformer"  # used by every hybrid layer (its weights tied: listed under layer 0)
 _LLAMA_LIKE = [f"{_HF0}.self_attn.q_proj.weight", f"{_HF0}.self_attn.o_proj.weight", f"{_HF0}.mlp.down_proj.weight"]
 # Under tp>1 these parameters (LightningModule names) must be DTensors sharded on tp: a layout that silently
 # replicated the projections would train correctly but be no tensor parallelism.
@@ -95,6 +96,14 @@ SHARDED: dict[str, list[str]] = {
     "hf-falconh1": [f"{_HF0}.mamba.out_proj.weight", f"{_HF0}.mamba.norm.weight", f"{_HF0}.self_attn.q_proj.weight"],
     "hf-nemotronh": [f"{_HF0}.mixer.out_proj.weight", f"{_HF0}.mixer.norm.weight",
                      "model.model.model.layers.1.mixer.q_proj.weight"],
+    # Zamba2: the shared block's projections and the up-projections of its per-use adapters (added to q/k/v and to
+    # the fused gate|up: sharded, and permuted, like them); one use per block, every adapter trained
+    "hf-zamba2": [f"{_ZAMBA_SHARED}.{n}.weight" for n in ("self_attn.q_proj", "self_attn.o_proj",
+                                                           "self_attn.linear_q_adapter_list.1.1",
+                                                           "feed_forward.gate_up_proj",
+                                                           "feed_forward.gate_up_proj_adapter_list.0.1",
+                                                           "feed_forward.down_proj")]
+    + [f"{_HF0}.mamba_decoder.mamba.out_proj.weight"],
     "hf-qwen3next": [f"{_HF0}.linear_attn.{n}.weight" for n in ("in_proj_qkvz", "in_proj_ba", "out_proj")]
     + ["model.model.model.layers.1.self_attn.q_proj.weight"],
     "hf-lfm2": [f"{_HF0}.conv.in_proj.weight", f"{_HF0}.conv.out_proj.weight",
@@ -111,6 +120,11 @@ REPLICATED: dict[Any, list[str]] = {
     # one B/C group for 2 ranks: z | x | B | C | dt read whole, each rank computing its heads' rows and the group
     "hf-mamba2": [f"{_MAMBA0}.in_proj.weight"], "hf-granite4h": [f"{_HF0}.mamba.in_proj.weight"],
     "hf-falconh1": [f"{_HF0}.mamba.in_proj.weight"], "hf-nemotronh": [f"{_HF0}.mixer.in_proj.weight"],
+    # the adapters' down-projections (low rank, read whole) and the linear after the shared block (nothing sharded
+    # reaches it)
+    "hf-zamba2": [f"{_HF0}.mamba_decoder.mamba.in_proj.weight", f"{_HF0}.linear.weight",
+                  f"{_ZAMBA_SHARED}.self_attn.linear_q_adapter_list.1.0.weight",
+                  f"{_ZAMBA_SHARED}.feed_forward.gate_up_proj_adapter_list.0.0.weight"],
 }
 # Models that compute part of their forward in bf16 by design (TorchTitan's grouped experts): every gradient
 # downstream of that rounding is held to 10x the noise floor of plain data parallelism, measured in the same world.
