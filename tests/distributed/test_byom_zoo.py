@@ -8,7 +8,8 @@ on a projection's output), a one-KV-head Llama, Llama 4 text MoE (its forward re
 pipeline stage), OPT (linears held by the decoder layer), Bloom and MPT (ALiBi biases cut with the heads),
 Qwen3-Next (linear attention: a fused projection viewed per key-head group, q | k | v concatenated before a
 depthwise convolution), the state-space and hybrid families (Mamba-2 with one and two B/C groups, Granite 4.0-H dense
-and MoE, Falcon-H1, Nemotron-H, LFM2's short convolutions) and the ``torchtitan`` package's Llama 3 and Qwen3 MoE.
+and MoE, Falcon-H1, Nemotron-H, LFM2's short convolutions, Zamba2's shared block with per-use adapters, Mamba-1) and
+the ``torchtitan`` package's Llama 3 and Qwen3 MoE.
 Each family runs under tp=2 with and without sequence parallelism and tp=2 × pp=2, each MoE family under ep=2 (and
 tp=2 × ep=2), or is refused at set-up (:data:`REFUSED`).
 
@@ -139,6 +140,14 @@ REFUSED: dict[tuple[str, str], str] = {
     ("hf-jetmoe", "ep2"): "running its forward on a subset of its experts failed",
     # two B/C groups for four ranks: the gated norm's groups would straddle ranks
     ("hf-mamba2grp", "tp4"): "mixer.norm normalises the mixer's inner width (64 features) in 2 groups of 32",
+    # Zamba2 under SP: the norms of its hybrid layers sit one level down (shared_transformer.*, mamba_decoder.*), and
+    # the shared block concatenates the embeddings (a second full-sequence input) to the hidden state
+    ("hf-zamba2", "tp2"): "mamba_decoder.input_layernorm holds parameters (weight) outside the attention/MLP",
+    # its shared block is used by blocks 0 and 2, which pp=2 puts on two stages (rule: one stage for all its uses)
+    ("hf-zamba2", "pp2"): "layers.2.shared_transformer is a module reused at several depths",
+    ("hf-zamba2", "tp2-pp2"): "layers.2.shared_transformer is a module reused at several depths",
+    # Mamba-1's x_proj reads the sharded inner width and feeds dt_proj: a reduction inside the mixer
+    ("hf-mamba1", "tp2"): "mixer.dt_proj is a linear layer whose role is unknown",
 }
 
 ERRORS: dict[str, str] = {}  # "family layout" -> worst relative error, or the refusal
@@ -276,7 +285,7 @@ DENSE_TP = ["hf-gemma2", "hf-gemma3", "hf-phi3", "hf-olmo2", "hf-gptoss", "hf-bi
             "hf-cohere", "hf-apertus", "hf-mamba2", "hf-mamba2grp", "hf-granite4h", "hf-lfm2",
             "hf-falconh1", "hf-nemotronh", "hf-qwen3next", "tt-llama3"]
 # DBRX: without sequence parallelism (with it: refused, see REFUSED); its fused Wqkv is clamped before the split.
-NO_SP = ["hf-dbrx"]
+NO_SP = ["hf-dbrx", "hf-zamba2"]  # Zamba2: a shared block reused by every hybrid layer, per-use adapters
 EP = [("tt-qwen3moe", "dp2"), ("tt-qwen3moe", "ep2"), ("tt-qwen3moe", "tp2-ep2"), ("tt-qwen3moe", "tp2"),
       ("tt-qwen3moe", "tp2-nosp"), ("hf-olmoe", "ep2"), ("hf-olmoe", "tp2-ep2"), ("hf-gptoss", "ep2"),
       ("hf-gptoss", "tp2-ep2"), ("hf-llama4", "ep2"), ("hf-llama4", "tp2-ep2"), ("hf-qwen3next", "ep2"),
@@ -285,7 +294,8 @@ EP = [("tt-qwen3moe", "dp2"), ("tt-qwen3moe", "ep2"), ("tt-qwen3moe", "tp2-ep2")
 # (a shape-only stand-in on later ones); Qwen3-Next and the hybrids (blocks of different structures as stages,
 # Nemotron-H's loop reading each block's block_type); JetMoE, whose experts
 # cannot be split over ep (its refusal below) but need not be at ep=1 (it was refused under pp alone).
-PP = ["hf-llama4", "hf-qwen3next", "hf-jetmoe", "hf-mamba2", "hf-granite4h", "hf-lfm2", "hf-falconh1", "hf-nemotronh"]
+PP = ["hf-llama4", "hf-qwen3next", "hf-jetmoe", "hf-mamba2", "hf-granite4h", "hf-lfm2", "hf-falconh1", "hf-nemotronh",
+      "hf-mamba1"]
 PP_TP = ["hf-stablelm"] + DENSE_TP + ["tt-qwen3moe"]
 # tp=4 with 2 KV heads (StableLM: its per-KV-head norm list too; Phi-3: replicated KV pieces of a fused projection)
 # and 1 KV head (hf-mq): each rank computes the KV head its query heads use; GPT-OSS: sinks over 4 ranks.
