@@ -47,6 +47,8 @@ Families (``kind``: what it exercises under tensor parallelism):
   layers), each use adding its own low-rank adapter (``up(down(h))``) to ``q_proj`` / ``k_proj`` / ``v_proj`` and
   to the fused ``gate_up_proj``, beside Mamba-2 mixers; the shared block reads the embeddings concatenated to the
   hidden state. Two layers: both hybrid; four: hybrid and Mamba layers alternating (uses at blocks 0 and 2).
+  ``hf-zamba2first``: four layers, the two hybrid ones first (every use of the shared block on the first of two
+  pipeline stages).
 - ``hf-mamba1``: Mamba-1 (``in_proj`` ``x | z``, a depthwise ``conv1d``, ``x_proj`` ``dt | B | C`` reading the
   whole inner width, ``dt_proj``, per-channel ``A_log`` / ``D``).
 - ``hf-lfm2``: LFM2, gated short convolutions (``B, C, x = in_proj(h).transpose(-1, -2).chunk(3, dim=-2)``, a
@@ -78,7 +80,7 @@ ZOO_KINDS = ("hf-stablelm", "hf-gemma2", "hf-gemma3", "hf-phi3", "hf-olmo2", "hf
              "hf-falcon-mq", "hf-falcon", "hf-llama4", "hf-opt", "hf-mq", "hf-bloom", "hf-mpt", "hf-qwen3next",
              "hf-xglm", "hf-gptneo", "hf-codegen", "hf-cohere", "hf-apertus", "hf-dbrx", "hf-jetmoe", "hf-mamba2",
              "hf-mamba2grp", "hf-granite4h", "hf-lfm2", "hf-falconh1",
-             "hf-nemotronh", "hf-zamba2", "hf-mamba1", "hf-granite4hmoe", "tt-llama3",
+             "hf-nemotronh", "hf-zamba2", "hf-zamba2first", "hf-mamba1", "hf-granite4hmoe", "tt-llama3",
              "tt-qwen3moe")
 ZOO_MOE_KINDS = ("hf-olmoe", "hf-gptoss", "hf-llama4", "hf-qwen3next", "hf-jetmoe", "hf-granite4hmoe", "tt-qwen3moe")
 
@@ -218,7 +220,7 @@ def _hf(family: str, layers: int) -> nn.Module:
                                         mamba_chunk_size=SEQ // 2, position_embedding_type="rope",
                                         layer_types=["linear_attention", "attention"] * (layers // 2)
                                         + ["linear_attention"] * (layers % 2))
-    elif family == "zamba2":  # Zamba2: one shared attention+MLP block reused at every hybrid layer, per-use adapters
+    elif family in ("zamba2", "zamba2first"):  # Zamba2: one shared attention+MLP block reused by every hybrid layer
         cfg = tf.Zamba2Config(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers, mamba_d_state=12,
                               mamba_d_conv=4, mamba_expand=2, mamba_ngroups=1, n_mamba_heads=HEADS * 2,
                               chunk_size=SEQ // 2, use_mamba_kernels=False, intermediate_size=FFN,
@@ -226,7 +228,8 @@ def _hf(family: str, layers: int) -> nn.Module:
                               num_mem_blocks=1, use_shared_attention_adapter=True, adapter_rank=8, use_mem_rope=True,
                               max_position_embeddings=SEQ, use_cache=False, bos_token_id=0, eos_token_id=1,
                               pad_token_id=None,
-                              layers_block_type=["hybrid"] * layers if layers < 4 else ["hybrid", "mamba"] * (layers // 2))
+                              layers_block_type=["hybrid"] * layers if layers < 4 else ["hybrid", "mamba"] * (layers // 2)
+                              if family == "zamba2" else ["hybrid"] * (layers // 2) + ["mamba"] * (layers - layers // 2))
     elif family == "mamba1":  # Mamba-1: in_proj (x | z), depthwise conv1d, x_proj (dt | B | C), dt_proj, A_log, D
         cfg = tf.MambaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers, state_size=8, expand=2,
                              conv_kernel=4, time_step_rank=4, use_cache=False, use_mambapy=False,

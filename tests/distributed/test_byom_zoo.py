@@ -53,6 +53,7 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any], int]] = {
     "ep2": (2, dict(ep=2), 2),
     "tp2-ep2": (2, dict(tp=2, ep=2), 2),
     "tp2-pp2": (4, dict(tp=2, pp=2), 4),
+    "tp2-pp2-nosp": (4, dict(tp=2, pp=2, sequence_parallel=False), 4),
     "tp2-dp2": (4, dict(tp=2, data_parallel="fsdp"), 2),
     "tp4": (4, dict(tp=4), 2),
 }
@@ -110,6 +111,7 @@ SHARDED: dict[str, list[str]] = {
     "hf-lfm2": [f"{_HF0}.conv.in_proj.weight", f"{_HF0}.conv.out_proj.weight",
                 "model.model.model.layers.1.self_attn.q_proj.weight", f"{_HF0}.feed_forward.w2.weight"],
 }
+SHARDED["hf-zamba2first"] = SHARDED["hf-zamba2"]
 # Parameters a layout must leave whole and replicated (the projections computing KV heads fewer than tp): by family,
 # then by (family, layout) where it depends on tp.
 REPLICATED: dict[Any, list[str]] = {
@@ -127,6 +129,7 @@ REPLICATED: dict[Any, list[str]] = {
                   f"{_ZAMBA_SHARED}.self_attn.linear_q_adapter_list.1.0.weight",
                   f"{_ZAMBA_SHARED}.feed_forward.gate_up_proj_adapter_list.0.0.weight"],
 }
+REPLICATED["hf-zamba2first"] = REPLICATED["hf-zamba2"]
 # Models that compute part of their forward in bf16 by design (TorchTitan's grouped experts): every gradient
 # downstream of that rounding is held to 10x the noise floor of plain data parallelism, measured in the same world.
 BF16_MODELS = ("tt-qwen3moe",)
@@ -295,7 +298,10 @@ EP = [("tt-qwen3moe", "dp2"), ("tt-qwen3moe", "ep2"), ("tt-qwen3moe", "tp2-ep2")
 # Nemotron-H's loop reading each block's block_type); JetMoE, whose experts
 # cannot be split over ep (its refusal below) but need not be at ep=1 (it was refused under pp alone).
 PP = ["hf-llama4", "hf-qwen3next", "hf-jetmoe", "hf-mamba2", "hf-granite4h", "hf-lfm2", "hf-falconh1", "hf-nemotronh",
-      "hf-mamba1"]
+      "hf-mamba1", "hf-zamba2first"]
+# Zamba2 with its hybrid layers (every use of the shared block) on the first of two stages: kept there whole, under
+# tp without SP too (hf-zamba2, its uses on two stages, is refused: REFUSED)
+PP_TP_NOSP = ["hf-zamba2first"]
 PP_TP = ["hf-stablelm"] + DENSE_TP + ["tt-qwen3moe"]
 # tp=4 with 2 KV heads (StableLM: its per-KV-head norm list too; Phi-3: replicated KV pieces of a fused projection)
 # and 1 KV head (hf-mq): each rank computes the KV head its query heads use; GPT-OSS: sinks over 4 ranks.
@@ -341,7 +347,8 @@ def test_four_rank_layouts(references: References) -> None:
     # tp=2 x pp=2 for every family (TorchTitan's Qwen3 MoE after its noise floor over 4 ranks); FSDP2 over dp swaps
     # the parameters a per-head list or a per-head parameter is read from: tp2-dp2 checks that each rank still uses
     # (and gives zero gradients to) the right ones.
-    cases = ([("tt-qwen3moe", "dp4")] + [(f, "tp2-pp2") for f in PP_TP] + [(f, "tp4") for f in TP4]
+    cases = ([("tt-qwen3moe", "dp4")] + [(f, "tp2-pp2") for f in PP_TP] + [(f, "tp2-pp2-nosp") for f in PP_TP_NOSP]
+             + [(f, "tp4") for f in TP4]
              + [(f, "tp2-dp2") for f in FSDP] + _refusals(4))
     problems = _run(_available(cases), references)
     assert not problems, "\n".join(problems)
