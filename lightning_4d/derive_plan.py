@@ -38,6 +38,7 @@ from lightning_4d.pipeline.glue import hooks_split, uses_pipeline_hooks
 from lightning_4d.pipeline.partition import partition_blocks
 from lightning_4d.pipeline.schedules import get_schedule_info
 from lightning_4d.pipeline.staged import check_stage_owners
+from lightning_4d.pipeline.tied import check_shared_blocks
 from lightning_4d.tensor_parallel import plan_tensor_parallel
 from lightning_4d.trace import example_tokens, trace_model
 
@@ -91,6 +92,7 @@ def plan_layout(module: nn.Module, dims: ParallelDims, config: Optional[FourDCon
             order = tuple(trace.block_order)
         stages = tuple(tuple(order[i] for i in idx) for idx in partition_blocks(len(order), num_stages))
         check_tied_across_v_stages(module, blocks_path, config.schedule, dims.dp_cp)
+        check_shared_blocks(module, blocks_path, order, {k: s for s, keys in enumerate(stages) for k in keys})
     block_order = tuple(trace.block_order) if trace is not None else keys
     hidden = trace.hidden if trace is not None else None
     experts = _expert_entries(module)

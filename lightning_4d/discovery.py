@@ -31,7 +31,8 @@ def num_params(module: nn.Module) -> int:
 def find_blocks(root: nn.Module, path: Optional[str] = None) -> tuple[str, nn.Module]:
     """The container of repeated blocks: the ``ModuleList``/``ModuleDict`` of identical modules holding the
     most parameters — one rule for data, tensor and pipeline parallelism (a nanoGPT ``transformer``
-    ``ModuleDict`` of mixed modules is not it; its ``h`` list is).
+    ``ModuleDict`` of mixed modules is not it; its ``h`` list is). When those identical modules lie inside a
+    ``ModuleList`` of blocks of several classes (a hybrid's attention and state-space layers), that list it is.
 
     Args:
         root: the model (or LightningModule).
@@ -54,16 +55,23 @@ def find_blocks(root: nn.Module, path: Optional[str] = None) -> tuple[str, nn.Mo
     best_size = 0
     mixed: Optional[tuple[str, nn.Module]] = None  # the largest list of blocks of several classes (a hybrid model)
     mixed_size = 0
+    mixed_list_name, mixed_list, mixed_list_size = "", None, 0  # the same, a ModuleList only
     for name, module in root.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) or len(module) == 0:
             continue
         size = num_params(module)
         if len({type(m) for m in module.children()}) != 1:
+            if isinstance(module, nn.ModuleList) and size > mixed_list_size:
+                mixed_list_name, mixed_list, mixed_list_size = name, module, size
             if size > mixed_size:
                 mixed, mixed_size = (name, module), size
             continue
         if size > best_size:
             best, best_size = (name, module), size
+    if best is not None and isinstance(mixed_list, nn.ModuleList) and best[0].startswith(mixed_list_name + "."):
+        # the identical modules found lie inside one block of a list of blocks of several classes (Zamba2's adapter
+        # lists inside its hybrid layers, beside Mamba layers): that list holds the blocks
+        return mixed_list_name, mixed_list
     if best is None:
         advice = "Keep the transformer blocks in a ModuleList, or implement"
         if mixed is not None:

@@ -296,6 +296,7 @@ _ELEMENTWISE = ("clamp", "clamp_", "clip", "clip_", "tanh", "sigmoid", "relu", "
 _KEEP_LAST = ("unsqueeze", "squeeze", "contiguous", "clone", "to", "float", "half", "bfloat16", "double", "type_as",
               "detach", "view", "reshape", "view_as", "reshape_as", "flatten", "expand", "__getitem__",
               "narrow") + _ELEMENTWISE
+_ADD = ("add", "__add__", "__radd__", "__iadd__", "add_")
 _SCALE = ("mul", "__mul__", "__rmul__", "div", "__truediv__")
 _MOVE = ("transpose", "swapaxes", "swapdims", "permute", "movedim")
 
@@ -493,6 +494,23 @@ class _Columns:
         self.layouts[rel].feature_params[path] = (a, b)
         self._track(out, rel, a, b, None)
 
+    def _summed(self, rel: str, a: int, b: int, other: Any, out: torch.Tensor) -> bool:
+        """``out = x + y``, ``x`` and ``y`` the whole outputs of two linears (a low-rank adapter added to the
+        projection it adapts: Zamba2's ``q_proj(h) + adapter(h)``): their features are added one by one, so both
+        share one layout from here on (what the model does with the sum is recorded for both)."""
+        entry = self.tracked.get(id(other)) if isinstance(other, torch.Tensor) else None
+        first = self.layouts[rel]
+        if (entry is None or entry[0] is not other or entry[4] is not None or entry[1] == rel
+                or tuple(other.shape) != tuple(out.shape) or (a, b) != (0, first.width)):
+            return False
+        _, rel2, a2, b2, _ = entry
+        second = self.layouts[rel2]
+        if (a2, b2) != (0, second.width) or second.width != first.width or second != ColumnLayout(second.width):
+            return False
+        self.layouts[rel2] = first
+        self._track(out, rel, a, b, None)
+        return True
+
     def follow(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
         first = args[0] if args else None
         if self.params and isinstance(first, torch.Tensor) and isinstance(out, torch.Tensor) \
@@ -535,6 +553,8 @@ class _Columns:
                     self._track(piece, rel, a, b, None)
             return
         if not isinstance(out, torch.Tensor) or out.dim() == 0:
+            return
+        if name in _ADD and sub is None and len(args) == 2 and self._summed(rel, a, b, args[1], out):
             return
         if name in _SCALE and sub is None and tuple(out.shape) == tuple(first.shape) and all(
                 isinstance(x, (int, float)) for x in args[1:]):
@@ -794,9 +814,15 @@ def trace_model(root: nn.Module, blocks_path: str, example: Any) -> ModelTrace:
         names.setdefault(id(mod), name)
     first_of_kind: dict[tuple, str] = {}
     rep_of = {key: first_of_kind.setdefault(_structure(block), key) for key, block in blocks.items()}
-    facts = {key: _Facts() for key in set(rep_of.values())}
-    # module id -> (path inside its block, block key), for the blocks that stand for their kind
-    in_rep = {id(m): (n, key) for key in facts for n, m in blocks[key].named_modules() if n}
+    # every block records its facts; a kind's are its first block's, completed by the later blocks of the kind
+    # (modules a block skips by depth: Zamba2's shared block runs one adapter of its list per use)
+    facts = {key: _Facts() for key in blocks}
+    # module id -> (path inside its block, block key); a module shared by several blocks is recorded in the first
+    in_rep: dict[int, tuple[str, str]] = {}
+    for key in facts:
+        for n, m in blocks[key].named_modules():
+            if n:
+                in_rep.setdefault(id(m), (n, key))
     block_calls: list[tuple[str, tuple, dict, Any]] = []
     events: list[tuple[str, str]] = []  # ("block", key) or ("module", path) in entry order
     recording: list[str] = []  # the representative block running now (its first call)
@@ -885,12 +911,30 @@ def trace_model(root: nn.Module, blocks_path: str, example: Any) -> ModelTrace:
     trace.block_attrs = {key: {k: v for k, v in vars(block).items() if not k.startswith("_")
                                and isinstance(v, (int, float, str, bool, type(None)))} for key, block in blocks.items()}
     first = next(iter(blocks))
-    done = {key: f.into(trace) for key, f in facts.items() if f.mode is not None}
+    done: dict[str, ModelTrace] = {}
+    for key, rep in rep_of.items():
+        if facts[key].mode is not None:
+            done[rep] = facts[key].into(trace) if rep not in done else _completed(done[rep], facts[key].into(trace))
     own = done.get(first)
     if own is not None:
         trace = replace(own, kinds={})
     trace.kinds = {key: done[rep] for key, rep in rep_of.items() if rep != first and rep in done}
     return trace
+
+
+def _completed(trace: ModelTrace, later: ModelTrace) -> ModelTrace:
+    """``trace`` (a kind's first block) with the facts of modules only a later block of its kind ran (its own win)."""
+    ran = set(trace.sources) | set(trace.module_sources)
+
+    def fill(mine: dict, theirs: dict) -> dict:
+        return {**{k: v for k, v in theirs.items() if k not in mine}, **mine}
+
+    return replace(trace, consumers=fill(trace.consumers, later.consumers), columns=fill(trace.columns, later.columns),
+                   score_biases=fill(trace.score_biases, later.score_biases),
+                   last_linear=fill(trace.last_linear, later.last_linear), sources=fill(trace.sources, later.sources),
+                   module_sources=fill(trace.module_sources, later.module_sources),
+                   input_ndim=fill(trace.input_ndim, later.input_ndim),
+                   takes_block_input=trace.takes_block_input | {r for r in later.takes_block_input if r not in ran})
 
 
 def _opaque_moe_on_meta(root: nn.Module) -> list[nn.Module]:

@@ -344,7 +344,7 @@ def prune_stages(stage_forward: StageForward, stage_ids: Sequence[int]) -> Pipel
         ([[0], [1, 2], [3]], ['1', '2'], [['1', '2']])
     """
     root, split = stage_forward.root, stage_forward.split
-    tied = find_tied_parameters(root, split)
+    tied = find_tied_parameters(root, split, {k: s for s, keys in stage_forward.stage_keys.items() for k in keys})
     keep = {k for s in stage_ids for k in stage_forward.stage_keys[s]}
     container = registered_submodule(root, split.blocks_path)
     assert isinstance(container, nn.ModuleDict), "install() the stage forward before pruning"

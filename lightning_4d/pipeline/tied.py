@@ -34,13 +34,17 @@ from lightning_4d.pipeline.partition import PipelineSplit
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-__all__ = ["find_tied_parameters", "sync_tied_grads"]
+__all__ = ["check_shared_blocks", "find_tied_parameters", "sync_tied_grads"]
 
 
-def find_tied_parameters(root: nn.Module, split: PipelineSplit) -> list[tuple[str, str]]:
+def find_tied_parameters(root: nn.Module, split: PipelineSplit,
+                         stage_of: Optional[dict[str, int]] = None) -> list[tuple[str, str]]:
     """Pairs ``(pre_name, post_name)`` of one ``Parameter`` object used by a pre- and a post-module.
 
-    Raises ``ValueError`` if a block shares a parameter with anything else (unsupported).
+    A module reused at several depths (Zamba2's shared transformer block, its weights shared by several blocks) is
+    kept where all its uses land on one stage (``stage_of``: block key -> stage; without it, blocks sharing weights
+    count as on different stages): that stage holds the one weight. Raises ``ValueError`` otherwise, and for a block
+    sharing a weight with a module outside the blocks (see :func:`check_shared_blocks`).
 
     Example:
         >>> net = nn.Sequential(); net.add_module("emb", nn.Embedding(5, 2))
@@ -50,6 +54,8 @@ def find_tied_parameters(root: nn.Module, split: PipelineSplit) -> list[tuple[st
         >>> find_tied_parameters(net, find_pipeline_split(net))
         [('emb.weight', 'head.weight')]
     """
+    check_shared_blocks(root, split.blocks_path, split.block_keys, stage_of, tuple(split.pre) + tuple(split.post))
+
     def params(paths: Sequence[str]) -> dict[int, str]:
         out: dict[int, str] = {}
         for path in paths:
@@ -60,18 +66,59 @@ def find_tied_parameters(root: nn.Module, split: PipelineSplit) -> list[tuple[st
         return out
 
     pre, post = params(split.pre), params(split.post)
-    seen_block: dict[int, str] = {}
-    for key in split.block_keys:
-        for pid, name in params([f"{split.blocks_path}.{key}"]).items():
-            other = pre.get(pid) or post.get(pid) or seen_block.get(pid)
-            if other is not None:
-                raise ValueError(
-                    f"{type(root).__name__}: parameter {name} is shared with {other}; weights tied to a block "
-                    f"cannot be split across pipeline stages. Untie them or use pp=1."
-                )
-            seen_block[pid] = name
     return [(pre[pid], post[pid]) for pid in pre if pid in post]
 
+
+def check_shared_blocks(root: nn.Module, blocks_path: str, block_keys: Sequence[str],
+                        stage_of: Optional[dict[str, int]] = None, outside: Sequence[str] = ()) -> None:
+    """Refuse weights a block shares with a block of another pipeline stage (``stage_of``: block key -> stage;
+    ``None``: every block its own stage) or with a module outside the blocks (``outside``), naming the module, the
+    rule and the fix (pure; identical on every rank).
+
+    Example:
+        >>> net = nn.Sequential(); net.add_module("layers", nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]))
+        >>> net.layers[1].weight = net.layers[0].weight
+        >>> check_shared_blocks(net, "layers", ["0", "1"], {"0": 0, "1": 0})  # both uses on stage 0: fine
+    """
+    owner: dict[int, tuple[str, str]] = {}  # parameter id -> (first block key, its name there)
+    for path in outside:
+        mod = registered_submodule(root, path)
+        for n, p in (mod.named_parameters(remove_duplicate=False) if mod is not None else ()):
+            owner.setdefault(id(p), ("", f"{path}.{n}"))
+    stage = (lambda k: stage_of.get(k, -1)) if stage_of is not None else (lambda k: k)  # noqa: E731
+    for key in block_keys:
+        block = registered_submodule(root, f"{blocks_path}.{key}")
+        if block is None:
+            continue
+        for name, p in block.named_parameters(remove_duplicate=False):
+            first = owner.setdefault(id(p), (key, f"{blocks_path}.{key}.{name}"))
+            if first[0] == key or (first[0] and stage(first[0]) == stage(key)):
+                continue
+            if not first[0]:
+                raise ValueError(
+                    f"{type(root).__name__}: parameter {blocks_path}.{key}.{name} is shared with {first[1]}; weights "
+                    f"tied to a block cannot be split across pipeline stages. Untie them or use pp=1."
+                )
+            module = _shared_module(block, {i for i, (k, _) in owner.items() if k == first[0]})
+            where = (f"stages {stage(first[0])} and {stage(key)}" if stage_of is not None
+                     else "different pipeline stages")
+            raise ValueError(
+                f"{type(root).__name__}: {blocks_path}.{key}.{module} is a module reused at several depths: its "
+                f"weights ({blocks_path}.{key}.{name} = {first[1]}) are shared by blocks {first[0]} and {key} of "
+                f"{blocks_path}, which land on {where}. Rule: a module reused at several depths is kept whole on one "
+                f"stage, so all the blocks that use it must land on the same stage. Fix: a pp (and layer split) that "
+                f"puts blocks {first[0]}..{key} on one stage, or pp=1 (tensor, data and expert parallelism do not "
+                f"split it)."
+            )
+
+
+def _shared_module(block: nn.Module, shared: set[int]) -> str:
+    """The outermost module of ``block`` whose parameters are all in ``shared`` (the reused module's path)."""
+    for name, mod in block.named_modules():
+        params = [id(p) for p in mod.parameters()]
+        if name and params and all(i in shared for i in params):
+            return name
+    return "(a parameter)"
 
 
 def sync_tied_grads(

@@ -116,6 +116,9 @@ class BlockPlan:
     config_attrs: dict[str, dict[str, int]] = field(default_factory=dict)  # region -> {config attr: per-rank value}
     gathered: dict[str, list[list[int]]] = field(default_factory=dict)  # replicated-head linear -> rows per rank
     direct: list[str] = field(default_factory=list)  # linears held by the block itself (outside any region)
+    # linears held by the block itself that no column-parallel linear feeds (Zamba2's ``linear`` after the shared
+    # block): kept whole, run as written (gradients summed over tp under SP, where they see this rank's tokens)
+    whole: list[str] = field(default_factory=list)
     head_lists: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # per-head module list -> slices
     head_params: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # per-head parameter -> slices
     # region -> {parameter inside it: rows per rank}: a depthwise convolution's channels, cut with the features
@@ -178,7 +181,7 @@ def _role(block_name: str, name: str, trace: Optional[ModelTrace]) -> str:
     )
 
 
-def low_rank_pairs(trace: Optional[ModelTrace]) -> dict[str, str]:
+def low_rank_pairs(trace: Optional[ModelTrace], block: Optional[nn.Module] = None) -> dict[str, str]:
     """``{up: down}`` low-rank projection pairs of the first block, by dataflow (pure): ``down`` reads its
     region's input and ``up`` reads only what ``down`` produced (through norms, splits, views), inside the same
     region, and ``up`` is not the region's output projection (the last linear its module calls, unless the model
@@ -187,21 +190,32 @@ def low_rank_pairs(trace: Optional[ModelTrace]) -> dict[str, str]:
     case: ``kv_a_proj_with_mqa -> kv_a_layernorm -> kv_b_proj`` and ``q_a_proj -> q_a_layernorm -> q_b_proj``.
     Tensor parallelism keeps ``down`` (and what lies between) replicated and shards ``up`` by columns.
 
+    A pair held alone in containers (``nn.Sequential`` in an ``nn.ModuleList``: Zamba2's per-use adapters
+    ``linear_q_adapter_list.<i>.0/1``, ``up(down(h))`` added to ``q_proj(h)``) belongs to the module holding the
+    containers (``block`` tells them apart); ``up`` then shards like the projection its output is added to.
+
     Example:
         >>> low_rank_pairs(None)
         {}
     """
     if trace is None:
         return {}
+
+    def owner(path: str) -> str:
+        parent = path.rpartition(".")[0]
+        while parent and block is not None and isinstance(block.get_submodule(parent), (nn.Sequential, nn.ModuleList)):
+            parent = parent.rpartition(".")[0]
+        return parent
+
     pairs: dict[str, str] = {}
     for up, sources in trace.sources.items():
         if len(sources) != 1:
             continue
         (down,) = sources
-        region = up.rpartition(".")[0]
+        region = owner(up)
         layout = trace.columns.get(up)
         output = trace.last_linear.get(region) == up and not (layout is not None and layout.units)
-        if (down.rpartition(".")[0] != region or down not in trace.takes_block_input
+        if (owner(down) != region or down not in trace.takes_block_input
                 or output or up.rsplit(".", 1)[-1] in ROWWISE_NAMES
                 or up in trace.takes_block_input):
             continue
@@ -374,7 +388,7 @@ def block_plan(block: nn.Module, block_name: str, tp: int, trace: Optional[Model
         ['attn', 'mlp']
     """
     plan = BlockPlan()
-    plan.low_rank = low_rank_pairs(trace)
+    plan.low_rank = low_rank_pairs(trace, block)
     downs = set(plan.low_rank.values())
     moe_prefixes: list[str] = []
     for name, module in block.named_modules():
@@ -392,6 +406,11 @@ def block_plan(block: nn.Module, block_name: str, tp: int, trace: Optional[Model
                                   else _role(block_name, name, trace))
         elif is_norm(module) and ("." not in name or _in_norm_list(block, name)):
             plan.norms.append(name)
+    plan.whole = _whole_linears(plan, trace)
+    for name in plan.whole:
+        del plan.linears[name]
+        if sequence_parallel:
+            plan.partial_params += [f"{name}.{n}" for n, _ in block.get_submodule(name).named_parameters()]
     regions = _assign_regions(plan, trace)
     cut_sizes: dict[str, set[int]] = {}
     pieces_of: dict[str, list[Piece]] = {}
@@ -449,6 +468,16 @@ def block_plan(block: nn.Module, block_name: str, tp: int, trace: Optional[Model
                                 for p, _ in block.get_submodule(n).named_parameters()]
     plan.partial_params += _block_params(block_name, block, plan, sequence_parallel)
     return plan
+
+
+def _whole_linears(plan: BlockPlan, trace: Optional[ModelTrace]) -> list[str]:
+    """Linears held by the block itself, row-parallel only by dataflow (the last linear the block calls, no
+    row-parallel name) with no column-parallel linear of the block feeding them: nothing sharded reaches them, so
+    they stay whole (Zamba2's ``linear`` on the shared block's output)."""
+    if trace is None:
+        return []
+    return [n for n, role in plan.linears.items() if role == "rowwise" and "." not in n and n not in ROWWISE_NAMES
+            and not any(plan.linears.get(s) == "colwise" for s in trace.sources.get(n, ()))]
 
 
 @dataclass
@@ -582,6 +611,9 @@ def _region_params(block_name: str, block: nn.Module, region: str, plan: BlockPl
         path = f"{region}.{sub_name}" if sub_name else region
         if path in plan.linears or path in handled or any(sub_name.startswith(d + ".") for d in done):
             continue
+        if sub_name and isinstance(sub, nn.ModuleList) and all(
+                f"{path}.{n}".rpartition(".")[0] in plan.linears for n, _ in sub.named_parameters()):
+            continue  # a list of linears (Zamba2's per-use adapters), each planned as a linear
         if sub_name and isinstance(sub, nn.ModuleList) and len(sub) > 1 and any(
                 True for _ in sub.parameters()):
             slices = _head_slices(len(sub), known, tp)
@@ -708,7 +740,7 @@ def _block_params(block_name: str, block: nn.Module, plan: BlockPlan, sequence_p
     (their math along the sequence is unknown)."""
     if not sequence_parallel:
         return []
-    handled = set(plan.regions) | set(plan.norms) | set(plan.moe) | set(plan.linears)
+    handled = set(plan.regions) | set(plan.norms) | set(plan.moe) | set(plan.linears) | set(plan.whole)
     for sub_name, sub in block.named_modules():
         if any(sub_name == h or sub_name.startswith(h + ".") for h in handled):
             continue

@@ -47,6 +47,14 @@ Families (``kind``: what it exercises under tensor parallelism):
   multiplier and its projection by a per-feature buffer (``mup_vector``).
 - ``hf-nemotronh``: Nemotron-H, one mixer per layer (Mamba-2, attention or MLP) at the same path, the model's loop
   reading each layer's ``block_type``.
+- ``hf-zamba2``: Zamba2, one shared attention + MLP block used by every hybrid layer (its weights tied across the
+  layers), each use adding its own low-rank adapter (``up(down(h))``) to ``q_proj`` / ``k_proj`` / ``v_proj`` and
+  to the fused ``gate_up_proj``, beside Mamba-2 mixers; the shared block reads the embeddings concatenated to the
+  hidden state. Two layers: both hybrid; four: hybrid and Mamba layers alternating (uses at blocks 0 and 2).
+  ``hf-zamba2first``: four layers, the two hybrid ones first (every use of the shared block on the first of two
+  pipeline stages).
+- ``hf-mamba1``: Mamba-1 (``in_proj`` ``x | z``, a depthwise ``conv1d``, ``x_proj`` ``dt | B | C`` reading the
+  whole inner width, ``dt_proj``, per-channel ``A_log`` / ``D``).
 - ``hf-lfm2``: LFM2, gated short convolutions (``B, C, x = in_proj(h).transpose(-1, -2).chunk(3, dim=-2)``, a
   depthwise ``conv``) beside attention layers.
 - ``hf-jetmoe``: JetMoE, a mixture of attention heads and of MLP experts whose forward splits tokens with a tensor
@@ -79,7 +87,8 @@ ZOO_KINDS = ("hf-stablelm", "hf-gemma2", "hf-gemma3", "hf-phi3", "hf-olmo2", "hf
              "hf-falcon-mq", "hf-falcon", "hf-llama4", "hf-opt", "hf-mq", "hf-bloom", "hf-mpt", "hf-qwen3next",
              "hf-xglm", "hf-gptneo", "hf-codegen", "hf-cohere", "hf-apertus", "hf-dbrx", "hf-jetmoe", "hf-mamba2",
              "hf-mamba2grp", "hf-granite4h", "hf-lfm2", "hf-falconh1",
-             "hf-nemotronh", "hf-granite4hmoe", "hf-longcat", "hf-kimilinear", "tt-llama3",
+             "hf-nemotronh", "hf-zamba2", "hf-zamba2first", "hf-mamba1", "hf-granite4hmoe", "hf-longcat",
+             "hf-kimilinear", "tt-llama3",
              "tt-qwen3moe")
 ZOO_MOE_KINDS = ("hf-olmoe", "hf-gptoss", "hf-llama4", "hf-qwen3next", "hf-jetmoe", "hf-granite4hmoe", "hf-longcat",
                  "hf-kimilinear", "tt-qwen3moe")
@@ -239,6 +248,20 @@ def _hf(family: str, layers: int) -> nn.Module:
                                   layer_types=["linear_attention", "full_attention"] * (layers // 2)
                                   + ["linear_attention"] * (layers % 2),
                                   mlp_layer_types=["dense"] + ["sparse"] * (layers - 1))
+    elif family in ("zamba2", "zamba2first"):  # Zamba2: one shared attention+MLP block reused by every hybrid layer
+        cfg = tf.Zamba2Config(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers, mamba_d_state=12,
+                              mamba_d_conv=4, mamba_expand=2, mamba_ngroups=1, n_mamba_heads=HEADS * 2,
+                              chunk_size=SEQ // 2, use_mamba_kernels=False, intermediate_size=FFN,
+                              num_attention_heads=HEADS, num_key_value_heads=HEADS, attention_dropout=0.0,
+                              num_mem_blocks=1, use_shared_attention_adapter=True, adapter_rank=8, use_mem_rope=True,
+                              max_position_embeddings=SEQ, use_cache=False, bos_token_id=0, eos_token_id=1,
+                              pad_token_id=None,
+                              layers_block_type=["hybrid"] * layers if layers < 4 else ["hybrid", "mamba"] * (layers // 2)
+                              if family == "zamba2" else ["hybrid"] * (layers // 2) + ["mamba"] * (layers - layers // 2))
+    elif family == "mamba1":  # Mamba-1: in_proj (x | z), depthwise conv1d, x_proj (dt | B | C), dt_proj, A_log, D
+        cfg = tf.MambaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers, state_size=8, expand=2,
+                             conv_kernel=4, time_step_rank=4, use_cache=False, use_mambapy=False,
+                             bos_token_id=0, eos_token_id=1, pad_token_id=None)
     elif family == "mq":
         cfg = tf.LlamaConfig(**_common(layers), num_attention_heads=HEADS, num_key_value_heads=1,
                              intermediate_size=FFN)
@@ -246,7 +269,7 @@ def _hf(family: str, layers: int) -> nn.Module:
         raise ValueError(f"unknown family {family!r}")
     # Soft-capping (Gemma 2) and attention sinks (GPT-OSS) need transformers' eager attention.
     cfg._attn_implementation = "eager" if family in ("gemma2", "gptoss", "mpt", "bloom", "xglm", "gptneo",
-                                                     "codegen", "mamba2", "mamba2grp") else "sdpa"
+                                                     "codegen", "mamba2", "mamba2grp", "mamba1") else "sdpa"
     from tests.distributed.byom_models import HFLogits
 
     model = tf.AutoModelForCausalLM.from_config(cfg).float()

@@ -11,8 +11,8 @@ depthwise convolution), LongCat-Flash (zero experts: a router over more experts 
 identities computed by the layer; norms and sublayers kept in lists), Kimi-Linear (KDA linear attention: three
 projections concatenated into one depthwise convolution, a per-feature ``dt_bias``, a ``(1, 1, heads, 1)``
 ``A_log``, low-rank gates; latent attention; MoE), the state-space and hybrid families (Mamba-2 with one and two
-B/C groups, Granite 4.0-H dense and MoE, Falcon-H1, Nemotron-H, LFM2's short convolutions) and the
-``torchtitan`` package's Llama 3 and Qwen3 MoE.
+B/C groups, Granite 4.0-H dense and MoE, Falcon-H1, Nemotron-H, LFM2's short convolutions, Zamba2's shared block
+with per-use adapters, Mamba-1) and the ``torchtitan`` package's Llama 3 and Qwen3 MoE.
 Each family runs under tp=2 with and without sequence parallelism and tp=2 × pp=2, each MoE family under ep=2 (and
 tp=2 × ep=2), or is refused at set-up (:data:`REFUSED`).
 
@@ -56,12 +56,14 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any], int]] = {
     "ep2": (2, dict(ep=2), 2),
     "tp2-ep2": (2, dict(tp=2, ep=2), 2),
     "tp2-pp2": (4, dict(tp=2, pp=2), 4),
+    "tp2-pp2-nosp": (4, dict(tp=2, pp=2, sequence_parallel=False), 4),
     "tp2-dp2": (4, dict(tp=2, data_parallel="fsdp"), 2),
     "tp4": (4, dict(tp=4), 2),
 }
 
 _HF0 = "model.model.model.layers.0"
 _MAMBA0 = "model.model.backbone.layers.0.mixer"
+_ZAMBA_SHARED = f"{_HF0}.shared_transformer"  # used by every hybrid layer (its weights tied: listed under layer 0)
 _LLAMA_LIKE = [f"{_HF0}.self_attn.q_proj.weight", f"{_HF0}.self_attn.o_proj.weight", f"{_HF0}.mlp.down_proj.weight"]
 # Under tp>1 these parameters (LightningModule names) must be DTensors sharded on tp: a layout that silently
 # replicated the projections would train correctly but be no tensor parallelism.
@@ -99,6 +101,14 @@ SHARDED: dict[str, list[str]] = {
     "hf-falconh1": [f"{_HF0}.mamba.out_proj.weight", f"{_HF0}.mamba.norm.weight", f"{_HF0}.self_attn.q_proj.weight"],
     "hf-nemotronh": [f"{_HF0}.mixer.out_proj.weight", f"{_HF0}.mixer.norm.weight",
                      "model.model.model.layers.1.mixer.q_proj.weight"],
+    # Zamba2: the shared block's projections and the up-projections of its per-use adapters (added to q/k/v and to
+    # the fused gate|up: sharded, and permuted, like them); one use per block, every adapter trained
+    "hf-zamba2": [f"{_ZAMBA_SHARED}.{n}.weight" for n in ("self_attn.q_proj", "self_attn.o_proj",
+                                                           "self_attn.linear_q_adapter_list.1.1",
+                                                           "feed_forward.gate_up_proj",
+                                                           "feed_forward.gate_up_proj_adapter_list.0.1",
+                                                           "feed_forward.down_proj")]
+    + [f"{_HF0}.mamba_decoder.mamba.out_proj.weight"],
     "hf-qwen3next": [f"{_HF0}.linear_attn.{n}.weight" for n in ("in_proj_qkvz", "in_proj_ba", "out_proj")]
     + ["model.model.model.layers.1.self_attn.q_proj.weight"],
     # LongCat-Flash: its two attention and MLP sublayers kept in lists (MLA: the LoRA up-projections sharded)
@@ -112,6 +122,7 @@ SHARDED: dict[str, list[str]] = {
     "hf-lfm2": [f"{_HF0}.conv.in_proj.weight", f"{_HF0}.conv.out_proj.weight",
                 "model.model.model.layers.1.self_attn.q_proj.weight", f"{_HF0}.feed_forward.w2.weight"],
 }
+SHARDED["hf-zamba2first"] = SHARDED["hf-zamba2"]
 # Parameters a layout must leave whole and replicated (the projections computing KV heads fewer than tp): by family,
 # then by (family, layout) where it depends on tp.
 REPLICATED: dict[Any, list[str]] = {
@@ -123,7 +134,13 @@ REPLICATED: dict[Any, list[str]] = {
     # one B/C group for 2 ranks: z | x | B | C | dt read whole, each rank computing its heads' rows and the group
     "hf-mamba2": [f"{_MAMBA0}.in_proj.weight"], "hf-granite4h": [f"{_HF0}.mamba.in_proj.weight"],
     "hf-falconh1": [f"{_HF0}.mamba.in_proj.weight"], "hf-nemotronh": [f"{_HF0}.mixer.in_proj.weight"],
+    # the adapters' down-projections (low rank, read whole) and the linear after the shared block (nothing sharded
+    # reaches it)
+    "hf-zamba2": [f"{_HF0}.mamba_decoder.mamba.in_proj.weight", f"{_HF0}.linear.weight",
+                  f"{_ZAMBA_SHARED}.self_attn.linear_q_adapter_list.1.0.weight",
+                  f"{_ZAMBA_SHARED}.feed_forward.gate_up_proj_adapter_list.0.0.weight"],
 }
+REPLICATED["hf-zamba2first"] = REPLICATED["hf-zamba2"]
 # Models that compute part of their forward in bf16 by design (TorchTitan's grouped experts): every gradient
 # downstream of that rounding is held to 10x the noise floor of plain data parallelism, measured in the same world.
 BF16_MODELS = ("tt-qwen3moe",)
@@ -137,6 +154,14 @@ REFUSED: dict[tuple[str, str], str] = {
     ("hf-jetmoe", "ep2"): "running its forward on a subset of its experts failed",
     # two B/C groups for four ranks: the gated norm's groups would straddle ranks
     ("hf-mamba2grp", "tp4"): "mixer.norm normalises the mixer's inner width (64 features) in 2 groups of 32",
+    # Zamba2 under SP: the norms of its hybrid layers sit one level down (shared_transformer.*, mamba_decoder.*), and
+    # the shared block concatenates the embeddings (a second full-sequence input) to the hidden state
+    ("hf-zamba2", "tp2"): "mamba_decoder.input_layernorm holds parameters (weight) outside the attention/MLP",
+    # its shared block is used by blocks 0 and 2, which pp=2 puts on two stages (rule: one stage for all its uses)
+    ("hf-zamba2", "pp2"): "layers.2.shared_transformer is a module reused at several depths",
+    ("hf-zamba2", "tp2-pp2"): "layers.2.shared_transformer is a module reused at several depths",
+    # Mamba-1's x_proj reads the sharded inner width and feeds dt_proj: a reduction inside the mixer
+    ("hf-mamba1", "tp2"): "mixer.dt_proj is a linear layer whose role is unknown",
 }
 
 ERRORS: dict[str, str] = {}  # "family layout" -> worst relative error, or the refusal
@@ -274,7 +299,7 @@ DENSE_TP = ["hf-gemma2", "hf-gemma3", "hf-phi3", "hf-olmo2", "hf-gptoss", "hf-bi
             "hf-cohere", "hf-apertus", "hf-mamba2", "hf-mamba2grp", "hf-granite4h", "hf-lfm2",
             "hf-falconh1", "hf-nemotronh", "hf-qwen3next", "hf-kimilinear", "tt-llama3"]
 # DBRX: without sequence parallelism (with it: refused, see REFUSED); its fused Wqkv is clamped before the split.
-NO_SP = ["hf-dbrx"]
+NO_SP = ["hf-dbrx", "hf-zamba2"]  # Zamba2: a shared block reused by every hybrid layer, per-use adapters
 EP = [("tt-qwen3moe", "dp2"), ("tt-qwen3moe", "ep2"), ("tt-qwen3moe", "tp2-ep2"), ("tt-qwen3moe", "tp2"),
       ("tt-qwen3moe", "tp2-nosp"), ("hf-olmoe", "ep2"), ("hf-olmoe", "tp2-ep2"), ("hf-gptoss", "ep2"),
       ("hf-gptoss", "tp2-ep2"), ("hf-llama4", "ep2"), ("hf-llama4", "tp2-ep2"), ("hf-qwen3next", "ep2"),
@@ -288,7 +313,10 @@ EP = [("tt-qwen3moe", "dp2"), ("tt-qwen3moe", "ep2"), ("tt-qwen3moe", "tp2-ep2")
 # Nemotron-H's loop reading each block's block_type); JetMoE, whose experts
 # cannot be split over ep (its refusal below) but need not be at ep=1 (it was refused under pp alone).
 PP = ["hf-llama4", "hf-qwen3next", "hf-jetmoe", "hf-mamba2", "hf-granite4h", "hf-lfm2", "hf-falconh1", "hf-nemotronh",
-      "hf-kimilinear"]
+      "hf-kimilinear", "hf-mamba1", "hf-zamba2first"]
+# Zamba2 with its hybrid layers (every use of the shared block) on the first of two stages: kept there whole, under
+# tp without SP too (hf-zamba2, its uses on two stages, is refused: REFUSED)
+PP_TP_NOSP = ["hf-zamba2first"]
 PP_TP = ["hf-stablelm"] + DENSE_TP + ["tt-qwen3moe"]
 # tp=4 with 2 KV heads (StableLM: its per-KV-head norm list too; Phi-3: replicated KV pieces of a fused projection)
 # and 1 KV head (hf-mq): each rank computes the KV head its query heads use; GPT-OSS: sinks over 4 ranks.
@@ -334,7 +362,8 @@ def test_four_rank_layouts(references: References) -> None:
     # tp=2 x pp=2 for every family (TorchTitan's Qwen3 MoE after its noise floor over 4 ranks); FSDP2 over dp swaps
     # the parameters a per-head list or a per-head parameter is read from: tp2-dp2 checks that each rank still uses
     # (and gives zero gradients to) the right ones.
-    cases = ([("tt-qwen3moe", "dp4")] + [(f, "tp2-pp2") for f in PP_TP] + [(f, "tp4") for f in TP4]
+    cases = ([("tt-qwen3moe", "dp4")] + [(f, "tp2-pp2") for f in PP_TP] + [(f, "tp2-pp2-nosp") for f in PP_TP_NOSP]
+             + [(f, "tp4") for f in TP4]
              + [(f, "tp2-dp2") for f in FSDP] + _refusals(4))
     problems = _run(_available(cases), references)
     assert not problems, "\n".join(problems)

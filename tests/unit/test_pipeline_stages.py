@@ -139,5 +139,16 @@ def test_tied_parameters() -> None:
     assert parts.tied == [("tok.weight", "head.weight")] and "head.weight" in dict(parts.model.named_parameters())
     shared = TinyLM()
     shared.layers[1].fc1 = shared.layers[0].fc1
+    # a module reused at several depths: kept where all its uses land on one stage, refused (naming it, the rule and
+    # the fix) where they do not
+    split = find_pipeline_split(shared)
+    assert find_tied_parameters(shared, split, {k: 0 for k in split.block_keys}) == []
+    with pytest.raises(ValueError, match=r"layers\.1\.fc1 is a module reused at several depths: .* shared by blocks 0 "
+                                         r"and 1 of layers, which land on stages 0 and 1\. Rule: .* Fix: "):
+        find_tied_parameters(shared, split, {k: i for i, k in enumerate(split.block_keys)})
+    with pytest.raises(ValueError, match="module reused at several depths"):
+        find_tied_parameters(shared, split)
+    onto_norm = TinyLM()
+    onto_norm.layers[1].norm = onto_norm.norm  # a block sharing a weight with a module after the blocks
     with pytest.raises(ValueError, match="weights tied to a block cannot be split"):
-        find_tied_parameters(shared, find_pipeline_split(shared))
+        find_tied_parameters(onto_norm, find_pipeline_split(onto_norm), {"0": 0, "1": 0})

@@ -337,3 +337,22 @@ def test_scalars_are_partial_only_on_column_parallel_features() -> None:
                                              r"but its input does not come only from column-parallel projections.*"
                                              r"Use tp=1"):
             block_plan(net.layers[0], "layers.0", 2, trace, sequence_parallel=False)
+
+
+def test_per_use_adapters_shard_with_the_projection_they_are_added_to() -> None:
+    # Zamba2: one shared block run by every hybrid layer, use i adding adapter i (up(down(h))) to q/k/v and to the
+    # fused gate|up. Adapter 1 runs only in block 1: its roles come from there. Each up-projection shards (and is
+    # permuted) like the projection it is added to; the down-projections stay whole; the block's own linear after
+    # the shared block, fed by nothing sharded, stays whole.
+    plan, _ = _plan("hf-zamba2", sp=False)
+    attn, mlp = "shared_transformer.self_attn", "shared_transformer.feed_forward"
+    for i in (0, 1):
+        for proj in ("q", "k", "v"):
+            assert plan.linears[f"{attn}.linear_{proj}_adapter_list.{i}.0"] == "replicate"
+            assert plan.linears[f"{attn}.linear_{proj}_adapter_list.{i}.1"] == "colwise"
+        assert plan.linears[f"{mlp}.gate_up_proj_adapter_list.{i}.0"] == "replicate"
+        assert plan.permutations[f"{mlp}.gate_up_proj_adapter_list.{i}.1"] == plan.permutations[f"{mlp}.gate_up_proj"]
+    assert plan.whole == ["linear"] and "linear" not in plan.linears
+    # with sequence parallelism: refused, naming the norm it cannot reach and the fix
+    with pytest.raises(ValueError, match=r"mamba_decoder\.input_layernorm holds parameters .* Set sequence_parallel=False"):
+        _plan("hf-zamba2", sp=True)
