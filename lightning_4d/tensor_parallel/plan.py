@@ -202,8 +202,15 @@ def low_rank_pairs(trace: Optional[ModelTrace], block: Optional[nn.Module] = Non
         return {}
 
     def owner(path: str) -> str:
+        # climb out of lists and of sequences of linears only (Zamba2's adapter lists of ``Sequential(down, up)``):
+        # a ``Sequential(Linear, GELU, Linear)`` is an MLP whose last linear is its output projection
         parent = path.rpartition(".")[0]
-        while parent and block is not None and isinstance(block.get_submodule(parent), (nn.Sequential, nn.ModuleList)):
+        while parent and block is not None:
+            mod = block.get_submodule(parent)
+            linears_only = isinstance(mod, nn.Sequential) and all(
+                isinstance(c, (nn.Linear, nn.Identity, nn.Dropout)) for c in mod)
+            if not (isinstance(mod, nn.ModuleList) or linears_only):
+                break
             parent = parent.rpartition(".")[0]
         return parent
 
