@@ -329,6 +329,22 @@ def _as_range(entry: Any, size: int) -> Optional[tuple[int, int]]:
     return None
 
 
+def _moved_dim(name: str, args: tuple, ndim: int, dim: int) -> Optional[int]:
+    """Where dimension ``dim`` of an ``ndim``-d tensor goes under ``permute`` / ``transpose``-like ``name`` with
+    ``args`` (``None``: cannot be told).
+
+    Example:
+        >>> _moved_dim("transpose", (None, 1, 2), 3, 2), _moved_dim("permute", (None, (0, 2, 1)), 3, 1)
+        (1, 2)
+    """
+    if name == "permute":
+        dims = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
+        order = [d % ndim for d in dims if isinstance(d, int)]
+        return order.index(dim) if len(order) == ndim and dim in order else None
+    moved = [d % ndim for d in args[1:3] if isinstance(d, int)]
+    return (moved[1] if moved[0] == dim else moved[0] if moved[1] == dim else dim) if len(moved) == 2 else None
+
+
 class _Columns:
     """Follows each first-block linear's output through the ops that keep its features addressable (layout ops,
     cuts, per-head views) and records a :class:`ColumnLayout` per linear."""
@@ -405,14 +421,7 @@ class _Columns:
                 self.layouts[rel].depthwise.add((a, b))
                 self.channels[id(out)] = (out, rel, a, b, 1)
         elif name in _MOVE:
-            if name == "permute":
-                dims = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
-                order = [d % ndim for d in dims if isinstance(d, int)]
-                new = order.index(dim) if len(order) == ndim and dim in order else None
-            else:
-                moved = [d % ndim for d in args[1:3] if isinstance(d, int)]
-                new = (moved[1] if moved[0] == dim else moved[0] if moved[1] == dim else dim) \
-                    if len(moved) == 2 else None
+            new = _moved_dim(name, args, ndim, dim)
             if new == ndim - 1:
                 if parts is None:
                     self._track(out, rel, a, b, None)
@@ -445,14 +454,7 @@ class _Columns:
             for rel, _, _ in members:
                 self.layouts[rel].depthwise_joined.add(members)
         elif name in _MOVE:
-            if name == "permute":
-                dims = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
-                order = [d % ndim for d in dims if isinstance(d, int)]
-                new = order.index(dim) if len(order) == ndim and dim in order else None
-            else:
-                moved = [d % ndim for d in args[1:3] if isinstance(d, int)]
-                new = (moved[1] if moved[0] == dim else moved[0] if moved[1] == dim else dim) \
-                    if len(moved) == 2 else None
+            new = _moved_dim(name, args, ndim, dim)
         elif name == "__getitem__" and len(args) > 1:
             if _dim_entry(args[1], ndim, dim) != slice(None) or int(out.shape[dim]) != total:
                 return
