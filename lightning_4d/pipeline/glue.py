@@ -107,7 +107,7 @@ def split_pipeline(mesh: FourDMesh, config: FourDConfig, stages: StageForward) -
     """Prune the model in place to this rank's stages (original parameter names kept).
 
     Example:
-        >>> # not run: needs a mesh
+        >>> # not run: needs a process group
         >>> parts = split_pipeline(mesh, config, install_stages(lm, plan))  # doctest: +SKIP
     """
     dims = mesh.dims
