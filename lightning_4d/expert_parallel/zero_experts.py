@@ -7,17 +7,6 @@ experts module (stacks ``[E, ...]``) only ids in ``[0, E)``: the router alone ha
 layer, identities included, runs as written on each rank's tokens). Earlier transformers 5 releases kept the zero
 experts as extra rows of one stack (``gate_up_proj [E + Z, ...]`` beside ``down_proj [E, ...]``) and computed the
 identities inside the experts module: :func:`two_sizes_reason` says why that cannot be sharded by expert.
-
-Example:
-    >>> from torch import nn
-    >>> class Layer(nn.Module):
-    ...     def __init__(self):
-    ...         super().__init__()
-    ...         self.num_routed_experts, self.zero_expert_num = 4, 2
-    ...         self.router, self.experts = nn.Linear(8, 6, bias=False), nn.Module()
-    >>> layer = Layer()
-    >>> zero_expert_router(layer.experts, layer, 4)
-    ('router', 2)
 """
 
 from __future__ import annotations

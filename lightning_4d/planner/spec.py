@@ -96,9 +96,12 @@ def _positive(name: str, value: object, allow_zero: bool = False) -> None:
         raise ValueError(f"{name}={value!r} must be an integer >= {low}.")
 
 
-#: ``TransformerSpec.attention``: plain causal attention (context parallelism splits it), or a mask context
-#: parallelism refuses (a sliding window, ALiBi's position bias).
-ATTENTION_KINDS = ("causal", "sliding_window", "alibi")
+#: ``TransformerSpec.attention``: plain causal attention or a sliding window (context parallelism splits both: the
+#: mask is recomputed from global positions), or what it refuses at set-up
+#: (:func:`lightning_4d.context_parallel.check.check_declared`): logit soft-capping, ALiBi's position bias.
+ATTENTION_KINDS = ("causal", "sliding_window", "softcap", "alibi")
+#: The kinds context parallelism cannot split.
+CP_UNSPLITTABLE = ("softcap", "alibi")
 
 
 @dataclass(frozen=True)
@@ -171,7 +174,7 @@ class TransformerSpec:
     def cp_refusal(self, cp: int, seq_len: Optional[int] = None, tp: int = 1) -> Optional[str]:
         """Why context parallelism of degree ``cp`` cannot split this model's attention on sequences of ``seq_len``
         tokens (``None``: the spec's) with sequence parallelism over ``tp``, or ``None`` when it can: the attention
-        must be plain causal (a sliding window or ALiBi is refused at set-up,
+        must not be one the set-up refuses (:data:`CP_UNSPLITTABLE`: logit soft-capping, ALiBi;
         :mod:`lightning_4d.context_parallel.check`) and the sequence must cut into ``2·cp`` zigzag chunks
         (:func:`lightning_4d.context_parallel.zigzag.check_sequence_length`).
 
@@ -179,16 +182,18 @@ class TransformerSpec:
             >>> spec = TransformerSpec(vocab_size=8, hidden=8, layers=1, heads=2, seq_len=8)
             >>> spec.cp_refusal(2) is None, spec.cp_refusal(8)[:23]
             (True, 'sequence length 8 is no')
-            >>> spec.with_(attention="sliding_window").cp_refusal(2)[:40]
-            'its attention is sliding_window: the zig'
+            >>> spec.with_(attention="sliding_window").cp_refusal(2) is None
+            True
+            >>> spec.with_(attention="alibi").cp_refusal(2)[:26]
+            'its attention is alibi: co'
         """
         from lightning_4d.context_parallel.zigzag import check_sequence_length
 
         if cp == 1:
             return None
-        if self.attention != "causal":
-            return (f"its attention is {self.attention}: the zigzag chunks cannot express that mask (context "
-                    f"parallelism recomputes only causal and per-document masks)")
+        if self.attention in CP_UNSPLITTABLE:
+            return (f"its attention is {self.attention}: context parallelism recomputes the mask from global "
+                    f"positions (causal, per document, sliding window) and cannot split that attention")
         try:
             check_sequence_length(seq_len or self.seq_len, cp, tp)
         except ValueError as err:

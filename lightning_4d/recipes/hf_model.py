@@ -117,15 +117,18 @@ def hf_shape(model: HFModelConfig) -> HFShape:
 
 
 def _attention_kind(text: PreTrainedConfig) -> str:
-    """``TransformerSpec.attention`` of a text config: ``sliding_window`` when it declares one for any layer (as
-    :func:`~lightning_4d.context_parallel.check.declared_sliding_window` reads it at set-up), ``alibi`` for ALiBi
-    models, else ``causal`` (what context parallelism can split)."""
+    """``TransformerSpec.attention`` of a text config: ``softcap`` for attention logit soft-capping and ``alibi``
+    for ALiBi models (context parallelism refuses both), ``sliding_window`` when it declares one for any layer (as
+    :func:`~lightning_4d.context_parallel.check.declared_sliding_window` reads it), else ``causal``."""
     from lightning_4d.context_parallel.check import declared_sliding_window
 
-    if declared_sliding_window(text) is not None:
-        return "sliding_window"
+    cap = getattr(text, "attn_logit_softcapping", None)
+    if isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap:
+        return "softcap"
     if getattr(text, "alibi", False) or str(getattr(text, "model_type", "")) in ("bloom", "mpt"):
         return "alibi"
+    if declared_sliding_window(text) is not None:
+        return "sliding_window"
     return "causal"
 
 

@@ -33,7 +33,9 @@ def test_cp_only_where_the_sequence_and_the_attention_allow_it() -> None:
     cluster, train = ClusterSpec(1, 4), TrainSpec(global_batch_size=4)
     assert {d.cp for d, _ in enumerate_layouts(_spec(seq_len=6), cluster, train)} == {1}  # 6 is not 2·cp chunks
     assert {d.cp for d, _ in enumerate_layouts(_spec(seq_len=4), cluster, train)} == {1, 2}  # 4 = 2·2, not 2·4
-    assert {d.cp for d, _ in enumerate_layouts(_spec(attention="sliding_window"), cluster, train)} == {1}
+    # a sliding window is split (its mask recomputed from global positions); soft-capping and ALiBi are refused
+    assert {d.cp for d, _ in enumerate_layouts(_spec(attention="sliding_window"), cluster, train)} == {1, 2, 4}
+    assert {d.cp for d, _ in enumerate_layouts(_spec(attention="softcap"), cluster, train)} == {1}
     assert {d.cp for d, _ in enumerate_layouts(_spec(attention="alibi"), cluster, train)} == {1}
     assert {d.cp for d, _ in enumerate_layouts(_spec(), cluster, train, context_parallel=(1, 2))} == {1, 2}
     # 8 tokens, cp=2: 4 per rank split again over tp=4 with SP; cp=2 × tp=4 needs 16 (SP off is fine)
@@ -71,3 +73,6 @@ def test_hf_attention_kind_follows_the_config() -> None:
     assert _spec_fields(HFLlamaConfig(**small))[0]["attention"] == "causal"
     assert _spec_fields(MistralConfig(sliding_window=8, **small))[0]["attention"] == "sliding_window"
     assert _spec_fields(MistralConfig(sliding_window=None, **small))[0]["attention"] == "causal"
+    from transformers import Gemma2Config
+
+    assert _spec_fields(Gemma2Config(**small))[0]["attention"] == "softcap"  # attn_logit_softcapping=50
