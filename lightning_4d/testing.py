@@ -4,7 +4,9 @@ Ranks are forked from a *forkserver* that has already imported torch and Lightni
 8 ranks starts in seconds even on 2 cores. Each rank gets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``/``MASTER_PORT`` and ``OMP_NUM_THREADS=1``, initialises a gloo process group with a
 short timeout and runs ``fn(rank, *args)``. The return values come back as a list in rank order.
-Reuse one world for many checks by making ``fn`` run them all.
+Reuse one world for many checks by making ``fn`` run them all. More modules for the forkserver to import once
+are named in ``LIGHTNING_4D_WORLD_PRELOAD`` (comma-separated); what a rank inherits from it is frozen
+(``gc.freeze``), so a garbage collection in the rank does not walk it.
 
 Example:
     >>> def fn(rank):
@@ -27,9 +29,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["run_world", "WorldError", "free_port"]
+__all__ = ["PRELOAD_ENV", "run_world", "WorldError", "free_port"]
 
 _PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning_4d"]
+PRELOAD_ENV = "LIGHTNING_4D_WORLD_PRELOAD"
+"""Environment variable: more modules (comma-separated) for the forkserver to import once, before the first world
+of this process starts (e.g. the model modules every rank imports); one that fails to import is skipped."""
 
 
 class WorldError(RuntimeError):
@@ -58,9 +63,14 @@ def _worker(
         OMP_NUM_THREADS="1",
         LIGHTNING_4D_PG_TIMEOUT_S=str(pg_timeout_s),
     )
+    import gc
+
     import torch
     import torch.distributed as dist
 
+    # Objects inherited from the forkserver (the preloaded modules) are never garbage: freezing them keeps every
+    # gc.collect() in the rank (the strategy's set-up runs one) from walking, and copying, the whole heap.
+    gc.freeze()
     torch.set_num_threads(1)
     result: dict[str, Any]
     try:
@@ -111,7 +121,8 @@ def run_world(
 
     ctx = mp.get_context("forkserver")
     try:
-        ctx.set_forkserver_preload(_PRELOAD)
+        extra = [m.strip() for m in os.environ.get(PRELOAD_ENV, "").split(",") if m.strip()]
+        ctx.set_forkserver_preload(_PRELOAD + extra)
     except Exception:  # noqa: BLE001 - preload is an optimisation only
         pass
     port = free_port()

@@ -73,10 +73,9 @@ def reduced_check_params(spec: TransformerSpec, dims: ParallelDims) -> int:
     """
     if dims.tp == 1 and dims.pp == 1:
         return 0
-    kinds: dict[bool, int] = {}
-    for i in range(spec.layers):
-        kinds.setdefault(spec.is_moe_layer(i), i)
-    chosen = list(kinds.values())
+    moe_ids = set(spec.moe_layer_ids)
+    firsts = (next((i for i in range(spec.layers) if i not in moe_ids), None), min(moe_ids, default=None))
+    chosen = [i for i in firsts if i is not None]  # the first layer of each kind (dense, MoE)
     for i in range(spec.layers):
         if len(chosen) >= dims.pp * dims.virtual_stages:
             break

@@ -236,12 +236,20 @@ class TransformerSpec:
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer ``i`` has an MoE feed-forward."""
+        if 0 <= i < self.layers:
+            return self._moe_flags[i]
         return self.num_experts > 0 and is_moe_layer(i, self.first_dense_layers, self.moe_every)
+
+    @cached_property
+    def _moe_flags(self) -> tuple[bool, ...]:
+        """Per layer, whether it is an MoE layer (computed once: the layout search asks for every candidate)."""
+        return tuple(self.num_experts > 0 and is_moe_layer(i, self.first_dense_layers, self.moe_every)
+                     for i in range(self.layers))
 
     @property
     def moe_layer_ids(self) -> list[int]:
         """Indices of the MoE layers."""
-        return [i for i in range(self.layers) if self.is_moe_layer(i)]
+        return [i for i, moe in enumerate(self._moe_flags) if moe]
 
     # ----------------------------------------------------------------- counts
     @property
@@ -309,6 +317,11 @@ class TransformerSpec:
             >>> sorted(TransformerSpec(vocab_size=8, hidden=4, layers=1, heads=1).components())
             ['attention', 'dense_mlp', 'embedding', 'experts', 'head', 'norms', 'router', 'shared_experts']
         """
+        return dict(self._components)
+
+    @cached_property
+    def _components(self) -> dict[str, int]:
+        """:meth:`components`, computed once (the layout search asks for every candidate)."""
         out = {"embedding": self.embedding_params, "attention": 0, "dense_mlp": 0, "experts": 0, "router": 0,
                "shared_experts": 0, "norms": self.norm_params, "head": self.head_params}
         for i in range(self.layers):

@@ -7,6 +7,7 @@ options. :func:`fit_spec` runs it in the current process (single-process referen
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 from typing import Any, Optional
@@ -193,6 +194,10 @@ def sharded_on_tp(p: Optional[torch.Tensor]) -> Optional[bool]:
 
 def fit_spec(spec: dict[str, Any]) -> dict[str, Any]:
     """Run one training described by ``spec``; return losses, gradients and predictions."""
+    if torch.distributed.is_initialized():
+        # In a world's rank: what earlier specs and imports left is frozen, so the set-up's gc.collect() walks only
+        # this spec's objects (the few cycles an earlier spec left stay until the rank exits).
+        gc.freeze()
     # rank_seed: every rank seeds differently (sync_module_states must still give rank 0's weights everywhere).
     torch.manual_seed(spec.get("seed", 0) + (int(os.environ.get("RANK", 0)) if spec.get("rank_seed") else 0))
     if spec.get("meta"):

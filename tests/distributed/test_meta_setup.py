@@ -33,7 +33,7 @@ SINGLE = dict(model="llama", steps=4, accumulate=2, clip=0.05, meta=True)
 def _specs() -> list[dict[str, Any]]:
     specs = []
     for model, strategy in LAYOUTS:
-        base = dict(model=model, steps=3, meta=True, world=8, strategy=dict(strategy, timeout_s=120))
+        base = dict(model=model, steps=2, meta=True, world=8, strategy=dict(strategy, timeout_s=120))
         specs += [base, dict(base, premat=True)]
     specs.append(dict(SINGLE, world=8, strategy=dict(tp=2, pp=2, timeout_s=120)))
     specs.append(dict(specs[0], rank_seed=True))  # ranks seeded differently: rank 0's random state is used

@@ -15,7 +15,7 @@ MODELS = ("llama", "gpt2", "hf")
 
 
 def _base(model: str) -> dict[str, Any]:
-    return dict(model=model, steps=5, accumulate=2, clip=0.05, predict=True)
+    return dict(model=model, steps=3, accumulate=2, clip=0.05, predict=True)
 
 
 @pytest.fixture(scope="module")
