@@ -2,8 +2,9 @@
 models, whose heads divide): parity of losses and gradients with one process (1e-5 relative, fp32) for the
 package's Llama, a user's own SDPA model and transformers' Llama / Qwen3 / Gemma 3 (alternating sliding-window and
 global layers) / Mistral (a window on every layer) under cp=2 (and with activation checkpointing, with gradient
-accumulation and clipping, and built on the meta device), cp=2 × tp=2, cp=2 × dp=2, cp=2 × pp=2 (also on packed
-documents, with and without activation checkpointing: each micro-batch's documents) and an MoE under cp=2 × ep=2;
+accumulation and clipping, and built on the meta device), cp=2 × tp=2 (also both windowed models), cp=2 × dp=2,
+cp=2 × pp=2 (also on packed documents, with and without activation checkpointing: each micro-batch's documents) and
+an MoE under cp=2 × ep=2;
 exact attention on raw tensors (causal, packed documents, GQA, a sliding window with and without documents; each
 algorithm) with its bytes on the wire (K/V all-gather, Ulysses' all-to-alls) equal to the formulas; packed documents
 giving the loss of each document run alone under cp=2 (each algorithm), cp=2 × tp=2 and cp=2 × pp=2 (and another
@@ -266,7 +267,9 @@ WORLD4 = [_spec("llama", dict(cp=2, tp=2, **UL), 4),
           _spec("llama", dict(cp=2, pp=2, activation_checkpointing="full"), 4, packed=True),
           _spec("llama", dict(cp=2, dp=2, data_parallel="replicate"), 4), _spec("cp-user", dict(cp=2, tp=2, **AG), 4),
           _spec("cp-user", dict(cp=2, dp=2), 4), _spec("moe", dict(cp=2, ep=2), 4),
-          _spec("moe", dict(cp=2, ep=2, tp=2, **AG), 4)]
+          _spec("moe", dict(cp=2, ep=2, tp=2, **AG), 4),
+          # sliding windows under cp × tp (their 2 K/V heads leave 1 per tp rank: "auto" picks the all-gather)
+          _spec("cp-hf-mistral-window", dict(cp=2, tp=2), 4), _spec("cp-hf-gemma3-window", dict(cp=2, tp=2), 4)]
 
 
 @pytest.fixture(scope="module")
