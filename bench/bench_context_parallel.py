@@ -14,7 +14,7 @@ model, sequence, cp and algorithm) with its ratio to the measurement, and
 :func:`~lightning_4d.context_parallel.cost.kv_wire_bytes` / :func:`~lightning_4d.context_parallel.cost.ulysses_wire_bytes`.
 The table is quoted in docs/context_parallel_measurements.md (tests/unit/test_cp_measurements.py checks it).
 
-Run: python bench/bench_context_parallel.py [--seq 4096 8192]
+Run: python bench/bench_context_parallel.py [--seq 4096 8192 16384]
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def main() -> None:
     from lightning_4d.context_parallel.cost import activation_bytes_per_rank, kv_wire_bytes, ulysses_wire_bytes
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq", type=int, nargs="+", default=[4096, 8192])
+    parser.add_argument("--seq", type=int, nargs="+", default=[4096, 8192, 16384])
     parser.add_argument("--markdown", type=Path, default=None,
                         help="also write the table as this markdown file (docs/context_parallel_measurements.md)")
     args = parser.parse_args()
@@ -125,18 +125,20 @@ def main() -> None:
                         f"{got[0]['sent'] / 1e6:.2f} | {sent / 1e6:.2f} |")
             print(rows[-1], flush=True)
     if args.markdown is not None:
-        args.markdown.write_text(markdown(rows))
+        args.markdown.write_text(markdown(rows, args.seq))
 
 
 HEADER = ("| T | algorithm | cp | saved MB/rank | cp=1 / cp | formula | planner | planner / saved | cp sent MB | "
           "formula |")
 
 
-def markdown(rows: list[str]) -> str:
-    """The measurements document: what was measured, how, and the table ``rows`` (header included)."""
+def markdown(rows: list[str], seqs: list[int]) -> str:
+    """The measurements document: what was measured, how, and the table ``rows`` (header included) over the
+    sequence lengths ``seqs``."""
     return f"""# Context parallelism: measured per-rank activations and cp bytes (CPU)
 
-Written by `python bench/bench_context_parallel.py --seq 4096 8192 --markdown docs/context_parallel_measurements.md`;
+Written by
+`python bench/bench_context_parallel.py --seq {' '.join(map(str, seqs))} --markdown docs/context_parallel_measurements.md`;
 `tests/unit/test_cp_measurements.py` recomputes the planner and formula columns from the code and checks the
 claims quoted from it (README, "Context parallel").
 
