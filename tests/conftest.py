@@ -13,6 +13,8 @@ import os
 import pytest
 from _pytest.doctest import DoctestModule
 
+from lightning_4d.testing import PRELOAD_ENV
+
 
 @pytest.hookimpl(wrapper=True)
 def pytest_collect_file(file_path, parent):
@@ -21,9 +23,9 @@ def pytest_collect_file(file_path, parent):
 
 
 # Every rank of a test world imports the test helpers and, for the bring-your-own-model tests, Hugging Face and
-# torchtitan model modules: the forkserver imports them once instead (lightning_4d.testing.PRELOAD_ENV).
+# torchtitan model modules: the forkserver imports them once instead.
 _WORLD_PRELOAD = ["tests.distributed.common", "tests.distributed.byom_models", "transformers.modeling_utils",
                   *(f"transformers.models.{m}.modeling_{m}" for m in (
                       "llama", "qwen2", "qwen3", "mistral", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")),
                   "torchtitan.models.llama3", "torchtitan.models.qwen3"]
-os.environ.setdefault("LIGHTNING_4D_WORLD_PRELOAD", ",".join(_WORLD_PRELOAD))
+os.environ.setdefault(PRELOAD_ENV, ",".join(_WORLD_PRELOAD))
