@@ -5,7 +5,7 @@ One forward + backward of the package's Llama (4 layers, dim 128, 8 heads, 4 K/V
 ``T`` tokens (``--seq``, default 4096 8192) split zigzag over ``cp`` gloo ranks, attention made global by
 :class:`~lightning_4d.context_parallel.ContextParallelAttention` with each algorithm. Measured per rank: the activation bytes the
 backward keeps (every tensor saved for backward, counted once per storage, via ``saved_tensors_hooks``; the weights
-the matmuls save are parameters, left out) and the bytes sent on the cp axis (:class:`~lightning_4d.comm.CommCounter`).
+the matmuls save are parameters, left out) and the bytes sent on the cp axis (:class:`~lightning_4d.core.comm.CommCounter`).
 cp = 1 is the plain model (its own causal attention, no context-parallel machinery). Printed beside them: the cp = 1
 activations divided by ``cp``, the formula :func:`~lightning_4d.context_parallel.cost.activation_bytes_per_rank`
 (activations ÷ cp, plus the gathered K/V and the additive mask under the all-gather), the planner's own activation term
@@ -67,7 +67,7 @@ def _saved_bytes(fn: Any, params: set[int]) -> tuple[Any, float]:
 def _rank(rank: int, seq: int, cp: int, algorithm: str = "allgather") -> dict[str, float]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_4d.comm import CommCounter, mesh_axis_groups
+    from lightning_4d.core.comm import CommCounter, mesh_axis_groups
     from lightning_4d.context_parallel import ContextParallelAttention, shard_batch
 
     model = _model()

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_4d.comm import CommCounter
+from lightning_4d.core.comm import CommCounter
 from lightning_4d.expert_parallel import MoE, apply_expert_parallel, grouped_linear
 from lightning_4d.mesh import ParallelDims, build_mesh
 from lightning_4d.testing import run_world

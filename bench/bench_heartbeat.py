@@ -1,6 +1,6 @@
 """Cost of the heartbeat per training step: off vs the default (60 s) vs a beat every 0.1 s, 2 CPU ranks.
 
-``FourDStrategy(heartbeat_timeout=...)`` (default 60 s, see :mod:`lightning_4d.heartbeat`) runs two daemon
+``FourDStrategy(heartbeat_timeout=...)`` (default 60 s, see :mod:`lightning_4d.safety.heartbeat`) runs two daemon
 threads per rank: one increments this rank's counter in the rendezvous store and reads everyone's every
 ``timeout / 10`` seconds, one watches that the store answers. The same Llama trains the same data with the
 heartbeat off, on with the default and on with ``timeout=1 s`` (a beat every 0.1 s: 100 times the default's
@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lightning_4d import FourDStrategy  # noqa: E402
-from lightning_4d.heartbeat import DEFAULT_TIMEOUT  # noqa: E402
+from lightning_4d.safety.heartbeat import DEFAULT_TIMEOUT  # noqa: E402
 from lightning_4d.models import CausalLM, Llama, LlamaConfig  # noqa: E402
 from lightning_4d.testing import run_world  # noqa: E402
 

@@ -6,9 +6,9 @@ Trained for one step under ``FourDStrategy(ep=E)`` on ``E`` CPU ranks (gloo, ``O
 over ``ep``, the rest FSDP2-sharded over ``dp = E``), built on the meta device two ways:
 
 - ``pretrained``: ``HFLogits.from_pretrained(dir)`` of a ``save_pretrained`` copy (per-expert keys on disk): each
-  rank reads only its experts' keys (``lightning_4d.load_sources``);
+  rank reads only its experts' keys (``lightning_4d.materialize.load_sources``);
 - ``random``: ``HFLogits.from_config(config)``: each rank computes only its elements' initial values
-  (``lightning_4d.materialize``).
+  (``lightning_4d.materialize.local_shards``).
 
 Each rank first runs the same path on a tiny model (imports, process groups, one-time buffers), then resets the
 kernel's peak-RSS counter (``VmHWM``) and records, up to ``on_fit_start``: ``set-up`` (peak RSS growth), ``share``
@@ -185,7 +185,7 @@ def _scratch_point(chunk: int) -> float:
     import torch
     import transformers
 
-    import lightning_4d.materialize as materialize
+    import lightning_4d.materialize.local_shards as materialize
 
     materialize.CHUNK_ELEMENTS = chunk
     for values in (WARMUP, MODEL):  # the warm-up's one-time costs (imports, allocator arenas) are not scratch
@@ -206,7 +206,7 @@ def _scratch_rank(rank: int, chunk: int) -> float:
 
 def scratch(chunks: tuple[int, ...] = (1 << 14, 1 << 16, 1 << 18)) -> bool:
     """Print the measured scratch per chunk element; ``True`` when within ``SCRATCH_BYTES_PER_ELEMENT``."""
-    from lightning_4d.init_pieces import CHUNK_ELEMENTS, SCRATCH_BYTES_PER_ELEMENT, scratch_bytes
+    from lightning_4d.materialize.init_pieces import CHUNK_ELEMENTS, SCRATCH_BYTES_PER_ELEMENT, scratch_bytes
     from lightning_4d.testing import run_world
 
     over = {c: run_world(_scratch_rank, 1, c, timeout_s=600)[0] for c in chunks}  # a fresh process each

@@ -4,7 +4,7 @@ The package's Llama (and optionally its MoE) under ``FourDStrategy(tp=2, pp=2)``
 ``OMP_NUM_THREADS=1``), a few AdamW steps on synthetic tokens, run twice per model size in fresh worlds:
 
 - ``meta``: the model built on the meta device; the strategy rewrites it on meta, checks the rewrite on a
-  reduced copy and allocates / initialises only this rank's shards (``lightning_4d.materialize``);
+  reduced copy and allocates / initialises only this rank's shards (``lightning_4d.materialize.local_shards``);
 - ``cpu``: the same model built eagerly on the CPU (the old path: whole model on every rank, then sharded).
 
 Each rank takes its baseline (``VmRSS``) just before the model and the Trainer are built, then resets the

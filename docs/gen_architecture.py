@@ -26,13 +26,13 @@ BEGIN, END = "<!-- BEGIN GENERATED: rooms -->", "<!-- END GENERATED: rooms -->"
 
 
 def _room(path: Path) -> str:
-    """``lightning_4d/pipeline/glue.py`` → ``pipeline/``; ``lightning_4d/comm.py`` → ``comm.py``."""
+    """``lightning_4d/layout/pipeline_glue.py`` → ``pipeline/``; ``lightning_4d/core/comm.py`` → ``comm.py``."""
     parts = path.relative_to(ROOT / PACKAGE).parts
     return parts[0] + "/" if len(parts) > 1 else parts[0]
 
 
 def _room_of_module(name: str, rooms: set[str]) -> str | None:
-    """``lightning_4d.pipeline.glue`` → ``pipeline/``; ``None`` outside the package."""
+    """``lightning_4d.layout.pipeline_glue`` → ``pipeline/``; ``None`` outside the package."""
     parts = name.split(".")
     if parts[0] != PACKAGE or len(parts) < 2:
         return None

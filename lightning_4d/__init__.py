@@ -8,13 +8,16 @@ Example:
 """
 
 from lightning_4d.config import FourDConfig
-from lightning_4d.layout_plan import LayoutPlan, load_plan
+from lightning_4d.plan import LayoutPlan, load_plan
 from lightning_4d.mesh import Axis, FourDMesh, ParallelDims, build_mesh
 from lightning_4d.mixin import FourDModule
-from lightning_4d.parallelize import apply_layout, plan_layout
+from lightning_4d.layout.parallelize import apply_layout, plan_layout
 from lightning_4d.strategy import FourDStrategy
 
 import lightning_4d.callbacks.summary  # noqa: E402,F401  (registers the whole-model summary with the strategy)
+from lightning_4d._compat.moved import install as _install_moved  # noqa: E402
+
+_install_moved()  # the pre-0.2 module names (lightning_4d.trace, ...) import for one more release, with a warning
 
 __all__ = ["Axis", "FourDConfig", "FourDMesh", "FourDModule", "FourDStrategy", "LayoutPlan", "ParallelDims",
            "apply_layout", "build_mesh", "load_plan", "plan_layout"]

@@ -19,7 +19,7 @@ from datetime import timedelta
 from typing import Any, Literal, Optional, Sequence, Union
 
 from lightning_4d.context_parallel.algorithm import CP_ALGORITHMS
-from lightning_4d.layout_plan import LayoutPlan
+from lightning_4d.plan import LayoutPlan
 from lightning_4d.mesh import ParallelDims, _check_degree
 
 __all__ = ["FourDConfig", "SCHEDULES", "MULTI_STAGE_SCHEDULES", "ACTIVATION_CHECKPOINTING", "DATA_PARALLEL",
@@ -91,13 +91,13 @@ def stage_style(schedule: str, pp: int) -> str:
     return _shape(schedule).style if pp > 1 else "loop"
 ACTIVATION_CHECKPOINTING = (None, "selective", "full")
 DATA_PARALLEL = ("fsdp", "replicate", "hsdp")
-#: What a step with a non-finite loss or gradient norm does (:mod:`lightning_4d.nonfinite`).
+#: What a step with a non-finite loss or gradient norm does (:mod:`lightning_4d.safety.nonfinite`).
 NONFINITE_MODES = ("raise", "skip", "off")
 #: The process-group timeout by default.
 DEFAULT_TIMEOUT = timedelta(minutes=30)
-#: Silence after which a rank is declared frozen (:mod:`lightning_4d.heartbeat`).
+#: Silence after which a rank is declared frozen (:mod:`lightning_4d.safety.heartbeat`).
 DEFAULT_HEARTBEAT_TIMEOUT = timedelta(seconds=60)
-#: Signals that save a checkpoint and stop the run (:mod:`lightning_4d.preemption`).
+#: Signals that save a checkpoint and stop the run (:mod:`lightning_4d.safety.preemption`).
 DEFAULT_SIGNALS: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
 
 
@@ -185,11 +185,11 @@ class FourDConfig:
         process_group_backend: ``"gloo"``/``"nccl"``; default (``None``) by device.
         sync_module_states: every rank starts from rank 0's weights even without a common seed: a model built
             on the CPU is broadcast from rank 0 (64 MB buckets) before sharding; a model built on the meta device
-            is initialised shard by shard (:mod:`lightning_4d.materialize`) from rank 0's random state when the
+            is initialised shard by shard (:mod:`lightning_4d.materialize.local_shards`) from rank 0's random state when the
             ranks' states differ (nothing is broadcast but that state).
         nonfinite: what a step whose loss or global gradient norm is NaN/inf does, decided on every rank
             together before clipping and the optimizer step: ``"raise"`` (default) stops training with
-            :class:`~lightning_4d.nonfinite.NonFiniteError` naming the step, the ranks and the first
+            :class:`~lightning_4d.safety.nonfinite.NonFiniteError` naming the step, the ranks and the first
             non-finite gradient / parameter; ``"skip"`` drops the step (gradients zeroed, no optimizer
             update), counts it in ``strategy.skipped_steps`` and logs it as ``skipped_steps``; ``"off"``.
         checkpoint_checksums: record a SHA-256 per file in each checkpoint's ``manifest.json`` and verify
@@ -197,10 +197,10 @@ class FourDConfig:
         preemption_signals: signals (names or numbers) that end the run at the next optimizer step with a
             checkpoint ``preempted-step=N.ckpt`` (in the ``ModelCheckpoint`` directory, else
             ``<default_root_dir>/checkpoints``) and exit code ``128 + signal`` on every rank (see
-            :mod:`lightning_4d.preemption`); default ``("SIGTERM", "SIGUSR1")``, ``()`` (or ``None``) to leave
+            :mod:`lightning_4d.safety.preemption`); default ``("SIGTERM", "SIGUSR1")``, ``()`` (or ``None``) to leave
             signals to Lightning. Stored as a tuple; one name alone is a tuple of one.
         preemption_requeue: after such a save under SLURM, run ``scontrol requeue`` (rank 0).
-        heartbeat_timeout: a rank whose heartbeat (a thread, see :mod:`lightning_4d.heartbeat`) is silent this
+        heartbeat_timeout: a rank whose heartbeat (a thread, see :mod:`lightning_4d.safety.heartbeat`) is silent this
             long — stopped (SIGSTOP), frozen, deadlocked holding the GIL — ends the
             run: every other rank prints a line naming it (rank, pid, host) and exits with code 1, and a silent
             rank on the same host is killed, instead of everyone waiting for the process-group ``timeout``.
@@ -208,11 +208,11 @@ class FourDConfig:
             rank in a debugger).
         dp_shard: ``data_parallel="hsdp"`` only: the data-parallel ranks sharding each parameter (divides ``dp``).
         reduced_check_budget: bytes the set-up value check on a reduced, perturbed copy of the model
-            (:mod:`lightning_4d.reduced_check`) may hold; over it, the rewrite is checked structurally only, with a
+            (:mod:`lightning_4d.layout.reduced_check`) may hold; over it, the rewrite is checked structurally only, with a
             warning. ``None`` (default): the largest rank's share plus the largest tensor, at least 256 MiB
-            (:func:`~lightning_4d.reduced_check.check_budget_bytes`; the planner's set-up term counts it); ``0``:
+            (:func:`~lightning_4d.layout.reduced_check.check_budget_bytes`; the planner's set-up term counts it); ``0``:
             never run it.
-        plan: a :class:`~lightning_4d.layout_plan.LayoutPlan`, or the path of its JSON file (``layout_plan.json``,
+        plan: a :class:`~lightning_4d.plan.LayoutPlan`, or the path of its JSON file (``layout_plan.json``,
             written by the recipes; edit it to change what is sharded), applied instead of the derived one. It
             is checked against the model and the mesh (paths, styles, degrees) and by the set-up value check
             like a derived plan. ``None`` (default): derive it from the model.

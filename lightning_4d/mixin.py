@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 
 from lightning_4d import _compat
-from lightning_4d.batches import batch_tokens, call_model, split_batch
-from lightning_4d.loss import count_targets
+from lightning_4d.core.batches import batch_tokens, call_model, split_batch
+from lightning_4d.core.loss import count_targets
 from lightning_4d.mesh import Axis
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ class FourDModule:
 
     Batches are ``(inputs, targets)`` (targets already shifted), or a dict with ``inputs``/``input_ids`` and
     either ``targets`` (already shifted) or ``labels`` (Hugging Face: aligned with the inputs, shifted here, ``-100``
-    ignored), optionally ``position_ids`` for packed documents (see :mod:`lightning_4d.batches`). The loss is
+    ignored), optionally ``position_ids`` for packed documents (see :mod:`lightning_4d.core.batches`). The loss is
     ``loss_fn(forward(inputs), targets)``; the value returned and logged (``train_loss``, ``val_loss``,
     ``test_loss``) is the global-batch mean on every rank, weighted by the number of valid targets
     (``ignore_index`` excluded).
@@ -87,9 +87,9 @@ class FourDModule:
         )
 
     def split_batch(self, batch: Any) -> tuple[Any, Any]:
-        """Return ``(inputs, targets)`` from a batch, targets shifted (:func:`lightning_4d.batches.split_batch`):
+        """Return ``(inputs, targets)`` from a batch, targets shifted (:func:`lightning_4d.core.batches.split_batch`):
         ``(inputs, targets)`` as they are; a dict's ``labels`` (Hugging Face, aligned with the inputs) shifted here;
-        ``position_ids`` (packed documents) make the inputs :class:`~lightning_4d.batches.PackedInputs`."""
+        ``position_ids`` (packed documents) make the inputs :class:`~lightning_4d.core.batches.PackedInputs`."""
         return split_batch(batch, self.ignore_index if self.ignore_index is not None else -100)
 
     def count_targets(self, targets: Any) -> Tensor:

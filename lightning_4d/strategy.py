@@ -33,34 +33,34 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_4d import _compat
-from lightning_4d.batches import batch_tokens, call_model
-from lightning_4d.comm import internal_comm
+from lightning_4d.core.batches import batch_tokens, call_model
+from lightning_4d.core.comm import internal_comm
 from lightning_4d.checkpoint.resume import normalize_loop_state, skip_first_batches
 from lightning_4d.checkpoint.state import load_sharded, model_state_dict, optimizer_state_dict, save_sharded
 from lightning_4d.config import FourDConfig
 from lightning_4d.context_parallel import SequenceShard, takes_positions
 from lightning_4d.context_parallel.algorithm import choose_algorithm
 from lightning_4d.context_parallel.check import ModelInfo, check_context_parallel, example_length
-from lightning_4d.data_parallel import set_gradient_sync
-from lightning_4d.distributed import all_reduce_sum, broadcast_module_state, is_on_meta, to_full
-from lightning_4d.heartbeat import Heartbeat
-from lightning_4d.hooks import TP_PLAN, hook_call
-from lightning_4d.loss import check_inputs
-from lightning_4d.materialize import MaterializeReport, materialize_local_shards, meta_skeleton
+from lightning_4d.layout.data_parallel import set_gradient_sync
+from lightning_4d.core.distributed import all_reduce_sum, broadcast_module_state, is_on_meta, to_full
+from lightning_4d.safety.heartbeat import Heartbeat
+from lightning_4d.analysis.hooks import TP_PLAN, hook_call
+from lightning_4d.core.loss import check_inputs
+from lightning_4d.materialize.local_shards import MaterializeReport, materialize_local_shards, meta_skeleton
 from lightning_4d.mesh import Axis, FourDMesh, ParallelDims, build_mesh
-from lightning_4d.nonfinite import NonFiniteError, SkipStep, check_step
-from lightning_4d.parallelize import (
+from lightning_4d.safety.nonfinite import NonFiniteError, SkipStep, check_step
+from lightning_4d.layout.parallelize import (
     LayoutRow, ParallelPlan, apply_layout, describe_layout, plan_layout,
 )
-from lightning_4d.peers import describe_peer_failure, gather_peers
-from lightning_4d.pipeline.glue import pipeline_eval
-from lightning_4d.layout_plan import LayoutPlan, load_plan
-from lightning_4d.reduced_check import check_budget_bytes, check_reduced_model, plan_share_bytes
-from lightning_4d.preemption import PreemptionSaver, resolve_signals
-from lightning_4d.step import after_optimizer_step, clip_grad_norm, finish_backward, step_loss
-from lightning_4d.step import loss_context as step_loss_context
+from lightning_4d.safety.peers import describe_peer_failure, gather_peers
+from lightning_4d.layout.pipeline_glue import pipeline_eval
+from lightning_4d.plan import LayoutPlan, load_plan
+from lightning_4d.layout.reduced_check import check_budget_bytes, check_reduced_model, plan_share_bytes
+from lightning_4d.safety.preemption import PreemptionSaver, resolve_signals
+from lightning_4d.runtime.step import after_optimizer_step, clip_grad_norm, finish_backward, step_loss
+from lightning_4d.runtime.step import loss_context as step_loss_context
 from lightning_4d.tensor_parallel.replicas import replica_mismatches
-from lightning_4d.trace import example_tokens
+from lightning_4d.analysis.trace import example_tokens
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -72,7 +72,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.optim import Optimizer
 
-    from lightning_4d.peers import Peer
+    from lightning_4d.safety.peers import Peer
 
 __all__ = ["FIT_SETUP_HOOKS", "FourDStrategy"]
 
@@ -251,7 +251,7 @@ class FourDStrategy(ParallelStrategy):
     def _set_up_layout(self, trainer: "pl.Trainer") -> ParallelPlan:
         """Rewrite the model for the mesh. A model built on the meta device stays there through the rewrite
         (pipeline pruning, EP, TP/SP, data parallelism) and only this rank's shards are then allocated and
-        initialised (:func:`~lightning_4d.materialize.materialize_local_shards`), so no rank ever holds the
+        initialised (:func:`~lightning_4d.materialize.local_shards.materialize_local_shards`), so no rank ever holds the
         whole model; a model built for real is (optionally) synchronised from rank 0 in 64 MB buckets, then
         rewritten."""
         assert self.model is not None
@@ -328,8 +328,8 @@ class FourDStrategy(ParallelStrategy):
 
     def _check_budget(self, skeleton: torch.nn.Module, plan: LayoutPlan, meta: bool) -> float:
         """Bytes the reduced check may hold, the same on every rank: the option, else
-        :func:`~lightning_4d.reduced_check.check_budget_bytes` — for a meta-built model the largest rank's share
-        (:func:`~lightning_4d.reduced_check.plan_share_bytes`, from the plan) plus the largest tensor, for one
+        :func:`~lightning_4d.layout.reduced_check.check_budget_bytes` — for a meta-built model the largest rank's share
+        (:func:`~lightning_4d.layout.reduced_check.plan_share_bytes`, from the plan) plus the largest tensor, for one
         built for real the whole model (every rank held it)."""
         if self.config.reduced_check_budget is not None:
             return float(self.config.reduced_check_budget)
@@ -487,8 +487,8 @@ class FourDStrategy(ParallelStrategy):
         return out
 
     def compute_loss(self, module: "pl.LightningModule", inputs: Any, targets: Any, stage: str = "train") -> Tensor:
-        """The global-batch loss for the mixin's steps (:func:`lightning_4d.step.step_loss`, see
-        :mod:`lightning_4d.loss`).
+        """The global-batch loss for the mixin's steps (:func:`lightning_4d.runtime.step.step_loss`, see
+        :mod:`lightning_4d.core.loss`).
 
         Example:
             >>> # not run: needs a Trainer
@@ -517,14 +517,14 @@ class FourDStrategy(ParallelStrategy):
 
     @contextmanager
     def loss_context(self) -> Generator[None, None, None]:
-        """Context for computing the loss and its backward (:func:`lightning_4d.step.loss_context`: ``loss_parallel``
+        """Context for computing the loss and its backward (:func:`lightning_4d.runtime.step.loss_context`: ``loss_parallel``
         under TP; with context parallelism the model's attention made global for the current batch)."""
         with step_loss_context(self._plan, self._cp_shard):
             yield
 
     def clip_grad_norm_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip gradients by the global norm across every tp / pp / ep / dp shard
-        (:func:`lightning_4d.step.clip_grad_norm`).
+        (:func:`lightning_4d.runtime.step.clip_grad_norm`).
 
         Example:
             >>> # not run: needs a Trainer

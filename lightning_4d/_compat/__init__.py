@@ -16,6 +16,7 @@ Areas (one module each, all re-exported here):
 - :mod:`.pipelining`: internals of ``torch.distributed.pipelining`` schedules.
 - :mod:`.kernels`: private operators (``_foreach_norm``, ``_grouped_mm``, the SDPA kernels).
 - :mod:`.modules`: ``nn.Module`` / ``DataLoader`` internals, meta-device materialisation.
+- :mod:`.moved`: the old names of modules that moved into folders (not re-exported; installed by the package).
 
 Example:
     >>> from lightning_4d import _compat

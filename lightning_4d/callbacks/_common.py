@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
 
-from lightning_4d.comm import internal_comm, is_internal_comm
+from lightning_4d.core.comm import internal_comm, is_internal_comm
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
     from lightning_4d.config import FourDConfig
     from lightning_4d.mesh import FourDMesh
-    from lightning_4d.parallelize import ParallelPlan
+    from lightning_4d.layout.parallelize import ParallelPlan
 
 __all__ = [
     "RunContext",

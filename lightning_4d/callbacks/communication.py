@@ -1,13 +1,13 @@
 """Communication per training step: count, bytes and time of every collective, per kind and mesh axis.
 
-:class:`CommRecorder` is the package's one collective recorder (:class:`lightning_4d.comm.CommCounter`, a
+:class:`CommRecorder` is the package's one collective recorder (:class:`lightning_4d.core.comm.CommCounter`, a
 ``TorchDispatchMode``) naming groups by mesh axis and timing each call. It sees DTensor's functional
 collectives (TP/SP), FSDP2 / replicate's ``c10d`` calls (DP), ``torch.distributed`` calls such as the MoE
 dispatch's ``all_to_all_single`` (EP) and the pipeline's point-to-point ``send`` / ``recv`` issued by
 ``isend`` / ``irecv`` / ``batch_isend_irecv`` (PP; torch 2.13 routes them through the ``c10d::send`` /
 ``c10d::recv_`` ops, which a dispatch mode sees — the tests check it) — in forward, backward and the
 optimizer step. Bytes are what *this rank sends* (recv: what it receives), exactly per call
-(:func:`lightning_4d.comm.op_bytes`). Seconds are host wall time blocked in the collective: the call itself
+(:func:`lightning_4d.core.comm.op_bytes`). Seconds are host wall time blocked in the collective: the call itself
 plus the wait on its handle — ``Work.wait()`` for ``c10d`` calls (synchronous ones wait inside ``torch.distributed``;
 asynchronous FSDP all-gathers and pipeline sends/receives wait later) and ``wait_tensor`` for
 functional collectives. To see the ``Work.wait()`` calls, the recorder wraps the
@@ -43,9 +43,9 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_4d import _compat
-from lightning_4d.batches import batch_tokens
-from lightning_4d.comm import AXIS_ORDER, CommCounter, CommRecord, mesh_axis_groups
-from lightning_4d.precision import PRECISION_NAMES, precision_info
+from lightning_4d.core.batches import batch_tokens
+from lightning_4d.core.comm import AXIS_ORDER, CommCounter, CommRecord, mesh_axis_groups
+from lightning_4d.core.precision import PRECISION_NAMES, precision_info
 from lightning_4d.callbacks._common import (
     RunContext,
     every_n,
@@ -65,18 +65,18 @@ if TYPE_CHECKING:
 
 __all__ = ["AXES", "KINDS", "CommEvent", "CommRecorder", "CommunicationMonitor", "analytic_comm_bytes"]
 
-AXES = AXIS_ORDER + ("world", "other")  # every name :func:`lightning_4d.comm.axis_of_group` gives
+AXES = AXIS_ORDER + ("world", "other")  # every name :func:`lightning_4d.core.comm.axis_of_group` gives
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "recv", "broadcast")
 
 CommEvent = CommRecord  # one collective seen by :class:`CommRecorder` (the package's one record type)
 
 
 class CommRecorder(CommCounter):
-    """:class:`lightning_4d.comm.CommCounter` naming axes by mesh group and timing each call and its wait.
+    """:class:`lightning_4d.core.comm.CommCounter` naming axes by mesh group and timing each call and its wait.
 
     Args:
-        groups: process-group name or ranks → mesh axes (:func:`lightning_4d.comm.mesh_axis_groups`), named by
-            the package's one namer (:func:`lightning_4d.comm.axis_of_group`).
+        groups: process-group name or ranks → mesh axes (:func:`lightning_4d.core.comm.mesh_axis_groups`), named by
+            the package's one namer (:func:`lightning_4d.core.comm.axis_of_group`).
         sync_cuda: synchronise the device at the end of each timed call / wait (device-inclusive times).
 
     Collectives issued inside :func:`~lightning_4d.callbacks._common.internal_comm` (the monitors' own

@@ -29,9 +29,9 @@ from lightning.fabric.utilities.throughput import Throughput, get_available_flop
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_4d.batches import batch_tokens
+from lightning_4d.core.batches import batch_tokens
 from lightning_4d.callbacks._common import RunContext, every_n, gather_rows, log_metrics, resolve_every_n
-from lightning_4d.precision import precision_info
+from lightning_4d.core.precision import precision_info
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

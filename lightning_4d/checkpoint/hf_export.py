@@ -145,7 +145,7 @@ def load_strict(model: nn.Module, state: dict[str, torch.Tensor], source: str = 
 
 def _meta_record(checkpoint: Path) -> Optional[dict[str, Any]]:
     from lightning_4d.checkpoint.state import META_FILE, _load_file
-    from lightning_4d.hf_config import CHECKPOINT_KEY
+    from lightning_4d.analysis.hf_config import CHECKPOINT_KEY
 
     meta = _load_file(checkpoint / META_FILE)
     record = meta.get(CHECKPOINT_KEY) if isinstance(meta, dict) else None
@@ -154,7 +154,7 @@ def _meta_record(checkpoint: Path) -> Optional[dict[str, Any]]:
 
 def _resolve(checkpoint: Path, base: Optional[PathLike]) -> tuple[PretrainedConfig, Optional[Path]]:
     """The model config and the directory side files come from."""
-    from lightning_4d.hf_config import config_from_record, load_hf_config
+    from lightning_4d.analysis.hf_config import config_from_record, load_hf_config
 
     if base is not None:
         base_dir = Path(base)
@@ -381,7 +381,7 @@ def export_hf(checkpoint: PathLike, out: PathLike, base: Optional[PathLike] = No
     """
     from lightning_4d.checkpoint.consolidate import open_checkpoint
     from lightning_4d.checkpoint.state import check_checkpoint
-    from lightning_4d.hf_config import resolve_dtype
+    from lightning_4d.analysis.hf_config import resolve_dtype
 
     target = Path(out)
     check_new_directory(target)

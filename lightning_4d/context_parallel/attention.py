@@ -32,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from lightning_4d._compat import is_fake
-from lightning_4d.batches import document_ids
+from lightning_4d.core.batches import document_ids
 from lightning_4d.context_parallel.collectives import gather_sequence
 from lightning_4d.context_parallel.ulysses import ulysses_attention
 from lightning_4d.context_parallel.windows import MIXED, current_window

@@ -38,13 +38,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_4d.batches import PackedInputs, call_model
+from lightning_4d.core.batches import PackedInputs, call_model
 from lightning_4d.context_parallel.algorithm import AttentionHeads
 from lightning_4d.context_parallel.attention import ContextParallelAttention, UnsplittableAttention, bind_microbatches
 from lightning_4d.context_parallel.sharding import shard_batch, takes_positions
 from lightning_4d.context_parallel.windows import track_windows
 from lightning_4d.context_parallel.zigzag import zigzag_split
-from lightning_4d.precision import allowed_difference, max_difference
+from lightning_4d.core.precision import allowed_difference, max_difference
 
 __all__ = ["ModelInfo", "check_context_parallel", "check_declared", "declared_sliding_window", "example_length"]
 

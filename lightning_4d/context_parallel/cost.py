@@ -1,5 +1,5 @@
 """What context parallelism costs, in closed form: the K/V bytes on the wire per step and the activation memory
-per rank. The ring formulas are :func:`lightning_4d.comm.wire_bytes` (the one owner).
+per rank. The ring formulas are :func:`lightning_4d.core.comm.wire_bytes` (the one owner).
 
 Per attention layer and micro-batch, every rank all-gathers K and V (one stacked tensor) in forward and
 reduce-scatters their gradients in backward; activation checkpointing runs the forward, and so the all-gather,
@@ -26,7 +26,7 @@ Example:
 
 from __future__ import annotations
 
-from lightning_4d.comm import wire_bytes
+from lightning_4d.core.comm import wire_bytes
 
 __all__ = ["activation_bytes_per_rank", "kv_gathered_bytes", "kv_wire_bytes", "mask_bytes", "ulysses_wire_bytes"]
 

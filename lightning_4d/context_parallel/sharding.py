@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_4d.batches import PackedInputs, batch_tokens, check_takes_positions, document_ids
+from lightning_4d.core.batches import PackedInputs, batch_tokens, check_takes_positions, document_ids
 from lightning_4d.context_parallel.attention import SequenceShard
 from lightning_4d.context_parallel.zigzag import check_sequence_length, zigzag_indices
 
@@ -41,7 +41,7 @@ def takes_positions(module: Any) -> bool:
 def shard_batch(inputs: Any, targets: Any, group: Optional[dist.ProcessGroup], cp: int, rank: int,
                 takes_positions: bool, tp: int = 1, pipelined: bool = False) -> tuple[Any, Any, SequenceShard]:
     """This rank's ``(inputs, targets)`` and its :class:`SequenceShard`. ``inputs``: token ids ``(B, T)`` or
-    :class:`~lightning_4d.batches.PackedInputs`; ``targets`` ``(B, T, …)`` (already shifted, so cutting them with
+    :class:`~lightning_4d.core.batches.PackedInputs`; ``targets`` ``(B, T, …)`` (already shifted, so cutting them with
     the inputs keeps every pair). ``tp``: the sequence-parallel degree inside each chunk (for the length check).
 
     Raises:

@@ -127,7 +127,7 @@ class TokenWindowDataset(Dataset):
 
 def positions_after(ends: torch.Tensor) -> torch.Tensor:
     """Position of each token in its document, ``(T,)``: 0 at the start and after every token where ``ends`` is
-    true (the ``position_ids`` of packed documents, :mod:`lightning_4d.batches`).
+    true (the ``position_ids`` of packed documents, :mod:`lightning_4d.core.batches`).
 
     >>> positions_after(torch.tensor([False, False, True, False, True, False])).tolist()
     [0, 1, 2, 0, 1, 0]

@@ -5,7 +5,7 @@ gloo/CPU and NCCL) wrapped in a small autograd Function whose backward is the re
 ``torch.distributed.nn.functional.all_to_all_single`` does the same but is deprecated in this torch
 (it points to the private ``_functional_collectives``), so it is not used.
 
-Traffic is counted by the package's one recorder, :class:`lightning_4d.comm.CommCounter` (a dispatch mode
+Traffic is counted by the package's one recorder, :class:`lightning_4d.core.comm.CommCounter` (a dispatch mode
 that sees these ``c10d`` all-to-alls like every other collective); the names are re-exported here.
 
 Example:
@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_4d.comm import CommCounter, CommRecord
+from lightning_4d.core.comm import CommCounter, CommRecord
 from lightning_4d.expert_parallel.permute import FIXED_ROUTING, inverse_permutation, regroup_by_expert, split_sizes
 
 __all__ = ["CommRecord", "CommCounter", "all_to_all", "all_reduce_", "DispatchInfo", "dispatch", "combine"]

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_4d import _compat
-from lightning_4d.distributed import local_of
+from lightning_4d.core.distributed import local_of
 
 __all__ = ["GroupedExperts", "grouped_linear", "swiglu_experts", "scale_grad", "SwiGLU", "init_experts_", "GroupedMM"]
 
@@ -143,7 +143,7 @@ def init_experts_(local: torch.Tensor, std: float, seed: int, first_expert: int)
 
 
 def local_tensor(p: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (differentiable), or ``p`` itself (:func:`lightning_4d.distributed.local_of`)."""
+    """The local shard of a DTensor (differentiable), or ``p`` itself (:func:`lightning_4d.core.distributed.local_of`)."""
     return local_of(p)
 
 

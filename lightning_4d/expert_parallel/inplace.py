@@ -45,8 +45,8 @@ from lightning_4d.expert_parallel.dispatch import combine, dispatch
 from lightning_4d.expert_parallel.experts import GroupedExperts, local_tensor, scale_grad
 from lightning_4d.expert_parallel.permute import make_permutation, permute, unpermute
 from lightning_4d.expert_parallel.zero_experts import two_sizes_reason, zero_expert_router
-from lightning_4d.layer_kinds import holds_stacked_experts
-from lightning_4d.precision import allowed_difference, max_difference
+from lightning_4d.analysis.layer_kinds import holds_stacked_experts
+from lightning_4d.core.precision import allowed_difference, max_difference
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -34,7 +34,7 @@ from torch import nn
 
 from lightning_4d.expert_parallel.moe import MoE
 from lightning_4d.expert_parallel.router import check_routing
-from lightning_4d.hooks import TP_PLAN, hook_call
+from lightning_4d.analysis.hooks import TP_PLAN, hook_call
 from lightning_4d.mesh import Axis
 
 if TYPE_CHECKING:
@@ -223,7 +223,7 @@ def install_token_shard_check(layers: dict[str, nn.Module], tp_group: dist.Proce
     """
     import torch
 
-    from lightning_4d.comm import internal_comm
+    from lightning_4d.core.comm import internal_comm
 
     for name, layer in layers.items():
         handles: list[RemovableHandle] = []

@@ -42,8 +42,8 @@ import torch
 from torch import nn
 
 from lightning_4d.expert_parallel.moe import MoE
-from lightning_4d.layer_kinds import is_expert_list
-from lightning_4d.precision import allowed_difference, max_difference
+from lightning_4d.analysis.layer_kinds import is_expert_list
+from lightning_4d.core.precision import allowed_difference, max_difference
 
 __all__ = ["source_names", "find_moe_modules", "mixtral_source_keys", "moe_from_mixtral", "rewrite_moe_modules",
            "export_original_state_dict", "convert_original_state_dict"]

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 import torch
 from torch import nn
 
-from lightning_4d.hf_config import (CHECKPOINT_KEY, DTYPES, PathLike, config_from_record, load_hf_config,
+from lightning_4d.analysis.hf_config import (CHECKPOINT_KEY, DTYPES, PathLike, config_from_record, load_hf_config,
                                     resolve_dtype)
 
 if TYPE_CHECKING:

@@ -1,9 +1,9 @@
 """Pretrained weights of a local Hugging Face directory, streamed into a meta-built model one tensor at a time.
 
-:class:`HFWeightSource` is the :class:`~lightning_4d.materialize.WeightSource` that
+:class:`HFWeightSource` is the :class:`~lightning_4d.materialize.local_shards.WeightSource` that
 :meth:`lightning_4d.models.HFLogits.from_pretrained` attaches (as ``fourd_weight_source``) to a ``…ForCausalLM``
 built on the meta device. When ``FourDStrategy`` materialises only this rank's shards
-(:func:`~lightning_4d.materialize.materialize_local_shards`, :mod:`lightning_4d.load_sources`) it asks the source
+(:func:`~lightning_4d.materialize.local_shards.materialize_local_shards`, :mod:`lightning_4d.materialize.load_sources`) it asks the source
 for the rows holding this rank's elements (:meth:`~HFWeightSource.get_rows`: experts of a stacked expert tensor,
 read from the files' per-expert keys, or rows of a tensor stored whole), a bounded piece at a time: a rank reads
 only the tensors and experts it holds a part of, and never holds a tensor it does not keep beyond one piece.
@@ -169,7 +169,7 @@ class _ShapeModel:
 
 
 class HFWeightSource:
-    """The weights of a local Hugging Face directory as a :class:`~lightning_4d.materialize.WeightSource` of
+    """The weights of a local Hugging Face directory as a :class:`~lightning_4d.materialize.local_shards.WeightSource` of
     ``model`` (a ``PreTrainedModel``, typically built on the meta device): :meth:`names` are ``model``'s tensor
     names, :meth:`get` reads one of them from the files (see the module docstring for renaming, converters, tied
     weights and dtypes). Everything is checked when the source is built, from the files' headers alone.
@@ -355,7 +355,7 @@ class HFWeightSource:
 
     def release(self) -> None:
         """Drop the whole tensor :meth:`get_rows` keeps between calls for a conversion it cannot read by rows
-        (:func:`lightning_4d.load_sources.load_sources` calls it after each tensor).
+        (:func:`lightning_4d.materialize.load_sources.load_sources` calls it after each tensor).
 
         Example:
             >>> # not run: needs files (a model directory)
@@ -558,7 +558,7 @@ def materialize_pretrained(module: nn.Module, device: Union[str, torch.device] =
         >>> materialize_pretrained(net)(tokens).shape  # doctest: +SKIP
         torch.Size([1, 5, 64])
     """
-    from lightning_4d.materialize import materialize_local_shards, meta_skeleton
+    from lightning_4d.materialize.local_shards import materialize_local_shards, meta_skeleton
 
     materialize_local_shards(meta_skeleton(module), module, torch.device(device))
     return module

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_4d.batches import document_ids
+from lightning_4d.core.batches import document_ids
 from lightning_4d.models.flops import training_flops_per_token
 
 __all__ = [

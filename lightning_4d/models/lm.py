@@ -34,11 +34,11 @@ class CausalLM(FourDModule, L.LightningModule):
     Batches: ``(inputs, targets)`` with targets already shifted (the package's data modules), or Hugging Face dicts
     ``{"input_ids", "labels"}`` with labels aligned with the inputs (shifted once at batch entry, ``-100``
     ignored: the loss is transformers' own), optionally with ``position_ids`` of packed documents (attention then
-    stays within each document). See :mod:`lightning_4d.batches`.
+    stays within each document). See :mod:`lightning_4d.core.batches`.
 
     Validation and test log, besides ``val_loss`` / ``test_loss``, the token-weighted perplexity ``val_ppl`` and
     the next-token accuracy ``val_acc`` (``test_ppl``, ``test_acc``) of every target token that is not
-    ``ignore_index``, through ``torchmetrics`` (:mod:`lightning_4d.metrics`): updated in ``loss_fn`` where the
+    ``ignore_index``, through ``torchmetrics`` (:mod:`lightning_4d.core.metrics`): updated in ``loss_fn`` where the
     outputs are, synced over the data-parallel group, equal on every rank and to one process's values.
 
     Args:
@@ -100,7 +100,7 @@ class CausalLM(FourDModule, L.LightningModule):
 
         ``targets`` are shifted (``targets[:, t]`` is the token after ``inputs[:, t]``): the mixin turns Hugging Face
         ``labels`` (aligned with the inputs) into such targets at batch entry, so a dict batch with ``labels`` gives
-        transformers' own ``model(input_ids, labels=labels).loss`` (see :mod:`lightning_4d.batches`)."""
+        transformers' own ``model(input_ids, labels=labels).loss`` (see :mod:`lightning_4d.core.batches`)."""
         ignore = self.ignore_index if self.ignore_index is not None else -100
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=ignore)
         stage = self.fourd_stage
@@ -117,7 +117,7 @@ class CausalLM(FourDModule, L.LightningModule):
             ['acc', 'ppl']
         """
         if stage not in self._metrics:
-            from lightning_4d.metrics import TokenAccuracy, TokenPerplexity
+            from lightning_4d.core.metrics import TokenAccuracy, TokenPerplexity
 
             group = self.fourd_dp_group
             ignore = self.ignore_index if self.ignore_index is not None else -100
@@ -128,7 +128,7 @@ class CausalLM(FourDModule, L.LightningModule):
 
     @torch.no_grad()
     def _update_metrics(self, stage: str, logits: Tensor, targets: Tensor, loss: Tensor, ignore: int) -> None:
-        from lightning_4d.metrics import local_value, token_predictions
+        from lightning_4d.core.metrics import local_value, token_predictions
 
         metrics = self.stage_metrics(stage)
         for metric in metrics.values():

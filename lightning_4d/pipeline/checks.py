@@ -25,21 +25,21 @@ from torch import nn
 
 from lightning_4d._compat import child_modules, registered_submodule
 from lightning_4d.pipeline.stages import HOOK_HINT, ChainForward, PipelineSplit, StageForward, find_pipeline_split
-from lightning_4d.precision import max_difference
-from lightning_4d.verify import compare_forward
+from lightning_4d.core.precision import max_difference
+from lightning_4d.core.verify import compare_forward
 
 __all__ = ["check_sequential", "check_staged"]
 
 
 def check_staged(stages: StageForward, example: Any, expected: Any) -> None:
     """Run every stage in order in one process on ``example`` and compare with ``expected`` (the plain
-    forward's output) within :func:`lightning_4d.precision.allowed_difference`. Raises a ``ValueError``
+    forward's output) within :func:`lightning_4d.core.precision.allowed_difference`. Raises a ``ValueError``
     naming the model and the hooks when they differ.
 
     Example:
         >>> from lightning_4d.models import Llama, LlamaConfig
         >>> from lightning_4d.pipeline.staged import prepare_staged
-        >>> from lightning_4d.trace import trace_model
+        >>> from lightning_4d.analysis.trace import trace_model
         >>> lm = Llama(LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, ffn_hidden=32, max_seq_len=8))
         >>> tokens = torch.randint(0, 32, (2, 8))
         >>> trace = trace_model(lm, "layers", tokens)
@@ -80,7 +80,7 @@ def check_sequential(
 
     Runs pre-modules (or ``pre_fn``) → every block → post-modules (or ``post_fn``) on a tiny input in
     eval mode without grad, and compares against the model's forward (within
-    :func:`lightning_4d.precision.allowed_difference`). The first block's input and
+    :func:`lightning_4d.core.precision.allowed_difference`). The first block's input and
     the last block's output are captured from the real forward to tell which side differs.
 
     Raises:

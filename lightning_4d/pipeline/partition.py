@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal, Optional
 
-from lightning_4d.hooks import PipelineSplit
+from lightning_4d.analysis.hooks import PipelineSplit
 
 __all__ = ["PipelineSplit", "StageStyle", "partition_blocks", "stage_ids_for_rank", "stage_to_rank", "partition_costs"]
 

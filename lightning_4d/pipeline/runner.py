@@ -31,8 +31,8 @@ from torch import nn
 
 from lightning_4d import _compat
 from lightning_4d._compat import pytree
-from lightning_4d.distributed import local_of
-from lightning_4d.loss import count_targets, token_weighted
+from lightning_4d.core.distributed import local_of
+from lightning_4d.core.loss import count_targets, token_weighted
 from lightning_4d.pipeline.partition import stage_ids_for_rank, stage_to_rank
 from lightning_4d.pipeline.schedules import get_schedule_info, validate_microbatches
 from lightning_4d.pipeline.stages import INPUTS_KW
@@ -58,7 +58,7 @@ class EvalOutput(NamedTuple):
 
 
 def default_token_count(target: torch.Tensor, ignore_index: int = -100) -> int:
-    """Valid targets in ``target`` (:func:`lightning_4d.loss.count_targets`, as an int).
+    """Valid targets in ``target`` (:func:`lightning_4d.core.loss.count_targets`, as an int).
 
     Example:
         >>> default_token_count(torch.tensor([[1, -100], [2, 3]]))
@@ -288,7 +288,7 @@ class PipelineRunner:
                 value = torch.stack([local_of(t).detach().float() for t in losses]).sum()
             loss = self._broadcast_loss(value)
         if broadcast_outputs:
-            from lightning_4d.distributed import to_full
+            from lightning_4d.core.distributed import to_full
 
             # Vocab-sharded (TP) outputs are gathered on the last stage before the broadcast.
             out = self._broadcast_tree(to_full(out) if self.has_last else None)

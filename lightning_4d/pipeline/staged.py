@@ -17,12 +17,12 @@ rank), with three changes that :class:`StagedForward` makes while a stage runs:
   as the model wrote them.
 
 Which argument carries the hidden state, and what runs before/after the blocks, comes from
-:func:`lightning_4d.trace.trace_model`; :func:`~lightning_4d.pipeline.checks.check_staged` replays all stages in one
+:func:`lightning_4d.analysis.trace.trace_model`; :func:`~lightning_4d.pipeline.checks.check_staged` replays all stages in one
 process on a tiny input and compares with the plain forward before anything is split.
 
 Example:
     >>> from lightning_4d.models import Llama, LlamaConfig
-    >>> from lightning_4d.trace import trace_model
+    >>> from lightning_4d.analysis.trace import trace_model
     >>> lm = Llama(LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, ffn_hidden=32, max_seq_len=8))
     >>> tokens = torch.randint(0, 32, (2, 8))
     >>> trace = trace_model(lm, "layers", tokens)
@@ -44,7 +44,7 @@ from torch import nn
 from lightning_4d._compat import child_modules, pytree, registered_submodule
 from lightning_4d.pipeline.partition import partition_blocks
 from lightning_4d.pipeline.stages import HOOK_HINT, PipelineSplit, StageForward
-from lightning_4d.trace import ModelTrace
+from lightning_4d.analysis.trace import ModelTrace
 
 __all__ = ["check_stage_owners", "ShapeStub", "StageDone", "StagedBlocks", "StagedForward", "prepare_staged"]
 
@@ -195,7 +195,7 @@ class StagedForward(StageForward):
 
     Args:
         root: the module whose forward is the model (the LightningModule).
-        trace: the model's :class:`~lightning_4d.trace.ModelTrace` (taken on the full model).
+        trace: the model's :class:`~lightning_4d.analysis.trace.ModelTrace` (taken on the full model).
         stage_keys: block keys of every stage (all stages of the pipeline, by stage index).
     """
 
@@ -319,7 +319,7 @@ def prepare_staged(root: nn.Module, trace: ModelTrace, num_stages: int) -> Stage
 
     Example:
         >>> from lightning_4d.models import Llama, LlamaConfig
-        >>> from lightning_4d.trace import trace_model
+        >>> from lightning_4d.analysis.trace import trace_model
         >>> lm = Llama(LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, ffn_hidden=32, max_seq_len=8))
         >>> tokens = torch.randint(0, 32, (2, 8))
         >>> trace = trace_model(lm, "layers", tokens)

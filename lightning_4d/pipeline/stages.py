@@ -40,7 +40,7 @@ import torch  # noqa: F401  (the doctests use it)
 from torch import nn
 
 from lightning_4d._compat import child_modules, is_loss_module, registered_submodule
-from lightning_4d.hooks import PIPELINE_POST, PIPELINE_PRE, PIPELINE_SPLIT, hook_call
+from lightning_4d.analysis.hooks import PIPELINE_POST, PIPELINE_PRE, PIPELINE_SPLIT, hook_call
 from lightning_4d.pipeline.partition import PipelineSplit, StageStyle, partition_blocks, stage_ids_for_rank
 from lightning_4d.pipeline.tied import find_tied_parameters
 
@@ -91,7 +91,7 @@ def find_pipeline_split(root: nn.Module, blocks_path: Optional[str] = None) -> P
     """
     cls = type(root).__name__
     if blocks_path is None:
-        from lightning_4d.discovery import find_blocks
+        from lightning_4d.analysis.discovery import find_blocks
 
         try:
             blocks_path = find_blocks(root)[0]

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from lightning_4d._compat import registered_submodule
-from lightning_4d.distributed import local_of
+from lightning_4d.core.distributed import local_of
 
 from lightning_4d.pipeline.partition import PipelineSplit
 

@@ -37,9 +37,9 @@ compute bytes ``c`` = 2 for bf16, activation ``A = b·s·h·c``):
   broadcast from the last pipeline stage over pp).
 - **dp / edp** (dense parameters over dp, routed experts over edp): FSDP2 all-gathers the
   compute-dtype parameters and reduce-scatters fp32 gradients once per step; ``replicate``
-  all-reduces fp32 gradients once. Units as ``lightning_4d.data_parallel`` wraps them: each block
+  all-reduces fp32 gradients once. Units as ``lightning_4d.layout.data_parallel`` wraps them: each block
   (without pipelining all but the last reshard after forward, under pipelining none does), each MoE
-  layer's experts (over edp; resharding as the blocks do, :func:`lightning_4d.data_parallel.reshards_after_forward`,
+  layer's experts (over edp; resharding as the blocks do, :func:`lightning_4d.layout.data_parallel.reshards_after_forward`,
   unless ``TrainSpec.expert_reshard_after_forward`` says otherwise) and the root
   (embedding, final norm, head; not resharding). FSDP2 shards dim 0, so ``E/ep`` local experts over
   more ``edp`` ranks are padded (:func:`expert_padding`). All-gathers per unit: without pipelining a
@@ -60,10 +60,10 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from lightning_4d.comm import wire_bytes
+from lightning_4d.core.comm import wire_bytes
 from lightning_4d.config import stage_style
 from lightning_4d.context_parallel.cost import kv_gathered_bytes
-from lightning_4d.data_parallel import reshards_after_forward
+from lightning_4d.layout.data_parallel import reshards_after_forward
 from lightning_4d.mesh import ParallelDims
 from lightning_4d.planner.memory import local_params, micro_batch_size, resolve_microbatches, stage_layout
 from lightning_4d.planner.spec import TrainSpec, TransformerSpec
@@ -78,7 +78,7 @@ ROUTING_ASSUMPTION = "uniform routing: every rank sends (ep-1)/ep of its k·N to
 
 def collective_bytes(kind: str, n: int, size: float) -> float:
     """Bytes one rank sends in a collective over ``n`` ranks on a full tensor of ``size`` bytes (the one
-    formula, :func:`lightning_4d.comm.wire_bytes`, for the planner's kinds).
+    formula, :func:`lightning_4d.core.comm.wire_bytes`, for the planner's kinds).
 
     Example:
         >>> collective_bytes("all_to_all", 8, 800.0), collective_bytes("send", 2, 10.0)
@@ -264,7 +264,7 @@ def _gather_passes(dims: ParallelDims, train: TrainSpec, m: int, pp_rank: int, r
 
 def _data_parallel(dims: ParallelDims, train: TrainSpec, m: int, r: int, lp: dict, c: int,
                    expert_padding: float = 1.0) -> list[Collective]:
-    """FSDP2 / replicate collectives of one rank, unit by unit as ``lightning_4d.parallelize`` wraps them:
+    """FSDP2 / replicate collectives of one rank, unit by unit as ``lightning_4d.layout.parallelize`` wraps them:
     each block over dp (without pipelining all but the last reshard after forward; under pipelining none
     does), each MoE layer's experts over edp (as the blocks, unless ``train`` says otherwise), the root
     (embedding, final norm, head) over dp without resharding. ``expert_padding`` multiplies the expert
@@ -372,7 +372,7 @@ def comm_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
                                 8.0 * spec.num_experts, dims.ep)]
         if spec.router_aux_loss and n_moe:
             # Router statistics (counts, probability sums, token count: 2E + 1 fp64) for the aux loss, over the
-            # groups holding one batch's tokens (lightning_4d.parallelize: ep and edp, or dp without SP).
+            # groups holding one batch's tokens (lightning_4d.layout.parallelize: ep and edp, or dp without SP).
             stats = [("ep", dims.ep), ("edp", dims.edp)] if (dims.sp or t == 1) else [("dp", dims.dp_cp)]
             recs += [Collective(axis, "all_reduce", "router statistics (aux loss)", fwd_passes * m * n_moe,
                                 8.0 * (2 * spec.num_experts + 1), n) for axis, n in stats if n > 1]
@@ -409,7 +409,7 @@ def comm_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
 
 
 def _loss_statistics(dims: ParallelDims, m: int) -> list[Collective]:
-    """The global-batch loss's scalars (:mod:`lightning_4d.loss`, :func:`lightning_4d.pipeline.glue.pipeline_train_loss`)
+    """The global-batch loss's scalars (:mod:`lightning_4d.core.loss`, :func:`lightning_4d.layout.pipeline_glue.pipeline_train_loss`)
     over the ``dp × cp`` ranks holding different tokens: without pipelining one all-reduce of ``(Σ n·L, Σ n)`` (2 fp64)
     per micro-step; with it the token total and the loss (1 fp64 each) once per step, and the last stage's loss
     broadcast over pp (1 fp32).

@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from lightning_4d.comm import wire_bytes
+from lightning_4d.core.comm import wire_bytes
 
 __all__ = ["DP_MODES", "DPTraffic", "state_bytes_per_param", "state_bytes", "gathers_params", "dp_traffic",
            "hsdp_groups"]

@@ -7,10 +7,10 @@ the same bytes) :func:`dry_run` does, in one process and without allocating any 
    (:func:`~lightning_4d.planner.fake_world.fake_world`) and build the package's meshes
    (:func:`lightning_4d.mesh.build_mesh`, with the ``cp`` axis under context parallelism);
 2. build the user's LightningModule on the ``meta`` device and rewrite it with
-   :func:`lightning_4d.parallelize.parallelize_module` — the very function ``FourDStrategy`` calls:
+   :func:`lightning_4d.layout.parallelize.parallelize_module` — the very function ``FourDStrategy`` calls:
    pipeline split, expert parallelism, TP/SP, activation checkpointing, FSDP2 / replicate;
 3. turn the (already sharded) meta parameters into fake tensors (``to_empty`` under
-   ``FakeTensorMode``) and run one training step of the strategy's own (:mod:`lightning_4d.step`, the functions
+   ``FakeTensorMode``) and run one training step of the strategy's own (:mod:`lightning_4d.runtime.step`, the functions
    ``FourDStrategy`` calls): the batch's zigzag sequence shard under context parallelism, the global-batch loss
    (forward and ``loss_fn`` under loss parallelism and the cp attention, token-weighted over ``dp × cp``; under
    pipelining the runner's own micro-batch loss weighting, loss broadcast and token totals), the backward, the
@@ -37,9 +37,9 @@ What is real and what is a stand-in:
   ``torch._grouped_mm`` takes bf16 only).
   The router's own token counts are fake zeros (they only feed the aux-loss statistics).
 - Host-side random draws (``torch.randint``, e.g. the per-TP-rank dropout seeds) run on real tensors.
-- The pipeline stages are installed and pruned as in training (``pipeline.glue.install_stages``); their
+- The pipeline stages are installed and pruned as in training (``layout.pipeline_glue.install_stages``); their
   value check (``pipeline.checks.check_staged``) compares nothing on meta (no data). Torch's pipeline schedule is
-  not run (its warm-up reads received values): :func:`lightning_4d.pipeline.glue.pipeline_train_loss` runs with a
+  not run (its warm-up reads received values): :func:`lightning_4d.layout.pipeline_glue.pipeline_train_loss` runs with a
   stand-in schedule (:data:`~lightning_4d.pipeline.runner.ScheduleRun`) that runs each stage module directly, and
   the pp activation traffic is *measured* from the stage boundary tensors (output forward, input gradient
   backward) instead of traced. Receives are not counted (the formulas count what each rank sends).
@@ -52,7 +52,7 @@ What is real and what is a stand-in:
   — and the traced micro-batch is widened until they are (:func:`traced_micro_batch`; formulas at the same size).
 
 What the cross-check found (and :mod:`~lightning_4d.planner.comm` now models): FSDP2 blocks and expert
-units do not reshard after forward under pipelining (:func:`lightning_4d.data_parallel.reshards_after_forward`,
+units do not reshard after forward under pipelining (:func:`lightning_4d.layout.data_parallel.reshards_after_forward`,
 the rule both use; the dry run still reads what the wrapped experts do, compares with that and says so if it
 differs from the rule); FSDP2 pads the ``E/ep`` local experts to a multiple of ``edp`` (the 1T MoE's 8 local experts over edp = 16: twice the expert bytes); without SP the tp-replicated
 parameters need no reduction; with SP and dp = 1 the norms' gradients stay ``Partial`` through
@@ -66,7 +66,7 @@ Nothing of the package is patched: the dry run uses the library's own seams — 
 :data:`~lightning_4d.expert_parallel.permute.FIXED_ROUTING` (a ``ContextVar``, set only inside
 :func:`uniform_routing`), the pipeline check's, the cp attention's and ``grouped_mm="auto"``'s own rules for
 meta / fake tensors, the pipeline runner's ``schedule_run`` — and calls the step's functions
-(:mod:`lightning_4d.step`) the strategy calls too.
+(:mod:`lightning_4d.runtime.step`) the strategy calls too.
 
 Example:
     >>> import torch
@@ -101,16 +101,16 @@ from lightning_4d._compat import (
     is_item_op,
     unset_fake,
 )
-from lightning_4d.comm import CommRecord, mesh_axis_groups, name_axis
+from lightning_4d.core.comm import CommRecord, mesh_axis_groups, name_axis
 from lightning_4d.expert_parallel.permute import FIXED_ROUTING, FixedRouting
 from lightning_4d.config import FourDConfig
-from lightning_4d.data_parallel import reshards_after_forward
-from lightning_4d.distributed import local_of
+from lightning_4d.layout.data_parallel import reshards_after_forward
+from lightning_4d.core.distributed import local_of
 from lightning_4d.mesh import FourDMesh, ParallelDims, rank_coordinates
 from lightning_4d.planner.comm import comm_per_rank, summarize
 from lightning_4d.planner.memory import micro_batch_size, stage_layout
 from lightning_4d.planner.spec import TrainSpec, TransformerSpec
-from lightning_4d.precision import precision_info
+from lightning_4d.core.precision import precision_info
 
 if TYPE_CHECKING:
     from torch._ops import OperatorBase
@@ -120,13 +120,13 @@ __all__ = ["RankTrace", "DryRunResult", "dry_run", "fake_friendly_mode", "repres
            "traced_micro_batch", "uniform_experts", "uniform_routing", "DRY_RUN_ASSUMPTIONS"]
 
 DRY_RUN_ASSUMPTIONS = [
-    "dry run: lightning_4d.parallelize.parallelize_module and lightning_4d.step (the code FourDStrategy runs) on a "
+    "dry run: lightning_4d.layout.parallelize.parallelize_module and lightning_4d.runtime.step (the code FourDStrategy runs) on a "
     "meta model, one rank per pipeline rank in a fake process group of the full world size; one training step of "
     "one micro-batch on fake tensors, compared with the formulas for m = 1",
     "dry run: uniform routing (assignments round-robin over the ep ranks, then their experts); the expert "
     "all-to-alls, dispatch and combine are the real ones",
     "dry run: pipeline sends measured from the stage boundary tensors (torch's schedule is not run; the rest of "
-    "the strategy's step, lightning_4d.step, is); the pipeline's sequential check is skipped on meta",
+    "the strategy's step, lightning_4d.runtime.step, is); the pipeline's sequential check is skipped on meta",
 ]
 
 _AXES = ("pp", "dp", "cp", "dp_cp", "tp", "edp", "ep")  # the axes the formulas name, in the order reports list them
@@ -345,7 +345,7 @@ def fake_friendly_mode() -> TorchDispatchMode:
     """A ``TorchDispatchMode`` letting the package's models run on fake tensors: ``aten.bincount`` of a fake
     tensor gives fake zeros of length ``minlength`` (the router's counts; values never matter),
     ``aten.randint`` (host seeds) and ``.item()`` of real tensors run for real, ``.item()`` of a fake floating
-    scalar (the loss's token total, read by :func:`~lightning_4d.loss.weighted_global_loss`) gives 1.0. On meta
+    scalar (the loss's token total, read by :func:`~lightning_4d.core.loss.weighted_global_loss`) gives 1.0. On meta
     tensors (the set-up trace of a meta model) ``bincount`` gives meta zeros likewise.
 
     Example:
@@ -406,7 +406,7 @@ def _shared_axes(mesh: FourDMesh) -> dict[str, tuple[str, ...]]:
 def _merge_shared_axes(summary: dict[str, dict[str, float]], shared: dict[str, tuple[str, ...]]
                        ) -> dict[str, dict[str, float]]:
     """Name the formulas' traffic on a group several axes span as the recorder names it (the package's one
-    namer, :func:`lightning_4d.comm.name_axis`)."""
+    namer, :func:`lightning_4d.core.comm.name_axis`)."""
     out: dict[str, dict[str, float]] = {}
     for axis, kinds in summary.items():
         for kind, v in kinds.items():
@@ -421,11 +421,11 @@ def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Par
 
     from lightning_4d.context_parallel import takes_positions
     from lightning_4d.mesh import build_mesh
-    from lightning_4d.derive_plan import plan_layout
+    from lightning_4d.layout.derive_plan import plan_layout
     from lightning_4d.mesh import Axis
-    from lightning_4d.parallelize import parallelize_module
+    from lightning_4d.layout.parallelize import parallelize_module
     from lightning_4d.planner.fake_world import CollectiveRecorder, fake_world
-    from lightning_4d.step import after_optimizer_step, finish_backward, loss_context, step_loss
+    from lightning_4d.runtime.step import after_optimizer_step, finish_backward, loss_context, step_loss
 
     # what Lightning's mixed-precision plugin wraps the training step in
     def autocast() -> contextlib.AbstractContextManager[None]:
@@ -463,7 +463,7 @@ def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Par
             tokens = torch.randint(0, spec.vocab_size, (b, s))  # (b, s): the micro-batch, whole sequences
             targets = torch.randint(0, spec.vocab_size, (b, s))
             module.train()
-            # The strategy's step (lightning_4d.step): sequence shard (cp), loss under loss_parallel / the global
+            # The strategy's step (lightning_4d.runtime.step): sequence shard (cp), loss under loss_parallel / the global
             # attention, token-weighted over dp × cp; under pp forward and backward inside the pipeline step.
             with autocast():
                 loss, shard = step_loss(module, tokens, targets, plan, mesh, takes_positions(module),
@@ -496,7 +496,7 @@ def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Par
         designed = (train.reshard_after_forward if train.reshard_after_forward is not None
                     else reshards_after_forward(dims.pp))
         if train.expert_reshard_after_forward is None and raf != designed:
-            notes.append(f"experts are wrapped with reshard_after_forward={raf} by lightning_4d.parallelize; the "
+            notes.append(f"experts are wrapped with reshard_after_forward={raf} by lightning_4d.layout.parallelize; the "
                          f"planner's default assumes {designed} (compared with {raf})")
         ref = ref.with_(expert_reshard_after_forward=raf)
     records = comm_per_rank(spec, dims, ref)[coords["pp"]]

@@ -12,7 +12,7 @@ Findings (torch 2.13, CPU):
   runs every DTensor redistribution and FSDP all-gather / reduce-scatter against the fake group.
 - ``CommDebugMode`` counts those collectives per op (FSDP's appear as ``c10d._allgather_base_`` /
   ``c10d._reduce_scatter_base_``, DTensor's as ``c10d_functional.*``) but records no sizes or
-  groups; :class:`CollectiveRecorder` (the package's recorder, :class:`lightning_4d.comm.CommCounter`,
+  groups; :class:`CollectiveRecorder` (the package's recorder, :class:`lightning_4d.core.comm.CommCounter`,
   naming groups by mesh axis) adds bytes and the mesh axis of each call, in the format of
   :func:`lightning_4d.planner.comm.summarize`, so analytic and traced bytes can be compared (see
   ``tests/unit/test_planner_fake.py``: the TP bytes agree exactly).
@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_4d._compat import fake_store, fake_tensor_mode
-from lightning_4d.comm import CommCounter, mesh_axis_groups
+from lightning_4d.core.comm import CommCounter, mesh_axis_groups
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -79,11 +79,11 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
 
 
 class CollectiveRecorder(CommCounter):
-    """:class:`lightning_4d.comm.CommCounter` naming groups after the axes of ``mesh``.
+    """:class:`lightning_4d.core.comm.CommCounter` naming groups after the axes of ``mesh``.
 
     ``mesh`` (a ``DeviceMesh`` with dim names, a dict of them, or a ``FourDMesh``) names the groups through
-    the package's one namer (:func:`lightning_4d.comm.axis_of_group`): a group several axes span is named by
-    :func:`lightning_4d.comm.name_axis`; the default group is ``"world"``, others ``"other"``.
+    the package's one namer (:func:`lightning_4d.core.comm.axis_of_group`): a group several axes span is named by
+    :func:`lightning_4d.core.comm.name_axis`; the default group is ``"world"``, others ``"other"``.
 
     Example:
         >>> with fake_world(4):

@@ -20,7 +20,7 @@ package turns off gradient sync: the rank then holds unsharded fp32 gradient acc
 its parameters (4 each) and, with ``pp > 1`` or ``reshard_after_forward=False``, all its parameters
 gathered (``c`` each, the peak right after a backward). ``replicate`` casts two layers
 (``2·c·layer``, bf16 only). Parameters outside any data-parallel wrapper (dense ones when ``dp = 1``,
-experts when ``edp = 1``, as ``lightning_4d.parallelize`` leaves them) have no gathered copies.
+experts when ``edp = 1``, as ``lightning_4d.layout.parallelize`` leaves them) have no gathered copies.
 
 **Activations** (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models", §4): per layer and micro-batch, in bytes with 16-bit activations and 1-byte dropout masks,
@@ -67,13 +67,13 @@ from typing import Optional
 
 from lightning_4d.config import stage_style
 from lightning_4d.context_parallel.cost import kv_gathered_bytes, mask_bytes
-from lightning_4d.data_parallel import wrap_mode
+from lightning_4d.layout.data_parallel import wrap_mode
 from lightning_4d.mesh import ParallelDims
 from lightning_4d.pipeline.partition import stage_to_rank
 from lightning_4d.planner.bubble import in_flight_microbatches
 from lightning_4d.planner.setup_memory import setup_peak_bytes
 from lightning_4d.planner.spec import TrainSpec, TransformerSpec
-from lightning_4d.precision import precision_info
+from lightning_4d.core.precision import precision_info
 
 __all__ = ["RankMemory", "check_layout", "activation_coefficients", "layer_activation_bytes", "memory_per_rank",
            "micro_batch_size",
@@ -351,7 +351,7 @@ def memory_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
 
 def _shard_groups(dims: ParallelDims, train: TrainSpec) -> tuple[Optional[int], Optional[int]]:
     """HSDP shard-group sizes of the dense (dp) and expert (edp) states: ``dp_shard`` (default: all of dp)
-    and, as the runtime wraps them (:func:`lightning_4d.data_parallel.wrap_mode`), the experts FSDP-sharded
+    and, as the runtime wraps them (:func:`lightning_4d.layout.data_parallel.wrap_mode`), the experts FSDP-sharded
     over all of edp."""
     if train.data_parallel != "hsdp":
         return None, None

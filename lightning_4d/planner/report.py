@@ -78,7 +78,7 @@ def make_plan(spec: TransformerSpec, dims: ParallelDims, cluster: ClusterSpec, t
                                                                    if train.flash_attention else ""),
         "tp: norms, router and shared experts replicated over tp; with SP their grads are summed over tp (norms per "
         "micro-batch by DTensor, router and shared experts once per step on the FSDP shard)",
-        "dp: FSDP2 units as lightning_4d.parallelize wraps them (blocks reshard after forward only without "
+        "dp: FSDP2 units as lightning_4d.layout.parallelize wraps them (blocks reshard after forward only without "
         "pipelining); dim-0 padding of the local experts over edp included",
         f"ep: {ROUTING_ASSUMPTION} (imbalance {train.expert_imbalance:g})" if dims.ep > 1 else "ep: none",
         "time: GEMMs at a shape-dependent efficiency, memory-bound kernels at the HBM bandwidth; tp/ep/pp traffic on "

@@ -143,7 +143,7 @@ def _dp_mode_seconds(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec
                      layers: list[int], first: bool, last: bool, m: int) -> dict[str, float]:
     """Data-parallel seconds of one rank for hsdp / zero1 / zero2 (:mod:`.dp_modes`): the shard group's
     traffic inside a node when it fits there, the replicas' across nodes."""
-    from lightning_4d.data_parallel import wrap_mode
+    from lightning_4d.layout.data_parallel import wrap_mode
     from lightning_4d.planner.dp_modes import dp_traffic, hsdp_groups
     from lightning_4d.planner.memory import local_params
 

@@ -1,15 +1,15 @@
 """Set-up memory per rank: what a rank holds while ``FourDStrategy`` builds its layout, before the first step.
 
-A model built on the meta device (:mod:`lightning_4d.materialize`) never exists whole on a rank, nor does any
+A model built on the meta device (:mod:`lightning_4d.materialize.local_shards`) never exists whole on a rank, nor does any
 tensor the rank does not keep. Set-up has two phases, one after the other, so its peak is the larger of:
 
-- the value check on a reduced copy (:mod:`lightning_4d.reduced_check`): one block of each kind (dense and MoE
+- the value check on a reduced copy (:mod:`lightning_4d.layout.reduced_check`): one block of each kind (dense and MoE
   layers), at least ``pp · v`` blocks, the vocabulary cut to ``16·tp`` rows, unsharded, plus its rewritten copy
   (about the same again: FSDP2 shards and TP slices are new tensors) — counted only when it fits the check's
-  budget (:func:`lightning_4d.reduced_check.check_budget_bytes`, as the runtime computes it), else skipped;
+  budget (:func:`lightning_4d.layout.reduced_check.check_budget_bytes`, as the runtime computes it), else skipped;
 - materialisation: the rank's share of the parameters (:func:`lightning_4d.planner.memory.memory_per_rank`'s
   ``params``) plus one chunk's scratch (:func:`setup_scratch_bytes`): each rank computes only its own elements,
-  :data:`lightning_4d.init_pieces.CHUNK_ELEMENTS` at a time.
+  :data:`lightning_4d.materialize.init_pieces.CHUNK_ELEMENTS` at a time.
 
 A model built for real instead holds every parameter on every rank first: :func:`setup_peak_bytes` with
 ``meta_built=False`` is the whole model (plus one 64 MB broadcast bucket).
@@ -25,14 +25,14 @@ from __future__ import annotations
 
 from typing import Optional
 
-from lightning_4d import init_pieces
+from lightning_4d.materialize import init_pieces
 from lightning_4d.mesh import ParallelDims
-from lightning_4d.reduced_check import check_budget_bytes, reduced_copy_bytes
+from lightning_4d.layout.reduced_check import check_budget_bytes, reduced_copy_bytes
 from lightning_4d.planner.spec import TransformerSpec
 
 __all__ = ["largest_tensor_params", "reduced_check_params", "setup_peak_bytes", "setup_scratch_bytes"]
 
-_BUCKET = 64 << 20  # lightning_4d.distributed.broadcast_module_state's bucket
+_BUCKET = 64 << 20  # lightning_4d.core.distributed.broadcast_module_state's bucket
 
 
 def largest_tensor_params(spec: TransformerSpec) -> int:
@@ -52,7 +52,7 @@ def largest_tensor_params(spec: TransformerSpec) -> int:
 
 def setup_scratch_bytes(spec: TransformerSpec) -> int:
     """Bytes a rank holds beyond its share while it materialises a meta-built model: one chunk's working set
-    (:func:`lightning_4d.init_pieces.scratch_bytes`), less for a model whose largest tensor is smaller than a chunk.
+    (:func:`lightning_4d.materialize.init_pieces.scratch_bytes`), less for a model whose largest tensor is smaller than a chunk.
 
     Example:
         >>> spec = TransformerSpec(vocab_size=10, hidden=4, layers=1, heads=1, ffn_hidden=64)  # largest: 512 elements
@@ -63,7 +63,7 @@ def setup_scratch_bytes(spec: TransformerSpec) -> int:
 
 
 def reduced_check_params(spec: TransformerSpec, dims: ParallelDims) -> int:
-    """Elements of the reduced copy :mod:`lightning_4d.reduced_check` materialises: one block of each kind and
+    """Elements of the reduced copy :mod:`lightning_4d.layout.reduced_check` materialises: one block of each kind and
     at least ``pp · v`` blocks, an embedding (and untied head) of ``16·tp`` rows. 0 without TP and PP.
 
     Example:
@@ -93,7 +93,7 @@ def setup_peak_bytes(spec: TransformerSpec, dims: ParallelDims, share_bytes: flo
     parameters after sharding (``memory_per_rank(...)[r].params``); a meta-built model adds
     :func:`setup_scratch_bytes`. ``largest_share_bytes`` is the largest rank's share (default: this one's), which
     with the largest tensor sets the reduced check's budget as at run time
-    (:func:`lightning_4d.reduced_check.check_budget_bytes`): a check over it is skipped and adds nothing.
+    (:func:`lightning_4d.layout.reduced_check.check_budget_bytes`): a check over it is skipped and adds nothing.
 
     Example:
         >>> spec = TransformerSpec(vocab_size=32000, hidden=768, layers=12, heads=12, ffn_hidden=2048)

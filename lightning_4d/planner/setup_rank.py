@@ -2,9 +2,9 @@
 
 :func:`simulate_setup` builds rank ``rank`` of a ``dims.world_size``-rank world on torch's ``fake`` process group
 (:func:`~lightning_4d.planner.fake_world.fake_world`: collectives return at once), builds the model on the meta
-device, applies the layout (:func:`~lightning_4d.parallelize.parallelize_module`, as ``FourDStrategy`` does) and
+device, applies the layout (:func:`~lightning_4d.layout.parallelize.parallelize_module`, as ``FourDStrategy`` does) and
 then allocates and initialises this rank's shards for real
-(:func:`~lightning_4d.materialize.materialize_local_shards`), measuring the process's peak resident memory
+(:func:`~lightning_4d.materialize.local_shards.materialize_local_shards`), measuring the process's peak resident memory
 (``VmHWM``, reset first) and the seconds. What it measures is what one GPU rank's host does at set-up; the
 planner's set-up term (:func:`lightning_4d.planner.setup_memory.setup_peak_bytes`) is printed beside it by
 ``recipes/plan.py plan.materialize_rank=R``.
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from lightning_4d.config import FourDConfig
-from lightning_4d.host_memory import clear_peak, kernel_peak, rss
+from lightning_4d.materialize.host_memory import clear_peak, kernel_peak, rss
 from lightning_4d.mesh import ParallelDims
 
 __all__ = ["SetupMeasurement", "simulate_setup"]
@@ -105,9 +105,9 @@ def simulate_setup(build: Callable[[], nn.Module], dims: ParallelDims, rank: int
     import torch.distributed as dist
 
     from lightning_4d._compat import clear_dtensor_caches, release_freed_host_memory
-    from lightning_4d.materialize import materialize_local_shards, meta_skeleton
+    from lightning_4d.materialize.local_shards import materialize_local_shards, meta_skeleton
     from lightning_4d.mesh import build_mesh
-    from lightning_4d.parallelize import parallelize_module
+    from lightning_4d.layout.parallelize import parallelize_module
     from lightning_4d.planner.dry_run import fake_friendly_mode, strategy_config
     from lightning_4d.planner.spec import TrainSpec
     from lightning_4d.planner.fake_world import fake_world

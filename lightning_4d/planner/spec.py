@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 from lightning_4d.config import DATA_PARALLEL
 from lightning_4d.models.flops import training_flops_per_token
 from lightning_4d.models.moe import is_moe_layer
-from lightning_4d.precision import PLANNER_PRECISIONS, precision_info
+from lightning_4d.core.precision import PLANNER_PRECISIONS, precision_info
 
 if TYPE_CHECKING:
     from torch import nn
@@ -51,7 +51,7 @@ DATA_PARALLEL_MODES = (*DATA_PARALLEL, "zero1", "zero2")
 #: attention output) or TorchTitan's op-level policy (``"every_other_matmul"``: every second matmul output,
 #: attention outputs; the other matmuls are recomputed).
 SELECTIVE_POLICIES = ("matmuls", "every_other_matmul")
-#: The policy the runtime's ``activation_checkpointing="selective"`` runs (``lightning_4d.parallelize``).
+#: The policy the runtime's ``activation_checkpointing="selective"`` runs (``lightning_4d.layout.parallelize``).
 RUNTIME_SELECTIVE_POLICY = "matmuls"
 #: What the kernels keep for backward (:func:`lightning_4d.planner.memory.activation_coefficients`): ``"eager"``,
 #: PyTorch's eager kernels as the runtime and TorchTitan run them (SwiGLU keeps ``silu(w1 x)`` too; keys and values
@@ -447,8 +447,8 @@ class TrainSpec:
         optimizer_state_bytes: bytes of optimizer state per parameter (AdamW: two fp32 moments = 8).
         expert_imbalance: multiplier (>= 1) on the busiest expert rank's tokens, 1.0 = uniform routing.
         reshard_after_forward: FSDP2 blocks free their gathered parameters after forward (``None``: the
-            package's choice, as ``lightning_4d.parallelize`` wraps them,
-            :func:`lightning_4d.data_parallel.reshards_after_forward`: ``True`` for all blocks but the
+            package's choice, as ``lightning_4d.layout.parallelize`` wraps them,
+            :func:`lightning_4d.layout.data_parallel.reshards_after_forward`: ``True`` for all blocks but the
             last without pipelining, ``False`` under pipelining (TorchTitan's choice: one all-gather per
             step instead of one per micro-batch)).
         expert_reshard_after_forward: whether the experts' FSDP2 units free their gathered parameters

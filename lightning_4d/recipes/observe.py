@@ -171,7 +171,7 @@ def plan_writer(root: Path) -> L.Callback:
     """
     import lightning as L
 
-    from lightning_4d.layout_plan import PLAN_FILE
+    from lightning_4d.plan import PLAN_FILE
 
     class PlanWriter(L.Callback):
         def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Optional, Union
 
 from omegaconf import DictConfig
 
-from lightning_4d.data_parallel import reshards_after_forward
+from lightning_4d.layout.data_parallel import reshards_after_forward
 from lightning_4d.pipeline.schedules import validate_microbatches
-from lightning_4d.precision import PLANNER_PRECISIONS, precision_info
+from lightning_4d.core.precision import PLANNER_PRECISIONS, precision_info
 from lightning_4d.planner import ClusterSpec, DeviceSpec, NoLayoutFits, TrainSpec, format_table, make_plan, search, write_plan
 from lightning_4d.planner.dry_run import dry_run
 from lightning_4d.planner.hardware import custom_device, device_by_name
@@ -405,7 +405,7 @@ def target_dir(output: str, out_dir: Optional[Union[str, Path]], setup: PlanSetu
 
 
 def write_layout_plan(setup: PlanSetup, directory: Path) -> str:
-    """Derive the layout plan the strategy would apply (:func:`~lightning_4d.derive_plan.plan_layout` on a meta
+    """Derive the layout plan the strategy would apply (:func:`~lightning_4d.layout.derive_plan.plan_layout` on a meta
     build of the configured model: no weights), write it as ``layout_plan.json`` and ``layout_plan.txt`` (one line
     per module) in ``directory``, and return a short report; a model that cannot be built on meta is reported,
     not raised (the analytic plan stands without it).
@@ -417,8 +417,8 @@ def write_layout_plan(setup: PlanSetup, directory: Path) -> str:
     """
     import torch
 
-    from lightning_4d.derive_plan import plan_layout
-    from lightning_4d.layout_plan import PLAN_FILE
+    from lightning_4d.layout.derive_plan import plan_layout
+    from lightning_4d.plan import PLAN_FILE
     from lightning_4d.planner.dry_run import strategy_config
 
     try:
@@ -503,7 +503,7 @@ def run_plan(cfg: Union[DictConfig, TrainConfig], out_dir: Optional[Union[str, P
         if detected is not None and setup.train.expert_reshard_after_forward is None and detected != designed:
             # Plan what the code does: the traced wrapping of the experts replaces the planner's default.
             setup.train = setup.train.with_(expert_reshard_after_forward=detected)
-            note = (f"experts: lightning_4d.parallelize wraps them with FSDP reshard_after_forward={detected} (seen in "
+            note = (f"experts: lightning_4d.layout.parallelize wraps them with FSDP reshard_after_forward={detected} (seen in "
                     f"the dry run); the plan uses that instead of the planner's default")
             setup.notes.append(note)
             inputs, assumptions = plan["inputs"], plan["assumptions"] + [note]

@@ -53,7 +53,7 @@ from lightning_4d._compat.omegaconf import owner_of, structured_schema
 from lightning_4d.config import FourDConfig
 from lightning_4d.models import GPT2Config, LlamaConfig
 from lightning_4d.models.moe import MoEConfig
-from lightning_4d.precision import PRECISION_NAMES
+from lightning_4d.core.precision import PRECISION_NAMES
 
 __all__ = [
     "LOGGERS",

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Optional, Protocol
 from torch import nn
 
 from lightning_4d._compat import registered_submodule
-from lightning_4d.head_bias import ArgKey, install_head_inputs
-from lightning_4d.hooks import LOSS_PARALLEL, TP_PLAN, hook_call, user_hook
-from lightning_4d.layer_kinds import is_conv1d
+from lightning_4d.analysis.head_bias import ArgKey, install_head_inputs
+from lightning_4d.analysis.hooks import LOSS_PARALLEL, TP_PLAN, hook_call, user_hook
+from lightning_4d.analysis.layer_kinds import is_conv1d
 from lightning_4d.mesh import Axis, FourDMesh, ParallelDims
 from lightning_4d.tensor_parallel.plan import block_plan, model_plan
 from lightning_4d.tensor_parallel.specs import StyleSpec, spec_of
@@ -38,7 +38,7 @@ from lightning_4d.tensor_parallel.styles import (
     install_head_slices,
     install_sequence_boundary,
 )
-from lightning_4d.trace import HiddenArg, ModelTrace
+from lightning_4d.analysis.trace import HiddenArg, ModelTrace
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -106,7 +106,7 @@ def tp_styles(root: nn.Module, trace: ModelTrace, tp: int, sp: bool) -> TPLayout
     Example:
         >>> import torch
         >>> from lightning_4d.models import Llama, LlamaConfig
-        >>> from lightning_4d.trace import trace_model
+        >>> from lightning_4d.analysis.trace import trace_model
         >>> lm = Llama(LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, ffn_hidden=32, max_seq_len=8))
         >>> tokens = torch.randint(0, 32, (2, 8))
         >>> trace = trace_model(lm, "layers", tokens)
@@ -231,7 +231,7 @@ def run_user_plan_once(module: nn.Module, layout: TPLayout, tp_mesh: Optional[De
 
 
 class TPRecord(Protocol):
-    """What :func:`apply_tensor_parallel` records (``lightning_4d.parallelize.ParallelPlan`` is one; a protocol,
+    """What :func:`apply_tensor_parallel` records (``lightning_4d.layout.parallelize.ParallelPlan`` is one; a protocol,
     so this room does not import the room above it)."""
 
     loss_parallel: bool

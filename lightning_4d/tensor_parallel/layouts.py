@@ -23,7 +23,7 @@ from torch import nn
 __all__ = ["attach_plan", "concat_permutation", "inverse_permutation", "permutations_of",
            "canonical_state", "sharded_state", "canonical_tensor", "full_tensors"]
 
-_PLAN = "_fourd_layout_plan"  # the LayoutPlan applied to a root module (lightning_4d.layout_plan)
+_PLAN = "_fourd_layout_plan"  # the LayoutPlan applied to a root module (lightning_4d.plan)
 
 
 def concat_permutation(sizes: Sequence[int], tp: int) -> list[int]:
@@ -61,7 +61,7 @@ def inverse_permutation(perm: Sequence[int]) -> list[int]:
 
 
 def attach_plan(root: nn.Module, plan: Any) -> None:
-    """Remember the layout plan applied to ``root`` (a :class:`~lightning_4d.layout_plan.LayoutPlan`): what
+    """Remember the layout plan applied to ``root`` (a :class:`~lightning_4d.plan.LayoutPlan`): what
     materialisation, checkpoints and exports read the row permutations from (:func:`permutations_of`)."""
     root.__dict__[_PLAN] = plan
 

@@ -2,7 +2,7 @@ r"""State-space and short-convolution mixers under tensor parallelism (pure plan
 
 A Mamba-2 mixer (transformers' ``Mamba2Mixer``, and the hybrids built on it) is a region like an attention: one
 fused input projection read by every rank, the whole sequence of its channels, one row-parallel output projection.
-What differs is found from the traced forward (:class:`~lightning_4d.trace.ColumnLayout`):
+What differs is found from the traced forward (:class:`~lightning_4d.analysis.trace.ColumnLayout`):
 
 - the fused ``in_proj`` (``z | x | B | C | dt``) is cut by the sizes the forward splits it into, *through* the
   depthwise convolution (``x | B | C`` is convolved channel by channel, then split): ``x`` is viewed per head, ``B``
@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from torch import nn
 
-from lightning_4d.hooks import TP_PLAN, hook_call
-from lightning_4d.layer_kinds import is_norm
+from lightning_4d.analysis.hooks import TP_PLAN, hook_call
+from lightning_4d.analysis.layer_kinds import is_norm
 
 if TYPE_CHECKING:
-    from lightning_4d.trace import ModelTrace
+    from lightning_4d.analysis.trace import ModelTrace
 
 # ``plan`` imports this module: its ``BlockPlan`` and ``Piece`` are named here by what is read of them.
 BlockPlan = Any  # lightning_4d.tensor_parallel.plan.BlockPlan

@@ -1,13 +1,13 @@
 r"""Automatic tensor/sequence-parallel plans from module names (pure: no process group).
 
 What is recognised, by name where a convention exists and by dataflow otherwise (the
-:class:`~lightning_4d.trace.ModelTrace` of one forward):
+:class:`~lightning_4d.analysis.trace.ModelTrace` of one forward):
 
 - column-parallel (output features split): ``wq wk wv`` / ``q_proj k_proj v_proj`` / ``c_attn`` / ``wqkv``,
   ``w1 w3`` / ``gate_proj up_proj`` / ``c_fc``, and any linear that reads its region's input;
   ``nn.Linear`` (and its subclasses, e.g. TorchTitan's) or transformers' ``Conv1D``. The trace follows each
   projection's output through ``split`` / ``chunk`` / slices (``qkv[..., :n_q]``) and per-head ``view``\s
-  (:class:`~lightning_4d.trace.ColumnLayout`): a fused projection cut into pieces (concatenated ``q|k|v``,
+  (:class:`~lightning_4d.analysis.trace.ColumnLayout`): a fused projection cut into pieces (concatenated ``q|k|v``,
   ``gate|up``) gets its rows permuted so that each rank holds ``q_r|k_r|v_r``; one viewed per head or per KV group
   (interleaved) is sharded as it is; heads fewer than ``tp`` (one KV head, multi-query) are replicated: the
   weight stays whole and each rank computes the KV head its query heads use (:class:`Piece`);
@@ -50,14 +50,14 @@ from typing import Optional
 import torch
 from torch import nn
 
-from lightning_4d.head_bias import ArgKey
-from lightning_4d.hooks import TP_PLAN, hook_call
-from lightning_4d.layer_kinds import holds_routed_experts, is_linear, is_norm
-from lightning_4d.precision import allowed_difference, max_difference
+from lightning_4d.analysis.head_bias import ArgKey
+from lightning_4d.analysis.hooks import TP_PLAN, hook_call
+from lightning_4d.analysis.layer_kinds import holds_routed_experts, is_linear, is_norm
+from lightning_4d.core.precision import allowed_difference, max_difference
 from lightning_4d.tensor_parallel.layouts import concat_permutation
 from lightning_4d.tensor_parallel.mixers import plan_mixer
 from lightning_4d.tensor_parallel.styles import head_axis, linear_features
-from lightning_4d.trace import ModelTrace
+from lightning_4d.analysis.trace import ModelTrace
 
 __all__ = [
     "COLWISE_NAMES",
@@ -267,7 +267,7 @@ class Piece:
 
 def _pieces(block_name: str, name: str, width: int, trace: Optional[ModelTrace], tp: int) -> list[Piece]:
     """How the output features of column-parallel linear ``name`` are sharded, from the traced cuts and head views
-    (see :class:`~lightning_4d.trace.ColumnLayout`); raises naming the linear when no exact sharding exists."""
+    (see :class:`~lightning_4d.analysis.trace.ColumnLayout`); raises naming the linear when no exact sharding exists."""
     layout = trace.columns.get(name) if trace is not None else None
     raw = layout.pieces() if layout is not None else [(0, width, None)]
     known = {u for *_, u in raw if u}
@@ -384,7 +384,7 @@ def block_plan(block: nn.Module, block_name: str, tp: int, trace: Optional[Model
                sequence_parallel: bool = False) -> BlockPlan:
     """Plan one block; raise naming the module when it does not fit.
 
-    ``trace`` (from :func:`~lightning_4d.trace.trace_model`) adds what names cannot tell: roles by
+    ``trace`` (from :func:`~lightning_4d.analysis.trace.trace_model`) adds what names cannot tell: roles by
     dataflow, concatenated fused outputs (``split``, slices) and the head widths the region views them in, which
     module feeds each norm, and the input rank of each module.
 
@@ -577,7 +577,7 @@ def _head_slices(count: int, heads: _Heads, tp: int) -> Optional[list[tuple[int,
 
 def _score_bias_heads(found: dict[ArgKey, tuple[tuple[int, ...], int]], heads: _Heads,
                       tp: int) -> dict[ArgKey, tuple[int, list[tuple[int, int]]]]:
-    """The traced score biases of a region (:mod:`lightning_4d.head_bias`) whose dimension ``-3`` holds one of its
+    """The traced score biases of a region (:mod:`lightning_4d.analysis.head_bias`) whose dimension ``-3`` holds one of its
     sharded head counts, directly ``(..., H, Q, K)`` or folded with the batch ``(B·H, Q, K)``: ``{argument: (heads,
     per-rank slices)}``. Others are left whole (the set-up comparison shows whether that is right).
 
@@ -771,7 +771,7 @@ def model_plan(root: nn.Module, trace: ModelTrace, tp: int) -> ModelPlan:
     Example:
         >>> import torch
         >>> from lightning_4d.models import Llama, LlamaConfig
-        >>> from lightning_4d.trace import trace_model
+        >>> from lightning_4d.analysis.trace import trace_model
         >>> m = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4))
         >>> p = model_plan(m, trace_model(m, "layers", torch.zeros(1, 4, dtype=torch.long)), tp=2)
         >>> (p.embedding, p.head)

@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from lightning_4d.hooks import TP_PLAN, hook_call
+from lightning_4d.analysis.hooks import TP_PLAN, hook_call
 from lightning_4d.tensor_parallel.styles import (
     Colwise,
     DistributedNorm,

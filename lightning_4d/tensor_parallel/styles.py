@@ -26,9 +26,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from lightning_4d.hooks import TP_PLAN, hook_call
-from lightning_4d.layer_kinds import is_conv1d
-from lightning_4d.trace import HiddenArg, first_param_name
+from lightning_4d.analysis.hooks import TP_PLAN, hook_call
+from lightning_4d.analysis.layer_kinds import is_conv1d
+from lightning_4d.analysis.trace import HiddenArg, first_param_name
 
 __all__ = ["Colwise", "Rowwise", "RegionInput", "GatheredColumns", "DistributedNorm", "install_sequence_boundary",
            "install_head_slices", "install_head_lists", "install_row_views", "fresh_local", "linear_features",

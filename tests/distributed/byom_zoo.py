@@ -349,7 +349,7 @@ def perturb(model: nn.Module, scale: float = 0.2) -> nn.Module:
     """Redraw what initialisation leaves symmetric, as a checkpoint would: norm weights (``w + scale·N(0,1)``, also
     a per-head norm's ``(heads, head_dim)``) and biases, 1-D parameters of attention modules (sinks), router weights
     (std 0.2). Uses the global RNG (seeded by the caller)."""
-    from lightning_4d.layer_kinds import is_norm
+    from lightning_4d.analysis.layer_kinds import is_norm
 
     for name, mod in model.named_modules():
         for pname, p in mod.named_parameters(recurse=False):

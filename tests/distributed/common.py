@@ -214,7 +214,7 @@ def fit_spec(spec: dict[str, Any]) -> dict[str, Any]:
     else:
         lm = CausalLM(model, lr=spec.get("lr", 1e-3))
     if spec.get("meta") and (spec.get("strategy") is None or spec.get("premat")):
-        from lightning_4d.materialize import materialize
+        from lightning_4d.materialize.local_shards import materialize
 
         materialize(lm, torch.device("cpu"))  # initial values are keyed by the LightningModule's parameter names
     steps = spec.get("steps", 5)

@@ -171,7 +171,7 @@ def _p2p_counts(rank: int, m: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from lightning_4d.callbacks import CommRecorder
-    from lightning_4d.comm import mesh_axis_groups
+    from lightning_4d.core.comm import mesh_axis_groups
     from lightning_4d.mesh import ParallelDims, build_mesh
 
     mesh = build_mesh(ParallelDims.from_world(P, pp=P), "cpu")

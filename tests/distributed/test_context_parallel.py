@@ -63,13 +63,13 @@ def _attention_cases(rank: int) -> dict[str, float]:
     """Worst absolute error of outputs and of q/k/v gradients, per case, against the whole sequence."""
     import torch.nn.functional as F
 
-    from lightning_4d.batches import document_ids
+    from lightning_4d.core.batches import document_ids
     from lightning_4d.context_parallel import ContextParallelAttention, SequenceShard, zigzag_split
     from lightning_4d.models.llama import packed_causal_mask
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_4d.comm import CommCounter, mesh_axis_groups
+    from lightning_4d.core.comm import CommCounter, mesh_axis_groups
     from lightning_4d.context_parallel.cost import kv_wire_bytes, ulysses_wire_bytes
     from lightning_4d.context_parallel.windows import track_windows
     from tests.distributed.cp_models import WINDOW

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_4d.comm import CommCounter
+from lightning_4d.core.comm import CommCounter
 from lightning_4d.expert_parallel import MoE, apply_expert_parallel, update_expert_bias
 from lightning_4d.mesh import ParallelDims, build_mesh
 from lightning_4d.testing import run_world

@@ -18,7 +18,7 @@ from typing import Any
 
 import lightning as L
 
-from lightning_4d.heartbeat import DEFAULT_TIMEOUT, worst_case_s
+from lightning_4d.safety.heartbeat import DEFAULT_TIMEOUT, worst_case_s
 from lightning_4d.testing import run_world
 
 PG_TIMEOUT_S = 600.0  # only the heartbeat can end the run well before this

@@ -120,7 +120,7 @@ def _slice_mismatches(module: Any) -> list[str]:
     random full tensor, with and without a row permutation."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from lightning_4d.shard_slices import local_slice
+    from lightning_4d.materialize.shard_slices import local_slice
 
     bad = []
     for name, param in module.named_parameters():

@@ -21,7 +21,7 @@ def _count_world(rank: int) -> list[dict[str, Any]]:
     import torch
     import lightning.pytorch as pl
 
-    import lightning_4d.derive_plan as derive
+    import lightning_4d.layout.derive_plan as derive
     from lightning_4d import FourDStrategy
     from lightning_4d.models import CausalLM
     from torch.utils.data import DataLoader

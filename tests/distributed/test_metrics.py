@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_4d import FourDStrategy
-from lightning_4d.metrics import token_predictions
+from lightning_4d.core.metrics import token_predictions
 from lightning_4d.models import CausalLM
 from lightning_4d.testing import run_world
 from tests.distributed.common import VOCAB, build_model, make_dataset

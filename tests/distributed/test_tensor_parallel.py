@@ -60,9 +60,9 @@ def test_tensor_parallel_parity(world: int, tp: int, modes: tuple[str, ...], ref
 
 def _tensor_parallel(lm: Any, mesh: Any, path: str) -> None:
     """What the strategy does for TP: trace one forward, plan, apply."""
-    from lightning_4d.parallelize import ParallelPlan
+    from lightning_4d.layout.parallelize import ParallelPlan
     from lightning_4d.tensor_parallel import apply_tensor_parallel, plan_tensor_parallel
-    from lightning_4d.trace import example_tokens, trace_model
+    from lightning_4d.analysis.trace import example_tokens, trace_model
 
     trace = trace_model(lm, path, example_tokens(lm, mesh.dims.tp))
     apply_tensor_parallel(lm, mesh, ParallelPlan(blocks_path=path), plan_tensor_parallel(lm, mesh.dims, trace))
@@ -72,7 +72,7 @@ def _count_comm(rank: int, model: str, sp: bool) -> dict[str, Any]:
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from lightning_4d.comm import CommCounter, mesh_axis_groups
+    from lightning_4d.core.comm import CommCounter, mesh_axis_groups
     from lightning_4d.mesh import ParallelDims, build_mesh
     from lightning_4d.models import CausalLM
     torch.manual_seed(0)

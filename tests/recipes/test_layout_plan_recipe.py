@@ -28,7 +28,7 @@ def _run(conf: str, overrides: list[str]) -> list[float]:
 def _plans_world(rank: int, conf: str, root: str) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from lightning_4d.layout_plan import PLAN_FILE, load_plan
+    from lightning_4d.plan import PLAN_FILE, load_plan
 
     base = [*TINY, *SYNTHETIC, "trainer.devices=2", "trainer.max_steps=4", "parallel=tp",
             "parallel.sequence_parallel=false"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_4d._compat import dispatch_mode_base, op_name
-from lightning_4d.activation_checkpoint import apply_activation_checkpointing
+from lightning_4d.layout.activation_checkpoint import apply_activation_checkpointing
 from lightning_4d.models import Llama, LlamaConfig
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_4d.comm import CommCounter, axis_of_group, mesh_axis_groups, name_axis
+from lightning_4d.core.comm import CommCounter, axis_of_group, mesh_axis_groups, name_axis
 from lightning_4d.mesh import ParallelDims
 
 pytestmark = pytest.mark.skipif(dist.is_initialized(), reason="needs a process without a process group")

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from lightning_4d.batches import PackedInputs, shift_labels, split_batch
+from lightning_4d.core.batches import PackedInputs, shift_labels, split_batch
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

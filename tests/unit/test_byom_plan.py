@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_4d.discovery import find_blocks
+from lightning_4d.analysis.discovery import find_blocks
 from lightning_4d.tensor_parallel import block_plan, model_plan
 from lightning_4d.tensor_parallel.layouts import (
     canonical_state,
@@ -16,7 +16,7 @@ from lightning_4d.tensor_parallel.layouts import (
     inverse_permutation,
     sharded_state,
 )
-from lightning_4d.trace import example_tokens, trace_model
+from lightning_4d.analysis.trace import example_tokens, trace_model
 from tests.distributed.byom_models import build_hf
 
 

@@ -23,8 +23,8 @@ from lightning_4d.callbacks import (
     peak_memory_bytes,
 )
 from lightning_4d.callbacks._common import every_n, internal_comm, is_internal_comm, resolve_every_n
-from lightning_4d.comm import mesh_axis_groups
-from lightning_4d.comm import op_bytes
+from lightning_4d.core.comm import mesh_axis_groups
+from lightning_4d.core.comm import op_bytes
 from lightning_4d.callbacks.experts import layer_labels, plot_expert_heatmap
 from lightning_4d.callbacks.pipeline import _local_row, _stats_from_rows, idle_intervals, plot_timeline, write_trace
 from lightning_4d.callbacks.throughput import _frozen_linear, find_flops_per_token

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_4d.batches import PackedInputs, document_ids
+from lightning_4d.core.batches import PackedInputs, document_ids
 from lightning_4d.config import FourDConfig
 from lightning_4d.context_parallel import (
     SequenceShard, UnsplittableAttention, causal_mask, check_sequence_length, gathered_order, restore_order,
@@ -272,8 +272,8 @@ def _meta_llama(heads: int, kv_heads: int) -> nn.Module:
 
 
 def test_layout_plan_names_the_algorithm() -> None:
-    from lightning_4d.derive_plan import plan_layout
-    from lightning_4d.layout_plan import LayoutPlan
+    from lightning_4d.layout.derive_plan import plan_layout
+    from lightning_4d.plan import LayoutPlan
 
     lm = _meta_llama(4, 2)
     auto = plan_layout(lm, ParallelDims(2, cp=2), FourDConfig(cp=2))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from lightning_4d.discovery import find_blocks
+from lightning_4d.analysis.discovery import find_blocks
 
 
 def test_a_list_of_mixed_blocks_is_named_in_the_error() -> None:

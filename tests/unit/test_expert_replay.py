@@ -1,4 +1,4 @@
-"""The MoE layers' replay in the tensor-parallel value check, in one process (:mod:`lightning_4d.expert_replay`).
+"""The MoE layers' replay in the tensor-parallel value check, in one process (:mod:`lightning_4d.layout.expert_replay`).
 
 The check's MoE layers return what the unsharded forward recorded, exactly (this rank's sequence shard of it), and
 compare the input they receive with the recorded one; a layer whose input is neither the recorded tensor nor a
@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_4d.expert_replay import _Replay, check_with_experts_replayed, moe_layers, record_expert_layers
-from lightning_4d.verify import check_tensor_parallel
+from lightning_4d.layout.expert_replay import _Replay, check_with_experts_replayed, moe_layers, record_expert_layers
+from lightning_4d.core.verify import check_tensor_parallel
 
 B, T, H, E = 2, 4, 3, 5
 
@@ -95,6 +95,6 @@ def test_an_input_that_is_no_shard_runs_the_layer_and_a_difference_then_only_war
     calls["moe"][0] = (torch.randn(B, T + 1, H), calls["moe"][0][1])  # the recorded input has another shape
     with torch.no_grad():
         nn.init.zeros_(net.moe.experts.weight)
-    with caplog.at_level(logging.WARNING, logger="lightning_4d.expert_replay"):
+    with caplog.at_level(logging.WARNING, logger="lightning_4d.layout.expert_replay"):
         check_with_experts_replayed(net, calls, None, lambda: check_tensor_parallel(net, x, expected))
     assert "ran their own forward" in caplog.text and "moe" in caplog.text

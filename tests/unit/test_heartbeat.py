@@ -18,8 +18,8 @@ from typing import Iterator
 import pytest
 import torch.distributed as dist
 
-from lightning_4d.heartbeat import DEFAULT_TIMEOUT, Heartbeat, worst_case_s
-from lightning_4d.peers import Peer, process_state
+from lightning_4d.safety.heartbeat import DEFAULT_TIMEOUT, Heartbeat, worst_case_s
+from lightning_4d.safety.peers import Peer, process_state
 from lightning_4d.testing import free_port
 
 TIMEOUT = 1.5  # seconds; beats every 0.15 s
@@ -148,7 +148,7 @@ def test_a_process_that_exits_without_stopping_it_stops_it_first(store: dist.TCP
     # No teardown: the exit handler stops the threads (marking the rank failed) before the interpreter finalizes,
     # so no thread returns from a store call into a finalizing interpreter (which aborts the process).
     namespace = f"test/{time.monotonic_ns()}"
-    code = ("import time; from lightning_4d.heartbeat import Heartbeat; "
+    code = ("import time; from lightning_4d.safety.heartbeat import Heartbeat; "
             f"Heartbeat(1, 2, 1.0, namespace={namespace!r}).start(); time.sleep(0.5)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -150,15 +150,16 @@ def test_the_cycle_finder_finds_a_loop_and_its_path() -> None:
 
 def test_relative_and_function_local_imports_are_edges() -> None:
     assert "lightning_4d.config" in import_edges("lightning_4d.strategy")
-    relative = "from .mesh import Axis\nfrom . import config\nif TYPE_CHECKING:\n    from ..trace import ModelTrace\n"
+    relative = "from .mesh import Axis\nfrom . import config\nif TYPE_CHECKING:\n    from ..analysis.trace import ModelTrace\n"
     # inside lightning_4d.pipeline, ``.mesh`` and ``.config`` are no modules: the package itself is imported
-    assert import_edges("lightning_4d.pipeline.glue", relative) == {"lightning_4d.pipeline", "lightning_4d.trace"}
+    assert import_edges("lightning_4d.pipeline.runner", relative) == {
+        "lightning_4d.pipeline", "lightning_4d.analysis.trace", "lightning_4d.analysis"}
     assert import_edges("lightning_4d.strategy", relative) == {"lightning_4d.mesh", "lightning_4d.config"}
     assert "lightning_4d.callbacks.summary" in import_edges("lightning_4d")  # the registering import
-    assert "lightning_4d.discovery" in import_edges("lightning_4d.pipeline.stages")  # imported inside a function
+    assert "lightning_4d.analysis.discovery" in import_edges("lightning_4d.pipeline.stages")  # inside a function
     # importing a module inside a subpackage runs the subpackage's __init__ first
     assert "lightning_4d.models" in import_edges("lightning_4d.strategy", "from lightning_4d.models.hf import X\n")
-    inside = import_edges("lightning_4d.pipeline.glue", "from lightning_4d.pipeline.stages import X\n")
+    inside = import_edges("lightning_4d.pipeline.runner", "from lightning_4d.pipeline.stages import X\n")
     assert inside == {"lightning_4d.pipeline.stages"}  # its own package is already running
 
 
@@ -170,7 +171,7 @@ def test_no_import_cycles_between_modules() -> None:
 
 
 def _room(module: str) -> str:
-    """The top-level module or subpackage ``module`` belongs to (``lightning_4d.pipeline.glue`` -> ``pipeline``)."""
+    """The top-level module or subpackage ``module`` belongs to (``lightning_4d.layout.pipeline_glue`` -> ``pipeline``)."""
     return module.split(".")[1] if "." in module else ""
 
 

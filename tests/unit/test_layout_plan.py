@@ -17,7 +17,7 @@ import torch
 from lightning_4d.config import FourDConfig
 from lightning_4d.mesh import build_mesh
 from lightning_4d.models import CausalLM
-from lightning_4d.parallelize import LayoutRow, describe_layout, parallelize_module
+from lightning_4d.layout.parallelize import LayoutRow, describe_layout, parallelize_module
 from lightning_4d.planner.fake_world import fake_world
 from tests.distributed.common import build_model
 

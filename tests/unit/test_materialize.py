@@ -12,12 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_4d import init_pieces
-from lightning_4d import materialize as mat
+from lightning_4d.materialize import init_pieces
+from lightning_4d.materialize import local_shards as mat
 from lightning_4d._compat import init_calls
-from lightning_4d.materialize import UninitializedError, materialize, materialize_local_shards, meta_skeleton
+from lightning_4d.materialize.local_shards import UninitializedError, materialize, materialize_local_shards, meta_skeleton
 from lightning_4d.models import CausalLM
-from lightning_4d.reduced_check import perturb_, reduce_depth, reduce_vocabulary
+from lightning_4d.layout.reduced_check import perturb_, reduce_depth, reduce_vocabulary
 from tests.distributed.common import build_model
 
 
@@ -239,7 +239,7 @@ def test_perturbation_breaks_symmetry() -> None:
 def test_coverage_of_blocks_matches_a_per_element_count() -> None:
     """``init_pieces.covers`` (grid of block boundaries) against the positions the views really touch, on random
     slices, selects and transposes (transposes are not blocks: ``None``)."""
-    from lightning_4d.init_pieces import Region, covers
+    from lightning_4d.materialize.init_pieces import Region, covers
 
     gen = torch.Generator().manual_seed(0)
     decided = 0

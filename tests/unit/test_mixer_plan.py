@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_4d.tensor_parallel import block_plan
 from lightning_4d.tensor_parallel.mixers import conv_rows, linear_rows
-from lightning_4d.trace import trace_model
+from lightning_4d.analysis.trace import trace_model
 
 HIDDEN, HEADS, HEAD_DIM, STATE, KERNEL = 16, 4, 8, 6, 3
 INNER = HEADS * HEAD_DIM

@@ -51,7 +51,7 @@ def test_initialisation_seconds_fall_with_ep() -> None:
 
 
 def test_readme_quotes_the_chunk_and_scratch_of_the_code() -> None:
-    from lightning_4d.init_pieces import CHUNK_ELEMENTS, scratch_bytes
+    from lightning_4d.materialize.init_pieces import CHUNK_ELEMENTS, scratch_bytes
 
     readme = (DOC.parents[1] / "README.md").read_text()
     assert f"{CHUNK_ELEMENTS // 1024} Ki elements at a time" in readme

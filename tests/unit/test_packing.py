@@ -153,7 +153,7 @@ def test_packed_text_windows_are_exact() -> None:
 
 
 def test_packed_batch_for_a_model_without_positions_is_refused() -> None:
-    from lightning_4d.batches import call_model, split_batch
+    from lightning_4d.core.batches import call_model, split_batch
 
     x, y, pos, _ = packed_batch()
     lm = CausalLM(torch.nn.Sequential(torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, VOCAB)))
@@ -167,8 +167,8 @@ def test_packed_batch_for_a_model_without_positions_is_refused() -> None:
 def test_packed_batch_through_pipeline_hooks_is_refused() -> None:
     from types import SimpleNamespace
 
-    from lightning_4d.batches import split_batch
-    from lightning_4d.pipeline.glue import check_packed
+    from lightning_4d.core.batches import split_batch
+    from lightning_4d.layout.pipeline_glue import check_packed
 
     x, y, pos, _ = packed_batch()
     packed, plain = split_batch((x, y, pos))[0], split_batch((x, y))[0]

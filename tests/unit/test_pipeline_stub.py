@@ -33,8 +33,8 @@ def test_llama4_runs_stage_by_stage_reading_its_embedding_weight() -> None:
     # Llama 4's text model calls self.embed_tokens(input_ids.to(self.embed_tokens.weight.device)): later stages
     # used to fail with "'ShapeStub' object has no attribute 'weight'" in the set-up check.
     pytest.importorskip("transformers")
-    from lightning_4d.discovery import find_blocks
-    from lightning_4d.trace import example_tokens, trace_model
+    from lightning_4d.analysis.discovery import find_blocks
+    from lightning_4d.analysis.trace import example_tokens, trace_model
     from tests.distributed.byom_zoo import build_zoo
 
     torch.manual_seed(0)

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from lightning_4d.config import FourDConfig
-from lightning_4d.derive_plan import plan_layout
-from lightning_4d.layout_plan import LayoutPlan
+from lightning_4d.layout.derive_plan import plan_layout
+from lightning_4d.plan import LayoutPlan
 
 GOLDEN = Path(__file__).parent / "golden" / "plans"
 

@@ -211,7 +211,7 @@ def test_pp_ep_dp_comm_hand_computed():
     assert first["ep"] == {"all_to_all": a2a}
     experts_local = 2 * 4 * 3 * h * 16 // 2  # 2 layers, E/ep experts each
     # under pipelining the experts stay gathered from the first forward to the last backward (as
-    # lightning_4d.parallelize wraps them): one all-gather per step
+    # lightning_4d.layout.parallelize wraps them): one all-gather per step
     assert first["edp"]["all_gather"] == (1 / 2) * experts_local * 2
     assert first["edp"]["reduce_scatter"] == (1 / 2) * experts_local * 4
     # experts that reshard after forward: m + in_flight gathers under 1F1B (rank 0 holds 2 in flight)

@@ -1,5 +1,5 @@
 """The planner's communication formulas against the collectives of the real rewriting
-(``lightning_4d.parallelize.parallelize_module``) traced on torch's ``fake`` process group, in one process:
+(``lightning_4d.layout.parallelize.parallelize_module``) traced on torch's ``fake`` process group, in one process:
 dense TP / SP / DP / PP layouts, activation checkpointing, bf16, GPT-2 and MoE models, and the reference 1T MoE."""
 
 from __future__ import annotations
@@ -207,8 +207,8 @@ def test_seed_moe_1t_one_block_per_stage_on_512_fake_ranks():
 def test_moe_1t_like_layout_without_the_trace_plans_what_the_trace_finds():
     """A moe_1t-shaped layout (every block MoE, top-2, SP, pp > 1, experts FSDP over edp = 2, more ep ranks than a
     rank's routed assignments): the formulas the planner uses without a trace (``TrainSpec`` defaults: experts
-    kept gathered under pipelining, as ``lightning_4d.parallelize`` wraps them) agree with the traced bytes."""
-    from lightning_4d.data_parallel import reshards_after_forward
+    kept gathered under pipelining, as ``lightning_4d.layout.parallelize`` wraps them) agree with the traced bytes."""
+    from lightning_4d.layout.data_parallel import reshards_after_forward
     from lightning_4d.models.moe import MoEConfig, MoETransformer
     from lightning_4d.planner.comm import comm_per_rank, summarize
 

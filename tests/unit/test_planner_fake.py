@@ -21,7 +21,7 @@ def _tp_plan(model: Llama, tp_mesh) -> None:
 
     from lightning_4d.tensor_parallel import tp_styles
     from lightning_4d.tensor_parallel.styles import install_sequence_boundary
-    from lightning_4d.trace import trace_model
+    from lightning_4d.analysis.trace import trace_model
 
     tokens = torch.zeros(2, 16, dtype=torch.long, device="meta")
     layout = tp_styles(model, trace_model(model, "layers", tokens), tp_mesh.size(), sp=True)
@@ -37,7 +37,7 @@ def test_traced_tp_and_fsdp_bytes_equal_the_analytic_ones():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from lightning_4d.data_parallel import apply_data_parallel
+    from lightning_4d.layout.data_parallel import apply_data_parallel
     from lightning_4d.planner.fake_world import CollectiveRecorder, fake_forward_backward, fake_world
 
     cfg = LlamaConfig(vocab_size=1024, dim=256, n_layers=2, n_heads=8, ffn_hidden=512, max_seq_len=64)

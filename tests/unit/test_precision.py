@@ -8,7 +8,7 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_4d.precision import (
+from lightning_4d.core.precision import (
     PLANNER_PRECISIONS,
     PRECISION_NAMES,
     PRECISIONS,
@@ -49,7 +49,7 @@ def test_planner_precisions_and_refusals() -> None:
 
 
 def test_planner_bytes_come_from_the_table() -> None:
-    from lightning_4d.data_parallel import mixed_precision_policy
+    from lightning_4d.layout.data_parallel import mixed_precision_policy
     from lightning_4d.planner.spec import TrainSpec
 
     assert TrainSpec(global_batch_size=1, precision="bf16-mixed").act_bytes == torch.tensor(0, dtype=torch.bfloat16

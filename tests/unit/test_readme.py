@@ -2,8 +2,8 @@
 ``lightning_4d.…`` name it quotes exists, and the relative links of the README and the docs pages resolve.
 
 Example:
-    >>> sorted(_quoted_names("see `lightning_4d.trace` and `lightning_4d.models.CausalLM`"))
-    ['lightning_4d.models.CausalLM', 'lightning_4d.trace']
+    >>> sorted(_quoted_names("see `lightning_4d.analysis.trace` and `lightning_4d.models.CausalLM`"))
+    ['lightning_4d.models.CausalLM', 'lightning_4d.analysis.trace']
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_4d import init_pieces
+from lightning_4d.materialize import init_pieces
 from lightning_4d.config import FourDConfig
 from lightning_4d.mesh import ParallelDims
 from lightning_4d.models import CausalLM, Llama, LlamaConfig
@@ -16,8 +16,8 @@ from lightning_4d.planner.memory import memory_per_rank
 from lightning_4d.planner.setup_memory import (largest_tensor_params, reduced_check_params, setup_peak_bytes,
                                                setup_scratch_bytes)
 from lightning_4d.planner.spec import TrainSpec, TransformerSpec, seed_moe_1t
-from lightning_4d.derive_plan import plan_layout
-from lightning_4d.reduced_check import CHECK_FLOOR_BYTES, check_budget_bytes, check_reduced_model, reduced_copy_bytes
+from lightning_4d.layout.derive_plan import plan_layout
+from lightning_4d.layout.reduced_check import CHECK_FLOOR_BYTES, check_budget_bytes, check_reduced_model, reduced_copy_bytes
 
 SPEC = TransformerSpec(vocab_size=32000, hidden=768, layers=12, heads=12, ffn_hidden=2688)
 DIMS = ParallelDims.from_world(8, tp=2, pp=2)
@@ -95,7 +95,7 @@ def test_the_runtime_skips_a_check_over_its_budget_before_any_collective(caplog:
     mesh = SimpleNamespace(dims=dims)  # no process group: it must not be used
     model = _meta_llama()
     plan = plan_layout(model, dims, FourDConfig(tp=2, pp=2))
-    with caplog.at_level(logging.WARNING, logger="lightning_4d.reduced_check"):
+    with caplog.at_level(logging.WARNING, logger="lightning_4d.layout.reduced_check"):
         what = check_reduced_model(model, plan, mesh, budget_bytes=1024)  # type: ignore[arg-type]
     assert what is not None and "structurally only" in what and "budget of 0 MiB" in what
     assert any("reduced_check_budget" in r.getMessage() for r in caplog.records)

@@ -16,7 +16,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from lightning_4d.layout_plan import LayoutPlan
+from lightning_4d.plan import LayoutPlan
 from lightning_4d.tensor_parallel.apply import TPLayout
 from lightning_4d.tensor_parallel.specs import StyleSpec, spec_of
 from lightning_4d.tensor_parallel.styles import (

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_4d.discovery import find_blocks
+from lightning_4d.analysis.discovery import find_blocks
 from lightning_4d.tensor_parallel import block_plan
 from lightning_4d.tensor_parallel.layouts import concat_permutation
-from lightning_4d.trace import ColumnLayout, trace_model
+from lightning_4d.analysis.trace import ColumnLayout, trace_model
 
 pytest.importorskip("transformers")
 
@@ -217,7 +217,7 @@ def test_alibi_biases_are_found_from_the_dataflow_and_cut_with_the_heads() -> No
 
 
 def test_slice_heads_takes_a_ranks_heads_directly_or_folded_with_the_batch() -> None:
-    from lightning_4d.head_bias import slice_heads
+    from lightning_4d.analysis.head_bias import slice_heads
 
     direct = torch.arange(4.0).view(4, 1, 1)  # (H, 1, K)
     assert slice_heads(direct, 4, 2, 4).flatten().tolist() == [2.0, 3.0]

@@ -7,7 +7,7 @@ from torch import nn
 
 from lightning_4d.models import GPT2, GPT2Config, HFStyleConfig, HFStyleLM, Llama, LlamaConfig
 from lightning_4d.tensor_parallel import block_plan, model_plan
-from lightning_4d.trace import example_tokens, trace_model
+from lightning_4d.analysis.trace import example_tokens, trace_model
 
 
 def _model_plan(model: nn.Module, blocks: str, tp: int):

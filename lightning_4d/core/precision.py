@@ -1,0 +1,151 @@
+"""Precision: the one table from a Lightning precision string to dtypes and bytes, and the one check tolerance.
+
+Every room that needs "what does ``bf16-mixed`` mean" reads :data:`PRECISIONS` through
+:func:`precision_info`: FSDP2's mixed-precision policy (:mod:`lightning_4d.layout.data_parallel`), the planner's
+bytes per activation (:class:`lightning_4d.planner.spec.TrainSpec`), the dry run's autocast, the
+throughput monitor's peak FLOP/s, the communication monitor's expected bytes and the recipes' choices.
+
+Every set-up check that compares a rewritten forward with the unsharded one (tensor parallelism, pipeline
+stages, expert parallelism, a ``nn.Linear`` subclass) allows the same difference,
+:func:`allowed_difference`: ``1e-5 + rtol · max|expected|`` with ``rtol = max(1e-4, 16·eps)`` of the
+expected output's floating dtypes (fp32: ``1e-4``; bf16: ``0.125``; fp16: ``0.0156``).
+
+Example:
+    >>> precision_info("bf16-mixed").compute_bytes, precision_info("32").name
+    (2, '32-true')
+    >>> allowed_difference(torch.ones(3), scale=2.0)
+    0.00021
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+
+from lightning_4d._compat import pytree
+
+__all__ = ["ABSOLUTE_TOLERANCE", "PLANNER_PRECISIONS", "PRECISIONS", "PRECISION_NAMES", "Precision", "allowed_difference",
+           "max_difference", "output_tolerance", "precision_info"]
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What one Lightning precision string means for the package.
+
+    Attributes:
+        name: Lightning's name (``"bf16-mixed"``, ...).
+        compute_dtype: dtype of the matmuls and activations.
+        param_dtype: dtype of the weights the optimizer updates (fp32 under ``*-mixed``).
+        fsdp_param_dtype: FSDP2 ``MixedPrecisionPolicy(param_dtype=...)`` the package applies (``None``: no
+            policy, parameters gathered in ``param_dtype``).
+        planner: the precision the planner models it as (``None``: not modelled); equal to ``name`` when the
+            planner's bytes are exact for it.
+
+    Example:
+        >>> precision_info("16-true").compute_dtype, precision_info("16-true").planner
+        (torch.float16, 'bf16-mixed')
+    """
+
+    name: str
+    compute_dtype: torch.dtype
+    param_dtype: torch.dtype
+    fsdp_param_dtype: Optional[torch.dtype]
+    planner: Optional[str]
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes of one activation / compute-copy element (2 for bf16 and fp16, 4 for fp32)."""
+        return torch.finfo(self.compute_dtype).bits // 8
+
+    @property
+    def mixed(self) -> bool:
+        """Whether compute runs in a lower precision than the weights (Lightning's autocast)."""
+        return self.compute_dtype != self.param_dtype
+
+    @property
+    def modelled_exactly(self) -> bool:
+        """Whether the planner's byte counts hold for this precision as it is (not an approximation)."""
+        return self.planner == self.name
+
+
+_BF16, _FP16, _FP32, _FP64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
+
+#: Lightning's precision strings (its ``_PRECISION_INPUT_STR``, without Transformer Engine's).
+PRECISIONS: dict[str, Precision] = {p.name: p for p in (
+    Precision("bf16-mixed", _BF16, _FP32, _BF16, "bf16-mixed"),
+    Precision("32-true", _FP32, _FP32, None, "32-true"),
+    Precision("16-mixed", _FP16, _FP32, None, "bf16-mixed"),
+    Precision("bf16-true", _BF16, _BF16, None, "bf16-mixed"),
+    Precision("16-true", _FP16, _FP16, None, "bf16-mixed"),
+    Precision("64-true", _FP64, _FP64, None, None),
+)}
+#: Lightning's short names.
+_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true"}
+#: Every value ``trainer.precision`` may take here (the recipes check against it).
+PRECISION_NAMES = tuple(PRECISIONS) + tuple(_ALIASES)
+#: The precisions the planner's formulas are written for.
+PLANNER_PRECISIONS = tuple(name for name, p in PRECISIONS.items() if p.modelled_exactly)
+
+
+def precision_info(precision: Union[str, int]) -> Precision:
+    """The table's entry for a Lightning precision (``trainer.precision``, a short name like ``"32"`` or an int).
+
+    Raises:
+        ValueError: naming the value and the known ones.
+
+    Example:
+        >>> precision_info(32).name, precision_info("bf16").fsdp_param_dtype
+        ('32-true', torch.bfloat16)
+    """
+    key = _ALIASES.get(str(precision), str(precision))
+    if key not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not one lightning_4d knows; use one of "
+                         f"{sorted(PRECISIONS) + sorted(_ALIASES)}.")
+    return PRECISIONS[key]
+
+
+#: Absolute part of the set-up checks' tolerance (outputs near zero).
+ABSOLUTE_TOLERANCE = 1e-5
+
+
+def output_tolerance(expected: Any) -> float:
+    """Relative tolerance for comparing with ``expected``: ``1e-4`` in fp32, ``16·eps`` of lower precisions.
+
+    Example:
+        >>> output_tolerance(torch.ones(1, dtype=torch.bfloat16))
+        0.125
+    """
+    dtypes = [t.dtype for t in pytree.tree_leaves(expected) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return max([1e-4] + [16 * torch.finfo(d).eps for d in dtypes])
+
+
+def allowed_difference(expected: Any, scale: float) -> float:
+    """The largest max-abs difference a set-up check accepts against ``expected`` whose largest magnitude is
+    ``scale``: ``ABSOLUTE_TOLERANCE + output_tolerance(expected) · scale``.
+
+    Example:
+        >>> allowed_difference(torch.ones(1, dtype=torch.bfloat16), scale=1.0)
+        0.12501
+    """
+    return ABSOLUTE_TOLERANCE + output_tolerance(expected) * scale
+
+
+def max_difference(got: Any, expected: Any) -> Optional[tuple[float, float]]:
+    """``(max abs difference, max abs expected)`` over matching tensor leaves; ``inf`` when the structures or
+    shapes differ; ``None`` on the meta device (nothing to compare).
+
+    Example:
+        >>> max_difference((torch.zeros(2),), (torch.ones(2),))
+        (1.0, 1.0)
+    """
+    a = [t for t in pytree.tree_leaves(got) if isinstance(t, torch.Tensor)]
+    b = [t for t in pytree.tree_leaves(expected) if isinstance(t, torch.Tensor)]
+    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
+        return float("inf"), 0.0
+    if any(x.is_meta or y.is_meta for x, y in zip(a, b)):
+        return None
+    diff = max((float((x.float() - y.float()).abs().max()) for x, y in zip(a, b) if x.numel()), default=0.0)
+    scale = max((float(y.float().abs().max()) for y in b if y.numel()), default=0.0)
+    return diff, scale

@@ -1,0 +1,343 @@
+"""Apply a :class:`~lightning_4d.plan.LayoutPlan` to a LightningModule, and check it on a copy.
+
+Set-up runs in one direction: plan (:func:`~lightning_4d.layout.derive_plan.plan_layout`, one traced forward on the
+unsharded model, nothing changed) → check (:func:`check_layout` on a reduced copy with perturbed weights, before
+the real model is touched: :mod:`lightning_4d.layout.reduced_check`) → apply (:func:`apply_layout`, in TorchTitan's
+order: prune to this rank's stages, expert parallelism, TP/SP, activation checkpointing, data parallelism) →
+materialise (:mod:`lightning_4d.materialize.local_shards`, for a model built on the meta device).
+
+Example:
+    >>> # not run: needs a process group
+    >>> record = parallelize_module(lightning_module, mesh, FourDConfig(tp=2), "32-true")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Placement
+
+from lightning_4d._compat import registered_submodule
+from lightning_4d.layout.activation_checkpoint import apply_activation_checkpointing
+from lightning_4d.config import FourDConfig
+from lightning_4d.layout.data_parallel import apply_data_parallel, reshards_after_forward, wrap_mode
+from lightning_4d.analysis.discovery import top_level_modules
+from lightning_4d.core.distributed import local_of
+from lightning_4d.expert_parallel import MoE, apply_expert_parallel
+from lightning_4d.expert_parallel.inplace import is_inplace_experts
+from lightning_4d.expert_parallel.parallel import (
+    apply_inplace_expert_parallel,
+    expert_grad_scale,
+    install_token_shard_check,
+)
+from lightning_4d.expert_parallel.rewrite import find_moe_modules
+from lightning_4d.layout.expert_replay import check_with_experts_replayed, record_expert_layers
+from lightning_4d.mesh import Axis, FourDMesh, ParallelDims
+from lightning_4d.analysis.hooks import TP_PLAN, user_hook
+from lightning_4d.layout.derive_plan import plan_layout
+from lightning_4d.plan import LayoutPlan
+from lightning_4d.pipeline.checks import check_staged
+from lightning_4d.layout.pipeline_glue import build_runner, check_after_tensor_parallel, install_stages, split_pipeline
+from lightning_4d.pipeline.runner import PipelineRunner
+from lightning_4d.tensor_parallel import apply_tensor_parallel
+from lightning_4d.tensor_parallel.apply import run_user_plan_once
+from lightning_4d.tensor_parallel.layouts import attach_plan
+from lightning_4d.analysis.trace import example_tokens
+
+__all__ = ["LayoutRow", "ParallelPlan", "apply_layout", "check_layout", "describe_layout", "parallelize_module",
+           "plan_config", "plan_layout", "reduce_tp_partial_grads"]
+
+
+@dataclass
+class ParallelPlan:
+    """What was applied to the model; the strategy and the mixin read it.
+
+    Example:
+        >>> ParallelPlan(blocks_path="layers").loss_parallel
+        False
+    """
+
+    blocks_path: str = ""
+    blocks: list[nn.Module] = field(default_factory=list)
+    loss_parallel: bool = False
+    tp_modules: list[str] = field(default_factory=list)
+    pipeline: Optional[PipelineRunner] = None  # this rank's schedule over its stage modules (pp > 1)
+    expert_modules: list[str] = field(default_factory=list)
+    tp_partial_params: list[str] = field(default_factory=list)
+    bias_update: bool = False
+    pipeline_tied: list[tuple[str, str]] = field(default_factory=list)
+    input_shape: Optional[tuple[int, ...]] = None  # the traced example's shape: inputs must have its rank
+    layout: Optional[LayoutPlan] = None  # the plan this rank applied
+
+
+@dataclass(frozen=True)
+class LayoutRow:
+    """Where one parameter of the rewritten model lives on this rank: its global shape, the mesh dimensions
+    and placements of its DTensor (``()`` for a plain tensor held whole), and the local shard's shape.
+
+    Example:
+        >>> describe_layout(nn.Linear(2, 3))[0]
+        LayoutRow(name='bias', shape=(3,), mesh=(), placements=(), local=(3,))
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    mesh: tuple[str, ...]
+    placements: tuple[str, ...]
+    local: tuple[int, ...]
+
+    def __str__(self) -> str:
+        where = ", ".join(f"{m}:{p}" for m, p in zip(self.mesh, self.placements)) or "whole"
+        return f"{self.name} {list(self.shape)} -> {list(self.local)} [{where}]"
+
+
+def describe_layout(module: nn.Module) -> list[LayoutRow]:
+    """The layout this rank holds, one row per parameter in name order (works on the meta device: it is the
+    plan, computed without weights). Logged by the strategy at set-up; golden-tested for a few families.
+
+    Example:
+        >>> [str(r) for r in describe_layout(nn.Linear(2, 3, bias=False))]
+        ['weight [3, 2] -> [3, 2] [whole]']
+    """
+    rows = []
+    for name, p in sorted(module.named_parameters(), key=lambda item: item[0]):
+        if isinstance(p, DTensor):
+            names = tuple(p.device_mesh.mesh_dim_names or ())
+            rows.append(LayoutRow(name, tuple(p.shape), names, tuple(_placement(x) for x in p.placements),
+                                  tuple(p.to_local().shape)))
+        else:
+            rows.append(LayoutRow(name, tuple(p.shape), (), (), tuple(p.shape)))
+    return rows
+
+
+def _placement(p: Placement) -> str:
+    if isinstance(p, Partial):
+        return "P"
+    dim = getattr(p, "dim", None)
+    if dim is None:
+        return "R"
+    return f"S({dim})" if type(p).__name__ == "Shard" else f"{type(p).__name__.lstrip('_')}({dim})"
+
+
+def parallelize_module(
+    module: nn.Module, mesh: FourDMesh, config: FourDConfig, precision: str, accumulate: int = 1,
+    device: Optional[torch.device] = None, plan: Optional[LayoutPlan] = None,
+) -> ParallelPlan:
+    """Plan (unless ``plan`` is given) and apply the layout to ``module`` in place: :func:`plan_layout` then
+    :func:`apply_layout` (what the planner's dry run and set-up simulation call; the strategy runs the two steps
+    itself, with the value check between them).
+
+    Example:
+        >>> # not run: needs a process group
+        >>> parallelize_module(lm, mesh, FourDConfig(), "32-true").blocks_path  # doctest: +SKIP
+        'model.layers'
+    """
+    if plan is None:
+        plan = plan_layout(module, mesh.dims, config, mesh[Axis.TP] if mesh.dims.tp > 1 else None)
+    return apply_layout(module, plan, mesh, config, precision, accumulate=accumulate, device=device)
+
+
+def apply_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, config: Optional[FourDConfig] = None,
+                 precision: str = "32-true", accumulate: int = 1, device: Optional[torch.device] = None
+                 ) -> ParallelPlan:
+    """Rewrite ``module`` in place as ``plan`` says, in TorchTitan's order: prune to this rank's pipeline stages,
+    then expert parallelism, TP/SP, activation checkpointing, data parallelism, and the pipeline schedule. The
+    only code that changes the model; it reads every decision from the plan (checked against the model and the
+    mesh first: :meth:`LayoutPlan.check`). ``module`` may be on the meta device; ``device``: where its pipeline
+    stages will run once materialised (default: where its parameters are); ``config``: the strategy's options
+    (default: those the plan records, :func:`plan_config`). Values are not compared here: :func:`check_layout`
+    does that on a copy, before.
+
+    Example:
+        >>> # not run: needs a process group
+        >>> apply_layout(lm, plan_layout(lm, mesh.dims, config), mesh, config, "32-true")  # doctest: +SKIP
+    """
+    dims = mesh.dims
+    plan.check(module, dims)
+    config = config if config is not None else plan_config(plan, dims)
+    attach_plan(module, plan)  # materialisation, checkpoints and exports read the row permutations from it
+    record = ParallelPlan(blocks_path=plan.blocks_path, blocks=_blocks_of(module.get_submodule(plan.blocks_path)),
+                          input_shape=plan.input_shape, layout=plan)
+    parts = None
+    if dims.pp > 1:
+        parts = split_pipeline(mesh, config, install_stages(module, plan))
+        record.blocks = _blocks_of(module.get_submodule(plan.blocks_path))
+    _apply_experts(module, mesh, record, accumulate)
+    if dims.tp > 1:
+        assert plan.tensor_parallel is not None
+        run_user_plan_once(module, plan.tensor_parallel, mesh[Axis.TP], dims.sp)
+        apply_tensor_parallel(module, mesh, record, plan.tensor_parallel)
+        if dims.sp:
+            # In-place experts the plan lists but expert parallelism left as written (ep=1, a forward its replay
+            # cannot split) run on this rank's tokens like any replicated parameter: gradients summed over tp.
+            taken = set(record.expert_modules)
+            for entry in plan.experts:
+                found = registered_submodule(module, entry.path)
+                if entry.kind == "in-place" and entry.path not in taken and found is not None:
+                    record.tp_partial_params += [f"{entry.path}.{n}" for n, _ in found.named_parameters()]
+        if dims.ep > 1 and user_hook(module, TP_PLAN) is not None:
+            # A user's plan must give the expert layers sequence shards; the automatic plan does by construction.
+            # In-place experts get the routed tokens themselves; the package's MoE layer gets them (its experts not).
+            names = [n if is_inplace_experts(module.get_submodule(n)) else n.rpartition(".")[0]
+                     for n in record.expert_modules]
+            install_token_shard_check({n: module.get_submodule(n) for n in names}, mesh[Axis.TP].get_group())
+
+    apply_activation_checkpointing(record.blocks, config.activation_checkpointing)
+
+    experts = [module.get_submodule(name) for name in record.expert_modules]
+    # With edp == 1 no rank shares an expert: experts stay out of every data-parallel wrapper.
+    unwrapped_experts = {p for e in experts for p in e.parameters()} if dims.edp == 1 else None
+    if experts and dims.edp > 1:
+        # Experts first, over edp: their gradients are averaged only over replicas of the same experts.
+        for expert in experts:
+            apply_data_parallel(expert, mesh[Axis.EDP], mode=wrap_mode(config.data_parallel, experts=True),
+                                precision=precision,
+                                reshard_root=reshards_after_forward(dims.pp))
+    if dims.dp_cp > 1:  # dp, or dp × cp with context parallelism
+        direct = [name for name, p in module.named_parameters(recurse=False)]
+        if direct:
+            raise ValueError(
+                f"{type(module).__name__} holds parameters directly ({', '.join(direct)}). Data parallelism wraps "
+                f"submodules; move them into a submodule (e.g. self.model)."
+            )
+        # Under PP the stage modules are what the schedule calls: they are the data-parallel roots.
+        roots = parts.modules if parts is not None else [child for _, child in top_level_modules(module)]
+        for root in roots:
+            inner = [b for b in record.blocks if _is_within(b, root)]
+            apply_data_parallel(root, mesh.data_parallel, blocks=inner, mode=wrap_mode(config.data_parallel),
+                                precision=precision, ignored_params=unwrapped_experts,
+                                reshard_after_forward=reshards_after_forward(dims.pp))
+
+    if parts is not None:
+        record.pipeline = build_runner(module, mesh, config, parts, device=device)
+        record.pipeline_tied = list(parts.tied)
+    return record
+
+
+def plan_config(plan: LayoutPlan, dims: ParallelDims) -> FourDConfig:
+    """The options a plan records, as the :class:`~lightning_4d.config.FourDConfig` for ``dims`` (micro-batches:
+    the schedule's default).
+
+    Example:
+        >>> plan = LayoutPlan(degrees=(("tp", 2),), blocks_path="layers", block_order=("0",), data_parallel="replicate")
+        >>> plan_config(plan, ParallelDims.from_world(4, tp=2)).data_parallel
+        'replicate'
+    """
+    return FourDConfig(
+        tp=dims.tp, pp=dims.pp, ep=dims.ep, dp=dims.dp, cp=dims.cp, sequence_parallel=plan.sequence_parallel,
+        schedule=plan.schedule, virtual_stages=plan.virtual_stages if dims.pp > 1 else None,
+        data_parallel=plan.data_parallel, dp_shard=dims.dp_shard,
+        activation_checkpointing=None if plan.activation_checkpointing == "none" else plan.activation_checkpointing)
+
+
+def check_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, accumulate: int = 1) -> None:
+    """The value check of ``plan`` on ``module`` (a model with values, small enough for one rank: the set-up
+    check's reduced copy, :mod:`lightning_4d.layout.reduced_check`): the unsharded forward on a tiny input is recorded,
+    then the pipeline split (every stage in order, in one process) and the expert + tensor-parallel rewrite
+    (MoE layers replaying the recorded calls: :mod:`lightning_4d.layout.expert_replay`) must reproduce it. ``module``
+    is rewritten in place (all stages kept) and is to be thrown away. Collective over ``tp``.
+
+    Raises:
+        ValueError: naming the module whose sharded forward differs or fails.
+    """
+    dims = mesh.dims
+    plan.check(module, dims)
+    if dims.tp == 1 and dims.pp == 1:
+        return
+    example = example_tokens(module, dims.tp)
+    args = example if isinstance(example, tuple) else (example,)
+    was_training = module.training
+    module.eval()
+    record = record_expert_layers(module) if dims.tp > 1 else nullcontext({})
+    try:
+        with torch.no_grad(), record as expert_calls:
+            expected = module(*args)
+    finally:
+        module.train(was_training)
+    stages = None
+    if dims.pp > 1:
+        stages = install_stages(module, plan)
+        check_staged(stages, example, expected)
+    if dims.tp == 1:
+        return
+    record_plan = ParallelPlan(blocks_path=plan.blocks_path, layout=plan)
+    _apply_experts(module, mesh, record_plan, accumulate)
+    assert plan.tensor_parallel is not None
+    run_user_plan_once(module, plan.tensor_parallel, mesh[Axis.TP], dims.sp)
+    apply_tensor_parallel(module, mesh, record_plan, plan.tensor_parallel)
+    check_with_experts_replayed(module, expert_calls, mesh[Axis.TP],
+                                lambda: check_after_tensor_parallel(module, stages, example, expected))
+
+
+def reduce_tp_partial_grads(plan: Optional[ParallelPlan], mesh: FourDMesh, model: nn.Module) -> None:
+    """Once per optimizer step, after backward (``FourDStrategy`` and the planner's dry run call it): sum over
+    ``tp`` the gradients of plain parameters that saw only this rank's sequence shard
+    (``plan.tp_partial_params``: routers, shared experts) and resolve DTensor gradients left ``Partial``
+    (sequence-parallel norm weights) once, instead of in every optimizer op.
+
+    Example:
+        >>> reduce_tp_partial_grads(None, None, nn.Linear(2, 2))  # no DTensor gradient, nothing to sum
+    """
+
+    for p in model.parameters():
+        g = p.grad
+        if isinstance(g, DTensor) and isinstance(p, DTensor) and any(isinstance(x, Partial) for x in g.placements):
+            p.grad = g.redistribute(p.device_mesh, p.placements)
+    names = set(plan.tp_partial_params) if plan is not None else set()
+    if not names:
+        return
+    group = mesh[Axis.TP].get_group()
+    for name, p in model.named_parameters():
+        if name in names and p.grad is not None:
+            dist.all_reduce(local_of(p.grad), group=group)
+
+
+def _blocks_of(container: nn.Module) -> list[nn.Module]:
+    return list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
+
+
+def _apply_experts(module: nn.Module, mesh: FourDMesh, plan: ParallelPlan, accumulate: int) -> None:
+    """Make every MoE layer expert-parallel (before TP planning): the model's own experts modules with 3-D
+    weights in place (:mod:`~lightning_4d.expert_parallel.inplace`), Mixtral-style expert lists rewritten into
+    the package's layer, the package's layer as is."""
+
+    dims = mesh.dims
+    grad_scale = expert_grad_scale(dims)  # expert gradients are averaged over edp
+    inplace = apply_inplace_expert_parallel(module, mesh[Axis.EP], grad_scale=grad_scale)
+    for spec in inplace:
+        plan.expert_modules.append(spec.name)
+        layer = module.get_submodule(spec.name.rpartition(".")[0])
+        if dims.sp and dims.tp > 1:
+            # Router, shared experts and gates see only this rank's sequence shard: sum their grads over tp.
+            experts = {id(p) for p in module.get_submodule(spec.name).parameters()}
+            prefix = spec.name.rpartition(".")[0]
+            plan.tp_partial_params += [f"{prefix}.{n}" for n, p in layer.named_parameters() if id(p) not in experts]
+    if not find_moe_modules(module):
+        if dims.ep > 1 and not inplace:
+            raise ValueError(
+                f"ep={dims.ep} but {type(module).__name__} has no mixture-of-experts layer (an experts module with "
+                f"3-D [E, ...] weights next to a router, a `gate` router with an `experts` list, or lightning_4d's "
+                f"MoE). Use ep=1 for a dense model."
+            )
+        return
+    stats = None if (dims.sp or dims.tp == 1) else ([("dp", mesh[Axis.DP_CP].get_group())] if dims.dp_cp > 1 else [])
+    apply_expert_parallel(module, mesh, grad_scale=grad_scale, stats_groups=stats,
+                          aux_grad_scale=dims.dp_cp / max(accumulate, 1))
+    for name, moe in module.named_modules():
+        if isinstance(moe, MoE):
+            plan.expert_modules.append(f"{name}.experts")
+            plan.bias_update |= moe.router.expert_bias is not None
+            if dims.sp:
+                # Router and shared experts see only this rank's sequence shard: sum their grads over tp.
+                plan.tp_partial_params += [
+                    f"{name}.{n}" for n, _ in moe.named_parameters() if not n.startswith("experts.")
+                ]
+
+
+def _is_within(sub: nn.Module, root: nn.Module) -> bool:
+    return any(m is sub for m in root.modules())

@@ -1,0 +1,175 @@
+"""One training step's pieces, owned by the runtime: ``FourDStrategy`` calls them from Lightning's hooks and the
+planner's dry run (:mod:`lightning_4d.planner.dry_run`) calls the same functions on a fake process group.
+
+A step, in order:
+
+1. :func:`shard_sequence`: with context parallelism, this rank's zigzag share of the batch (tokens, targets,
+   global positions) and its :class:`~lightning_4d.context_parallel.SequenceShard`;
+2. :func:`step_loss`: the global-batch loss — the model's forward and ``loss_fn`` under :func:`loss_context`
+   (``loss_parallel`` under TP, the attention made global under CP), token-weighted over the ``dp × cp`` ranks
+   (:func:`~lightning_4d.core.loss.weighted_global_loss`); under pipeline parallelism forward and backward run inside the
+   pipeline (:func:`~lightning_4d.layout.pipeline_glue.pipeline_train_loss`, whose schedule a caller may replace);
+3. the backward, under :func:`loss_context` (without pipeline parallelism);
+4. :func:`finish_backward`, once per optimizer step: ``tp`` reduction of sequence-parallel partial gradients
+   (:func:`~lightning_4d.layout.parallelize.reduce_tp_partial_grads`) and the tied first/last-stage weights' gradients;
+5. the optimizer step (:func:`clip_grad_norm` first when the Trainer clips), then :func:`after_optimizer_step` (the
+   aux-loss-free expert-bias update).
+
+Example:
+    >>> with loss_context(None, None):  # no plan, no context parallelism: nothing to enter
+    ...     pass
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, Generator, Iterable, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor.parallel import loss_parallel
+
+from lightning_4d.core.batches import batch_tokens, call_model
+from lightning_4d.context_parallel import ContextParallelAttention, SequenceShard, shard_batch
+from lightning_4d.core.distributed import global_grad_norm
+from lightning_4d.expert_parallel import update_expert_bias
+from lightning_4d.core.loss import check_inputs, check_targets, weighted_global_loss
+from lightning_4d.mesh import Axis, FourDMesh
+from lightning_4d.layout.parallelize import ParallelPlan, reduce_tp_partial_grads
+from lightning_4d.layout.pipeline_glue import pipeline_train_loss, sync_tied
+from lightning_4d.pipeline.runner import ScheduleRun
+
+__all__ = ["after_optimizer_step", "clip_grad_norm", "finish_backward", "loss_context", "shard_sequence", "step_loss"]
+
+
+def shard_sequence(mesh: FourDMesh, inputs: Any, targets: Any, positions: bool, pipelined: bool
+                   ) -> tuple[Any, Any, Optional[SequenceShard]]:
+    """This rank's share of ``(inputs, targets)`` along the sequence (cp > 1, :func:`~lightning_4d.context_parallel.
+    shard_batch`) and its shard; unchanged (and ``None``) without context parallelism. ``positions``: the model takes
+    ``position_ids``.
+
+    Example:
+        >>> # not run: needs a process group
+        >>> x, y, shard = shard_sequence(mesh, tokens, targets, positions=True, pipelined=False)  # doctest: +SKIP
+    """
+    dims = mesh.dims
+    if dims.cp == 1:
+        return inputs, targets, None
+    return shard_batch(inputs, targets, mesh[Axis.CP].get_group(), dims.cp, mesh.rank(Axis.CP), positions,
+                       tp=dims.tp if dims.sp else 1, pipelined=pipelined)
+
+
+@contextmanager
+def loss_context(plan: Optional[ParallelPlan], shard: Optional[SequenceShard]) -> Generator[None, None, None]:
+    """The context of the loss and its backward: ``loss_parallel`` under TP (a vocabulary-parallel head) and, with
+    context parallelism, the model's attention made global for ``shard``'s batch by the algorithm the layout plan
+    names (in backward too: recomputed activations).
+
+    Example:
+        >>> with loss_context(None, None):
+        ...     pass
+    """
+    parallel_loss = plan is not None and getattr(plan, "loss_parallel", False)
+    layout = getattr(plan, "layout", None)
+    algorithm = (layout.cp_algorithm if layout is not None else "") or "allgather"  # the plan names it
+    with loss_parallel() if parallel_loss else nullcontext():
+        with ContextParallelAttention(shard, algorithm=algorithm) if shard is not None else nullcontext():
+            yield
+
+
+def step_loss(module: nn.Module, inputs: Any, targets: Any, plan: Optional[ParallelPlan], mesh: FourDMesh,
+              positions: bool, stage: str = "train", accumulate: int = 1,
+              zero_grad: Callable[[], None] = lambda: None, schedule_run: Optional[ScheduleRun] = None,
+              ) -> tuple[Tensor, Optional[SequenceShard]]:
+    """The global-batch loss of ``(inputs, targets)`` on this rank (differentiable without a pipeline; with one, a
+    training call has run forward and backward already) and the batch's sequence shard (cp > 1).
+
+    ``zero_grad`` runs before a pipeline's training schedule (gradients are computed inside the step);
+    ``schedule_run`` replaces torch's pipeline schedule (the planner's dry run, whose fake group cannot run it).
+
+    Example:
+        >>> # not run: needs a process group
+        >>> loss, shard = step_loss(module, tokens, targets, plan, mesh, positions=True)  # doctest: +SKIP
+    """
+    from lightning_4d.layout.pipeline_glue import pipeline_eval
+
+    check_inputs(batch_tokens(inputs), plan.input_shape if plan is not None else None)
+    check_targets(targets, plan is not None and plan.loss_parallel)
+    runner = plan.pipeline if plan is not None else None
+    inputs, targets, shard = shard_sequence(mesh, inputs, targets, positions, pipelined=runner is not None)
+    # The ranks holding different tokens of one model replica: dp, or dp × cp with context parallelism. Always that
+    # group (size 1 when dp·cp == 1: no reduction), never None: torch.distributed reads None as the *world*, which
+    # would count the targets once per tp/pp peer and scale the backward loss by 1/(tp·pp).
+    batch_ranks = mesh.dims.dp_cp
+    group = mesh[Axis.DP_CP].get_group()
+
+    def context() -> Any:
+        return loss_context(plan, shard)
+
+    if runner is not None:
+        if stage == "train" and module.training and torch.is_grad_enabled():
+            zero_grad()
+            return pipeline_train_loss(runner, module, inputs, targets, group, batch_ranks, accumulate, context,
+                                       schedule_run=schedule_run), shard
+        return pipeline_eval(runner, module, inputs, targets, group, context), shard
+    with context():
+        outputs = call_model(module, inputs)
+        local = module.loss_fn(outputs, targets)
+    n_local = module.count_targets(targets)
+    return weighted_global_loss(local, n_local.to(local.device), group, batch_ranks), shard
+
+
+def finish_backward(plan: Optional[ParallelPlan], mesh: FourDMesh, model: nn.Module) -> None:
+    """Once per optimizer step, after the last backward of the window: the ``tp`` reduction of gradients that saw
+    only this rank's sequence shard (:func:`~lightning_4d.layout.parallelize.reduce_tp_partial_grads`) and, under pipeline
+    parallelism, the sum of the gradients of weights tied between the first and last stage.
+
+    Example:
+        >>> # not run: needs a process group
+        >>> finish_backward(plan, mesh, model)  # doctest: +SKIP
+    """
+    reduce_tp_partial_grads(plan, mesh, model)
+    if plan is not None and plan.pipeline is not None:
+        sync_tied(model, plan.pipeline, plan.pipeline_tied)
+
+
+def clip_grad_norm(plan: Optional[ParallelPlan], model: nn.Module, parameters: Iterable[nn.Parameter],
+                   max_norm: float, norm_type: float = 2.0) -> Tensor:
+    """Clip gradients by the global norm across every tp / pp / ep / dp / cp shard (one scalar all-reduce,
+    :func:`~lightning_4d.core.distributed.global_grad_norm`; the last stage's copy of a tied weight counted once); returns
+    the norm before clipping.
+
+    Example:
+        >>> lin = nn.Linear(2, 1); lin(torch.ones(1, 2)).sum().backward()
+        >>> round(float(clip_grad_norm(None, lin, lin.parameters(), 1.0)), 4), round(float(lin.weight.grad.norm()), 2)
+        (1.7321, 0.82)
+    """
+    params = [p for p in parameters if p.grad is not None]
+    tied = _tied_copies(plan, model)
+    pp = plan.pipeline.pp if plan is not None and plan.pipeline is not None else 1
+    total = global_grad_norm([p for p in params if id(p) not in tied], norm_type, pp)
+    coef = float(max_norm) / (float(total) + 1e-6)
+    if coef < 1.0:
+        for p in params:  # per tensor: grads may be plain tensors and DTensors on several meshes
+            p.grad.mul_(coef)
+    return total
+
+
+def _tied_copies(plan: Optional[ParallelPlan], model: nn.Module) -> set[int]:
+    """Parameters that are the last stage's copy of a weight tied to the first stage (counted once)."""
+    runner = plan.pipeline if plan is not None else None
+    tied = plan.pipeline_tied if plan is not None else []
+    if runner is None or not tied or runner.first_rank == runner.last_rank or not runner.has_last:
+        return set()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return {id(params[post]) for _, post in tied if post in params}
+
+
+def after_optimizer_step(plan: Optional[ParallelPlan], model: nn.Module) -> None:
+    """After the optimizer step, on every rank: the aux-loss-free expert-bias update when the plan has one.
+
+    Example:
+        >>> after_optimizer_step(None, nn.Linear(2, 2))  # no plan: nothing to update
+    """
+    if plan is not None and plan.bias_update:
+        update_expert_bias(model)
