@@ -74,8 +74,12 @@ def _worker(
     torch.set_num_threads(1)
     result: dict[str, Any]
     try:
+        # The parent holds the store's server (bound to a port the OS chose), so no rank races another process
+        # for a port between choosing and binding it.
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                              timeout=timedelta(seconds=pg_timeout_s))
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
         )
         result = {"ok": True, "value": fn(rank, *args)}
     except BaseException as err:  # noqa: BLE001 - reported to the parent
@@ -125,7 +129,12 @@ def run_world(
         ctx.set_forkserver_preload(_PRELOAD + extra)
     except Exception:  # noqa: BLE001 - preload is an optimisation only
         pass
-    port = free_port()
+    import torch.distributed as dist
+
+    # Port 0: the OS picks a free port and the server holds it for the world's whole life (a port chosen free and
+    # bound later by rank 0 can be taken in between by a world another test process starts).
+    server = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    port = server.port
     with tempfile.TemporaryDirectory(prefix="l4d_world_") as tmp:
         outs = [str(Path(tmp) / f"rank{r}.pkl") for r in range(world_size)]
         procs = [
