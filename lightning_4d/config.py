@@ -182,7 +182,9 @@ class FourDConfig:
             e.g. a node, replicated across the groups; expert parameters stay FSDP2 over ``edp``).
         activation_checkpointing: ``None``, ``"selective"`` or ``"full"`` (per block).
         timeout: process-group timeout; a rank blocked on a failed peer raises after it.
-        process_group_backend: ``"gloo"``/``"nccl"``; default (``None``) by device.
+        process_group_backend: ``"gloo"``/``"nccl"``, or a torch ``"device:backend"`` string such as
+            ``"cuda:gloo"`` (several ranks sharing one GPU: gloo on CUDA tensors, refusing host tensors as NCCL
+            does; ``bench/gpu_smoke.py``); default (``None``) by device: ``nccl`` on CUDA, ``gloo`` on CPU.
         sync_module_states: every rank starts from rank 0's weights even without a common seed: a model built
             on the CPU is broadcast from rank 0 (64 MB buckets) before sharding; a model built on the meta device
             is initialised shard by shard (:mod:`lightning_4d.materialize.local_shards`) from rank 0's random state when the

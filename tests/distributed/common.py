@@ -280,6 +280,7 @@ def fit_spec(spec: dict[str, Any]) -> dict[str, Any]:
         result["val_loss"] = float(trainer.validate(lm, dataloaders=val, verbose=False)[0]["val_loss"])
     if spec.get("predict"):
         preds = trainer.predict(lm, dataloaders=DataLoader(make_dataset(global_batch, seed=99), batch_size=batch))
+        result["prediction_dtype"] = str(preds[0].dtype)  # the outputs' own dtype (autocast's, under *-mixed)
         local = torch.cat([p.float() for p in preds])
         if strategy_kwargs is not None and trainer.strategy.dims.dp > 1:
             # The DistributedSampler (no shuffle for predict) gives dp rank r the samples r::dp.
