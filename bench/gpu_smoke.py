@@ -52,7 +52,7 @@ from lightning_4d.materialize.local_shards import materialize  # noqa: E402
 from lightning_4d.mesh import ParallelDims  # noqa: E402
 from lightning_4d.models import CausalLM, Llama, LlamaConfig  # noqa: E402
 from lightning_4d.models.moe import MoEConfig, MoETransformer  # noqa: E402
-from lightning_4d.planner import CPU, H100, H200, TrainSpec, TransformerSpec, memory_per_rank  # noqa: E402
+from lightning_4d.planner import CPU, TrainSpec, TransformerSpec, device_by_name, memory_per_rank  # noqa: E402
 from lightning_4d.testing import run_world  # noqa: E402
 
 BUDGET_S = 480.0  # the whole run on one GPU: 8 minutes
@@ -141,12 +141,19 @@ def host_syncs(ctx: Context) -> Iterator[list[int]]:
     found.append(sum("synchronizing" in str(w.message) for w in caught))
 
 
+#: CUDA device-name fragments -> the planner's device (the first match wins).
+_PLANNER_DEVICES = (("H200", "H200"), ("H800", "H800"), ("H100 PCIe", "H100-PCIe"), ("H100 NVL", "H100-NVL"),
+                    ("H100", "H100-SXM"), ("A100-SXM4-40GB", "A100-40GB"), ("A100", "A100-80GB"))
+
+
+def planner_device(cuda_name: str) -> Any:
+    """The planner's device for a CUDA device name (``None``: one it does not know)."""
+    return next((device_by_name(known) for fragment, known in _PLANNER_DEVICES if fragment in cuda_name), None)
+
+
 def _device_spec(ctx: Context) -> Any:
     """The planner's device for the peak FLOP/s and allocator figures (``None``: a GPU it does not know)."""
-    if not ctx.cuda:
-        return CPU
-    name = torch.cuda.get_device_name(ctx.torch_device)
-    return H200 if "H200" in name else H100 if "H100" in name else None
+    return planner_device(torch.cuda.get_device_name(ctx.torch_device)) if ctx.cuda else CPU
 
 
 def _tokens(n: int, seq: int, vocab: int, seed: int = 0) -> TensorDataset:
@@ -175,7 +182,7 @@ class _Losses(L.Callback):
 
 # ---------------------------------------------------------------------------------------------- one rank
 class _Window(L.Callback):
-    """Set-up seconds (``fit`` until the first batch) and the timed window of steps ``warmup .. warmup+steps-1``:
+    """Set-up seconds (from building the Trainer to the first batch) and the timed window of steps ``warmup .. warmup+steps-1``:
     seconds and host syncs."""
 
     def __init__(self, ctx: Context, warmup: int, steps: int) -> None:
@@ -254,7 +261,7 @@ def plain_loop(ctx: Context, precision: str) -> dict[str, Any]:
     _sync(ctx)
     step_s = (time.perf_counter() - t0) / s.steps
     out = {"plain_step_s": step_s, "plain_host_syncs_per_step": syncs[0] / s.steps if syncs else None,
-           "plain_final_loss": float(loss)}
+           "plain_final_loss": float(loss.detach())}
     out.update({f"plain_{k}": v for k, v in _peaks(ctx).items()})
     del model, optimizer
     _peak_reset(ctx)
@@ -346,7 +353,7 @@ class World:
         cfg = ctx.sizes.world_moe if self.model == "moe" else ctx.sizes.world_llama
         finite = all(math.isfinite(x) for x in got["losses"]) and len(got["losses"]) == len(reference["losses"])
         if precision_info(self.precision).compute_bytes == 2:
-            tol = parity_tolerance(self.precision, cfg.n_layers, ctx.sizes.world_batch * ctx.sizes.world_llama.max_seq_len)
+            tol = parity_tolerance(self.precision, cfg.n_layers, ctx.sizes.world_batch * cfg.max_seq_len)
             out["loss_tolerance"] = tol.loss
             ok = finite and err <= tol.loss
         else:

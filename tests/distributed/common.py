@@ -257,6 +257,8 @@ def fit_spec(spec: dict[str, Any]) -> dict[str, Any]:
     if strategy_kwargs is not None and trainer.strategy.dims.tp > 1:
         assert_replicas_identical(lm, trainer.strategy.mesh)
     result: dict[str, Any] = {"losses": recorder.losses, "grads": full_grads(lm)}
+    if strategy_kwargs is not None:  # whether the loss ran under loss_parallel (a vocabulary-parallel head)
+        result["loss_parallel"] = bool(getattr(trainer.strategy.plan, "loss_parallel", False))
     if spec.get("placements"):  # mesh dimension names and placements of every DTensor parameter
         from torch.distributed.tensor import DTensor
 

@@ -44,6 +44,7 @@ def _run(cases: tuple[Case, ...], world: int, references: dict[tuple[str, str], 
     measured: dict[tuple[str, str], Row] = {}
     for (case, p), got in zip(runs, results):
         row = measure(got, references[(case.model, p)])
+        assert got["loss_parallel"] == ("tp" in case.strategy), (case.layout, p)  # loss_parallel under autocast
         tol = tolerance(case, p)
         measured[(p, case.layout)] = row
         label = f"{case.layout} {p}: loss {row.loss:.2e} (tol {tol.loss:.2e}), grad {row.grad:.2e} " \

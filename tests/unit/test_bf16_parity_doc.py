@@ -1,5 +1,5 @@
-"""``docs/measurements.md``'s bf16 parity tables (written by ``tests/distributed/test_bf16_parity.py``) against the code,
-without running them: one row per case and mode, the tolerances recomputed by
+"""``docs/measurements.md``'s bf16 parity tables (written by ``tests/distributed/test_bf16_parity.py``) against the
+code, without running them: one row per case and mode, the tolerances recomputed by
 :func:`lightning_4d.core.precision.parity_tolerance`, every layout within them and the injected error above them. A
 changed case list, model, batch or tolerance formula fails here until the tables are regenerated."""
 

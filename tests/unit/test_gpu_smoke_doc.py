@@ -45,4 +45,10 @@ def test_quoted_sizes_are_the_scripts() -> None:
     assert smoke.BUDGET_S <= 8 * 60
     readme = (REPO / "README.md").read_text()
     assert "Nothing has run on a GPU yet" in readme and "(one H100/H200, at most 8 minutes)" in readme
-    assert smoke.H100.peak_flops == smoke.H200.peak_flops == 989e12 and "989 TFLOP/s dense bf16" in DOC
+    from lightning_4d.planner import H100, H200
+
+    assert H100.peak_flops == H200.peak_flops == 989e12 and "989 TFLOP/s dense bf16" in DOC
+    from lightning_4d.planner.hardware import H100_PCIE
+
+    assert smoke.planner_device("NVIDIA H100 80GB HBM3") is H100 and smoke.planner_device("NVIDIA H200") is H200
+    assert smoke.planner_device("NVIDIA H100 PCIe") is H100_PCIE and smoke.planner_device("Tesla T4") is None
