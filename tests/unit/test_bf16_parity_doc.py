@@ -43,3 +43,16 @@ def test_precision_page_quotes_the_tables_tolerances() -> None:
               f"tolerance\nof {mixed.grad:.1e} ({mixed.grad / eps:.1f} eps) and a loss tolerance of {mixed.loss:.1e} "
               f"(`bf16-mixed`) or {true.loss:.1e} (`bf16-true`)")
     assert quoted in page, quoted
+
+
+def test_measurements_page_describes_the_cases_run() -> None:
+    """The section's description (models, batch, steps) is the cases' own."""
+    from tests.distributed.common import build_model
+
+    with torch.device("meta"):
+        llama, moe = build_model("llama"), build_model("moe")
+    text = DOC.read_text()
+    quoted = (f"Llama ({len(llama.layers)} blocks, dim {llama.config.dim}) or MoE transformer ({len(moe.layers)} "
+              f"blocks, {moe.moe_config.num_experts} experts, top-{moe.moe_config.top_k}), a global batch of "
+              f"{BASE['global_batch']} sequences of {SEQ}\ntokens, two AdamW steps (lr 1e-3)")
+    assert quoted in text and BASE["steps"] == 2 and "lr" not in BASE, quoted  # fit_spec's default lr is 1e-3
