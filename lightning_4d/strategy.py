@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Iterable, Optional, 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from torch import Tensor
@@ -35,6 +35,7 @@ from typing_extensions import override
 from lightning_4d import _compat
 from lightning_4d.core.batches import batch_tokens, call_model
 from lightning_4d.core.comm import internal_comm
+from lightning_4d.checkpoint.background import BackgroundSaver
 from lightning_4d.checkpoint.resume import normalize_loop_state, skip_first_batches
 from lightning_4d.checkpoint.state import load_sharded, model_state_dict, optimizer_state_dict, save_sharded
 from lightning_4d.config import FourDConfig
@@ -129,6 +130,7 @@ class FourDStrategy(ParallelStrategy):
         self.materialize_report: Optional[MaterializeReport] = None  # set when the model was built on meta
         self._cp_shard: Optional[SequenceShard] = None  # cp > 1: this rank's share of the current batch
         self._cp_info: Optional[ModelInfo] = None  # cp > 1: what the set-up check learnt of the model
+        self._saver = BackgroundSaver(self.config.timeout) if self.config.async_checkpoint else None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -484,6 +486,8 @@ class FourDStrategy(ParallelStrategy):
             self._replicas_checked = True
             self._check_replicas()
         after_optimizer_step(self._plan, self.model)  # aux-loss-free balancing: after the step, on every rank
+        if self._saver is not None:
+            self._saver.poll()  # a failed background save is logged now, raised at the next save / teardown
         return out
 
     def compute_loss(self, module: "pl.LightningModule", inputs: Any, targets: Any, stage: str = "train") -> Tensor:
@@ -577,6 +581,7 @@ class FourDStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        save_error = self._saver.close() if self._saver is not None else None  # the last save completes first
         if self.preemption is not None:
             self.preemption.restore()
         if self._heartbeat is not None:  # after a failure the peers may notice this rank's silence: intended
@@ -587,6 +592,10 @@ class FourDStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+        if save_error is not None:
+            if not self._failed:
+                raise save_error
+            log.error("lightning_4d: the background checkpoint save failed as well: %s", save_error)
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -610,13 +619,30 @@ class FourDStrategy(ParallelStrategy):
                         storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError("FourDStrategy.save_checkpoint(storage_options=...) is not supported.")
-        save_sharded(checkpoint, self.broadcast(str(filepath)), is_global_zero=self.is_global_zero,
-                     checksums=self.config.checkpoint_checksums)
+        path = self.broadcast(str(filepath))
+        trainer = _compat.attached_trainer(self.lightning_module) if self.lightning_module is not None else None
+        if self._saver is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING \
+                and trainer.state.status == TrainerStatus.RUNNING:  # after fit nothing would wait: saved at once
+            self._saver.save(checkpoint, path, self.is_global_zero, self.root_device, self.config.checkpoint_checksums)
+            return
+        self.wait_for_checkpoint()
+        save_sharded(checkpoint, path, is_global_zero=self.is_global_zero, checksums=self.config.checkpoint_checksums)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until the checkpoint being written in the background (``async_checkpoint=True``) is complete; raise
+        its error (every rank). A no-op without one.
+
+        Example:
+            >>> FourDStrategy(async_checkpoint=True).wait_for_checkpoint()
+        """
+        if self._saver is not None:
+            self._saver.wait()
 
     @override
     def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
         assert self.model is not None
         strict = bool(getattr(self.lightning_module, "strict_loading", True))
+        self.wait_for_checkpoint()
         meta = load_sharded(self.broadcast(str(checkpoint_path)), self.model, self.optimizers,
                             verify=self.config.checkpoint_checksums, strict=strict)
         # Re-positioned once the training dataloader (and so the epoch length) is known.
@@ -641,19 +667,26 @@ class FourDStrategy(ParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
-        if self.is_global_zero:
-
-            path = Path(filepath)
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+        if not self.is_global_zero:
+            return
+        remove = partial(_remove_path, Path(filepath))
+        if self._saver is not None:
+            self._saver.after_save(remove)  # only once the save in flight is complete (now if none is)
+        else:
+            remove()
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """Register ``strategy="fourd"`` with Lightning's registry."""
         if "fourd" not in strategy_registry:
             strategy_registry.register("fourd", cls, description="4D parallelism: TP/SP, PP, EP and DP")
+
+
+def _remove_path(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
 
 
 def _options_signature() -> inspect.Signature:
