@@ -326,8 +326,9 @@ def _apply_experts(module: nn.Module, mesh: FourDMesh, plan: ParallelPlan, accum
             )
         return
     stats = None if (dims.sp or dims.tp == 1) else ([("dp", mesh[Axis.DP_CP].get_group())] if dims.dp_cp > 1 else [])
+    # Mixtral-style expert lists are rewritten only when their experts are spread (ep > 1): else they run as written
     apply_expert_parallel(module, mesh, grad_scale=grad_scale, stats_groups=stats,
-                          aux_grad_scale=dims.dp_cp / max(accumulate, 1))
+                          aux_grad_scale=dims.dp_cp / max(accumulate, 1), rewrite=dims.ep > 1)
     for name, moe in module.named_modules():
         if isinstance(moe, MoE):
             plan.expert_modules.append(f"{name}.experts")

@@ -38,7 +38,9 @@ from lightning_4d.pipeline.schedules import get_schedule_info
 from lightning_4d.pipeline.staged import StagedForward
 from lightning_4d.pipeline.stages import ChainForward, PipelineParts, StageForward, find_pipeline_split, prune_stages
 from lightning_4d.pipeline.tied import sync_tied_grads
-from lightning_4d.core.verify import check_tensor_parallel
+from lightning_4d.core.verify import (
+    changed_output_error, check_tensor_parallel, running_modules, tensor_parallel_failure,
+)
 
 __all__ = ["check_after_tensor_parallel", "hooks_split", "install_stages", "split_pipeline", "build_runner",
            "check_packed", "pipeline_train_loss", "pipeline_eval", "sync_tied", "uses_pipeline_hooks"]
@@ -97,10 +99,11 @@ def check_after_tensor_parallel(module: nn.Module, stages: Optional[StageForward
     if stages is None:
         check_tensor_parallel(module, example, expected)
         return
-    try:
-        check_staged(stages, example, expected)
-    except ValueError as err:
-        raise ValueError(f"With tensor parallelism: {err}") from err
+    # the stages alone were checked before the rewrite: what fails now is the rewrite's, named like tp alone's
+    with running_modules(stages.root) as where:
+        check_staged(stages, example, expected,
+                     failed=lambda err: tensor_parallel_failure(stages.root, where(), err),
+                     differs=lambda diff, _allowed: changed_output_error(stages.root, diff, "run stage by stage"))
 
 
 def split_pipeline(mesh: FourDMesh, config: FourDConfig, stages: StageForward) -> PipelineParts:

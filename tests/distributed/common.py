@@ -29,6 +29,11 @@ def build_model(kind: str) -> torch.nn.Module:
     ...)."""
     from tests.distributed import byom_models
 
+    if kind.startswith("lit-"):  # LitGPT's own GPT: "lit-<family>" or "lit-<family>-<layers>"
+        from tests.distributed.byom_litgpt import build_litgpt
+
+        base, _, layers = kind.rpartition("-")
+        return build_litgpt(base, int(layers)) if layers.isdigit() else build_litgpt(kind)
     if kind.startswith("cp-"):
         from tests.distributed.cp_models import build_cp_model
 
@@ -268,13 +273,14 @@ def fit_spec(spec: dict[str, Any]) -> dict[str, Any]:
         # Per listed parameter (LightningModule names): a DTensor sharded on tp? None where this rank lacks it.
         params = dict(lm.named_parameters())
         result["sharded"] = {name: sharded_on_tp(params.get(name)) for name in spec["check_sharded"]}
-    if spec.get("model") == "mixtral" and strategy_kwargs is None:
-        # The strategy stacks Mixtral experts ([E, ...]); compare under the stacked names.
-        import copy
-
-        from lightning_4d.expert_parallel import convert_original_state_dict, rewrite_moe_modules
-
-        result["grads"] = convert_original_state_dict(rewrite_moe_modules(copy.deepcopy(lm)), result["grads"])
+    if strategy_kwargs is not None and trainer.strategy.layout_plan.source_names():
+        # Expert parallelism stacked a Mixtral-style list's experts ([E, ...]): compare under the user's names.
+        grads, renames = result["grads"], trainer.strategy.layout_plan.source_names()
+        for old, (new, index) in renames.items():
+            if new in grads:
+                result["grads"][old] = grads[new] if index is None else grads[new][index]
+        for new in {new for new, _ in renames.values()}:
+            grads.pop(new, None)
     if spec.get("buffers"):
         result["buffers"] = {n: b.detach().clone() for n, b in lm.named_buffers() if "expert_bias" in n}
     if spec.get("validate"):
