@@ -29,7 +29,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["PRELOAD_ENV", "run_world", "WorldError", "free_port"]
+from lightning_4d.core.host_syncs import HostSyncCounter
+
+__all__ = ["HostSyncCounter", "PRELOAD_ENV", "run_world", "WorldError", "free_port"]
 
 _PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning_4d"]
 PRELOAD_ENV = "LIGHTNING_4D_WORLD_PRELOAD"
