@@ -2,7 +2,8 @@
 optimizer step with ``foreach`` / ``fused`` kernels over DTensor parameters against ``foreach=False``.
 
 1. **MoE layer step** (one process): forward + backward of the package's :class:`~lightning_4d.expert_parallel.MoE`
-   (``--experts`` experts, top-2, ``--tokens`` tokens of width ``--dim``, expert hidden ``--hidden``), its experts
+   (``--experts`` experts, top-2, ``--tokens`` tokens of width ``--dim``, expert hidden ``--hidden``; ``--bf16-tokens``
+   under autocast, whose bf16 matmuls are slow on a CPU), its experts
    run by ``torch.nn.functional.grouped_mm`` (``grouped_mm=True``) and by the per-expert loop (``False``, which also
    copies the counts to the host), in fp32 and under ``torch.autocast("cpu", torch.bfloat16)`` (the experts' fp32
    weights then run in bf16 in both).
@@ -50,17 +51,18 @@ def _median_time(fn: Callable[[], None], steps: int, repeats: int) -> float:
 
 # ---------------------------------------------------------------------------------------------- MoE layer
 def moe_step_times(cfg: dict[str, Any]) -> list[dict[str, Any]]:
-    """``[{"dtype", "loop_ms", "grouped_ms", "ratio"}]``: one MoE layer's forward + backward, loop vs grouped GEMM."""
+    """``[{"dtype", "tokens", "loop_ms", "grouped_ms", "ratio"}]``: one MoE layer's forward + backward, loop vs grouped
+    GEMM (bf16 on fewer tokens: this CPU's bf16 matmuls are slow)."""
     from lightning_4d.expert_parallel import MoE
 
     torch.set_num_threads(1)
     rows = []
-    for label, dtype in (("fp32", None), ("bf16 autocast", torch.bfloat16)):
+    for label, dtype, tokens in (("fp32", None, cfg["tokens"]), ("bf16 autocast", torch.bfloat16, cfg["bf16_tokens"])):
         times = {}
         for grouped in (False, True):
             torch.manual_seed(0)
             layer = MoE(cfg["dim"], cfg["hidden"], cfg["experts"], top_k=2, grouped_mm=grouped)
-            x = torch.randn(1, cfg["tokens"], cfg["dim"], generator=torch.Generator().manual_seed(1))
+            x = torch.randn(1, tokens, cfg["dim"], generator=torch.Generator().manual_seed(1))
 
             def step() -> None:
                 layer.zero_grad(set_to_none=True)
@@ -69,7 +71,7 @@ def moe_step_times(cfg: dict[str, Any]) -> list[dict[str, Any]]:
                 out.float().square().mean().backward()
 
             times[grouped] = _median_time(step, cfg["steps"], cfg["repeats"])
-        rows.append({"dtype": label, "loop_ms": times[False] * 1e3, "grouped_ms": times[True] * 1e3,
+        rows.append({"dtype": label, "tokens": tokens, "loop_ms": times[False] * 1e3, "grouped_ms": times[True] * 1e3,
                      "ratio": times[False] / times[True]})
     return rows
 
@@ -129,12 +131,13 @@ def markdown(cfg: dict[str, Any], moe: list[dict[str, Any]], opt: list[dict[str,
              f"`python bench/bench_step_kernels.py --markdown docs/measurements.md` (one CPU thread per process; "
              f"median of {cfg['repeats']} × {cfg['steps']} steps; ratio = before / after).",
              "",
-             f"MoE layer forward + backward ({cfg['experts']} experts, top-2, {cfg['tokens']} tokens, dim "
-             f"{cfg['dim']}, expert hidden {cfg['hidden']}, one process):",
+             f"MoE layer forward + backward ({cfg['experts']} experts, top-2, dim {cfg['dim']}, expert hidden "
+             f"{cfg['hidden']}, one process):",
              "",
-             "| dtype | loop ms (before) | grouped GEMM ms (after) | ratio |",
-             "|---|---:|---:|---:|"]
-    lines += [f"| {r['dtype']} | {r['loop_ms']:.2f} | {r['grouped_ms']:.2f} | {r['ratio']:.2f} |" for r in moe]
+             "| dtype | tokens | loop ms (before) | grouped GEMM ms (after) | ratio |",
+             "|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['dtype']} | {r['tokens']} | {r['loop_ms']:.2f} | {r['grouped_ms']:.2f} | {r['ratio']:.2f} |"
+              for r in moe]
     lines += ["",
               f"AdamW step over {opt[0]['params']} DTensor parameters on two meshes ({cfg['layers']} Llama-shaped "
               f"blocks of width {cfg['dim']}, rank 0 of 2 gloo ranks):",
@@ -159,6 +162,7 @@ def write_block(path: Path, block: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--bf16-tokens", type=int, default=256, help="tokens of the bf16 row")
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--experts", type=int, default=8)
