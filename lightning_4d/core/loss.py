@@ -101,7 +101,8 @@ def token_weighted(mean: Tensor, n: Union[float, Tensor], total: Union[float, Te
     because gradients are averaged over ``dp``) and pipeline micro-batches (:mod:`lightning_4d.pipeline.runner`).
 
     ``n`` and ``total`` may be device tensors (counts never leave the device): the factor is then computed in their
-    precision (float64 counts) and rounded once to ``mean``'s dtype, as a Python float would be. A ``mean`` over
+    precision (float64 counts) and applied in ``mean``'s compute precision (float32 for bf16), as a Python float would
+    be. A ``mean`` over
     nothing (``n == 0``, NaN) contributes an exact zero, and so does everything when ``total == 0``; its backward
     then hands ``loss_fn`` a zero gradient.
 
@@ -116,8 +117,10 @@ def token_weighted(mean: Tensor, n: Union[float, Tensor], total: Union[float, Te
     n_t, total_t = (x.to(device=mean.device, dtype=torch.float64) if isinstance(x, Tensor)
                     else torch.full((), float(x), dtype=torch.float64, device=mean.device) for x in (n, total))
     keep = (n_t > 0) & (total_t > 0)
-    factor = torch.where(keep, n_t * scale / torch.where(keep, total_t, 1.0), 0.0).to(mean.dtype)
-    return torch.where(keep, mean, torch.zeros((), dtype=mean.dtype, device=mean.device)) * factor
+    factor = torch.where(keep, n_t * scale / torch.where(keep, total_t, 1.0), 0.0)  # () float64
+    opmath = torch.promote_types(mean.dtype, torch.float32)  # as a kernel takes a Python scalar: no bf16 factor
+    kept = torch.where(keep, mean, torch.zeros((), dtype=mean.dtype, device=mean.device))
+    return (kept.to(opmath) * factor.to(opmath)).to(mean.dtype)
 
 
 def weighted_global_loss(local_loss: Tensor, n_local: Tensor, dp_group: Optional[dist.ProcessGroup],

@@ -4,11 +4,13 @@ Loss weighting (exact parity with the single-process full-batch loss): the user'
 ``loss_fn(output, target)`` returns the *mean* over the valid tokens of its micro-batch (or a
 ``(sum, count)`` pair). Before the schedule runs, the valid tokens of the whole local batch are
 counted once (``target != ignore_index``; ``num_tokens=`` overrides it, e.g. with a count summed
-over data-parallel ranks). Counts stay on the device: a step reads none of them on the host. Each micro-batch loss is then rescaled inside the loss function handed
-to torch: ``mean_i · n_i / N`` (or ``sum_i / N``), times ``grad_scale``. Summed over micro-batches
-this is the full-batch mean, so the accumulated gradients equal the single-process gradients even
-when ``ignore_index`` positions differ per micro-batch; torch's own ``1/m`` scaling is disabled
-(``scale_grads=False``). A micro-batch without valid tokens contributes zero (not NaN).
+over data-parallel ranks). Counts stay on the device: a step reads none of them on the host. Each
+micro-batch loss is then rescaled inside the loss function handed to torch: ``mean_i · n_i / N`` (or
+``sum_i / N``), times ``grad_scale``. Summed over micro-batches this is the full-batch mean, so the accumulated
+gradients equal the single-process gradients even when ``ignore_index`` positions differ per micro-batch; torch's
+own ``1/m`` scaling is disabled (``scale_grads=False``). A micro-batch without valid tokens contributes zero (not
+NaN), and its ``loss_fn`` backward gets a zero gradient (``F.cross_entropy`` then gives zeros; a loss dividing by
+its own count would give NaN there: return ``(sum, count)`` instead).
 
 The loss returned by :meth:`PipelineRunner.train_step` is the local-batch loss (``grad_scale``
 undone), broadcast from the last stage over the pp group, so every pp rank returns the same value.
@@ -189,8 +191,10 @@ class PipelineRunner:
         if isinstance(value, (tuple, list)):
             total_sum = value[0]
             total = self._total
-            contrib = total_sum / (total.to(total_sum.dtype) if isinstance(total, torch.Tensor) else total)
-            return contrib * self._grad_scale
+            if not isinstance(total, torch.Tensor):
+                return total_sum / total * self._grad_scale
+            opmath = torch.promote_types(total_sum.dtype, torch.float32)  # as a kernel takes a Python scalar
+            return (total_sum.to(opmath) / total.to(opmath)).to(total_sum.dtype) * self._grad_scale
         # A mean over nothing (n == 0) is NaN: token_weighted makes it an exact zero, decided on the device (no
         # host sync per micro-batch); loss_fn's backward then sees a zero gradient.
         return token_weighted(local_of(value), self._count(target), self._total, self._grad_scale)
