@@ -105,6 +105,29 @@ class _ReferenceBiasUpdate(L.Callback):
             update_expert_bias(pl_module)
 
 
+class HostSyncsPerStep(L.Callback):
+    """Host syncs (:class:`~lightning_4d.testing.HostSyncCounter`) of each training batch whose index is in
+    ``batches``, from ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, guard, clipping and
+    optimizer step): ``per_step[i] = (count, report)``."""
+
+    def __init__(self, batches: Any) -> None:
+        self.batches = set(batches)
+        self.per_step: dict[int, tuple[int, str]] = {}
+        self._counter: Any = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, idx: int) -> None:
+        if idx in self.batches:
+            from lightning_4d.testing import HostSyncCounter
+
+            self._counter = HostSyncCounter().__enter__()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        if self._counter is not None:
+            self._counter.__exit__(None, None, None)
+            self.per_step[idx] = (self._counter.count, self._counter.report())
+            self._counter = None
+
+
 class _Recorder(L.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
@@ -252,6 +275,9 @@ def fit_spec(spec: dict[str, Any]) -> dict[str, Any]:
         loader = DataLoader(data, batch_size=batch, shuffle=False)
     recorder = _Recorder()
     callbacks: list[L.Callback] = [recorder] if strategy_kwargs is not None else [recorder, _ReferenceBiasUpdate()]
+    syncs = HostSyncsPerStep(spec["count_host_syncs"]) if spec.get("count_host_syncs") else None
+    if syncs is not None:  # first: its window closes before the other callbacks' batch-end hooks read values
+        callbacks.insert(0, syncs)
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, accumulate_grad_batches=accum,
         gradient_clip_val=spec.get("clip"), precision=spec.get("precision", "32-true"),
@@ -264,6 +290,8 @@ def fit_spec(spec: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {"losses": recorder.losses, "grads": full_grads(lm)}
     if strategy_kwargs is not None:  # whether the loss ran under loss_parallel (a vocabulary-parallel head)
         result["loss_parallel"] = bool(getattr(trainer.strategy.plan, "loss_parallel", False))
+    if syncs is not None:
+        result["host_syncs"] = syncs.per_step
     if spec.get("placements"):  # mesh dimension names and placements of every DTensor parameter
         from torch.distributed.tensor import DTensor
 
