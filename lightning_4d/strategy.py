@@ -256,6 +256,8 @@ class FourDStrategy(ParallelStrategy):
         rewritten."""
         assert self.model is not None
         meta = is_on_meta(self.model)
+        if not meta:  # on the device before any collective sees it (NCCL refuses host tensors)
+            self.model_to_device()
         # The unsharded model on meta (no memory): initialisation of a meta-built model and the set-up check.
         skeleton = meta_skeleton(self.model)
         buffers = None if meta else {n: b.detach().clone() for n, b in self.model.named_buffers()}
@@ -396,9 +398,9 @@ class FourDStrategy(ParallelStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
-        # Meta tensors are materialised as full tensors in `setup`, then sharded.
-        ctx = torch.device("meta") if empty_init else nullcontext()
-        with ctx, self.precision_plugin.tensor_init_context():
+        # Meta tensors are materialised as this rank's shards in `setup`; otherwise built on the root device, as in
+        # Lightning's own strategies (then broadcast from there under sync_module_states).
+        with torch.device("meta") if empty_init else self.root_device, self.precision_plugin.tensor_init_context():
             yield
 
     # ------------------------------------------------------------------ steps

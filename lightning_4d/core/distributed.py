@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -108,9 +108,10 @@ def global_grad_norm(params: Iterable[nn.Parameter], norm_type: float = 2.0, pp:
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     holders = world // pp  # ranks holding a shard or a copy of each parameter
     weighted: dict[float, list[Tensor]] = defaultdict(list)  # weight -> local gradient tensors
-    device: Union[str, torch.device] = "cpu"
+    device: Optional[torch.device] = None  # the parameters' (a rank without gradients still all-reduces there)
     for p in params:
         g = p.grad
+        device = device or p.device
         if g is None:
             continue
         if isinstance(g, DTensor):
@@ -123,7 +124,7 @@ def global_grad_norm(params: Iterable[nn.Parameter], norm_type: float = 2.0, pp:
         else:
             weighted[1.0 / holders].append(g)
         device = g.device
-    total = torch.zeros((), dtype=torch.float32, device=device)
+    total = torch.zeros((), dtype=torch.float32, device=device or "cpu")
     for weight, grads in weighted.items():
         total = total + weight * _local_norm_pow(grads, norm_type).to(device)
     if world > 1:

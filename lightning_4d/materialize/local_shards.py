@@ -276,11 +276,15 @@ def materialize_local_shards(skeleton: nn.Module, sharded: nn.Module, device: to
             write_full(target, full, perm, index)
         entry.written = True
 
-    # Tensors the user created for real (not on meta) keep their values (rank 0's under sync_module_states).
+    # Tensors the user created for real (not on meta) keep their values (rank 0's under sync_module_states),
+    # broadcast from a copy on the device (the user may have made them on the host).
     for entry in entries.values():
         if not entry.meta.is_meta and sync_module_states and dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.broadcast(entry.meta.data, src=dist.get_global_rank(group, 0) if group is not None else 0,
-                           group=group)
+            value = entry.meta.detach()
+            on_device = value.to(device)
+            dist.broadcast(on_device, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+            if on_device is not value:
+                value.copy_(on_device)
 
     provided = _source_provided(skeleton, entries) if pretrained else set()
     _run_calls(skeleton, entries, device, seed, places, write, provided, report)
