@@ -46,6 +46,7 @@ from lightning_4d.core.distributed import all_reduce_sum, broadcast_module_state
 from lightning_4d.safety.heartbeat import Heartbeat
 from lightning_4d.analysis.hooks import TP_PLAN, hook_call
 from lightning_4d.core.loss import check_inputs
+from lightning_4d.core.precision import exact_fp32_matmul
 from lightning_4d.materialize.local_shards import MaterializeReport, materialize_local_shards, meta_skeleton
 from lightning_4d.mesh import Axis, FourDMesh, ParallelDims, build_mesh
 from lightning_4d.safety.nonfinite import NonFiniteError, SkipStep, check_step
@@ -235,7 +236,8 @@ class FourDStrategy(ParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         if self._plan is None:  # a second fit/validate on the same Trainer reuses the layout
-            self._plan = self._set_up_layout(trainer)
+            with exact_fp32_matmul():  # the set-up's value checks in full fp32 (TF32 off), the user's choice restored
+                self._plan = self._set_up_layout(trainer)
         self.model_to_device()
         self.barrier()
         self._start_heartbeat()

@@ -1,6 +1,7 @@
-"""Every tensor the package hands a collective is on its group's device, from set-up to the first optimizer step (GPU
-audit B1-B4), checked on CPU with the host-tensor guard (:mod:`tests.host_guard`: the package's collectives refuse
-tensors a GPU run would leave on the host, as NCCL does). One 2-rank world runs each path once:
+"""GPU first contact, on CPU. Every tensor the package hands a collective is on its group's device, from set-up to the
+last step (GPU audit B1-B4), checked with the host-tensor guard (:mod:`tests.host_guard`: the package's collectives
+refuse tensors a GPU run would leave on the host, as NCCL does); and the set-up checks hold under TF32 (B5, with
+:mod:`tests.emulated_tf32`). One 2-rank world runs each path once, under the guard:
 
 - B1: a model built for real in ``__init__`` (the README's example), and one built in ``configure_model`` (under the
   strategy's ``tensor_init_context``), under the default ``sync_module_states``: broadcast from the device;
@@ -8,6 +9,8 @@ tensors a GPU run would leave on the host, as NCCL does). One 2-rank world runs 
 - B3: the expert token-shard check of a user TP plan under ep×tp: its fingerprints built on the tokens' device (the
   plan keeps the sequence whole, so the check's own ``ValueError`` is the expected end);
 - B4: a meta-built model holding a tensor made for real on the host (``device="cpu"``): broadcast from the device;
+- B5: tp=2 with TF32 matmuls (``torch.set_float32_matmul_precision("high")``, emulated): the set-up checks run in
+  full fp32 and accept the rewrite; the user's precision is "high" again after set-up;
 - two steps, a validation and a prediction under pp=2, and under tp=2 × ep=2 (the steps' collectives).
 """
 
@@ -27,14 +30,14 @@ from lightning_4d.testing import run_world
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-def _fit(make_lm: Callable[[], L.LightningModule], **strategy: Any) -> L.LightningModule:
+def _fit(make_lm: Callable[[], L.LightningModule], callbacks: Any = None, **strategy: Any) -> L.LightningModule:
     from lightning_4d import FourDStrategy
     from tests.distributed.common import make_dataset
 
     torch.manual_seed(0)
     lm = make_lm()
     trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks,
                         strategy=FourDStrategy(**strategy, timeout=timedelta(seconds=60)))
     dp = 2 // (strategy.get("tp", 1) * strategy.get("cp", 1))
     trainer.fit(lm, DataLoader(make_dataset(4), batch_size=4 // dp))
@@ -93,6 +96,25 @@ def _b4_meta_host_tensor() -> None:
     assert torch.equal(table.cpu(), torch.arange(4.0)), table  # rank 0's values on every rank
 
 
+def _b5_tf32() -> None:
+    from lightning_4d.models import CausalLM
+    from tests.emulated_tf32 import emulated_tf32
+
+    seen: list[str] = []
+
+    class Observe(L.Callback):
+        def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+            seen.append(torch.get_float32_matmul_precision())
+
+    torch.set_float32_matmul_precision("high")
+    try:
+        with emulated_tf32():
+            _fit(lambda: CausalLM(_llama()), tp=2, callbacks=[Observe()])
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    assert seen == ["high"], seen  # restored after set-up
+
+
 def _steps(spec: dict[str, Any]) -> Callable[[], None]:
     def run() -> None:
         from tests.distributed.common import fit_spec
@@ -104,6 +126,7 @@ def _steps(spec: dict[str, Any]) -> Callable[[], None]:
 
 CASES = {"B1 __init__": _b1_init, "B1 configure_model": _b1_configure_model, "B2 cp check": _b2_cp,
          "B3 token-shard check": _b3_token_check, "B4 meta-built model's host tensor": _b4_meta_host_tensor,
+         "B5 set-up checks under TF32": _b5_tf32,
          # The steps' collectives: pipeline (loss and output broadcasts, tied gradients, metrics), expert dispatch
          # under tp (all-to-all, counts, the replica check), clipping's norm, the non-finite guard's flags.
          "steps pp=2": _steps(dict(model="llama", strategy=dict(pp=2), validate=True, predict=True)),
@@ -131,5 +154,5 @@ def world() -> list[dict[str, str]]:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_collectives_see_device_tensors(world: list[dict[str, str]], case: str) -> None:
+def test_gpu_setup_on_cpu(world: list[dict[str, str]], case: str) -> None:
     assert [r[case] for r in world] == ["ok", "ok"], case
