@@ -50,6 +50,7 @@ from lightning_4d._compat.distributed import (  # noqa: E402
     replicate,
     shard_global_offset,
     unbox_work,
+    unflatten_mesh,
 )
 from lightning_4d._compat.fake import (  # noqa: E402
     clear_dtensor_caches,
@@ -62,6 +63,7 @@ from lightning_4d._compat.fake import (  # noqa: E402
 )
 from lightning_4d._compat.kernels import (  # noqa: E402
     attention_ops,
+    reducing_collective_ops,
     foreach_norm,
     grouped_mm,
     grouped_mm_supported,

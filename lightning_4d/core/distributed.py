@@ -18,7 +18,36 @@ from torch import Tensor, nn
 
 from lightning_4d import _compat
 
-__all__ = ["all_reduce_sum", "broadcast_module_state", "global_grad_norm", "is_on_meta", "local_of", "to_full"]
+__all__ = ["all_reduce_sum", "broadcast_module_state", "connect", "global_grad_norm", "is_on_meta", "local_of",
+           "to_full"]
+
+
+_DESTROY_AT_EXIT: list[bool] = []  # the exit hook is registered once per process
+
+
+def _destroy_default_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def connect(cluster_environment: Any, backend: str, timeout: Any, device: torch.device) -> bool:
+    """Initialise the default process group through Lightning (an existing one is reused); returns whether it was
+    made here. A group made here is destroyed at the process's exit, on every rank (NCCL warns of, and may hang on,
+    one left alive), not at the strategy's teardown: ``trainer.validate`` after ``trainer.fit`` still uses it.
+
+    Example:
+        >>> # not run: needs a cluster environment
+        >>> connect(LightningEnvironment(), "gloo", timedelta(minutes=5), torch.device("cpu"))  # doctest: +SKIP
+        True
+    """
+    import atexit
+
+    made = not dist.is_initialized()
+    _compat.init_dist_connection(cluster_environment, backend, timeout, device)
+    if made and not _DESTROY_AT_EXIT:
+        _DESTROY_AT_EXIT.append(True)
+        atexit.register(_destroy_default_group)
+    return made
 
 
 def all_reduce_sum(tensor: Tensor, group: Optional[dist.ProcessGroup] = None) -> Tensor:

@@ -217,6 +217,10 @@ class TrainerConfig:
     accumulate_grad_batches: int = 1
     default_root_dir: Optional[str] = None
     deterministic: bool = False
+    #: ``PYTORCH_CUDA_ALLOC_CONF`` for the run (e.g. ``expandable_segments:True``), set before CUDA initialises
+    #: unless the environment sets it (:func:`lightning_4d.recipes.build.apply_cuda_alloc_conf`); not a Trainer
+    #: argument.
+    cuda_alloc_conf: Optional[str] = None
 
     def __post_init__(self) -> None:
         _one_of("trainer.accelerator", self.accelerator, _ACCELERATORS)

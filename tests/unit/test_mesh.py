@@ -104,3 +104,31 @@ def test_hsdp_degrees() -> None:
     assert ParallelDims.from_world(8).dp_replicate == 1  # no HSDP: one replica group
     with pytest.raises(ValueError, match=r"dp_shard=3 does not divide dp=4.*among \[1, 2, 4\]"):
         FourDConfig(data_parallel="hsdp", dp_shard=3).resolve(4)
+
+
+@pytest.mark.parametrize("kwargs", [dict(tp=2, pp=2, ep=2), dict(tp=2, pp=2, ep=4, cp=1), dict(pp=2, cp=2, ep=2),
+                                    dict(pp=2, dp=4, dp_shard=2, ep=2)])
+def test_expert_view_shares_the_dense_mesh_groups(kwargs: dict) -> None:
+    """The expert view (pp, edp, ep) is derived from the dense mesh's root: its pp groups are the dense mesh's, and
+    build_mesh creates each axis's communicator once (a second DeviceMesh made the pp groups again); the axes hold
+    the ranks of rank_coordinates."""
+    from torch.distributed.distributed_c10d import _world
+
+    from lightning_4d.mesh import build_mesh, rank_coordinates
+    from lightning_4d.planner.fake_world import fake_world
+
+    dims = ParallelDims.from_world(8, **kwargs)
+    for rank in (0, 5):
+        with fake_world(8, rank=rank):
+            before = set(_world.pg_map)
+            mesh = build_mesh(dims, "cpu")
+            created = [pg.group_desc for pg in _world.pg_map if pg not in before]
+            assert mesh["pp"].get_group() is mesh.expert["pp"].get_group()
+            assert sorted(created) == sorted(set(created)), created  # no axis twice
+            assert created.count("mesh_pp") == 1
+            mine = rank_coordinates(dims, rank)
+            for axis in ("pp", "dp", "tp", "edp", "ep", *(("cp",) if dims.cp > 1 else ())):
+                view = ("pp", "edp", "ep") if axis in ("edp", "ep") else ("pp", "dp", "cp", "tp")
+                fixed = [a for a in view if a != axis and a in mine]
+                ranks = [r for r in range(8) if all(rank_coordinates(dims, r)[a] == mine[a] for a in fixed)]
+                assert mesh[axis].mesh.tolist() == ranks, (axis, rank)
