@@ -244,7 +244,7 @@ class FourDMesh:
         if name == "dp" and self.flat_dp is not None:
             return self.flat_dp
         if name == "dp_cp":
-            return self.dp_cp if self.dp_cp is not None else self.dense["dp"]
+            return self.dp_cp if self.dp_cp is not None else self["dp"]
         return self.dense[name]
 
     @property

@@ -36,7 +36,7 @@ def connect(cluster_environment: Any, backend: str, timeout: Any, device: torch.
     one left alive), not at the strategy's teardown: ``trainer.validate`` after ``trainer.fit`` still uses it.
 
     Example:
-        >>> # not run: needs a cluster environment
+        >>> # not run: needs a process group
         >>> connect(LightningEnvironment(), "gloo", timedelta(minutes=5), torch.device("cpu"))  # doctest: +SKIP
         True
     """
