@@ -60,8 +60,10 @@ def build_model(kind: str) -> torch.nn.Module:
     if kind.startswith("moe"):
         from tests.distributed.moe_models import build_moe_model
 
-        # "moe", "moe-aux" (aux loss), "moe-bias" (aux-loss-free bias update)
-        return build_moe_model(aux=0.01 if kind == "moe-aux" else 0.0, bias_rate=1e-3 if kind == "moe-bias" else 0.0)
+        # "moe", "moe-aux" (aux loss), "moe-bias" (aux-loss-free bias update), "moe-all" (every token to every
+        # expert: no top-k choice that a 16-bit rounding could flip)
+        return build_moe_model(aux=0.01 if kind == "moe-aux" else 0.0, bias_rate=1e-3 if kind == "moe-bias" else 0.0,
+                               top_k=4 if kind == "moe-all" else 2)
     if kind == "mixtral":
         from tests.distributed.moe_models import build_mixtral_model
 
@@ -290,12 +292,11 @@ def fit_spec(spec: dict[str, Any]) -> dict[str, Any]:
     trainer.fit(lm, train_dataloaders=loader)
     if strategy_kwargs is not None and trainer.strategy.dims.tp > 1:
         assert_replicas_identical(lm, trainer.strategy.mesh)
-    result: dict[str, Any] = {"losses": recorder.losses, "grads": full_grads(lm)}
+    result: dict[str, Any] = {"losses": recorder.losses, "grads": full_grads(lm), "spec": spec}
     if strategy_kwargs is not None:  # whether the loss ran under loss_parallel (a vocabulary-parallel head)
         result["loss_parallel"] = bool(getattr(trainer.strategy.plan, "loss_parallel", False))
     if syncs is not None:
         result["host_syncs"] = syncs.per_step
-    result: dict[str, Any] = {"losses": recorder.losses, "grads": full_grads(lm), "spec": spec}
     if spec.get("placements"):  # mesh dimension names and placements of every DTensor parameter
         from torch.distributed.tensor import DTensor
 
