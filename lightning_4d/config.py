@@ -156,8 +156,9 @@ class FourDConfig:
             never run it.
         plan: a :class:`~lightning_4d.plan.LayoutPlan`, or the path of its JSON file (``layout_plan.json``,
             written by the recipes; edit it to change what is sharded), applied instead of the derived one. It
-            is checked against the model and the mesh (paths, styles, degrees) and by the set-up value check
-            like a derived plan. ``None`` (default): derive it from the model.
+            is checked against the model, the mesh and these options (paths, styles, degrees; a schedule,
+            data-parallel mode or activation checkpointing other than the plan's is refused, naming both) and by the
+            set-up value check like a derived plan. ``None`` (default): derive it from the model.
         cp: context-parallel degree: every sample's sequence is split over ``cp`` ranks (a mesh axis between
             ``dp`` and ``tp``; parameters replicated over it, gradients reduced over ``dp × cp``), attention
             across them exact (:mod:`lightning_4d.context_parallel`). The sequence length must be divisible

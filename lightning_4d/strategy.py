@@ -49,6 +49,7 @@ from lightning_4d.core.loss import check_inputs
 from lightning_4d.materialize.local_shards import MaterializeReport, materialize_local_shards, meta_skeleton
 from lightning_4d.mesh import Axis, FourDMesh, ParallelDims, build_mesh
 from lightning_4d.safety.nonfinite import NonFiniteError, SkipStep, check_step
+from lightning_4d.layout.derive_plan import check_given_plan
 from lightning_4d.layout.parallelize import (
     LayoutRow, ParallelPlan, apply_layout, describe_layout, plan_layout,
 )
@@ -276,7 +277,7 @@ class FourDStrategy(ParallelStrategy):
         heads = self._cp_info.heads if self._cp_info is not None else None
         plan = load_plan(self.config.plan) if self.config.plan is not None else \
             plan_layout(self.model, dims, self.config, tp_mesh, attention_heads=heads)
-        plan.check(self.model, dims)
+        check_given_plan(self.model, plan, dims, self.config)  # a given plan: options that disagree are refused
         if plan.cp_algorithm == "ulysses" and heads is not None:  # a given plan: the heads must divide
             choose_algorithm("ulysses", heads, dims.cp, dims.tp)
         self.layout_plan = plan
