@@ -67,7 +67,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     import lightning.pytorch as pl
-    from lightning.fabric.strategies.registry import _StrategyRegistry
+    from lightning_4d._compat.trainer import StrategyRegistryType
     from lightning.pytorch.strategies.strategy import TBroadcast, TReduce
     from lightning.pytorch.utilities.types import STEP_OUTPUT
     from torch.distributed.device_mesh import DeviceMesh
@@ -458,7 +458,7 @@ class FourDStrategy(ParallelStrategy):
 
     def _log_skipped(self) -> None:
         module = self.lightning_module
-        if getattr(module, "_current_fx_name", None) is not None:
+        if _compat.current_hook(module) is not None:
             module.log("skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False, prog_bar=False)
 
     @override
@@ -651,7 +651,7 @@ class FourDStrategy(ParallelStrategy):
                 path.unlink()
 
     @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         """Register ``strategy="fourd"`` with Lightning's registry."""
         if "fourd" not in strategy_registry:
             strategy_registry.register("fourd", cls, description="4D parallelism: TP/SP, PP, EP and DP")

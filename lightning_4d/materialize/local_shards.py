@@ -57,6 +57,8 @@ from torch import Tensor, nn
 
 from lightning_4d.core.distributed import is_on_meta
 from lightning_4d._compat import init_calls, release_freed_host_memory, returnable_host_empty, to_empty_keeping_ties
+from lightning_4d._compat.modules import MODULE_DICTS, TENSOR_SLOTS, own_tensors, tensor_slots
+from lightning_4d._compat.dispatch import op_schema
 from lightning_4d._compat.dispatch import dispatch_mode_base
 from lightning_4d.materialize.init_pieces import CHUNK_ELEMENTS, Region, Step, covers, evaluate, scratch_bytes, unwritten_fill
 from lightning_4d.analysis.hooks import WeightSource  # noqa: F401 - re-exported (the protocol's historical home)
@@ -66,7 +68,7 @@ from lightning_4d.materialize.shard_slices import chunkable, local_chunks, local
 from lightning_4d.tensor_parallel.layouts import permutations_of
 
 if TYPE_CHECKING:
-    from torch._ops import OperatorBase
+    from lightning_4d._compat.dispatch import OperatorBase
 
     from lightning_4d._compat import InitCall
 
@@ -124,7 +126,7 @@ def module_copy(module: nn.Module, to_meta: bool = False) -> nn.Module:
                     else empty
     new = copy.copy(module)
     for key, value in list(vars(module).items()):
-        if key in ("_modules", "_parameters", "_buffers"):
+        if key in MODULE_DICTS:
             new.__dict__[key] = {k: copy.deepcopy(v, memo) if v is not None else None for k, v in value.items()}
         elif isinstance(value, dict):
             new.__dict__[key] = type(value)(value) if type(value) is not dict else dict(value)
@@ -179,8 +181,7 @@ def _entries(skeleton: nn.Module) -> dict[int, _Entry]:
     entries: dict[int, _Entry] = {}
     for mod_name, mod in skeleton.named_modules(remove_duplicate=False):
         prefix = f"{mod_name}." if mod_name else ""
-        for attr, tensor, is_param in ([(n, p, True) for n, p in mod._parameters.items()]
-                                       + [(n, b, False) for n, b in mod._buffers.items()]):
+        for attr, tensor, is_param in own_tensors(mod):
             if tensor is None:
                 continue
             entry = entries.setdefault(id(tensor), _Entry(names=[], meta=tensor))
@@ -201,7 +202,7 @@ class _MetaWriteGuard(dispatch_mode_base()):  # type: ignore[misc]
     def __torch_dispatch__(self, func: OperatorBase, types: tuple[type, ...], args: tuple[Any, ...] = (),
                            kwargs: Optional[dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
-        if func._schema.is_mutable and args and isinstance(args[0], Tensor) and args[0].is_meta:
+        if op_schema(func).is_mutable and args and isinstance(args[0], Tensor) and args[0].is_meta:
             raise RuntimeError(
                 f"{self.label} writes a tensor on the meta device that is none of the model's parameters or "
                 f"buffers ({func}): a reference taken when the model was built, or a scratch tensor made on meta. "
@@ -394,13 +395,13 @@ class _Recording(_Slots):
             entry = self.entries[key]
             value = self.recorder.tensor(key, entry.meta, parameter=isinstance(entry.meta, nn.Parameter))
             for mod, attr, is_param in entry.slots:
-                dict.__setitem__(mod._parameters if is_param else mod._buffers, attr, value)
+                dict.__setitem__(tensor_slots(mod, is_param), attr, value)
             self.made[key] = value
         return self.made[key]
 
     def settle(self, skeleton: nn.Module) -> None:
         for mod in skeleton.modules():  # the call may have assigned a stand-in elsewhere (a re-tie)
-            for slots in (mod._parameters, mod._buffers):
+            for slots in (tensor_slots(mod), tensor_slots(mod, parameters=False)):
                 for attr, value in list(dict.items(slots)):
                     if isinstance(value, RecordingTensor):
                         dict.__setitem__(slots, attr, self.entries[value._key].meta)
@@ -443,7 +444,7 @@ class _Realiser(_Slots):
         value = nn.Parameter(full, requires_grad=entry.meta.requires_grad) if isinstance(entry.meta, nn.Parameter) \
             else full
         for mod, attr, is_param in entry.slots:
-            dict.__setitem__(mod._parameters if is_param else mod._buffers, attr, value)
+            dict.__setitem__(tensor_slots(mod, is_param), attr, value)
         self.live[key] = (full, value)
         self.live_bytes += nbytes
         self.call_peak = max(self.call_peak, self.live_bytes)
@@ -458,7 +459,7 @@ class _Realiser(_Slots):
         self.live_bytes -= entry.meta.numel() * entry.meta.element_size()
         now = _current(entry)
         for mod, attr, is_param in entry.slots:
-            dict.__setitem__(mod._parameters if is_param else mod._buffers, attr, entry.meta)
+            dict.__setitem__(tensor_slots(mod, is_param), attr, entry.meta)
         if now is not None and not now.is_meta and (entry.written or entry.steps or entry.base_local
                                                     or _was_written(now, full)):
             self.write(entry, now.detach())  # this rank's part; the steps so far are in it
@@ -503,7 +504,7 @@ def _lazy_slots(skeleton: nn.Module, slots: _Slots) -> Iterator[None]:
     swapped: list[tuple[nn.Module, str, dict[str, Optional[Tensor]]]] = []
     try:
         for mod in skeleton.modules():
-            for attr in ("_parameters", "_buffers"):
+            for attr in TENSOR_SLOTS:
                 original = mod.__dict__[attr]
                 lazy = _LazySlots(original)
                 lazy.slots = slots
@@ -526,7 +527,7 @@ def _real_tensors(call: InitCall) -> list[tuple[Tensor, Tensor]]:
     modules = call.module.modules() if call.recurse else [call.module]
     seen: dict[int, Tensor] = {}
     for m in modules:
-        for t in [*m._parameters.values(), *m._buffers.values()]:
+        for _, t, _ in own_tensors(m):
             if t is not None and not t.is_meta:
                 seen[id(t)] = t
     return [(t, t.detach().clone()) for t in seen.values()]
@@ -591,13 +592,13 @@ def _all_provided(call: InitCall, provided: set[int]) -> bool:
     if not provided:
         return False
     modules = call.module.modules() if call.recurse else [call.module]
-    keys = [id(t) for m in modules for t in [*m._parameters.values(), *m._buffers.values()] if t is not None]
+    keys = [id(t) for m in modules for _, t, _ in own_tensors(m) if t is not None]
     return bool(keys) and all(k in provided for k in keys)
 
 
 def _current(entry: _Entry) -> Optional[Tensor]:
     mod, attr, is_param = entry.slots[0]
-    return dict.get(mod._parameters if is_param else mod._buffers, attr)
+    return dict.get(tensor_slots(mod, is_param), attr)
 
 
 def _was_written(now: Tensor, full: Tensor) -> bool:

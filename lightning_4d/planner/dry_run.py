@@ -113,8 +113,8 @@ from lightning_4d.planner.spec import TrainSpec, TransformerSpec
 from lightning_4d.core.precision import precision_info
 
 if TYPE_CHECKING:
-    from torch._ops import OperatorBase
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from lightning_4d._compat.dispatch import OperatorBase
+    from lightning_4d._compat.dispatch import TorchDispatchMode
 
 __all__ = ["RankTrace", "DryRunResult", "dry_run", "fake_friendly_mode", "representative_ranks", "strategy_config",
            "traced_micro_batch", "uniform_experts", "uniform_routing", "DRY_RUN_ASSUMPTIONS"]
