@@ -8,8 +8,8 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, List, Optional, Union
+from dataclasses import dataclass
+from typing import List, Optional, Union
 
 from lightning_4d.recipes.errors import RecipeConfigError, _non_negative, _one_of, _positive
 
