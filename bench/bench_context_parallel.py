@@ -140,7 +140,7 @@ def markdown(rows: list[str], seqs: list[int]) -> str:
 Written by
 `python bench/bench_context_parallel.py --seq {' '.join(map(str, seqs))} --markdown docs/context_parallel_measurements.md`;
 `tests/unit/test_cp_measurements.py` recomputes the planner and formula columns from the code and checks the
-claims quoted from it (README, "Context parallel").
+claims quoted from it (docs/context_parallel.md).
 
 One forward + backward of the package's Llama (4 layers, dim 128, 8 heads, 4 K/V heads, fp32) on one sequence of `T`
 tokens split zigzag over `cp` gloo ranks by each algorithm (cp = 1: the plain model, its own causal attention). **saved**: the

@@ -19,76 +19,18 @@ from datetime import timedelta
 from typing import Any, Literal, Optional, Sequence, Union
 
 from lightning_4d.context_parallel.algorithm import CP_ALGORITHMS
+from lightning_4d.pipeline.schedules import STRATEGY_SCHEDULES, default_virtual_stages, get_schedule_info, stage_style
 from lightning_4d.plan import LayoutPlan
 from lightning_4d.mesh import ParallelDims, _check_degree
 
 __all__ = ["FourDConfig", "SCHEDULES", "MULTI_STAGE_SCHEDULES", "ACTIVATION_CHECKPOINTING", "DATA_PARALLEL",
-           "DEFAULT_HEARTBEAT_TIMEOUT", "DEFAULT_SIGNALS", "DEFAULT_TIMEOUT", "NONFINITE_MODES", "SCHEDULE_SHAPES",
-           "ScheduleShape", "check_data_parallel", "default_virtual_stages", "resolve_signals", "stage_style"]
+           "DEFAULT_HEARTBEAT_TIMEOUT", "DEFAULT_SIGNALS", "DEFAULT_TIMEOUT", "NONFINITE_MODES", "check_data_parallel",
+           "default_virtual_stages", "resolve_signals", "stage_style"]
 
 
-@dataclass(frozen=True)
-class ScheduleShape:
-    """Where a pipeline schedule puts its stages: the one table of schedule shapes.
-
-    Attributes:
-        style: stage ↔ rank placement, ``"loop"`` (rank ``r`` holds ``r, r + pp, …``) or ``"v"`` (the stages
-            zig-zag: rank 0 holds the first and the last; :mod:`lightning_4d.pipeline.partition`).
-        virtual_stages: stages per rank the schedule requires; ``None``: any ``>= 2`` (default 2).
-
-    Example:
-        >>> SCHEDULE_SHAPES["zbv"]
-        ScheduleShape(style='v', virtual_stages=2)
-    """
-
-    style: str
-    virtual_stages: Optional[int]
-
-
-#: Every torch schedule the package knows (:data:`lightning_4d.pipeline.schedules.SCHEDULES` adds torch's
-#: class names); the planner, the config and the runtime read "V-shaped" and "stages per rank" here.
-SCHEDULE_SHAPES: dict[str, ScheduleShape] = {
-    "gpipe": ScheduleShape("loop", 1),
-    "1f1b": ScheduleShape("loop", 1),
-    "interleaved_1f1b": ScheduleShape("loop", None),
-    "looped_bfs": ScheduleShape("loop", None),
-    "interleaved_zb": ScheduleShape("loop", None),
-    "zbv": ScheduleShape("v", 2),
-    "dualpipev": ScheduleShape("v", 2),
-}
-#: The schedules ``FourDStrategy`` runs.
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev")
-MULTI_STAGE_SCHEDULES = tuple(s for s in SCHEDULES if SCHEDULE_SHAPES[s].virtual_stages != 1)
-
-
-def _shape(schedule: str) -> ScheduleShape:
-    if schedule not in SCHEDULE_SHAPES:
-        raise ValueError(f"schedule={schedule!r} is not known. Choose one of {', '.join(SCHEDULE_SHAPES)}.")
-    return SCHEDULE_SHAPES[schedule]
-
-
-def default_virtual_stages(schedule: str, pp: int) -> int:
-    """Stages per rank when ``virtual_stages`` is not given: 1 without pipelining or for one-stage schedules,
-    the required number for V schedules, else 2.
-
-    Example:
-        >>> default_virtual_stages("zbv", 4), default_virtual_stages("1f1b", 4), default_virtual_stages("zbv", 1)
-        (2, 1, 1)
-    """
-    if pp == 1:
-        return 1
-    return _shape(schedule).virtual_stages or 2
-
-
-def stage_style(schedule: str, pp: int) -> str:
-    """Stage placement of ``schedule`` on ``pp`` ranks: ``"v"`` for V-shaped schedules with a pipeline, else
-    ``"loop"`` (one rank has nothing to zig-zag).
-
-    Example:
-        >>> stage_style("dualpipev", 4), stage_style("dualpipev", 1), stage_style("interleaved_1f1b", 4)
-        ('v', 'loop', 'loop')
-    """
-    return _shape(schedule).style if pp > 1 else "loop"
+#: The schedules ``FourDStrategy`` runs; each one's facts are its record in :mod:`lightning_4d.pipeline.schedules`.
+SCHEDULES = STRATEGY_SCHEDULES
+MULTI_STAGE_SCHEDULES = tuple(s for s in SCHEDULES if get_schedule_info(s).multi_stage)
 ACTIVATION_CHECKPOINTING = (None, "selective", "full")
 DATA_PARALLEL = ("fsdp", "replicate", "hsdp")
 #: What a step with a non-finite loss or gradient norm does (:mod:`lightning_4d.safety.nonfinite`).
@@ -217,8 +159,9 @@ class FourDConfig:
             never run it.
         plan: a :class:`~lightning_4d.plan.LayoutPlan`, or the path of its JSON file (``layout_plan.json``,
             written by the recipes; edit it to change what is sharded), applied instead of the derived one. It
-            is checked against the model and the mesh (paths, styles, degrees) and by the set-up value check
-            like a derived plan. ``None`` (default): derive it from the model.
+            is checked against the model, the mesh and these options (paths, styles, degrees; a schedule,
+            data-parallel mode or activation checkpointing other than the plan's is refused, naming both) and by the
+            set-up value check like a derived plan. ``None`` (default): derive it from the model.
         async_checkpoint: write checkpoints saved during ``fit`` in the background with DCP's ``async_save``: a save
             blocks training only while this rank's shards are copied to host memory (pinned on a GPU); the files,
             their hashes, the manifest and the ``.partial`` → path swap follow in a background thread, crash-safe as
@@ -281,8 +224,12 @@ class FourDConfig:
             _check_degree("microbatches", self.microbatches)
         if self.virtual_stages is not None:
             _check_degree("virtual_stages", self.virtual_stages)
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule={self.schedule!r} is not known. Choose one of {', '.join(SCHEDULES)}.")
+        shape = get_schedule_info(self.schedule)  # the schedule's record; refuses an unknown name
+        if not shape.strategy:
+            raise ValueError(f"schedule={self.schedule!r}: FourDStrategy runs {', '.join(SCHEDULES)} (torch's "
+                             f"{shape.torch_name} feeds the planner and the bubble replay only).")
+        if shape.name != self.schedule:
+            raise ValueError(f"schedule={self.schedule!r}: write {shape.name!r}.")
         check_data_parallel(self.data_parallel, self.dp_shard)
         if self.cp_algorithm not in CP_ALGORITHMS:
             raise ValueError(f"cp_algorithm={self.cp_algorithm!r} is not known. Choose one of "
@@ -299,7 +246,6 @@ class FourDConfig:
                 f"schedule={self.schedule!r} runs several stages per rank, but virtual_stages=1. Leave "
                 f"virtual_stages unset (default 2) or pick schedule='1f1b' / 'gpipe'."
             )
-        shape = SCHEDULE_SHAPES[self.schedule]
         if shape.style == "v" and self.virtual_stages not in (None, shape.virtual_stages):
             raise ValueError(
                 f"schedule={self.schedule!r} places exactly 2 stages per rank in a V shape, but "

@@ -21,7 +21,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
 from lightning_4d.context_parallel.algorithm import plan_algorithm
 from lightning_4d.tensor_parallel.apply import TPLayout
@@ -33,10 +33,20 @@ if TYPE_CHECKING:
 
     from lightning_4d.mesh import ParallelDims
 
-__all__ = ["ExpertEntry", "LayoutPlan", "PLAN_FILE", "load_plan"]
+__all__ = ["ExpertEntry", "LayoutPlan", "PLAN_FILE", "PlanOptions", "load_plan"]
 
 PLAN_FILE = "layout_plan.json"  # what the recipes write in the run directory
 _VERSION = 1
+
+
+class PlanOptions(Protocol):
+    """The run's options a plan records (:class:`lightning_4d.config.FourDConfig` is one; a protocol, so the plan
+    does not import the options, which import it)."""
+
+    schedule: str
+    data_parallel: str
+    activation_checkpointing: Optional[str]
+    cp_algorithm: str
 
 
 @dataclass(frozen=True)
@@ -55,6 +65,22 @@ class ExpertEntry:
     kind: str
     experts: int
     renames: tuple[tuple[str, str, Optional[int]], ...] = ()
+
+    @property
+    def layer(self) -> str:
+        """The MoE layer the entry belongs to: the module around in-place experts or the package's ``experts``, a
+        Mixtral-style block itself (rewritten into the package's layer).
+
+        Example:
+            >>> ExpertEntry("layers.0.mlp.experts", "moe", 8).layer, ExpertEntry("layers.0.moe", "mixtral", 8).layer
+            ('layers.0.mlp', 'layers.0.moe')
+        """
+        return self.path if self.kind == "mixtral" else self.path.rpartition(".")[0]
+
+    @property
+    def experts_path(self) -> str:
+        """The experts module once the layout is applied (a Mixtral-style block's ``experts`` after its rewrite)."""
+        return f"{self.path}.experts" if self.kind == "mixtral" else self.path
 
     def __str__(self) -> str:
         renamed = f", {len(self.renames)} tensors renamed" if self.renames else ""
@@ -245,10 +271,12 @@ class LayoutPlan:
         return path
 
     # -- checks -------------------------------------------------------------------------------------------
-    def check(self, module: "nn.Module", dims: "ParallelDims") -> None:
-        """Refuse, naming the value, a plan that does not fit ``module`` or the mesh: a degree that differs, a
-        path that is not a module of the model, a style that does not exist, stages that do not cover the
-        blocks once each in order. Pure; the same on every rank.
+    def check(self, module: "nn.Module", dims: "ParallelDims", options: Optional[PlanOptions] = None) -> None:
+        """Refuse, naming the value, a plan that does not fit ``module``, the mesh or the run's ``options``: a degree
+        that differs, a schedule, stages per rank, data-parallel mode, activation checkpointing or (asked for by
+        name) context-parallel algorithm other than the options' (:meth:`check_options`), a path that is not a
+        module of the model, a style that does not exist, stages that do not cover the blocks once each in order.
+        Pure; the same on every rank.
 
         Example:
             >>> from torch import nn
@@ -270,6 +298,8 @@ class LayoutPlan:
         if (self.cp_algorithm != "") != (dims.cp > 1):  # an unknown algorithm names itself
             raise ValueError(f"layout plan: context_parallel={self.context_parallel!r} with cp={dims.cp}: name an "
                              f"algorithm (allgather, ulysses) exactly when cp > 1. Re-plan for this mesh.")
+        if options is not None:
+            self.check_options(options, dims)
         names = dict(module.named_modules())
         if self.blocks_path not in names:
             raise ValueError(f"layout plan: blocks_path {self.blocks_path!r} is not a module of "
@@ -295,6 +325,38 @@ class LayoutPlan:
             if entry.path not in names:
                 raise ValueError(f"layout plan: expert module {entry.path!r} is not a module of "
                                  f"{type(module).__name__}")
+
+    def check_options(self, options: PlanOptions, dims: "ParallelDims") -> None:
+        """Refuse a run whose options disagree with the plan, naming both values: what applying the plan does is
+        the plan's (the pipeline schedule and stages per rank with ``pp > 1``, the data-parallel mode, activation
+        checkpointing; the context-parallel algorithm when the options name one rather than ``"auto"``), so an
+        option the plan would silently override — and a check made for the option but not the plan (the V-shaped
+        schedules' refusal of tied weights) — cannot slip by. Pure.
+
+        Example:
+            >>> from types import SimpleNamespace
+            >>> from lightning_4d.mesh import ParallelDims
+            >>> plan = LayoutPlan(degrees=(("pp", 2),), blocks_path="l", block_order=("0", "1"))
+            >>> plan.check_options(SimpleNamespace(schedule="zbv", data_parallel="fsdp", activation_checkpointing=None,
+            ...                                    cp_algorithm="auto"), ParallelDims(world_size=2, pp=2))
+            Traceback (most recent call last):
+            ...
+            ValueError: layout plan: it was made for schedule='1f1b' but this run's options say schedule='zbv'. Run with schedule='1f1b' (as the plan was made) or re-plan for schedule='zbv' (drop the plan option).
+        """
+        checkpointing = options.activation_checkpointing or "none"
+        pairs = [("data_parallel", self.data_parallel, options.data_parallel),
+                 ("activation_checkpointing", self.activation_checkpointing, checkpointing)]
+        if dims.pp > 1:
+            pairs = [("schedule", self.schedule, options.schedule),
+                     ("virtual_stages", self.virtual_stages, dims.virtual_stages)] + pairs
+        if dims.cp > 1 and options.cp_algorithm != "auto":
+            pairs.append(("cp_algorithm", self.cp_algorithm, options.cp_algorithm))
+        for name, planned, asked in pairs:
+            if planned != asked:
+                shown = (lambda v: repr(None if v == "none" else v)) if name == "activation_checkpointing" else repr
+                raise ValueError(f"layout plan: it was made for {name}={shown(planned)} but this run's options say "
+                                 f"{name}={shown(asked)}. Run with {name}={shown(planned)} (as the plan was made) or "
+                                 f"re-plan for {name}={shown(asked)} (drop the plan option).")
 
     # -- editing ------------------------------------------------------------------------------------------
     def replace(self, **changes: Any) -> "LayoutPlan":

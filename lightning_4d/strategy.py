@@ -52,6 +52,7 @@ from lightning_4d.core.precision import exact_fp32_matmul
 from lightning_4d.materialize.local_shards import MaterializeReport, materialize_local_shards, meta_skeleton
 from lightning_4d.mesh import Axis, FourDMesh, ParallelDims, build_mesh
 from lightning_4d.safety.nonfinite import NonFiniteError, SkipStep, check_step
+from lightning_4d.layout.derive_plan import check_given_plan
 from lightning_4d.layout.parallelize import (
     LayoutRow, ParallelPlan, apply_layout, describe_layout, plan_layout,
 )
@@ -71,7 +72,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     import lightning.pytorch as pl
-    from lightning.fabric.strategies.registry import _StrategyRegistry
+    from lightning_4d._compat.trainer import StrategyRegistryType
     from lightning.pytorch.strategies.strategy import TBroadcast, TReduce
     from lightning.pytorch.utilities.types import STEP_OUTPUT
     from torch.distributed.device_mesh import DeviceMesh
@@ -289,7 +290,7 @@ class FourDStrategy(ParallelStrategy):
         heads = self._cp_info.heads if self._cp_info is not None else None
         plan = load_plan(self.config.plan) if self.config.plan is not None else \
             plan_layout(self.model, dims, self.config, tp_mesh, attention_heads=heads)
-        plan.check(self.model, dims)
+        check_given_plan(self.model, plan, dims, self.config)  # a given plan: options that disagree are refused
         if plan.cp_algorithm == "ulysses" and heads is not None:  # a given plan: the heads must divide
             choose_algorithm("ulysses", heads, dims.cp, dims.tp)
         self.layout_plan = plan
@@ -481,7 +482,7 @@ class FourDStrategy(ParallelStrategy):
 
     def _log_skipped(self) -> None:
         module = self.lightning_module
-        if getattr(module, "_current_fx_name", None) is not None:
+        if _compat.current_hook(module) is not None:
             module.log("skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False, prog_bar=False)
 
     @override
@@ -700,7 +701,7 @@ class FourDStrategy(ParallelStrategy):
             remove()
 
     @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         """Register ``strategy="fourd"`` with Lightning's registry."""
         if "fourd" not in strategy_registry:
             strategy_registry.register("fourd", cls, description="4D parallelism: TP/SP, PP, EP and DP")

@@ -38,6 +38,7 @@ from lightning_4d._compat.dispatch import (  # noqa: E402
     meta_scalar_mode,
     op_is_view,
     op_name,
+    op_schema,
     pytree,
     trunc_normal_hook,
     wrapper_subclass,
@@ -71,16 +72,20 @@ from lightning_4d._compat.kernels import (  # noqa: E402
     grouped_mm_supported,
 )
 from lightning_4d._compat.modules import (  # noqa: E402
+    MODULE_DICTS,
+    TENSOR_SLOTS,
     InitCall,
     callable_without_arguments,
     child_modules,
     init_calls,
     is_loss_module,
+    own_tensors,
     registered_submodule,
     release_freed_host_memory,
     returnable_host_empty,
     replace_batch_sampler,
     swapped_parameters,
+    tensor_slots,
     to_empty_keeping_ties,
 )
 from lightning_4d._compat.pipelining import (  # noqa: E402
@@ -92,6 +97,7 @@ from lightning_4d._compat.pipelining import (  # noqa: E402
 )
 from lightning_4d._compat.trainer import (  # noqa: E402
     attached_trainer,
+    current_hook,
     fit_loop_batches_processed,
     model_summary_options,
     model_summary_parts,

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["disabled_torch_function", "dispatch_mode_base", "in_backward", "is_higher_order_op", "meta_scalar_mode", "op_is_view",
-           "op_name", "pytree", "trunc_normal_hook", "wrapper_subclass"]
+           "op_name", "op_schema", "pytree", "trunc_normal_hook", "wrapper_subclass"]
 
 
 def dispatch_mode_base() -> type:
@@ -57,6 +57,18 @@ def op_name(func: OperatorBase) -> str:
     lives in the private ``torch._ops``."""
     packet = getattr(func, "overloadpacket", None) or getattr(func, "_overloadpacket", None)
     return packet.__name__ if packet is not None else str(func)
+
+
+def op_schema(func: OperatorBase) -> Any:
+    """The ``torch._C.FunctionSchema`` of an ``OpOverload`` (its private ``_schema``: ``arguments``,
+    ``is_mutable``, ...).
+
+    Example:
+        >>> import torch
+        >>> op_schema(torch.ops.aten.add_.Tensor).is_mutable, op_schema(torch.ops.aten.mm.default).arguments[0].name
+        (True, 'self')
+    """
+    return func._schema
 
 
 def in_backward() -> bool:

@@ -21,12 +21,43 @@ if TYPE_CHECKING:
     from torch.utils.data import DataLoader
     from transformers import PreTrainedModel
 
-__all__ = ["InitCall", "callable_without_arguments", "release_freed_host_memory", "returnable_host_empty", "child_modules", "init_calls", "to_empty_keeping_ties", "is_loss_module",
-           "registered_submodule",
-           "replace_batch_sampler", "swapped_parameters"]
+__all__ = ["InitCall", "MODULE_DICTS", "TENSOR_SLOTS", "callable_without_arguments", "release_freed_host_memory",
+           "returnable_host_empty", "child_modules", "init_calls", "to_empty_keeping_ties", "is_loss_module",
+           "own_tensors", "registered_submodule", "replace_batch_sampler", "swapped_parameters", "tensor_slots"]
 
 
 # ---------------------------------------------------------------------------------------------- nn.Module
+#: The instance attributes holding ``nn.Module``'s own parameters and buffers (private dicts).
+TENSOR_SLOTS = ("_parameters", "_buffers")
+#: Every private dict of an ``nn.Module`` instance: its children, then :data:`TENSOR_SLOTS`.
+MODULE_DICTS = ("_modules", *TENSOR_SLOTS)
+
+
+def tensor_slots(module: nn.Module, parameters: bool = True) -> dict[str, Optional[torch.Tensor]]:
+    """The live dict ``module`` keeps its own parameters (``parameters=True``) or buffers in (the private
+    ``nn.Module._parameters`` / ``_buffers``): reading and writing it bypasses ``__getattr__`` / ``__setattr__``
+    (what set-up's swaps and lazy materialisation need).
+
+    Example:
+        >>> lin = nn.Linear(2, 2)
+        >>> tensor_slots(lin)["weight"] is lin.weight, list(tensor_slots(nn.BatchNorm1d(2), parameters=False))[:2]
+        (True, ['running_mean', 'running_var'])
+    """
+    return module._parameters if parameters else module._buffers
+
+
+def own_tensors(module: nn.Module) -> list[tuple[str, Optional[torch.Tensor], bool]]:
+    """``(name, tensor or None, is_parameter)`` of every parameter, then buffer, registered on ``module`` itself (not
+    its children), slots set to ``None`` included (:func:`tensor_slots`).
+
+    Example:
+        >>> [(n, p) for n, _, p in own_tensors(nn.Linear(2, 2))]
+        [('weight', True), ('bias', True)]
+    """
+    return ([(n, t, True) for n, t in module._parameters.items()]
+            + [(n, t, False) for n, t in module._buffers.items()])
+
+
 def child_modules(module: nn.Module) -> dict[str, nn.Module]:
     """``module``'s registered children by name, in registration order (the private ``nn.Module._modules``
     without ``None`` entries). Unlike ``named_children()``, a module registered under two names is listed

@@ -15,6 +15,7 @@ import torch
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins.environments import ClusterEnvironment
+    from lightning.fabric.strategies.registry import _StrategyRegistry as StrategyRegistryType  # noqa: F401
     from lightning.pytorch import LightningModule, Trainer
     from lightning.pytorch.callbacks import ModelSummary
     from lightning.pytorch.strategies import ParallelStrategy
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "attached_trainer",
+    "current_hook",
     "fit_loop_batches_processed",
     "model_summary_options",
     "model_summary_parts",
@@ -72,6 +74,18 @@ def set_device_mesh(lightning_module: LightningModule, mesh: DeviceMesh) -> None
     """Expose ``mesh`` as ``lightning_module.device_mesh`` (a read-only property over the private
     ``LightningModule._device_mesh``, which Lightning's own ``ModelParallelStrategy`` sets the same way)."""
     lightning_module._device_mesh = mesh
+
+
+def current_hook(module: LightningModule) -> Optional[str]:
+    """The name of the Lightning hook running on ``module`` (where ``self.log`` may be called), or ``None`` outside
+    any (the private ``LightningModule._current_fx_name``).
+
+    Example:
+        >>> import lightning as L
+        >>> current_hook(L.LightningModule()) is None
+        True
+    """
+    return getattr(module, "_current_fx_name", None)
 
 
 def attached_trainer(module: nn.Module) -> Optional[Trainer]:

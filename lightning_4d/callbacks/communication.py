@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     import torch.distributed as dist
     from lightning.pytorch.utilities.types import STEP_OUTPUT
-    from torch._ops import OperatorBase
+    from lightning_4d._compat.dispatch import OperatorBase
 
     from lightning_4d.planner.spec import TransformerSpec
 

@@ -34,6 +34,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_4d._compat import is_fake
 from lightning_4d.core.batches import document_ids
 from lightning_4d.context_parallel.collectives import gather_sequence
+from lightning_4d.context_parallel.kinds import SDPA, attention_kind
 from lightning_4d.context_parallel.ulysses import ulysses_attention
 from lightning_4d.context_parallel.windows import MIXED, current_window
 from lightning_4d.context_parallel.zigzag import restore_order, zigzag_indices
@@ -225,7 +226,7 @@ class ContextParallelAttention(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
+        if attention_kind(func) == SDPA:
             self.calls += 1
             return self._attention(*args, **kwargs)
         return func(*args, **kwargs)

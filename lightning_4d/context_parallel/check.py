@@ -38,7 +38,6 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
@@ -47,16 +46,13 @@ from lightning_4d.context_parallel.algorithm import AttentionHeads
 from lightning_4d.context_parallel.alignment import TokenSubsets
 from lightning_4d.context_parallel.attention import ContextParallelAttention, UnsplittableAttention, bind_microbatches
 from lightning_4d.context_parallel.position_tables import install_position_tables, watch_sliced_tables
+from lightning_4d.context_parallel.kinds import SCORES, SDPA, attention_kind
 from lightning_4d.context_parallel.sharding import shard_batch, takes_positions
 from lightning_4d.context_parallel.windows import track_windows
 from lightning_4d.context_parallel.zigzag import zigzag_split
 from lightning_4d.core.precision import allowed_difference, max_difference
 
 __all__ = ["ModelInfo", "check_context_parallel", "check_declared", "declared_sliding_window", "example_length"]
-
-_SCORE_FUNCS = {torch.matmul, torch.bmm, torch.baddbmm, torch.einsum, torch.softmax, F.softmax, torch.Tensor.softmax,
-                torch.Tensor.__matmul__, torch.Tensor.matmul, torch.Tensor.bmm}
-
 
 def declared_sliding_window(owner: Any) -> Optional[int]:
     """The sliding window (tokens) a module or a config declares for its attention, else ``None``.
@@ -173,14 +169,15 @@ class _Watch(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func is F.scaled_dot_product_attention:
+        kind = attention_kind(func)
+        if kind == SDPA:
             self.sdpa += 1
             query = args[0] if args else kwargs["query"]
             key = args[1] if len(args) > 1 else kwargs["key"]
             if query.dim() >= 3 and key.dim() >= 3:
                 gqa = bool(kwargs.get("enable_gqa", False))
                 self.heads.append((self.where(), int(query.shape[-3]), int(key.shape[-3]), gqa))
-        elif (func in _SCORE_FUNCS and isinstance(out, Tensor) and out.is_floating_point() and out.dim() >= 2
+        elif (kind == SCORES and isinstance(out, Tensor) and out.is_floating_point() and out.dim() >= 2
               and tuple(out.shape[-2:]) == (self.seq_len, self.seq_len)):
             self.hand_written.append(self.where())
         return out

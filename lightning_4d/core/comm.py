@@ -34,7 +34,7 @@ from lightning_4d import _compat
 
 if TYPE_CHECKING:
     import torch.distributed as dist
-    from torch._ops import OperatorBase
+    from lightning_4d._compat.dispatch import OperatorBase
     from torch.distributed.device_mesh import DeviceMesh
 
     from lightning_4d.mesh import FourDMesh

@@ -28,8 +28,8 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import os
-import sys
 from collections import Counter
 from typing import Any, Optional, Sequence, Union
 
@@ -128,7 +128,8 @@ class HostSyncCounter:
         return isinstance(t, torch.Tensor) and (self.device is None or t.device.type == self.device)
 
     def _record(self, kind: str) -> None:
-        frame: Any = sys._getframe(1)
+        frame: Any = inspect.currentframe()
+        frame = frame.f_back if frame is not None else None
         site, skip = "", ""
         while frame is not None:
             path = os.path.abspath(frame.f_code.co_filename)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
+from typing import TYPE_CHECKING, Any, Callable, Collection, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -180,9 +180,11 @@ def inspect_experts(module: nn.Module, name: str, parent: Optional[nn.Module],
     return ExpertsSpec(name, contract, e, list(own), counts, router, zero)
 
 
-def find_expert_modules(model: nn.Module) -> tuple[list[ExpertsSpec], list[tuple[str, str]]]:
+def find_expert_modules(model: nn.Module, only: Optional[Collection[str]] = None
+                        ) -> tuple[list[ExpertsSpec], list[tuple[str, str]]]:
     """``(specs, rejected)``: every experts module :func:`inspect_experts` recognises, and every MoE-looking
-    module (a direct parameter with 3+ dimensions) it does not, with the reason.
+    module (a direct parameter with 3+ dimensions) it does not, with the reason. ``only``: inspect just these
+    modules (a layout plan's experts, found once when planning; one of them absent from ``model`` is skipped).
 
     Example:
         >>> find_expert_modules(nn.Linear(2, 2))
@@ -192,10 +194,14 @@ def find_expert_modules(model: nn.Module) -> tuple[list[ExpertsSpec], list[tuple
     specs: list[ExpertsSpec] = []
     rejected: list[tuple[str, str]] = []
     for name, mod in model.named_modules():
+        if only is not None and name not in only:
+            continue
         if is_inplace_experts(mod):
             specs.append(mod.fourd_experts.spec)  # type: ignore[union-attr]
             continue
         if not holds_stacked_experts(mod) or isinstance(mod, GroupedExperts):  # the package's own layer is handled apart
+            if only is not None:
+                rejected.append((name, "it holds no stacked [E, ...] expert weights of its own"))
             continue
         chain: list[nn.Module] = []
         up = parents.get(id(mod))

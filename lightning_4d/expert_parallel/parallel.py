@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from lightning_4d.mesh import FourDMesh, ParallelDims
 
 __all__ = ["expert_grad_scale", "check_expert_parallel", "apply_expert_parallel", "apply_inplace_expert_parallel",
-           "install_token_shard_check"]
+           "install_token_shard_check", "refuse_unrecognised_experts"]
 
 
 def expert_grad_scale(dims: "ParallelDims") -> float:
@@ -95,6 +95,7 @@ def apply_expert_parallel(
     stats_groups: Optional[Sequence[tuple[str, dist.ProcessGroup]]] = None,
     aux_grad_scale: Optional[float] = None,
     rewrite: bool = True,
+    layers: Optional[Sequence[str]] = None,
 ) -> nn.Module:
     """Make every MoE layer of ``model`` expert-parallel (in place) and return the model.
 
@@ -118,6 +119,8 @@ def apply_expert_parallel(
             ``ep`` and ``edp`` groups of the stage (FourDMesh) or the ep group alone.
         aux_grad_scale: number of replicas dense gradients are averaged over; default ``dp`` (FourDMesh)
             or ``ep``.
+        layers: the names of the MoE layers (a layout plan's: found once, when planning); default: every
+            :func:`~.rewrite.find_moe_modules` finds.
 
     Example:
         >>> # not run: needs a process group
@@ -129,8 +132,9 @@ def apply_expert_parallel(
     dims = getattr(mesh, "dims", None)
     ep_mesh = mesh[Axis.EP] if dims is not None else mesh
     ep = ep_mesh.size()
+    found = find_moe_modules(model) if layers is None else [(name, model.get_submodule(name)) for name in layers]
     # 1) validate everything first: no collective, no change before all layers are known to be fine.
-    for name, mod in find_moe_modules(model):
+    for name, mod in found:
         if isinstance(mod, MoE):
             check_expert_parallel(mod.num_experts, mod.top_k, ep, name or type(mod).__name__)
         else:
@@ -138,7 +142,7 @@ def apply_expert_parallel(
             k = getattr(mod, "top_k", getattr(mod, "num_experts_per_tok", 1))
             check_expert_parallel(num, k, ep, name or type(mod).__name__)
     if rewrite:
-        model = rewrite_moe_modules(model)
+        model = rewrite_moe_modules(model, layers=found)
     if dims is not None:
         grad_scale = expert_grad_scale(dims) if grad_scale is None else grad_scale
         if stats_groups is None:
@@ -158,13 +162,15 @@ def apply_expert_parallel(
 
 
 def apply_inplace_expert_parallel(model: nn.Module, ep_mesh: Optional["DeviceMesh"], grad_scale: float = 1.0,
-                                  ) -> list["ExpertsSpec"]:
+                                  names: Optional[Sequence[str]] = None) -> list["ExpertsSpec"]:
     """Install in-place expert parallelism (:mod:`.inplace`) on every experts module of ``model`` with 3-D
     parameters (transformers 5, TorchTitan style) and return their specs. Everything is validated first, on
     every rank and before any change: an MoE-looking module that is not recognised raises when ``ep > 1``
-    (listing each with the reason), as does an expert count ``ep`` does not divide or a forward that the
-    one-process replay (:func:`~.inplace.verify_experts`) does not reproduce. At ``ep == 1`` nothing is sharded: an
-    experts module the replay cannot split is left as written (not returned). Issues no collective.
+    (listing each with the reason: :func:`refuse_unrecognised_experts`), as does an expert count ``ep`` does not
+    divide or a forward that the one-process replay (:func:`~.inplace.verify_experts`) does not reproduce. At
+    ``ep == 1`` nothing is sharded: an experts module the replay cannot split is left as written (not returned).
+    ``names``: the experts modules already found (a layout plan's, found once when planning); only those are
+    inspected, and one that is not recognised raises. Issues no collective.
 
     Example:
         >>> apply_inplace_expert_parallel(nn.Linear(2, 2), None)
@@ -175,22 +181,12 @@ def apply_inplace_expert_parallel(model: nn.Module, ep_mesh: Optional["DeviceMes
     )
 
     ep = ep_mesh.size() if ep_mesh is not None else 1
-    specs, rejected = find_expert_modules(model)
-    if rejected and ep > 1:
-        listed = "; ".join(f"'{name}': {why}" for name, why in rejected)
-        raise ValueError(
-            f"ep={ep}: {len(rejected)} module(s) of {type(model).__name__} look like mixture-of-experts weights "
-            f"(parameters with 3+ dimensions) but were not recognised, so their experts cannot be sharded: "
-            f"{listed}. Recognised: an experts module whose parameters are all [E, ...] (at least one 3-D), next to "
-            f"a router holding an (E, hidden) weight (in its layer or the module around it), whose forward is one of "
-            f"three contracts: forward(hidden_states, top_k_index, top_k_weights), the weighted sum over each "
-            f"token's k experts (transformers); forward(x, num_tokens_per_expert), rows sorted by expert "
-            f"(TorchTitan); or forward(x) of every-token experts (Llama 4; a module whose name contains 'expert'), which "
-            f"assumes x is (E·N, hidden) expert-major with the router's scores already applied by the layer, and "
-            f"that rows i·N to (i+1)·N go through expert i's weights alone, each row on its own (no sum or mixing "
-            f"across rows or experts), so each block of rows can run on the rank holding its expert. The rewrite "
-            f"replays that in one process at set-up and refuses a forward it does not reproduce. Fix: adapt the "
-            f"module, or use lightning_4d.expert_parallel.MoE.")
+    specs, rejected = find_expert_modules(model, only=names)
+    if names is not None and rejected:
+        raise ValueError(f"experts module(s) of the layout plan not recognised: "
+                         f"{'; '.join(f'{name!r}: {why}' for name, why in rejected)}. Re-plan, or drop them from "
+                         f"the plan's experts.")
+    refuse_unrecognised_experts(model, rejected, ep)
     specs = [s for s in specs if not is_inplace_experts(model.get_submodule(s.name))]
     for spec in specs:
         check_expert_parallel(spec.num_experts, 1, ep, spec.name)
@@ -207,6 +203,30 @@ def apply_inplace_expert_parallel(model: nn.Module, ep_mesh: Optional["DeviceMes
     for spec in specs:
         install_expert_parallel(model.get_submodule(spec.name), spec, ep_mesh if ep > 1 else None, grad_scale)
     return specs
+
+
+def refuse_unrecognised_experts(model: nn.Module, rejected: Sequence[tuple[str, str]], ep: int) -> None:
+    """With ``ep > 1``, refuse the MoE-looking modules :func:`~.inplace.find_expert_modules` did not recognise
+    (``rejected``: ``(name, reason)``), naming each with its reason: their experts could not be sharded. Pure.
+
+    Example:
+        >>> refuse_unrecognised_experts(nn.Linear(2, 2), [("moe", "no router")], ep=1)  # ep=1: nothing to shard
+    """
+    if rejected and ep > 1:
+        listed = "; ".join(f"'{name}': {why}" for name, why in rejected)
+        raise ValueError(
+            f"ep={ep}: {len(rejected)} module(s) of {type(model).__name__} look like mixture-of-experts weights "
+            f"(parameters with 3+ dimensions) but were not recognised, so their experts cannot be sharded: "
+            f"{listed}. Recognised: an experts module whose parameters are all [E, ...] (at least one 3-D), next to "
+            f"a router holding an (E, hidden) weight (in its layer or the module around it), whose forward is one of "
+            f"three contracts: forward(hidden_states, top_k_index, top_k_weights), the weighted sum over each "
+            f"token's k experts (transformers); forward(x, num_tokens_per_expert), rows sorted by expert "
+            f"(TorchTitan); or forward(x) of every-token experts (Llama 4; a module whose name contains 'expert'), which "
+            f"assumes x is (E·N, hidden) expert-major with the router's scores already applied by the layer, and "
+            f"that rows i·N to (i+1)·N go through expert i's weights alone, each row on its own (no sum or mixing "
+            f"across rows or experts), so each block of rows can run on the rank holding its expert. The rewrite "
+            f"replays that in one process at set-up and refuses a forward it does not reproduce. Fix: adapt the "
+            f"module, or use lightning_4d.expert_parallel.MoE.")
 
 
 def install_token_shard_check(layers: dict[str, nn.Module], tp_group: dist.ProcessGroup) -> None:

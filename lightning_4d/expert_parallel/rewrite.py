@@ -39,7 +39,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -225,9 +225,11 @@ def _verify(block: nn.Module, moe: MoE, name: str) -> None:
                           "sum of w_j * w2(silu(w1 x) * w3 x)); a test input gave different outputs")
 
 
-def rewrite_moe_modules(model: nn.Module, verify: bool = True) -> nn.Module:
+def rewrite_moe_modules(model: nn.Module, verify: bool = True,
+                        layers: Optional[Sequence[tuple[str, nn.Module]]] = None) -> nn.Module:
     """Replace every Mixtral-style block of ``model`` (in place) by an equivalent :class:`~.moe.MoE`;
-    returns the model (a new object only if ``model`` itself is such a block).
+    returns the model (a new object only if ``model`` itself is such a block). ``layers``: the ``(name, module)``
+    MoE layers already found (a layout plan's), instead of :func:`find_moe_modules`.
 
     Example:
         >>> rewrite_moe_modules(nn.Sequential(nn.Linear(2, 2)))  # no Mixtral-style block: unchanged
@@ -235,7 +237,7 @@ def rewrite_moe_modules(model: nn.Module, verify: bool = True) -> nn.Module:
           (0): Linear(in_features=2, out_features=2, bias=True)
         )
     """
-    for name, mod in find_moe_modules(model):
+    for name, mod in find_moe_modules(model) if layers is None else layers:
         if isinstance(mod, MoE):
             continue
         new = moe_from_mixtral(mod, name or type(mod).__name__, verify=verify)

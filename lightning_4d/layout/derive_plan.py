@@ -30,6 +30,7 @@ from lightning_4d.analysis.discovery import find_blocks
 from lightning_4d.core.distributed import is_on_meta
 from lightning_4d.expert_parallel import MoE
 from lightning_4d.expert_parallel.inplace import find_expert_modules
+from lightning_4d.expert_parallel.parallel import refuse_unrecognised_experts
 from lightning_4d.expert_parallel.rewrite import find_moe_modules, mixtral_source_keys
 from lightning_4d.analysis.hooks import BLOCKS_PATH, user_hook
 from lightning_4d.plan import ExpertEntry, LayoutPlan
@@ -45,7 +46,7 @@ from lightning_4d.analysis.trace import example_tokens, trace_model
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["check_tied_across_v_stages", "plan_layout"]
+__all__ = ["check_given_plan", "check_tied_across_v_stages", "plan_layout"]
 
 
 def plan_layout(module: nn.Module, dims: ParallelDims, config: Optional[FourDConfig] = None,
@@ -100,7 +101,7 @@ def plan_layout(module: nn.Module, dims: ParallelDims, config: Optional[FourDCon
     if tpl is not None:
         # Expert parallelism takes these over: their experts (and a whole MoE layer it rewrites) are accounted
         # for by the expert rewrite, not summed over tp as replicated parameters.
-        owned = tuple(f"{e.path if e.kind == 'in-place' else _moe_layer(e)}." for e in experts)
+        owned = tuple(f"{e.path if e.kind == 'in-place' else e.layer}." for e in experts)
         tpl.partial_params = [n for n in tpl.partial_params if not n.startswith(owned)]
     return LayoutPlan(
         degrees=(("tp", dims.tp), ("pp", dims.pp), ("ep", dims.ep), ("dp", dims.dp), ("cp", dims.cp)),
@@ -138,8 +139,10 @@ def _cp_algorithm(module: nn.Module, dims: ParallelDims, requested: str,
 def _expert_entries(module: nn.Module, ep: int) -> tuple[ExpertEntry, ...]:
     """The expert modules the rewrite makes expert-parallel: in-place experts (3-D weights), lightning_4d's MoE
     layers and, with ``ep > 1``, Mixtral-style expert lists (rewritten into that layer; at ``ep == 1`` they run as
-    written)."""
-    specs, _ = find_expert_modules(module)
+    written). The one discovery of experts: applying the plan reads them from it. With ``ep > 1`` an MoE-looking
+    module that is not recognised is refused here."""
+    specs, rejected = find_expert_modules(module)
+    refuse_unrecognised_experts(module, rejected, ep)
     out = [ExpertEntry(s.name, "in-place", s.num_experts) for s in specs]
     for name, mod in find_moe_modules(module):
         if isinstance(mod, MoE):
@@ -151,16 +154,27 @@ def _expert_entries(module: nn.Module, ep: int) -> tuple[ExpertEntry, ...]:
     return tuple(out)
 
 
-def _moe_layer(entry: ExpertEntry) -> str:
-    """The MoE layer an expert entry belongs to (lightning_4d's layer: the parent of its ``experts``)."""
-    return entry.path.rpartition(".")[0] if entry.kind == "moe" else entry.path
+def check_given_plan(module: nn.Module, plan: LayoutPlan, dims: ParallelDims,
+                     options: Optional[FourDConfig] = None) -> None:
+    """Refuse a plan — derived, or given back edited — that does not fit ``module``, the mesh or the run's
+    ``options`` (:meth:`~lightning_4d.plan.LayoutPlan.check`, the options compared naming both values), or whose
+    own schedule's rules it breaks (a V-shaped schedule with weights tied across its first and last stage:
+    :func:`check_tied_across_v_stages`). Pure, identical on every rank, before anything changes.
+
+    Example:
+        >>> plan = LayoutPlan(degrees=(("pp", 1),), blocks_path="0", block_order=())
+        >>> check_given_plan(nn.Sequential(nn.ModuleList()), plan, ParallelDims(world_size=1), FourDConfig())
+    """
+    plan.check(module, dims, options)
+    if dims.pp > 1:
+        check_tied_across_v_stages(module, plan.blocks_path, plan.schedule, dims.dp_cp)
 
 
 def check_tied_across_v_stages(module: nn.Module, blocks_path: str, schedule: str, dp: int) -> None:
     """Refuse weights tied outside the blocks (embedding and head) under a V-shaped schedule with ``dp > 1``:
     the first and last stage share one rank, each stage module is its own data-parallel root, and torch's
     FSDP2 / replicate cannot manage one parameter from two roots (the copies would drift). Pure, identical on
-    every rank, before any collective (run while planning).
+    every rank, before any collective (run while planning, and again when a plan is given back).
 
     Example:
         >>> check_tied_across_v_stages(nn.Linear(2, 2), "layers", "zbv", dp=2)  # nothing tied: fine

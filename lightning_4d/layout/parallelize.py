@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,18 +28,17 @@ from lightning_4d.config import FourDConfig
 from lightning_4d.layout.data_parallel import apply_data_parallel, reshards_after_forward, wrap_mode
 from lightning_4d.analysis.discovery import top_level_modules
 from lightning_4d.core.distributed import all_reduce_coalesced, local_of
-from lightning_4d.expert_parallel import MoE, apply_expert_parallel
+from lightning_4d.expert_parallel import apply_expert_parallel
 from lightning_4d.expert_parallel.inplace import is_inplace_experts
 from lightning_4d.expert_parallel.parallel import (
     apply_inplace_expert_parallel,
     expert_grad_scale,
     install_token_shard_check,
 )
-from lightning_4d.expert_parallel.rewrite import find_moe_modules
 from lightning_4d.layout.expert_replay import check_with_experts_replayed, record_expert_layers
 from lightning_4d.mesh import Axis, FourDMesh, ParallelDims
 from lightning_4d.analysis.hooks import TP_PLAN, user_hook
-from lightning_4d.layout.derive_plan import plan_layout
+from lightning_4d.layout.derive_plan import check_given_plan, plan_layout
 from lightning_4d.plan import LayoutPlan
 from lightning_4d.pipeline.checks import check_staged
 from lightning_4d.layout.pipeline_glue import build_runner, check_after_tensor_parallel, install_stages, split_pipeline
@@ -50,31 +49,46 @@ from lightning_4d.tensor_parallel.layouts import attach_plan
 from lightning_4d.analysis.trace import example_tokens
 
 __all__ = ["LayoutRow", "ParallelPlan", "apply_layout", "check_layout", "describe_layout", "parallelize_module",
-           "plan_config", "plan_layout", "reduce_tp_partial_grads"]
+           "plan_config", "plan_layout", "reduce_tp_partial_grads", "tp_summed_parameters"]
 
 
 @dataclass
 class ParallelPlan:
-    """What was applied to the model; the strategy and the mixin read it.
+    """What runs on this rank once :func:`apply_layout` rewrote the model: the plan it applied, the handles of its
+    blocks, the pipeline runner and what the step needs of the rewritten modules. Every decision is the plan's
+    (``layout``): the properties read it.
 
     Example:
-        >>> ParallelPlan(blocks_path="layers").loss_parallel
-        False
+        >>> plan = LayoutPlan(degrees=(), blocks_path="layers", block_order=("0",), input_shape=(2, 8))
+        >>> ParallelPlan(plan).loss_parallel, ParallelPlan(plan).input_shape
+        (False, (2, 8))
     """
 
-    blocks_path: str = ""
-    blocks: list[nn.Module] = field(default_factory=list)
-    loss_parallel: bool = False
-    tp_modules: list[str] = field(default_factory=list)
+    layout: LayoutPlan  # the plan this rank applied
+    blocks: list[nn.Module] = field(default_factory=list)  # this rank's blocks (activation checkpointing, DP units)
     pipeline: Optional[PipelineRunner] = None  # this rank's schedule over its stage modules (pp > 1)
-    expert_modules: list[str] = field(default_factory=list)
-    tp_partial_params: list[str] = field(default_factory=list)
-    bias_update: bool = False
-    pipeline_tied: list[tuple[str, str]] = field(default_factory=list)
-    input_shape: Optional[tuple[int, ...]] = None  # the traced example's shape: inputs must have its rank
-    layout: Optional[LayoutPlan] = None  # the plan this rank applied
+    pipeline_tied: list[tuple[str, str]] = field(default_factory=list)  # first/last-stage tied pairs (pp > 1)
+    expert_modules: list[str] = field(default_factory=list)  # the experts modules made expert-parallel here
+    tp_partial_params: list[str] = field(default_factory=list)  # summed over tp: :func:`tp_summed_parameters`
+    bias_update: bool = False  # an MoE router runs the aux-loss-free bias update after each optimizer step
     # (model, DTensor parameters, tp_partial_params' parameters): found at the first step (reduce_tp_partial_grads)
     tp_grad_params: Optional[tuple[nn.Module, list, list]] = field(default=None, repr=False, compare=False)
+
+    @property
+    def blocks_path(self) -> str:
+        """The plan's container of repeated blocks."""
+        return self.layout.blocks_path
+
+    @property
+    def input_shape(self) -> Optional[tuple[int, ...]]:
+        """The traced example's shape (inputs must have its rank)."""
+        return self.layout.input_shape
+
+    @property
+    def loss_parallel(self) -> bool:
+        """Whether the output stays vocabulary-sharded under tp (the loss runs under ``loss_parallel``)."""
+        tpl = self.layout.tensor_parallel
+        return tpl is not None and self.layout.degree("tp") > 1 and tpl.loss_parallel
 
 
 @dataclass(frozen=True)
@@ -149,47 +163,42 @@ def apply_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, config: O
                  ) -> ParallelPlan:
     """Rewrite ``module`` in place as ``plan`` says, in TorchTitan's order: prune to this rank's pipeline stages,
     then expert parallelism, TP/SP, activation checkpointing, data parallelism, and the pipeline schedule. The
-    only code that changes the model; it reads every decision from the plan (checked against the model and the
-    mesh first: :meth:`LayoutPlan.check`). ``module`` may be on the meta device; ``device``: where its pipeline
-    stages will run once materialised (default: where its parameters are); ``config``: the strategy's options
-    (default: those the plan records, :func:`plan_config`). Values are not compared here: :func:`check_layout`
-    does that on a copy, before.
+    only code that changes the model; it reads every decision from the plan — the schedule, the data-parallel
+    mode, activation checkpointing and the expert modules included — after checking it against the model, the
+    mesh and ``config`` (:func:`check_given_plan`: options that disagree with the plan are refused, naming both).
+    ``module`` may be on the meta device; ``device``: where its pipeline stages will run once materialised
+    (default: where its parameters are); ``config``: the strategy's options (default: those the plan records,
+    :func:`plan_config`), of which only ``microbatches`` is not the plan's. Values are not compared here:
+    :func:`check_layout` does that on a copy, before.
 
     Example:
         >>> # not run: needs a process group
         >>> apply_layout(lm, plan_layout(lm, mesh.dims, config), mesh, config, "32-true")  # doctest: +SKIP
     """
     dims = mesh.dims
-    plan.check(module, dims)
     config = config if config is not None else plan_config(plan, dims)
+    check_given_plan(module, plan, dims, config)
     attach_plan(module, plan)  # materialisation, checkpoints and exports read the row permutations from it
-    record = ParallelPlan(blocks_path=plan.blocks_path, blocks=_blocks_of(module.get_submodule(plan.blocks_path)),
-                          input_shape=plan.input_shape, layout=plan)
+    record = ParallelPlan(plan, blocks=_blocks_of(module.get_submodule(plan.blocks_path)))
     parts = None
     if dims.pp > 1:
-        parts = split_pipeline(mesh, config, install_stages(module, plan))
+        parts = split_pipeline(mesh, plan, install_stages(module, plan))
         record.blocks = _blocks_of(module.get_submodule(plan.blocks_path))
     _apply_experts(module, mesh, record, accumulate)
     if dims.tp > 1:
         assert plan.tensor_parallel is not None
         run_user_plan_once(module, plan.tensor_parallel, mesh[Axis.TP], dims.sp)
-        apply_tensor_parallel(module, mesh, record, plan.tensor_parallel)
-        if dims.sp:
-            # In-place experts the plan lists but expert parallelism left as written (ep=1, a forward its replay
-            # cannot split) run on this rank's tokens like any replicated parameter: gradients summed over tp.
-            taken = set(record.expert_modules)
-            for entry in plan.experts:
-                found = registered_submodule(module, entry.path)
-                if entry.kind == "in-place" and entry.path not in taken and found is not None:
-                    record.tp_partial_params += [f"{entry.path}.{n}" for n, _ in found.named_parameters()]
+        apply_tensor_parallel(module, mesh, plan.tensor_parallel)
         if dims.ep > 1 and user_hook(module, TP_PLAN) is not None:
             # A user's plan must give the expert layers sequence shards; the automatic plan does by construction.
             # In-place experts get the routed tokens themselves; the package's MoE layer gets them (its experts not).
             names = [n if is_inplace_experts(module.get_submodule(n)) else n.rpartition(".")[0]
                      for n in record.expert_modules]
             install_token_shard_check({n: module.get_submodule(n) for n in names}, mesh[Axis.TP].get_group())
+    record.tp_partial_params = tp_summed_parameters(module, plan, dims, record.expert_modules)
 
-    apply_activation_checkpointing(record.blocks, config.activation_checkpointing)
+    apply_activation_checkpointing(record.blocks, None if plan.activation_checkpointing == "none"
+                                   else plan.activation_checkpointing)
 
     experts = [module.get_submodule(name) for name in record.expert_modules]
     # With edp == 1 no rank shares an expert: experts stay out of every data-parallel wrapper.
@@ -197,7 +206,7 @@ def apply_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, config: O
     if experts and dims.edp > 1:
         # Experts first, over edp: their gradients are averaged only over replicas of the same experts.
         for expert in experts:
-            apply_data_parallel(expert, mesh[Axis.EDP], mode=wrap_mode(config.data_parallel, experts=True),
+            apply_data_parallel(expert, mesh[Axis.EDP], mode=wrap_mode(plan.data_parallel, experts=True),
                                 precision=precision,
                                 reshard_root=reshards_after_forward(dims.pp))
     if dims.dp_cp > 1:  # dp, or dp × cp with context parallelism
@@ -211,12 +220,12 @@ def apply_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, config: O
         roots = parts.modules if parts is not None else [child for _, child in top_level_modules(module)]
         for root in roots:
             inner = [b for b in record.blocks if _is_within(b, root)]
-            apply_data_parallel(root, mesh.data_parallel, blocks=inner, mode=wrap_mode(config.data_parallel),
+            apply_data_parallel(root, mesh.data_parallel, blocks=inner, mode=wrap_mode(plan.data_parallel),
                                 precision=precision, ignored_params=unwrapped_experts,
                                 reshard_after_forward=reshards_after_forward(dims.pp))
 
     if parts is not None:
-        record.pipeline = build_runner(module, mesh, config, parts, device=device)
+        record.pipeline = build_runner(module, mesh, plan, parts, config.microbatches, device=device)
         record.pipeline_tied = list(parts.tied)
     return record
 
@@ -267,11 +276,10 @@ def check_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, accumulat
         check_staged(stages, example, expected)
     if dims.tp == 1:
         return
-    record_plan = ParallelPlan(blocks_path=plan.blocks_path, layout=plan)
-    _apply_experts(module, mesh, record_plan, accumulate)
+    _apply_experts(module, mesh, ParallelPlan(plan), accumulate)
     assert plan.tensor_parallel is not None
     run_user_plan_once(module, plan.tensor_parallel, mesh[Axis.TP], dims.sp)
-    apply_tensor_parallel(module, mesh, record_plan, plan.tensor_parallel)
+    apply_tensor_parallel(module, mesh, plan.tensor_parallel)
     check_with_experts_replayed(module, expert_calls, mesh[Axis.TP],
                                 lambda: check_after_tensor_parallel(module, stages, example, expected))
 
@@ -279,7 +287,7 @@ def check_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, accumulat
 def reduce_tp_partial_grads(plan: Optional[ParallelPlan], mesh: FourDMesh, model: nn.Module) -> None:
     """Once per optimizer step, after backward (``FourDStrategy`` and the planner's dry run call it): sum over
     ``tp`` the gradients of plain parameters that saw only this rank's sequence shard
-    (``plan.tp_partial_params``: routers, shared experts) in one all-reduce per dtype (their local shards
+    (``plan.tp_partial_params``, :func:`tp_summed_parameters`) in one all-reduce per dtype (their local shards
     concatenated: the bytes of one all-reduce per parameter, in one call), and resolve DTensor gradients left
     ``Partial`` (sequence-parallel norm weights) once, instead of in every optimizer op. Which parameters to look at
     is found once per plan (no walk over the model each step).
@@ -313,24 +321,21 @@ def _blocks_of(container: nn.Module) -> list[nn.Module]:
     return list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
 
 
-def _apply_experts(module: nn.Module, mesh: FourDMesh, plan: ParallelPlan, accumulate: int) -> None:
-    """Make every MoE layer expert-parallel (before TP planning): the model's own experts modules with 3-D
-    weights in place (:mod:`~lightning_4d.expert_parallel.inplace`), Mixtral-style expert lists rewritten into
-    the package's layer, the package's layer as is."""
-
+def _apply_experts(module: nn.Module, mesh: FourDMesh, record: ParallelPlan, accumulate: int) -> None:
+    """Make the plan's MoE layers expert-parallel (before TP): the model's own experts modules with 3-D weights in
+    place (:mod:`~lightning_4d.expert_parallel.inplace`), Mixtral-style expert lists rewritten into the package's
+    layer, the package's layer as is. The experts are the plan's (found once, when planning); those of other
+    pipeline stages are not on this rank."""
     dims = mesh.dims
+    plan = record.layout
     grad_scale = expert_grad_scale(dims)  # expert gradients are averaged over edp
-    inplace = apply_inplace_expert_parallel(module, mesh[Axis.EP], grad_scale=grad_scale)
-    for spec in inplace:
-        plan.expert_modules.append(spec.name)
-        layer = module.get_submodule(spec.name.rpartition(".")[0])
-        if dims.sp and dims.tp > 1:
-            # Router, shared experts and gates see only this rank's sequence shard: sum their grads over tp.
-            experts = {id(p) for p in module.get_submodule(spec.name).parameters()}
-            prefix = spec.name.rpartition(".")[0]
-            plan.tp_partial_params += [f"{prefix}.{n}" for n, p in layer.named_parameters() if id(p) not in experts]
-    if not find_moe_modules(module):
-        if dims.ep > 1 and not inplace:
+    here = [e for e in plan.experts if _present(module, e.path)]
+    inplace = apply_inplace_expert_parallel(module, mesh[Axis.EP], grad_scale=grad_scale,
+                                            names=[e.path for e in here if e.kind == "in-place"])
+    record.expert_modules += [spec.name for spec in inplace]
+    layers = [e.layer for e in here if e.kind != "in-place"]
+    if not layers:
+        if dims.ep > 1 and not plan.experts:
             raise ValueError(
                 f"ep={dims.ep} but {type(module).__name__} has no mixture-of-experts layer (an experts module with "
                 f"3-D [E, ...] weights next to a router, a `gate` router with an `experts` list, or lightning_4d's "
@@ -340,16 +345,51 @@ def _apply_experts(module: nn.Module, mesh: FourDMesh, plan: ParallelPlan, accum
     stats = None if (dims.sp or dims.tp == 1) else ([("dp", mesh[Axis.DP_CP].get_group())] if dims.dp_cp > 1 else [])
     # Mixtral-style expert lists are rewritten only when their experts are spread (ep > 1): else they run as written
     apply_expert_parallel(module, mesh, grad_scale=grad_scale, stats_groups=stats,
-                          aux_grad_scale=dims.dp_cp / max(accumulate, 1), rewrite=dims.ep > 1)
-    for name, moe in module.named_modules():
-        if isinstance(moe, MoE):
-            plan.expert_modules.append(f"{name}.experts")
-            plan.bias_update |= moe.router.expert_bias is not None
-            if dims.sp:
-                # Router and shared experts see only this rank's sequence shard: sum their grads over tp.
-                plan.tp_partial_params += [
-                    f"{name}.{n}" for n, _ in moe.named_parameters() if not n.startswith("experts.")
-                ]
+                          aux_grad_scale=dims.dp_cp / max(accumulate, 1), layers=layers,
+                          rewrite=dims.ep > 1)
+    for name in layers:
+        moe = module.get_submodule(name)
+        record.expert_modules.append(f"{name}.experts")
+        record.bias_update |= moe.router.expert_bias is not None
+
+
+def tp_summed_parameters(module: nn.Module, plan: LayoutPlan, dims: ParallelDims,
+                         expert_modules: Sequence[str]) -> list[str]:
+    """The one list of parameters on this rank whose gradients are summed over ``tp`` once per optimizer step
+    (:func:`reduce_tp_partial_grads`): weights the tensor-parallel plan replicates inside a sharded region
+    (``plan.tensor_parallel.partial_params``) and, under sequence parallelism, what sees only this rank's sequence
+    shard in an MoE layer — its router, shared experts and gates (every parameter of the layer but its experts),
+    and the whole of an in-place experts module the plan lists but expert parallelism left as written (``ep = 1``,
+    a forward its replay cannot split). ``expert_modules``: the experts modules made expert-parallel here.
+
+    Example:
+        >>> plan = LayoutPlan(degrees=(), blocks_path="l", block_order=())
+        >>> tp_summed_parameters(nn.Linear(2, 2), plan, ParallelDims(world_size=1), [])
+        []
+    """
+    names: list[str] = []
+    tpl = plan.tensor_parallel
+    if dims.tp > 1 and tpl is not None:
+        names += [n for n in tpl.partial_params if _present(module, n.rpartition(".")[0])]
+    if not dims.sp:
+        return names
+    taken = set(expert_modules)
+    for entry in plan.experts:
+        if not _present(module, entry.path):
+            continue
+        if entry.kind == "in-place" and entry.path not in taken:
+            names += [f"{entry.path}.{n}" for n, _ in module.get_submodule(entry.path).named_parameters()]
+            continue
+        owned = {id(p) for p in module.get_submodule(entry.experts_path).parameters()}
+        layer = module.get_submodule(entry.layer)
+        names += [f"{entry.layer}.{n}" for n, p in layer.named_parameters() if id(p) not in owned]
+    return list(dict.fromkeys(names))
+
+
+def _present(module: nn.Module, name: str) -> bool:
+    """Whether the module ``name`` is on this rank (a pipeline split removes other stages' or leaves stand-ins)."""
+    found = registered_submodule(module, name)
+    return found is not None and not getattr(found, "fourd_stub", False)
 
 
 def _is_within(sub: nn.Module, root: nn.Module) -> bool:

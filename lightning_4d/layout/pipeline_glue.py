@@ -26,7 +26,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_4d.core.batches import PackedInputs, check_takes_positions
-from lightning_4d.config import FourDConfig
 from lightning_4d.core.distributed import all_reduce_sum, to_full
 from lightning_4d.analysis.hooks import PIPELINE_HOOKS, PIPELINE_POST, PIPELINE_PRE, PIPELINE_SPLIT, user_hook
 from lightning_4d.plan import LayoutPlan
@@ -106,32 +105,34 @@ def check_after_tensor_parallel(module: nn.Module, stages: Optional[StageForward
                      differs=lambda diff, _allowed: changed_output_error(stages.root, diff, "run stage by stage"))
 
 
-def split_pipeline(mesh: FourDMesh, config: FourDConfig, stages: StageForward) -> PipelineParts:
-    """Prune the model in place to this rank's stages (original parameter names kept).
+def split_pipeline(mesh: FourDMesh, plan: LayoutPlan, stages: StageForward) -> PipelineParts:
+    """Prune the model in place to this rank's stages (original parameter names kept), placed as the plan's
+    schedule places them.
 
     Example:
         >>> # not run: needs a process group
-        >>> parts = split_pipeline(mesh, config, install_stages(lm, plan))  # doctest: +SKIP
+        >>> parts = split_pipeline(mesh, plan, install_stages(lm, plan))  # doctest: +SKIP
     """
     dims = mesh.dims
-    style = get_schedule_info(config.schedule).style
+    style = get_schedule_info(plan.schedule).style
     return prune_stages(stages, stage_ids_for_rank(mesh.rank(Axis.PP), dims.pp, dims.virtual_stages, style))
 
 
-def build_runner(module: nn.Module, mesh: FourDMesh, config: FourDConfig, parts: PipelineParts,
-                 device: Optional[torch.device] = None) -> PipelineRunner:
-    """The torch schedule over this rank's (already TP/DP-wrapped) stage modules, on ``device`` (default: the
-    stages' parameters' device; a model still on the meta device passes the device it will be materialised on).
-    Stages that run the model's own forward get the micro-batch's inputs on every stage.
+def build_runner(module: nn.Module, mesh: FourDMesh, plan: LayoutPlan, parts: PipelineParts,
+                 microbatches: Optional[int] = None, device: Optional[torch.device] = None) -> PipelineRunner:
+    """The plan's torch schedule over this rank's (already TP/DP-wrapped) stage modules, ``microbatches`` per step
+    (``None``: the schedule's default), on ``device`` (default: the stages' parameters' device; a model still on
+    the meta device passes the device it will be materialised on). Stages that run the model's own forward get the
+    micro-batch's inputs on every stage.
 
     Example:
         >>> # not run: needs a process group
-        >>> runner = build_runner(lm, mesh, config, parts)  # doctest: +SKIP
+        >>> runner = build_runner(lm, mesh, plan, parts, microbatches=4)  # doctest: +SKIP
     """
     ignore = getattr(module, "ignore_index", -100)
     count = getattr(module, "count_targets", None)
     return PipelineRunner(
-        parts.modules, mesh[Axis.PP], module.loss_fn, schedule=config.schedule, microbatches=config.microbatches,
+        parts.modules, mesh[Axis.PP], module.loss_fn, schedule=plan.schedule, microbatches=microbatches,
         inputs_to_every_stage=parts.modules[0].stage_forward.inputs_to_every_stage,
         ignore_index=-100 if ignore is None else ignore,
         token_count_fn=count if callable(count) else None,  # a device tensor: never read on the host

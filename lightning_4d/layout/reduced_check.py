@@ -41,7 +41,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from lightning_4d._compat import meta_scalar_mode, to_empty_keeping_ties
+from lightning_4d._compat import meta_scalar_mode, own_tensors, to_empty_keeping_ties
 from lightning_4d.core.comm import internal_comm
 from lightning_4d.analysis.hooks import PIPELINE_PRE, PIPELINE_SPLIT, user_hook
 from lightning_4d.materialize.local_shards import materialize, module_copy
@@ -98,8 +98,7 @@ def block_signature(block: nn.Module, ignore: frozenset[str] = frozenset()
     parts: list[tuple[str, Union[str, tuple[int, ...], int, float, bool]]] = []
     for name, mod in block.named_modules():
         parts.append((name, type(mod).__name__))
-        parts += [(f"{name}.{k}", tuple(t.shape)) for k, t in list(mod._parameters.items()) + list(mod._buffers.items())
-                  if t is not None]
+        parts += [(f"{name}.{k}", tuple(t.shape)) for k, t, _ in own_tensors(mod) if t is not None]
         parts += [(key, v) for key, v in _plain_attributes(name, mod) if key not in ignore]
     return tuple(parts)
 

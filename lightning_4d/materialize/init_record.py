@@ -30,7 +30,9 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor
 
-from lightning_4d._compat import disabled_torch_function, op_is_view, pytree, trunc_normal_hook, wrapper_subclass
+from lightning_4d._compat import (
+    disabled_torch_function, op_is_view, op_schema, pytree, trunc_normal_hook, wrapper_subclass,
+)
 from lightning_4d.materialize.init_pieces import Region, Step, draw_key
 
 __all__ = ["NotReplayable", "Recorder", "RecordingTensor"]
@@ -181,7 +183,7 @@ def _meta_of(a: Any) -> Any:
 def _bound(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """``func``'s arguments by name, defaults filled in."""
     out: dict[str, Any] = {}
-    for i, arg in enumerate(func._schema.arguments):
+    for i, arg in enumerate(op_schema(func).arguments):
         if i < len(args):
             out[arg.name] = args[i]
         elif arg.name in kwargs:

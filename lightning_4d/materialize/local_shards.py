@@ -47,28 +47,30 @@ from __future__ import annotations
 import copy
 import hashlib
 import sys
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_4d.core.distributed import is_on_meta
-from lightning_4d._compat import init_calls, release_freed_host_memory, returnable_host_empty, to_empty_keeping_ties
+from lightning_4d._compat import init_calls, to_empty_keeping_ties
+from lightning_4d._compat.modules import MODULE_DICTS, own_tensors
+from lightning_4d._compat.dispatch import op_schema
 from lightning_4d._compat.dispatch import dispatch_mode_base
 from lightning_4d.materialize.init_pieces import (
-    CHUNK_ELEMENTS, Region, Step, covers, evaluate, live_steps, scratch_bytes, unwritten_fill,
+    CHUNK_ELEMENTS, covers, evaluate, live_steps, scratch_bytes, unwritten_fill,
 )
 from lightning_4d.analysis.hooks import WeightSource  # noqa: F401 - re-exported (the protocol's historical home)
-from lightning_4d.materialize.init_record import Recorder, RecordingTensor
+from lightning_4d.materialize.init_record import Recorder
 from lightning_4d.materialize.load_sources import load_sources, weight_sources
+from lightning_4d.materialize.slots import Entry, Place, Realiser, Recording, lazy_slots
 from lightning_4d.materialize.shard_slices import chunkable, local_chunks, local_of, local_slice, read_local, write_full
 from lightning_4d.tensor_parallel.layouts import permutations_of
 
 if TYPE_CHECKING:
-    from torch._ops import OperatorBase
+    from lightning_4d._compat.dispatch import OperatorBase
 
     from lightning_4d._compat import InitCall
 
@@ -127,7 +129,7 @@ def module_copy(module: nn.Module, to_meta: bool = False) -> nn.Module:
                     else empty
     new = copy.copy(module)
     for key, value in list(vars(module).items()):
-        if key in ("_modules", "_parameters", "_buffers"):
+        if key in MODULE_DICTS:
             new.__dict__[key] = {k: copy.deepcopy(v, memo) if v is not None else None for k, v in value.items()}
         elif isinstance(value, dict):
             new.__dict__[key] = type(value)(value) if type(value) is not dict else dict(value)
@@ -154,39 +156,21 @@ def meta_skeleton(module: nn.Module) -> nn.Module:
 
 
 # ---------------------------------------------------------------------------------------------- the run
-_Place = tuple[Tensor, Optional[tuple[list[int], int]], Optional[int]]  # (target, TP row permutation, stack index)
-
-
-@dataclass
-class _Entry:
-    """One distinct tensor of the skeleton, every place it goes in the rewritten model, and what the initialisers
-    recorded for it since its last whole-tensor write."""
-
-    names: list[str]
-    meta: Tensor
-    slots: list[tuple[nn.Module, str, bool]] = field(default_factory=list)  # (module, attribute, is_parameter)
-    written: bool = False  # set by a whole-tensor call, or by a source
-    steps: list[Step] = field(default_factory=list)  # to apply on top of the base (NaN, or the local values)
-    defined: list[Region] = field(default_factory=list)  # regions every defining step wrote (coverage)
-    base_local: bool = False  # a whole-tensor call wrote the targets: steps apply on top of their values
-
-
 def _targets(sharded: nn.Module) -> dict[str, Tensor]:
     out = {n: p for n, p in sharded.named_parameters(remove_duplicate=False)}
     out.update({n: b for n, b in sharded.named_buffers(remove_duplicate=False)})
     return out
 
 
-def _entries(skeleton: nn.Module) -> dict[int, _Entry]:
+def _entries(skeleton: nn.Module) -> dict[int, Entry]:
     """Distinct tensors of ``skeleton`` (tied weights once), with their names and module slots."""
-    entries: dict[int, _Entry] = {}
+    entries: dict[int, Entry] = {}
     for mod_name, mod in skeleton.named_modules(remove_duplicate=False):
         prefix = f"{mod_name}." if mod_name else ""
-        for attr, tensor, is_param in ([(n, p, True) for n, p in mod._parameters.items()]
-                                       + [(n, b, False) for n, b in mod._buffers.items()]):
+        for attr, tensor, is_param in own_tensors(mod):
             if tensor is None:
                 continue
-            entry = entries.setdefault(id(tensor), _Entry(names=[], meta=tensor))
+            entry = entries.setdefault(id(tensor), Entry(names=[], meta=tensor))
             if prefix + attr not in entry.names:
                 entry.names.append(prefix + attr)
             entry.slots.append((mod, attr, is_param))
@@ -204,7 +188,7 @@ class _MetaWriteGuard(dispatch_mode_base()):  # type: ignore[misc]
     def __torch_dispatch__(self, func: OperatorBase, types: tuple[type, ...], args: tuple[Any, ...] = (),
                            kwargs: Optional[dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
-        if func._schema.is_mutable and args and isinstance(args[0], Tensor) and args[0].is_meta:
+        if op_schema(func).is_mutable and args and isinstance(args[0], Tensor) and args[0].is_meta:
             raise RuntimeError(
                 f"{self.label} writes a tensor on the meta device that is none of the model's parameters or "
                 f"buffers ({func}): a reference taken when the model was built, or a scratch tensor made on meta. "
@@ -264,8 +248,8 @@ def materialize_local_shards(skeleton: nn.Module, sharded: nn.Module, device: to
     entries = _entries(skeleton)
     report.tensors = len(entries)
 
-    def places(entry: _Entry) -> list[_Place]:
-        out: list[_Place] = []
+    def places(entry: Entry) -> list[Place]:
+        out: list[Place] = []
         for name in entry.names:
             if name in targets:
                 out.append((targets[name], perms.get(name), None))
@@ -274,7 +258,7 @@ def materialize_local_shards(skeleton: nn.Module, sharded: nn.Module, device: to
                 out.append((targets[new], perms.get(new), index))
         return out
 
-    def write(entry: _Entry, full: Tensor) -> None:
+    def write(entry: Entry, full: Tensor) -> None:
         for target, perm, index in places(entry):
             write_full(target, full, perm, index)
         entry.written = True
@@ -328,7 +312,7 @@ def materialize(module: nn.Module, device: Union[str, torch.device] = "cpu", pre
     return module
 
 
-def _compute_local(entry: _Entry, places: list[_Place]) -> None:
+def _compute_local(entry: Entry, places: list[Place]) -> None:
     """Compute this rank's elements of ``entry`` from its recorded steps, a chunk at a time (nothing for a tensor
     this rank holds no part of)."""
     if not entry.steps:
@@ -353,7 +337,7 @@ def _compute_local(entry: _Entry, places: list[_Place]) -> None:
             chunk.put(values)
 
 
-def _covered(entry: _Entry) -> bool:
+def _covered(entry: Entry) -> bool:
     """Whether the defining steps recorded for ``entry`` wrote every element (layout-independent: from the
     regions alone; a whole-tensor region decides at once, blocks (e.g. one expert each) on the grid of their
     boundaries, anything else counted in chunks)."""
@@ -376,171 +360,19 @@ def _covered(entry: _Entry) -> bool:
     return True
 
 
-class _Slots:
-    """What a module's ``_parameters`` / ``_buffers`` give for a meta tensor of the skeleton while a call runs."""
-
-    entries: dict[int, _Entry]
-
-    def realise(self, key: int) -> Tensor:
-        raise NotImplementedError
-
-    def settle(self, skeleton: nn.Module) -> None:
-        """After the call: the skeleton's slots hold meta tensors again."""
-
-
-class _Recording(_Slots):
-    """A memory-less :class:`~lightning_4d.materialize.init_record.RecordingTensor` per tensor (the same object for every
-    read within a call, so ``a.weight is b.weight`` holds for tied weights)."""
-
-    def __init__(self, entries: dict[int, _Entry], recorder: Recorder) -> None:
-        self.entries, self.recorder = entries, recorder
-        self.made: dict[int, Tensor] = {}
-
-    def realise(self, key: int) -> Tensor:
-        if key not in self.made:
-            entry = self.entries[key]
-            value = self.recorder.tensor(key, entry.meta, parameter=isinstance(entry.meta, nn.Parameter))
-            for mod, attr, is_param in entry.slots:
-                dict.__setitem__(mod._parameters if is_param else mod._buffers, attr, value)
-            self.made[key] = value
-        return self.made[key]
-
-    def settle(self, skeleton: nn.Module) -> None:
-        for mod in skeleton.modules():  # the call may have assigned a stand-in elsewhere (a re-tie)
-            for slots in (mod._parameters, mod._buffers):
-                for attr, value in list(dict.items(slots)):
-                    if isinstance(value, RecordingTensor):
-                        dict.__setitem__(slots, attr, self.entries[value._key].meta)
-
-
-class _Realiser(_Slots):
-    """Allocates a skeleton tensor in full when a whole-tensor call first reads it from its module, holding the
-    values recorded so far (this rank's part of a base a previous whole-tensor call wrote), and writes this rank's
-    part to the targets and frees it after the call — or earlier, oldest first, when the live full tensors would
-    exceed ``budget`` bytes (one tensor is always allowed)."""
-
-    def __init__(self, entries: dict[int, _Entry], device: torch.device, places: Callable[[_Entry], list[_Place]],
-                 write: Callable[[_Entry, Tensor], None], budget: int) -> None:
-        self.entries, self.device, self.places, self.write, self.budget = entries, device, places, write, budget
-        self.live: dict[int, tuple[Tensor, Tensor]] = {}  # entry id -> (full tensor, value in the slots), oldest first
-        self.live_bytes = 0
-        self.call_peak = 0
-        self.untrimmed = 0  # bytes of full tensors released since the heap was last trimmed
-
-    def realise(self, key: int) -> Tensor:
-        entry = self.entries[key]
-        nbytes = entry.meta.numel() * entry.meta.element_size()
-        if self.live_bytes + nbytes > self.budget:
-            for old in [k for k in self.live if not self._referenced(k)]:  # never one the caller still holds
-                if self.live_bytes + nbytes <= self.budget:
-                    break
-                self.release(old)
-        full = returnable_host_empty(entry.meta.shape, entry.meta.dtype) if self.device.type == "cpu" \
-            else torch.empty(entry.meta.shape, dtype=entry.meta.dtype, device=self.device)
-        unwritten_fill(full)  # NaN / the smallest integer: tells an untouched tensor from a written one
-        where = self.places(entry)
-        if entry.base_local and where:
-            read_local(where[0][0], full, where[0][1], where[0][2])  # a later call sees the earlier one's values
-        if entry.steps:
-            flat = full.view(-1)
-            for start in range(0, flat.numel(), CHUNK_ELEMENTS):
-                part = flat[start:start + CHUNK_ELEMENTS].cpu()
-                evaluate(entry.steps, torch.arange(start, start + part.numel()), part)
-                flat[start:start + part.numel()] = part.to(flat.device)
-        value = nn.Parameter(full, requires_grad=entry.meta.requires_grad) if isinstance(entry.meta, nn.Parameter) \
-            else full
-        for mod, attr, is_param in entry.slots:
-            dict.__setitem__(mod._parameters if is_param else mod._buffers, attr, value)
-        self.live[key] = (full, value)
-        self.live_bytes += nbytes
-        self.call_peak = max(self.call_peak, self.live_bytes)
-        return value
-
-    def _referenced(self, key: int) -> bool:
-        """Whether code outside the module slots holds the realised value (writes to it must not be lost)."""
-        return sys.getrefcount(self.live[key][1]) > 2 + len(self.entries[key].slots)  # argument, self.live, slots
-
-    def release(self, key: int) -> None:
-        entry, (full, _) = self.entries[key], self.live.pop(key)
-        self.live_bytes -= entry.meta.numel() * entry.meta.element_size()
-        now = _current(entry)
-        for mod, attr, is_param in entry.slots:
-            dict.__setitem__(mod._parameters if is_param else mod._buffers, attr, entry.meta)
-        if now is not None and not now.is_meta and (entry.written or entry.steps or entry.base_local
-                                                    or _was_written(now, full)):
-            self.write(entry, now.detach())  # this rank's part; the steps so far are in it
-            entry.steps, entry.base_local = [], True
-        del now, full
-        if self.device.type == "cpu":  # the writes' transients left at the C heap's top, before the next big tensor
-            self.untrimmed += entry.meta.numel() * entry.meta.element_size()
-            if self.untrimmed >= _TRIM_EVERY_BYTES:
-                release_freed_host_memory()
-                self.untrimmed = 0
-
-    def settle(self, skeleton: nn.Module) -> None:
-        while self.live:
-            self.release(next(iter(self.live)))
-
-
-class _LazySlots(dict):  # type: ignore[type-arg]
-    """A module's ``_parameters`` / ``_buffers`` whose meta tensors are realised when read."""
-
-    slots: _Slots
-
-    def _value(self, value: Optional[Tensor]) -> Optional[Tensor]:
-        if isinstance(value, Tensor) and value.is_meta and id(value) in self.slots.entries:
-            return self.slots.realise(id(value))
-        return value
-
-    def __getitem__(self, key: str) -> Optional[Tensor]:
-        return self._value(dict.__getitem__(self, key))
-
-    def get(self, key: str, default: Optional[Tensor] = None) -> Optional[Tensor]:
-        return self._value(dict.get(self, key, default))
-
-    def items(self) -> list[tuple[str, Optional[Tensor]]]:  # type: ignore[override]
-        return [(k, self._value(v)) for k, v in list(dict.items(self))]
-
-    def values(self) -> list[Optional[Tensor]]:  # type: ignore[override]
-        return [self._value(v) for v in list(dict.values(self))]
-
-
-@contextmanager
-def _lazy_slots(skeleton: nn.Module, slots: _Slots) -> Iterator[None]:
-    swapped: list[tuple[nn.Module, str, dict[str, Optional[Tensor]]]] = []
-    try:
-        for mod in skeleton.modules():
-            for attr in ("_parameters", "_buffers"):
-                original = mod.__dict__[attr]
-                lazy = _LazySlots(original)
-                lazy.slots = slots
-                mod.__dict__[attr] = lazy
-                swapped.append((mod, attr, original))
-        try:
-            yield
-        finally:
-            slots.settle(skeleton)
-    finally:
-        for mod, attr, original in swapped:
-            lazy = mod.__dict__[attr]
-            original.clear()
-            original.update(dict.items(lazy))
-            mod.__dict__[attr] = original
-
-
 def _real_tensors(call: InitCall) -> list[tuple[Tensor, Tensor]]:
     """``(tensor, copy)`` of the real (not meta) tensors ``call`` may write, to undo a recording attempt."""
     modules = call.module.modules() if call.recurse else [call.module]
     seen: dict[int, Tensor] = {}
     for m in modules:
-        for t in [*m._parameters.values(), *m._buffers.values()]:
+        for _, t, _ in own_tensors(m):
             if t is not None and not t.is_meta:
                 seen[id(t)] = t
     return [(t, t.detach().clone()) for t in seen.values()]
 
 
-def _run_calls(skeleton: nn.Module, entries: dict[int, _Entry], device: torch.device, seed: bytes,
-               places: Callable[[_Entry], list[_Place]], write: Callable[[_Entry, Tensor], None],
+def _run_calls(skeleton: nn.Module, entries: dict[int, Entry], device: torch.device, seed: bytes,
+               places: Callable[[Entry], list[Place]], write: Callable[[Entry, Tensor], None],
                provided: set[int], report: MaterializeReport) -> None:
     """Record every initialiser of ``skeleton`` in a single process's order (see the module docstring); a call
     that cannot be recorded runs on whole tensors. A call whose tensors all come from a ``fourd_weight_source`` is
@@ -555,7 +387,7 @@ def _run_calls(skeleton: nn.Module, entries: dict[int, _Entry], device: torch.de
         try:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(_call_seed(seed, call.label))
-                with _lazy_slots(skeleton, _Recording(entries, recorder)), recorder.recording(), \
+                with lazy_slots(skeleton, Recording(entries, recorder)), recorder.recording(), \
                         _MetaWriteGuard(call.label):
                     call.fn()
         except Exception as exc:  # noqa: BLE001 - any failure: run the call for real (a real error re-raises)
@@ -575,10 +407,10 @@ def _run_calls(skeleton: nn.Module, entries: dict[int, _Entry], device: torch.de
             tensor.copy_(before)
         del real
         report.whole_calls.append(f"{call.label}: {reason}")
-        realiser = _Realiser(entries, device, places, write, max(largest, _MIN_BUDGET))
+        realiser = Realiser(entries, device, places, write, max(largest, _MIN_BUDGET))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(_call_seed(seed, call.label))
-            with _lazy_slots(skeleton, realiser), _MetaWriteGuard(call.label):
+            with lazy_slots(skeleton, realiser), _MetaWriteGuard(call.label):
                 call.fn()
         if realiser.call_peak > report.largest_call_bytes:
             report.largest_call_bytes, report.largest_call = realiser.call_peak, call.label
@@ -587,11 +419,10 @@ def _run_calls(skeleton: nn.Module, entries: dict[int, _Entry], device: torch.de
             write(entry, entry.meta.detach())
 
 
-_TRIM_EVERY_BYTES = 8 << 20  # trim the C heap after this many bytes of full tensors were released (CPU only)
 _MIN_BUDGET = 0  # full tensors kept alive together during one initialiser call beyond the largest one
 
 
-def _source_provided(skeleton: nn.Module, entries: dict[int, _Entry]) -> set[int]:
+def _source_provided(skeleton: nn.Module, entries: dict[int, Entry]) -> set[int]:
     """Keys of the entries some ``fourd_weight_source`` provides."""
     by_name = {name: key for key, entry in entries.items() for name in entry.names}
     return {by_name[pre + rel] for pre, source in weight_sources(skeleton) for rel in source.names()
@@ -603,23 +434,5 @@ def _all_provided(call: InitCall, provided: set[int]) -> bool:
     if not provided:
         return False
     modules = call.module.modules() if call.recurse else [call.module]
-    keys = [id(t) for m in modules for t in [*m._parameters.values(), *m._buffers.values()] if t is not None]
+    keys = [id(t) for m in modules for _, t, _ in own_tensors(m) if t is not None]
     return bool(keys) and all(k in provided for k in keys)
-
-
-def _current(entry: _Entry) -> Optional[Tensor]:
-    mod, attr, is_param = entry.slots[0]
-    return dict.get(mod._parameters if is_param else mod._buffers, attr)
-
-
-def _was_written(now: Tensor, full: Tensor) -> bool:
-    """A call wrote the tensor unless it left every element as allocated (see :func:`_fill_unwritten`)."""
-    if now is not full and now.data_ptr() != full.data_ptr():
-        return True  # the call assigned a new tensor
-    if not now.numel() or now.dtype == torch.bool:
-        return True  # nothing to tell apart: trust the call
-    flat = now.reshape(-1)
-    unwritten = (lambda part: torch.isnan(part).all()) if now.is_floating_point() or now.is_complex() \
-        else (lambda part: (part == torch.iinfo(now.dtype).min).all())
-    step = 1 << 20  # chunks: no whole-tensor mask; the first written chunk ends the scan
-    return not all(bool(unwritten(flat[i:i + step])) for i in range(0, flat.numel(), step))

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_4d import _compat
 from lightning_4d.mixin import FourDModule
 
 if TYPE_CHECKING:
@@ -190,7 +191,7 @@ class CausalLM(FourDModule, L.LightningModule):
             return opt
         decay = hp.get("decay_steps")
         if decay is None and schedule != "constant":
-            if self._trainer is None:  # e.g. the planner's dry run traces one step: the run's length is unknown
+            if _compat.attached_trainer(self) is None:  # e.g. the planner's dry run traces one step: the run's length is unknown
                 return opt
             decay = self.trainer.estimated_stepping_batches
             if not math.isfinite(decay):

@@ -1,7 +1,8 @@
 """Pipeline parallelism building blocks over ``torch.distributed.pipelining`` (usable without Lightning).
 
 - :mod:`~lightning_4d.pipeline.partition`: stage partitioning and stage ↔ rank placement (pure).
-- :mod:`~lightning_4d.pipeline.schedules`: schedule registry, micro-batch rules, bubble theory (pure).
+- :mod:`~lightning_4d.pipeline.schedules`: one record per schedule (torch class, placement, stages per rank,
+  micro-batch rule, bubble, in-flight micro-batches) and the one refusal of an unknown name (pure).
 - :mod:`~lightning_4d.pipeline.bubble`: bubble share of torch's own action lists under unit costs (pure).
 - :mod:`~lightning_4d.pipeline.stages`: how stages run (:class:`StageForward`: a chain, or the model's own forward in
   :mod:`~lightning_4d.pipeline.staged`) and the one pruning into stage modules that keep parameter names.
@@ -18,6 +19,7 @@ from lightning_4d.pipeline.partition import partition_blocks, stage_ids_for_rank
 from lightning_4d.pipeline.runner import EvalOutput, PipelineRunner
 from lightning_4d.pipeline.schedules import (
     SCHEDULES,
+    STRATEGY_SCHEDULES,
     ScheduleInfo,
     bubble_theory,
     default_microbatches,
@@ -38,6 +40,7 @@ from lightning_4d.pipeline.tied import find_tied_parameters, sync_tied_grads
 
 __all__ = [
     "SCHEDULES",
+    "STRATEGY_SCHEDULES",
     "ChainForward",
     "EvalOutput",
     "PipelineEvent",

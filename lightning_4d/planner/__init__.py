@@ -31,7 +31,8 @@ Example:
     True
 """
 
-from lightning_4d.planner.bubble import in_flight_microbatches, replayed_bubble
+from lightning_4d.pipeline.schedules import in_flight_microbatches
+from lightning_4d.planner.bubble import replayed_bubble
 from lightning_4d.planner.comm import Collective, collective_bytes, comm_per_rank, summarize
 from lightning_4d.planner.hardware import (
     A100,

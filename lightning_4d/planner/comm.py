@@ -61,7 +61,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from lightning_4d.core.comm import wire_bytes
-from lightning_4d.config import stage_style
+from lightning_4d.pipeline.schedules import get_schedule_info, in_flight_microbatches, stage_style
 from lightning_4d.context_parallel.cost import kv_gathered_bytes
 from lightning_4d.layout.data_parallel import reshards_after_forward
 from lightning_4d.mesh import ParallelDims
@@ -251,13 +251,11 @@ def _tp(spec: TransformerSpec, dims: ParallelDims, layers: list[int], first: boo
 def _gather_passes(dims: ParallelDims, train: TrainSpec, m: int, pp_rank: int, reshards: bool) -> int:
     """How many times FSDP all-gathers one unit in a step (module docstring); ``reshards``: the unit is
     wrapped with ``reshard_after_forward=True``."""
-    from lightning_4d.planner.bubble import in_flight_microbatches
-
     if dims.pp == 1:
         return 2 * m if reshards else m
     if not reshards:
         return 1
-    if train.schedule == "gpipe":
+    if get_schedule_info(train.schedule).forwards_first:
         return m + 1
     warm = in_flight_microbatches(train.schedule, dims.pp, m, pp_rank, dims.virtual_stages)
     return int(min(2 * m, m + round(warm)))

@@ -83,183 +83,32 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
-from lightning_4d._compat import (
-    clear_dtensor_caches,
-    dispatch_mode_base,
-    fake_tensor_mode,
-    fsdp_param_group,
-    is_fake,
-    is_item_op,
-    unset_fake,
-)
+from lightning_4d._compat import clear_dtensor_caches, fake_tensor_mode
 from lightning_4d.core.comm import CommRecord, mesh_axis_groups, name_axis
-from lightning_4d.expert_parallel.permute import FIXED_ROUTING, FixedRouting
 from lightning_4d.config import FourDConfig
 from lightning_4d.layout.data_parallel import reshards_after_forward
-from lightning_4d.core.distributed import local_of
 from lightning_4d.mesh import FourDMesh, ParallelDims, rank_coordinates
 from lightning_4d.planner.comm import comm_per_rank, summarize
 from lightning_4d.planner.memory import micro_batch_size, stage_layout
 from lightning_4d.planner.spec import TrainSpec, TransformerSpec
 from lightning_4d.core.precision import precision_info
-
-if TYPE_CHECKING:
-    from torch._ops import OperatorBase
-    from torch.utils._python_dispatch import TorchDispatchMode
+from lightning_4d.planner.dry_run_report import (
+    _AXES, DRY_RUN_ASSUMPTIONS, DryRunResult, RankTrace, _close, _fmt, _union,
+)
+from lightning_4d.planner.dry_run_stand_ins import (
+    _reshards_after_forward, _stand_in_schedule, fake_friendly_mode, traced_micro_batch, uniform_experts,
+    uniform_routing,
+)
 
 __all__ = ["RankTrace", "DryRunResult", "dry_run", "fake_friendly_mode", "representative_ranks", "strategy_config",
            "traced_micro_batch", "uniform_experts", "uniform_routing", "DRY_RUN_ASSUMPTIONS"]
-
-DRY_RUN_ASSUMPTIONS = [
-    "dry run: lightning_4d.layout.parallelize.parallelize_module and lightning_4d.runtime.step (the code FourDStrategy runs) on a "
-    "meta model, one rank per pipeline rank in a fake process group of the full world size; one training step of "
-    "one micro-batch on fake tensors, compared with the formulas for m = 1",
-    "dry run: uniform routing (assignments round-robin over the ep ranks, then their experts); the expert "
-    "all-to-alls, dispatch and combine are the real ones",
-    "dry run: pipeline sends measured from the stage boundary tensors (torch's schedule is not run; the rest of "
-    "the strategy's step, lightning_4d.runtime.step, is); the pipeline's sequential check is skipped on meta",
-]
-
-_AXES = ("pp", "dp", "cp", "dp_cp", "tp", "edp", "ep")  # the axes the formulas name, in the order reports list them
-
-
-# ---------------------------------------------------------------------------------------------- results
-@dataclass
-class RankTrace:
-    """One traced role: the rank, its coordinates and stages, bytes sent per axis and kind (traced and
-    from the formulas), call counts and the differences found.
-
-    Example:
-        >>> RankTrace(0, {"pp": 0}, [0], [0, 1], {}, {}, {}, {}, [], 0.1).matches
-        True
-    """
-
-    rank: int
-    coordinates: dict[str, int]
-    stages: list[int]
-    layers: list[int]
-    traced: dict[str, dict[str, float]]
-    traced_calls: dict[str, dict[str, int]]
-    analytic: dict[str, dict[str, float]]
-    analytic_calls: dict[str, dict[str, int]]
-    differences: list[str]
-    seconds: float
-    notes: list[str] = field(default_factory=list)
-    expert_reshard_after_forward: Optional[bool] = None
-
-    @property
-    def matches(self) -> bool:
-        """Traced bytes equal the formulas' on every axis and kind."""
-        return not self.differences
-
-    def as_dict(self) -> dict[str, Any]:
-        """Plain dict for JSON (with ``matches``)."""
-        return {**asdict(self), "matches": self.matches}
-
-
-@dataclass
-class DryRunResult:
-    """What :func:`dry_run` found: one :class:`RankTrace` per role plus the traced setting.
-
-    Example:
-        >>> DryRunResult(world_size=8, layout={}, model="toy", layers=2, micro_batch_size=1, seq_len=16,
-        ...              precision="32-true").ok
-        True
-    """
-
-    world_size: int
-    layout: dict[str, Any]
-    model: str
-    layers: int
-    micro_batch_size: int
-    seq_len: int
-    precision: str
-    ranks: list[RankTrace] = field(default_factory=list)
-    assumptions: list[str] = field(default_factory=lambda: list(DRY_RUN_ASSUMPTIONS))
-    seconds: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        """Every traced role matches the formulas."""
-        return all(r.matches for r in self.ranks)
-
-    def as_dict(self) -> dict[str, Any]:
-        """Plain dict for JSON."""
-        out = asdict(self)
-        out["ranks"] = [r.as_dict() for r in self.ranks]
-        out["ok"] = self.ok
-        return out
-
-    def format(self) -> str:
-        """A short text report: per role, bytes per axis traced vs formula, and the differences.
-
-        Example:
-            >>> print(DryRunResult(8, {}, "toy", 2, 1, 16, "32-true").format().splitlines()[0])  # doctest: +ELLIPSIS
-            dry run of toy (2 blocks) on a fake 8-rank group: ...
-        """
-        n_entries = sum(len(k) for r in self.ranks for k in _union(r.traced, r.analytic).values())
-        n_diff = sum(len(r.differences) for r in self.ranks)
-        lines = [f"dry run of {self.model} ({self.layers} blocks) on a fake {self.world_size}-rank group: "
-                 f"{len(self.ranks)} role(s), micro-batch {self.micro_batch_size}×{self.seq_len}, {self.precision}, "
-                 f"{self.seconds:.1f} s; traced = formulas on {n_entries - n_diff} of {n_entries} axis·kind entries"]
-        for r in self.ranks:
-            coords = " ".join(f"{k}={v}" for k, v in r.coordinates.items())
-            lines.append(f"  rank {r.rank} ({coords}; stages {r.stages}, blocks {_span(r.layers)}): "
-                         + ("matches" if r.matches else f"{len(r.differences)} difference(s)"))
-            for axis, kinds in _union(r.traced, r.analytic).items():
-                parts = []
-                for kind in kinds:
-                    t, a = r.traced.get(axis, {}).get(kind, 0.0), r.analytic.get(axis, {}).get(kind, 0.0)
-                    mark = "" if _close(t, a) else f" (formula {_fmt(a)})"
-                    parts.append(f"{kind} {_fmt(t)}{mark}")
-                lines.append(f"    {axis:>4}: " + ", ".join(parts))
-            lines += [f"    ! {d}" for d in r.differences]
-        notes = list(dict.fromkeys(n for r in self.ranks for n in r.notes))
-        lines += [f"  note: {n}" for n in notes]
-        return "\n".join(lines)
-
-    @property
-    def expert_reshard_after_forward(self) -> Optional[bool]:
-        """Whether the traced experts' FSDP units reshard after forward (``None``: no expert unit traced)."""
-        values = {r.expert_reshard_after_forward for r in self.ranks} - {None}
-        return values.pop() if len(values) == 1 else None
-
-
-def _union(a: dict[str, dict[str, float]], b: dict[str, dict[str, float]]) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {}
-    for src in (a, b):
-        for axis, kinds in src.items():
-            lst = out.setdefault(axis, [])
-            lst += [k for k in kinds if k not in lst]
-    return {axis: out[axis] for axis in sorted(out, key=lambda x: (_AXES + (x,)).index(x))}
-
-
-def _close(x: float, y: float, rel: float = 1e-9) -> bool:
-    return abs(x - y) <= rel * max(abs(x), abs(y), 1.0)
-
-
-def _fmt(x: float) -> str:
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(x) >= scale:
-            return f"{x / scale:.4g} {unit}"
-    return f"{x:.0f} B"
-
-
-def _span(ids: Sequence[int]) -> str:
-    ids = list(ids)
-    if not ids:
-        return "-"
-    return f"{ids[0]}-{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) and len(ids) > 1 else str(ids)
-
 
 # ---------------------------------------------------------------------------------------------- ranks
 def representative_ranks(dims: ParallelDims) -> list[int]:
@@ -278,122 +127,6 @@ def representative_ranks(dims: ParallelDims) -> list[int]:
     inner = dims.dp * dims.cp * dims.tp
     return [r * inner + (r % dims.dp) * dims.cp * dims.tp + (r % dims.cp) * dims.tp + (r % dims.tp)
             for r in range(dims.pp)]
-
-
-# ---------------------------------------------------------------------------------------------- stand-ins
-def uniform_experts(num_assignments: int, num_experts: int, ep: int = 1) -> torch.Tensor:
-    """Expert of each of ``N·k`` assignments under uniform routing: round-robin over the ``ep`` ranks first,
-    then over each rank's ``E/ep`` experts, so every rank receives ``N·k/ep`` of them and every expert
-    ``N·k/E`` (when those divide) even when there are fewer assignments than experts; a token's ``k``
-    consecutive assignments go to distinct experts.
-
-    Example:
-        >>> uniform_experts(8, num_experts=8, ep=4).tolist()
-        [0, 2, 4, 6, 1, 3, 5, 7]
-    """
-    i = torch.arange(num_assignments)
-    local = num_experts // ep
-    return (i % ep) * local + (i // ep) % local
-
-
-def traced_micro_batch(spec: TransformerSpec, dims: ParallelDims, b: int, seq_len: int) -> int:
-    """Sequences the dry run traces per micro-batch: ``b``, times the smallest factor that makes each rank's
-    ``N·k`` routed assignments a multiple of ``ep`` (``N`` tokens per rank: ``b·s/cp``, ``/tp`` with SP), so that
-    :func:`uniform_experts` gives every ep rank the same share, as the formulas assume.
-
-    Example:
-        >>> from lightning_4d.planner.spec import seed_moe_1t
-        >>> dims = ParallelDims.from_world(512, tp=8, pp=8, ep=64)  # 16 tokens · top-2 = 32 assignments < 64
-        >>> traced_micro_batch(seed_moe_1t(), dims, 1, 128), traced_micro_batch(seed_moe_1t(), dims, 1, 256)
-        (2, 1)
-    """
-    if dims.ep == 1 or not spec.num_experts or not spec.top_k or spec.num_experts % dims.ep:
-        return b
-    assignments = b * seq_len // dims.cp // (dims.tp if dims.sp else 1) * spec.top_k
-    return b * (dims.ep // math.gcd(assignments, dims.ep))
-
-
-@contextlib.contextmanager
-def uniform_routing(ep: int = 1) -> Iterator[None]:
-    """Route every token of the package's MoE layers uniformly and deterministically (for fake tensors).
-
-    Sets :data:`lightning_4d.expert_parallel.permute.FIXED_ROUTING` to a
-    :class:`~lightning_4d.expert_parallel.permute.FixedRouting` of :func:`uniform_experts` for ``ep``
-    expert-parallel ranks, with host-side index math on real tensors (outside the fake mode): ``MoE.forward``
-    sorts assignments with it, ``dispatch`` computes its split sizes on real tensors, and the per-expert count
-    all-to-all (still issued, so it is traced) yields the counts of uniform routing on every rank. Outside
-    fake tensors the layer computes the same outputs for this routing as without the context.
-
-    Example:
-        >>> from lightning_4d.expert_parallel import MoE
-        >>> with uniform_routing():
-        ...     out = MoE(8, 16, num_experts=4, top_k=2)(torch.randn(2, 3, 8))
-        >>> out.shape
-        torch.Size([2, 3, 8])
-    """
-    def assign(num_assignments: int, num_experts: int) -> torch.Tensor:
-        return uniform_experts(num_assignments, num_experts, ep if num_experts % ep == 0 else 1)
-
-    token = FIXED_ROUTING.set(FixedRouting(assign, host=unset_fake))
-    try:
-        yield
-    finally:
-        FIXED_ROUTING.reset(token)
-
-
-def fake_friendly_mode() -> TorchDispatchMode:
-    """A ``TorchDispatchMode`` letting the package's models run on fake tensors: ``aten.bincount`` of a fake
-    tensor gives fake zeros of length ``minlength`` (the router's counts; values never matter),
-    ``aten.randint`` (host seeds) and ``.item()`` of real tensors run for real, ``.item()`` of a fake floating
-    scalar (the loss's token total, read by :func:`~lightning_4d.core.loss.weighted_global_loss`) gives 1.0. On meta
-    tensors (the set-up trace of a meta model) ``bincount`` gives meta zeros likewise.
-
-    Example:
-        >>> with fake_friendly_mode():
-        ...     torch.bincount(torch.zeros(3, dtype=torch.long, device="meta"), minlength=4).shape
-        torch.Size([4])
-    """
-
-    class _FakeFriendly(dispatch_mode_base()):  # type: ignore[misc]
-        def __torch_dispatch__(self, func: OperatorBase, types: tuple[type, ...], args: tuple = (),
-                               kwargs: Optional[dict] = None) -> Any:
-            kwargs = kwargs or {}
-            if func is torch.ops.aten.bincount.default and (is_fake(args[0]) or args[0].is_meta):
-                n = kwargs.get("minlength", args[2] if len(args) > 2 else 0)
-                return torch.zeros(int(n), dtype=torch.long, device=args[0].device)
-            if func.overloadpacket is torch.ops.aten.randint or (is_item_op(func) and not is_fake(args[0])):
-                with unset_fake():
-                    return func(*args, **kwargs)
-            if is_item_op(func) and is_fake(args[0]) and args[0].is_floating_point():
-                return 1.0  # a fake statistic read on the host (the loss's token total): nonzero, values never matter
-            return func(*args, **kwargs)
-
-    return _FakeFriendly()
-
-
-def _reshards_after_forward(module: nn.Module) -> Optional[bool]:
-    """Whether an FSDP2-wrapped module frees its gathered parameters after forward
-    (``FSDPParamGroup.post_forward_mesh_info``); ``None`` when it is not wrapped."""
-    group = fsdp_param_group(module)
-    if group is None:
-        return None
-    return group.post_forward_mesh_info is not None
-
-
-# ---------------------------------------------------------------------------------------------- one rank
-def _leaves(x: Any) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (tuple, list)):
-        return [t for y in x for t in _leaves(y)]
-    return []
-
-
-def _measured_send(t: torch.Tensor) -> CommRecord:
-    """A pp send of the stage boundary tensor ``t`` (measured: torch's schedule is not run)."""
-    local = local_of(t)
-    nbytes = float(local.numel() * local.element_size())
-    return CommRecord("send", "pp", 2, nbytes, nbytes, op="boundary (measured)")
 
 
 def _shared_axes(mesh: FourDMesh) -> dict[str, tuple[str, ...]]:
@@ -519,47 +252,6 @@ def _trace_rank(build: Callable[[], nn.Module], spec: TransformerSpec, dims: Par
     return RankTrace(rank, coords, stage_ids, layout[coords["pp"]], traced, traced_calls, analytic, analytic_calls,
                      differences, time.perf_counter() - start, notes,
                      expert_raf.copy().pop() if len(expert_raf) == 1 else None)
-
-
-def _stand_in_schedule(dims: ParallelDims, spec: TransformerSpec, precision: str, b: int, s: int, pp_rank: int,
-                       boundary: dict, sends: list[CommRecord]) -> Callable[..., None]:
-    """What replaces torch's pipeline schedule in the dry run (a :data:`~lightning_4d.pipeline.runner.ScheduleRun`):
-    one micro-batch forward and backward through each of the rank's stage modules in turn, the last stage's loss by
-    the runner's own :meth:`~lightning_4d.pipeline.runner.PipelineRunner.scaled_loss`; the stage boundary tensors
-    crossing to another pp rank are *measured* as sends (``sends``), a later stage's input is a fake tensor of the
-    shape the first stage produced (``boundary``)."""
-    from lightning_4d.pipeline.partition import stage_to_rank
-
-    def run(runner: Any, args: tuple, target: Optional[torch.Tensor], losses: list, kwargs: dict) -> None:
-        style = runner.info.style
-        for sid, stage in zip(runner.stage_ids, runner.stages):
-            if sid == 0:
-                x: Any = args
-            else:
-                shape, dtype = boundary.get("shape"), boundary.get("dtype")
-                if shape is None:  # no first stage traced: the formula's sequence shard
-                    local = s // dims.cp
-                    shape = (b, local // dims.tp if dims.sp else local, spec.hidden)
-                    dtype = precision_info(precision).compute_dtype
-                x = (torch.randn(*shape, dtype=dtype, requires_grad=True),)
-            out = stage.submod(*x, **kwargs)
-            if sid == 0:
-                first = _leaves(out)[0]
-                boundary.setdefault("shape", tuple(first.shape))
-                boundary.setdefault("dtype", first.dtype)
-            if sid == runner.num_stages - 1:
-                loss = runner.scaled_loss(out, target)
-                losses.append(loss)
-                loss.backward()
-            else:
-                outs = [t for t in _leaves(out) if t.requires_grad]
-                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-                if stage_to_rank(sid + 1, dims.pp, style) != pp_rank:
-                    sends.extend(_measured_send(t) for t in outs)  # the boundary output
-            if sid > 0 and stage_to_rank(sid - 1, dims.pp, style) != pp_rank:
-                sends.append(_measured_send(x[0]))  # the boundary input's gradient
-
-    return run
 
 
 _UNTRACED_STEP = "optimizer step not traced"

@@ -65,12 +65,11 @@ from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from typing import Optional
 
-from lightning_4d.config import stage_style
 from lightning_4d.context_parallel.cost import kv_gathered_bytes, mask_bytes
 from lightning_4d.layout.data_parallel import wrap_mode
 from lightning_4d.mesh import ParallelDims
 from lightning_4d.pipeline.partition import stage_to_rank
-from lightning_4d.planner.bubble import in_flight_microbatches
+from lightning_4d.pipeline.schedules import in_flight_microbatches, stage_style
 from lightning_4d.planner.setup_memory import setup_peak_bytes
 from lightning_4d.planner.spec import TrainSpec, TransformerSpec
 from lightning_4d.core.precision import precision_info

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from lightning_4d.config import default_virtual_stages
+from lightning_4d.pipeline.schedules import default_virtual_stages
 from lightning_4d.planner.hardware import H100, H200, ClusterSpec, DeviceSpec
 from lightning_4d.planner.memory import memory_per_rank, stage_layout
 from lightning_4d.planner.roofline import estimate_step

@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from lightning_4d.config import stage_style
+from lightning_4d.pipeline.schedules import stage_style
 from lightning_4d.mesh import ParallelDims
 from lightning_4d.models.flops import training_flops_per_token
 from lightning_4d.pipeline.partition import stage_to_rank

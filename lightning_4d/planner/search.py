@@ -7,7 +7,7 @@ parallelism) a divisor of ``world / (tp · pp)`` among the ``context_parallel`` 
 :data:`CP_CHOICES`), above 1 only when the spec's attention can be split and the sequence cuts into ``2·cp`` zigzag chunks (``cp·tp`` tokens each
 under sequence parallelism: :meth:`~lightning_4d.planner.spec.TransformerSpec.cp_refusal`); ``dp =
 world / (tp · cp · pp)`` dividing the global batch; ``ep`` a divisor of ``dp · cp · tp`` and of the expert count
-(1 for dense models); every schedule of ``lightning_4d.config.SCHEDULES`` (``1f1b`` only when
+(1 for dense models); every schedule ``FourDStrategy`` runs (``lightning_4d.pipeline.schedules.STRATEGY_SCHEDULES``) (``1f1b`` only when
 ``pp = 1``); micro-batch counts that split the local batch evenly and satisfy the schedule's rule
 (``lightning_4d.pipeline.schedules.validate_microbatches``); sequence parallelism on and off (``tp > 1``),
 every data-parallel mode (fsdp, replicate, hsdp, zero1, zero2) and activation checkpointing (none,
@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterator, Optional, Sequence
 
-from lightning_4d.config import default_virtual_stages
+from lightning_4d.pipeline.schedules import default_virtual_stages
 from lightning_4d.mesh import ParallelDims, _divisors
 from lightning_4d.pipeline.schedules import get_schedule_info
 from lightning_4d.planner.comm import comm_per_rank
@@ -147,7 +147,7 @@ def enumerate_layouts(spec: TransformerSpec, cluster: ClusterSpec, train: TrainS
         >>> sorted({(d.tp, d.cp, d.pp) for d, _ in enumerate_layouts(spec, ClusterSpec(1, 2), TrainSpec(2))})
         [(1, 1, 1), (1, 1, 2), (1, 2, 1), (2, 1, 1)]
     """
-    from lightning_4d.config import SCHEDULES
+    from lightning_4d.pipeline.schedules import STRATEGY_SCHEDULES as SCHEDULES
 
     world = cluster.world_size
     schedules = tuple(schedules) if schedules is not None else SCHEDULES

@@ -17,7 +17,6 @@ Example:
 from pathlib import Path
 
 from lightning_4d.recipes.build import (
-    RunResult,
     build_callbacks,
     build_data,
     build_loggers,
@@ -26,9 +25,9 @@ from lightning_4d.recipes.build import (
     build_strategy,
     build_trainer,
     output_dir,
-    run,
     validate,
 )
+from lightning_4d.recipes.launch import RunResult, run
 from lightning_4d.recipes.resources import ResourceError, check_resources, count_params
 from lightning_4d.recipes.schema import RecipeConfigError, TrainConfig, register_configs, to_train_config
 

@@ -11,7 +11,7 @@ Example:
     >>> with initialize_config_dir(str(conf_dir()), version_base=None):
     ...     cfg = compose("train", ["model=tiny_dense", "parallel=none", "trainer.devices=1",
     ...                             "data=synthetic", "trainer.max_steps=2"])
-    >>> # not run: needs a Trainer (and the recipe's config files)
+    >>> # not run: needs a Trainer (and the recipe's config files); run is lightning_4d.recipes.launch.run
     >>> result = run(cfg)  # doctest: +SKIP
     >>> result.losses[-1] < result.losses[0]  # doctest: +SKIP
     True
@@ -21,28 +21,21 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
-import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
-from lightning_4d.recipes.resources import ResourceReport, check_resources, count_params, model_spec
-from lightning_4d.recipes.resume import RESUME_ENV, checkpoint_dir, resume_checkpoint
-from lightning_4d.recipes.schema import (
-    HFDataConfig,
-    HFModelConfig,
-    LlamaModelConfig,  # noqa: F401 - used by the examples
-    RecipeConfigError,
-    SyntheticDataConfig,
-    TextDataConfig,
-    TrainConfig,
-    owned,
-    to_train_config,
+from lightning_4d.recipes.preflight import (  # noqa: F401 - data_tokenizer, validate: re-exported
+    META_INIT_THRESHOLD, Config, _cfg, _hf_meta_init, data_tokenizer, validate,
 )
+from lightning_4d.recipes.resources import count_params
+from lightning_4d.recipes.resume import checkpoint_dir
+from lightning_4d.recipes.schema import (
+    HFDataConfig, HFModelConfig, RecipeConfigError, SyntheticDataConfig, TextDataConfig, TrainConfig, owned,
+)
+from lightning_4d.recipes.schema import LlamaModelConfig  # noqa: F401 - used by the examples
 
 if TYPE_CHECKING:
     import lightning as L
@@ -50,13 +43,9 @@ if TYPE_CHECKING:
     from lightning.pytorch.utilities.types import STEP_OUTPUT
     from torch import nn
 
-    from lightning_4d.recipes.schema import DataConfig
     from lightning_4d.strategy import FourDStrategy
 
 __all__ = [
-    "ALLOC_CONF_ENV",
-    "RunResult",
-    "apply_cuda_alloc_conf",
     "build_callbacks",
     "build_data",
     "build_loggers",
@@ -66,181 +55,10 @@ __all__ = [
     "build_trainer",
     "data_tokenizer",
     "output_dir",
-    "run",
     "validate",
 ]
 
 _RUN_DIR_ENV = "LIGHTNING_4D_RUN_DIR"
-META_INIT_THRESHOLD = 100_000_000
-"""With ``meta_init: null`` models with more parameters than this are built on the meta device."""
-
-Config = Union[DictConfig, TrainConfig]
-
-
-def _cfg(cfg: Config) -> TrainConfig:
-    return to_train_config(cfg)
-
-
-def _is_main_local_process() -> bool:
-    return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("RANK", "0") == "0"
-
-
-def _print(msg: str) -> None:
-    if _is_main_local_process():
-        print(msg, flush=True)
-
-
-# ---------------------------------------------------------------------------------------------- checks
-def _data_vocab(data: DataConfig) -> int:
-    if isinstance(data, SyntheticDataConfig):
-        return data.vocab_size
-    from lightning_4d.data.tokenizer import get_tokenizer
-
-    try:
-        return get_tokenizer(data.tokenizer).vocab_size
-    except (ImportError, ValueError, FileNotFoundError) as err:
-        raise RecipeConfigError(f"data.tokenizer={data.tokenizer!r}: {err}") from err
-
-
-def _model_dir(m: HFModelConfig) -> Path:
-    source = Path(m.source).absolute()
-    return source if source.is_dir() else source.parent
-
-
-def data_tokenizer(cfg: Config) -> str:
-    """The tokenizer of ``data=hf_text`` / ``data=chat``: ``data.tokenizer`` (a directory, made absolute), or for
-    ``auto`` the model's own: the directory of ``model.path`` (``model=hf``), which must hold tokenizer files.
-
-    Example:
-        >>> from lightning_4d.recipes.schema import HFDataConfig
-        >>> data_tokenizer(TrainConfig(model=LlamaModelConfig(), data=HFDataConfig(files=["a.jsonl"])))
-        ... # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        lightning_4d.recipes.schema.RecipeConfigError: data.tokenizer=auto means the tokenizer of model.path ...
-    """
-    from lightning_4d.data.tokenizer import is_tokenizer_dir
-
-    c = _cfg(cfg)
-    d, m = c.data, c.model
-    if d.tokenizer != "auto":
-        if not is_tokenizer_dir(d.tokenizer):
-            raise RecipeConfigError(
-                f"data.tokenizer={d.tokenizer!r} is not a directory holding a Hugging Face tokenizer (tokenizer.json, "
-                f"tokenizer_config.json, ...): data={d.name} tokenizes with the model's own tokenizer; use "
-                f"data.tokenizer=auto (model.path) or the directory it was saved to.")
-        return str(Path(d.tokenizer).absolute())
-    if not isinstance(m, HFModelConfig):
-        raise RecipeConfigError(
-            f"data.tokenizer=auto means the tokenizer of model.path (model=hf); with model={m.name} name the "
-            f"Hugging Face tokenizer directory: data.tokenizer=DIR.")
-    directory = _model_dir(m)
-    if not is_tokenizer_dir(directory):
-        raise RecipeConfigError(
-            f"data.tokenizer=auto: {m.source_key}={m.source!r} holds no tokenizer files (tokenizer.json, "
-            f"tokenizer_config.json, ...). Save the model's tokenizer there (tokenizer.save_pretrained(DIR)) or set "
-            f"data.tokenizer=DIR.")
-    return str(directory)
-
-
-def _check_tokenizer(c: TrainConfig) -> None:
-    """``model=hf`` whose directory holds a tokenizer: the data must be tokenized by that tokenizer (same
-    vocabulary and special ids), or its ids would mean other tokens. Refused before anything is built."""
-    from lightning_4d.data.tokenizer import HFTokenizer, check_same_tokenizer, is_tokenizer_dir, tokenizer_record
-    from lightning_4d.data.tokens import TokenFile
-
-    m, d = c.model, c.data
-    if not isinstance(m, HFModelConfig) or isinstance(d, SyntheticDataConfig) or not is_tokenizer_dir(_model_dir(m)):
-        return
-    expected = tokenizer_record(HFTokenizer(_model_dir(m)))
-    if isinstance(d, HFDataConfig):
-        what, fix = f"data.tokenizer={d.tokenizer!r}", "Use data.tokenizer=auto (the model's own tokenizer)."
-        recorded = tokenizer_record(HFTokenizer(d.tokenizer)) if Path(d.tokenizer) != _model_dir(m) else expected
-    else:
-        assert isinstance(d, TextDataConfig)
-        fix = (f"Tokenize the text with the model's tokenizer: data=hf_text or data=chat (data.tokenizer=auto), or "
-               f"python -m lightning_4d.data prepare --tokenizer {m.source} ...")
-        train = Path(d.data_dir).absolute() / "train.bin"
-        if not d.prepare and train.exists():
-            what, recorded = f"data.data_dir={d.data_dir!r} ({train.name})", TokenFile(train).tokenizer_record
-        else:
-            what = f"data.tokenizer={d.tokenizer!r}"
-            recorded = (tokenizer_record(HFTokenizer(d.tokenizer)) if is_tokenizer_dir(d.tokenizer)
-                        else {"name": d.tokenizer})
-    try:
-        check_same_tokenizer(recorded, expected, what, fix)
-    except ValueError as err:
-        raise RecipeConfigError(f"{err} (The model's tokenizer is in {m.source_key}={m.source!r}.)") from None
-
-
-def validate(cfg: Config) -> TrainConfig:
-    """Schema rules plus cross-group rules (vocabulary and sequence length fit the model); pure.
-
-    Example:
-        >>> from lightning_4d.recipes.schema import SyntheticDataConfig
-        >>> validate(TrainConfig(model=LlamaModelConfig(vocab_size=64), data=SyntheticDataConfig(vocab_size=256)))
-        ... # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        lightning_4d.recipes.schema.RecipeConfigError: data vocabulary (256 ids) exceeds model.vocab_size=64: ...
-    """
-    c = _cfg(cfg)
-    if isinstance(c.data, HFDataConfig):
-        c.data.tokenizer = data_tokenizer(c)  # auto -> the model's directory
-    _check_tokenizer(c)
-    if isinstance(c.model, HFModelConfig):
-        _validate_hf(c)
-        return c
-    vocab, spec = _data_vocab(c.data), model_spec(c.model)
-    if vocab > spec.vocab_size:
-        raise RecipeConfigError(
-            f"data vocabulary ({vocab} ids) exceeds model.vocab_size={spec.vocab_size}: raise model.vocab_size "
-            f"to at least {vocab} or use a smaller tokenizer / data.vocab_size.")
-    if c.data.seq_len > spec.seq_len:
-        raise RecipeConfigError(f"data.seq_len={c.data.seq_len} exceeds the model's longest sequence {spec.seq_len} "
-                                f"(model.max_seq_len, or model.block_size of GPT-2).")
-    return c
-
-
-def _validate_hf(c: TrainConfig) -> None:
-    """``model=hf``: the directory or config file is usable, the data fits the model; ``meta_init=true`` with
-    pretrained weights needs safetensors files."""
-    from lightning_4d.recipes.hf_model import hf_shape
-
-    m = c.model
-    shape = hf_shape(m)  # raises for a missing path, no config.json, no weights
-    vocab = _data_vocab(c.data)
-    if vocab > shape.vocab_size:
-        raise RecipeConfigError(
-            f"data vocabulary ({vocab} ids) exceeds the vocab_size={shape.vocab_size} of {m.source_key}={m.source!r}: "
-            f"token ids >= {shape.vocab_size} have no embedding. Use data whose ids fit (e.g. "
-            f"data.vocab_size={shape.vocab_size} for data=synthetic, or text tokenized with the model's tokenizer).")
-    if shape.max_positions is not None and c.data.seq_len > shape.max_positions:
-        raise RecipeConfigError(
-            f"data.seq_len={c.data.seq_len} exceeds max_position_embeddings={shape.max_positions} of "
-            f"{m.source_key}={m.source!r}; use data.seq_len<={shape.max_positions}.")
-    if c.meta_init and m.path is not None and not _has_safetensors(m.path):
-        raise RecipeConfigError(
-            f"meta_init=true with model.path={m.path!r}: streaming pretrained weights into each rank's shards reads "
-            f"*.safetensors files and the directory holds none (pytorch_model*.bin only). Convert it once "
-            f"(AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir)) or set meta_init=null to load "
-            f"the whole model on every rank.")
-
-
-def _has_safetensors(path: str) -> bool:
-    return any(Path(path).glob("*.safetensors"))
-
-
-def _hf_meta_init(c: TrainConfig) -> bool:
-    """``model=hf`` on the meta device? ``model.path``: yes when the directory holds safetensors (its weights
-    are then streamed into each rank's shards), unless ``meta_init=false`` (loaded whole on every rank);
-    ``model.config`` (random init): as every other model (``meta_init``, ``null``: over 100M parameters)."""
-    m = c.model
-    if c.meta_init is not None:
-        return c.meta_init
-    if m.path is not None:
-        return _has_safetensors(m.path)
-    return count_params(m).total > META_INIT_THRESHOLD
 
 
 # ---------------------------------------------------------------------------------------------- paths
@@ -297,8 +115,8 @@ def build_data(cfg: Config) -> "L.LightningDataModule":
             files, Path(d.data_dir).absolute(), data_tokenizer(cfg), d.format, seq_len=d.seq_len,
             batch_size=d.batch_size, val_files=val_files, val_fraction=d.val_fraction, pack=d.pack,
             mask_prompt=d.mask_prompt, num_proc=d.num_proc, num_workers=d.num_workers, seed=d.seed,
-            pin_memory=d.pin_memory, text_field=d.text_field, messages_field=d.messages_field, prompt_field=d.prompt_field,
-            response_field=d.response_field, system_prompt=d.system_prompt, text_sample_by=d.text_sample_by)
+            pin_memory=d.pin_memory, text_field=d.text_field, messages_field=d.messages_field,
+            prompt_field=d.prompt_field, response_field=d.response_field, system_prompt=d.system_prompt, text_sample_by=d.text_sample_by)
     assert isinstance(d, TextDataConfig)
     from lightning_4d.data import TextDataModule
 
@@ -494,155 +312,3 @@ def build_trainer(cfg: Config, root: Optional[Path] = None,
         enable_checkpointing=c.callbacks.checkpoint,
         enable_progress_bar=c.callbacks.progress_bar, deterministic=t.deterministic,
     )
-
-
-# ---------------------------------------------------------------------------------------------- run
-@dataclass
-class RunResult:
-    """What :func:`run` returns (picklable): per-step global losses, where things were written, the
-    resource report and the last logged metrics.
-
-    Example:
-        >>> RunResult(losses=[2.0, 1.0]).loss_drop
-        1.0
-    """
-
-    losses: list[float] = field(default_factory=list)
-    output_dir: str = ""
-    log_dir: Optional[str] = None
-    checkpoint: Optional[str] = None
-    metrics: dict[str, float] = field(default_factory=dict)
-    summary: str = ""
-
-    @property
-    def loss_drop(self) -> float:
-        """First minus last recorded training loss (``nan`` with fewer than two steps)."""
-        return self.losses[0] - self.losses[-1] if len(self.losses) >= 2 else float("nan")
-
-
-def _hydra_multirun() -> bool:
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-
-
-_LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", _RUN_DIR_ENV, RESUME_ENV)
-
-
-def _prepare_subprocess_launch(root: Path, ckpt: Optional[Path]) -> Optional[dict[str, Optional[str]]]:
-    """Make ranks started by Lightning's launcher (which re-runs ``sys.argv``) run *this* job (its directory and
-    the checkpoint it resumes from).
-
-    Returns the launch-related environment to restore after the job (``None`` in a launched rank,
-    under torchrun or SLURM, where there is nothing to launch).
-    """
-    if "LOCAL_RANK" in os.environ:
-        return None
-    saved = {k: os.environ.get(k) for k in _LAUNCH_ENV}
-    os.environ[_RUN_DIR_ENV] = str(root)
-    os.environ[RESUME_ENV] = str(ckpt) if ckpt is not None else ""
-    if _hydra_multirun():
-        from hydra.core.hydra_config import HydraConfig
-        from omegaconf import read_write
-
-        # Without this every launched rank would run the whole sweep; give it this job's overrides.
-        hc = HydraConfig.get()
-        sys.argv = [sys.argv[0], *hc.overrides.task]
-        # The launcher passes hydra.run.dir to the ranks: make it this job's directory (not a new one).
-        with read_write(hc):
-            hc.run.dir = hc.runtime.output_dir
-    return saved
-
-
-def _finish_launch(saved: Optional[dict[str, Optional[str]]]) -> None:
-    """Undo what launching did (process group, ``LOCAL_RANK``, ``MASTER_PORT``, ...) so that the next
-    run in this process (the next job of a multirun) launches its own ranks on a fresh port."""
-    if saved is None:
-        return
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-
-
-ALLOC_CONF_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch reads either; the first is set
-
-
-def apply_cuda_alloc_conf(value: Optional[str]) -> None:
-    """Set ``PYTORCH_CUDA_ALLOC_CONF=value`` (``trainer.cuda_alloc_conf``; ``gpu.yaml``: ``expandable_segments:True``)
-    where the environment sets neither allocator variable. CUDA's caching allocator reads it once, when CUDA
-    initialises: :func:`run` calls this first, before anything touches a GPU, and the ranks Lightning's launcher
-    starts inherit it. A value that comes too late (CUDA already initialised) is refused with a warning.
-
-    Example:
-        >>> apply_cuda_alloc_conf(None)  # nothing to set
-    """
-    if not value or any(name in os.environ for name in ALLOC_CONF_ENV):
-        return
-    import torch
-
-    if torch.cuda.is_initialized():
-        warnings.warn(f"trainer.cuda_alloc_conf={value!r} is ignored: CUDA was initialised before the recipe ran, and "
-                      f"its allocator reads {ALLOC_CONF_ENV[0]} only then. Set it in the environment instead.",
-                      stacklevel=2)
-        return
-    os.environ[ALLOC_CONF_ENV[0]] = value
-
-
-def run(cfg: Config, callbacks: Sequence[L.Callback] = ()) -> RunResult:
-    """Validate, check resources (fail fast), then build data, Trainer and model, and train.
-
-    Order matters: nothing is built, downloaded or allocated before the resource check passes.
-    ``callbacks``: extra Lightning callbacks for this run (when calling ``run`` from Python). ``resume``
-    (default ``auto``) continues from the newest checkpoint of the run directory (:mod:`~lightning_4d.recipes.resume`).
-
-    Example:
-        >>> # not run: needs a Trainer (and the recipe's config files)
-        >>> result = run(cfg)  # doctest: +SKIP
-        >>> result.losses[0] > result.losses[-1]  # doctest: +SKIP
-        True
-    """
-    import lightning as L
-
-    from lightning_4d.recipes.observe import check_logger
-
-    c = validate(cfg)
-    apply_cuda_alloc_conf(c.trainer.cuda_alloc_conf)  # before anything initialises CUDA
-    check_logger(c.logger.name)  # a logger whose package is missing fails before anything is built
-    report: Optional[ResourceReport] = check_resources(c) if c.check_resources else None
-    root = output_dir(c)
-    ckpt = resume_checkpoint(c.resume, root)
-    saved_env = _prepare_subprocess_launch(root, ckpt)
-    try:
-        if report is not None:
-            _print(report.describe())
-        L.seed_everything(c.seed, workers=True, verbose=False)
-        data = build_data(c)
-        trainer = build_trainer(c, root, callbacks)
-        model = build_model(c, trainer)
-        if trainer.logger is not None:
-            hp = OmegaConf.to_container(OmegaConf.structured(c), resolve=True)
-            for lg in trainer.loggers:
-                lg.log_hyperparams({"recipe": hp})
-        trainer.fit(model, datamodule=data, ckpt_path=str(ckpt) if ckpt is not None else None)
-        log_dir = trainer.log_dir  # a broadcast: every rank calls it
-        trainer.strategy.barrier("recipe_end")  # no rank tears down while another still communicates
-    finally:
-        _finish_launch(saved_env)
-    history = next(cb for cb in trainer.callbacks if type(cb).__name__ == "_LossHistory")
-    ckpt = next((cb for cb in trainer.callbacks if type(cb).__name__ == "ModelCheckpoint"), None)
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
-    result = RunResult(
-        losses=list(history.losses), output_dir=str(root), log_dir=log_dir,
-        checkpoint=(ckpt.last_model_path or ckpt.best_model_path or None) if ckpt is not None else None,
-        metrics=metrics, summary=report.describe() if report is not None else "")
-    if result.losses:
-        _print(f"train_loss: {result.losses[0]:.4f} -> {result.losses[-1]:.4f} over {len(result.losses)} steps; "
-               f"logs in {result.log_dir or root}")
-    return result

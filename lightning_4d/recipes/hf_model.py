@@ -4,7 +4,7 @@ and the network (:func:`build_hf`, the ``_target_`` of ``conf/model/hf.yaml``).
 Read from ``config.json`` only (offline, nothing allocated: the parameter count comes from a build on the
 meta device), so the fail-fast checks of :mod:`lightning_4d.recipes.build` and
 :mod:`lightning_4d.recipes.resources` treat ``model=hf`` like the built-in models. Every error is a
-:class:`~lightning_4d.recipes.schema.RecipeConfigError` naming ``model.path`` / ``model.config``.
+:class:`~lightning_4d.recipes.errors.RecipeConfigError` naming ``model.path`` / ``model.config``.
 
 Example:
     >>> from lightning_4d.recipes.schema import HFModelConfig
@@ -64,7 +64,7 @@ def hf_config(model: HFModelConfig) -> PreTrainedConfig:
         >>> hf_config(HFModelConfig(path="nowhere"))  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        lightning_4d.recipes.schema.RecipeConfigError: model.path='nowhere': nowhere does not exist: ...
+        lightning_4d.recipes.errors.RecipeConfigError: model.path='nowhere': nowhere does not exist: ...
     """
     source = str(Path(model.source).absolute())
     try:

@@ -8,14 +8,14 @@ code around them (embedding sums, rotary tables, masks, final norm, head) sees t
 
 Example:
     >>> # not run: needs a process group
-    >>> apply_tensor_parallel(lightning_module, mesh, plan)  # doctest: +SKIP
+    >>> apply_tensor_parallel(lightning_module, mesh, layout)  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Protocol
+from typing import TYPE_CHECKING, Optional
 
 from torch import nn
 
@@ -231,17 +231,10 @@ def run_user_plan_once(module: nn.Module, layout: TPLayout, tp_mesh: Optional[De
         module.__dict__[_HOOK_RAN] = True
 
 
-class TPRecord(Protocol):
-    """What :func:`apply_tensor_parallel` records (``lightning_4d.layout.parallelize.ParallelPlan`` is one; a protocol,
-    so this room does not import the room above it)."""
-
-    loss_parallel: bool
-    tp_modules: list[str]
-    tp_partial_params: list[str]
-
-
-def apply_tensor_parallel(module: nn.Module, mesh: FourDMesh, plan: TPRecord, layout: TPLayout) -> None:
-    """Rewrite ``module`` in place for the ``tp`` axis of ``mesh``; records into ``plan``.
+def apply_tensor_parallel(module: nn.Module, mesh: FourDMesh, layout: TPLayout) -> None:
+    """Rewrite ``module`` in place for the ``tp`` axis of ``mesh`` as ``layout`` says (what the step needs of it —
+    the parameters summed over tp, whether the loss is parallel — is read from the layout plan:
+    ``lightning_4d.layout.parallelize.ParallelPlan``).
 
     ``layout`` comes from :func:`plan_tensor_parallel` on the full model; entries for modules a pipeline
     split removed from this rank are skipped. A ``fourd_tp_plan(self, tp_mesh, sequence_parallel)``
@@ -250,7 +243,7 @@ def apply_tensor_parallel(module: nn.Module, mesh: FourDMesh, plan: TPRecord, la
 
     Example:
         >>> # not run: needs a process group
-        >>> apply_tensor_parallel(lm, mesh, ParallelPlan(blocks_path="model.layers"), layout)  # doctest: +SKIP
+        >>> apply_tensor_parallel(lm, mesh, layout)  # doctest: +SKIP
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -298,6 +291,3 @@ def apply_tensor_parallel(module: nn.Module, mesh: FourDMesh, plan: TPRecord, la
     blocks = [(name, module.get_submodule(name)) for name in layout.regions if present(name)]
     tracker = ShardedRNG(tp_mesh.get_local_rank())
     install_sharded_rng(module, sharded_dropout_modules(blocks, layout.regions, dims.sp), tracker)
-    plan.loss_parallel = layout.loss_parallel
-    plan.tp_modules = sorted(styles)
-    plan.tp_partial_params += [n for n in layout.partial_params if present(n.rpartition(".")[0])]

@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
+from lightning_4d._compat import tensor_slots
 from lightning_4d.analysis.hooks import TP_PLAN, hook_call
 from lightning_4d.analysis.layer_kinds import is_conv1d
 from lightning_4d.analysis.trace import HiddenArg, first_param_name
@@ -361,7 +362,7 @@ def install_row_views(owner: nn.Module, rows: dict[str, Sequence[int]]) -> None:
     for path, idx in rows.items():
         sub, _, pname = path.rpartition(".")
         index = torch.tensor(list(idx), dtype=torch.long)
-        if pname in owner.get_submodule(sub)._buffers:
+        if pname in tensor_slots(owner.get_submodule(sub), parameters=False):
             buffers.append((sub, pname, index))
             continue
         by_module.setdefault(sub, {})[pname] = lambda p, index=index: p.index_select(0, index.to(p.device))
@@ -373,17 +374,17 @@ def install_row_views(owner: nn.Module, rows: dict[str, Sequence[int]]) -> None:
             swap.enter(mod.get_submodule(sub))
         for sub, name, index in buffers:
             holder = mod.get_submodule(sub)
-            full = holder._buffers[name]
+            full = tensor_slots(holder, parameters=False)[name]
             saved.append((holder, name, full))
             if full is not None:
-                holder._buffers[name] = full.index_select(full.dim() - 1, index.to(full.device))
+                tensor_slots(holder, parameters=False)[name] = full.index_select(full.dim() - 1, index.to(full.device))
 
     def leave(_mod: nn.Module, _args: tuple, _out: Any) -> None:
         for _, swap in swaps:
             swap.leave()
         while saved:
             holder, name, full = saved.pop()
-            holder._buffers[name] = full
+            tensor_slots(holder, parameters=False)[name] = full
 
     owner.register_forward_pre_hook(enter)
     owner.register_forward_hook(leave)

@@ -60,12 +60,11 @@ def test_tensor_parallel_parity(world: int, tp: int, modes: tuple[str, ...], ref
 
 def _tensor_parallel(lm: Any, mesh: Any, path: str) -> None:
     """What the strategy does for TP: trace one forward, plan, apply."""
-    from lightning_4d.layout.parallelize import ParallelPlan
     from lightning_4d.tensor_parallel import apply_tensor_parallel, plan_tensor_parallel
     from lightning_4d.analysis.trace import example_tokens, trace_model
 
     trace = trace_model(lm, path, example_tokens(lm, mesh.dims.tp))
-    apply_tensor_parallel(lm, mesh, ParallelPlan(blocks_path=path), plan_tensor_parallel(lm, mesh.dims, trace))
+    apply_tensor_parallel(lm, mesh, plan_tensor_parallel(lm, mesh.dims, trace))
 
 
 def _count_comm(rank: int, model: str, sp: bool) -> dict[str, Any]:

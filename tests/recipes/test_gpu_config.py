@@ -10,7 +10,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from lightning_4d.recipes import conf_dir, register_configs, to_train_config
-from lightning_4d.recipes.build import ALLOC_CONF_ENV, apply_cuda_alloc_conf
+from lightning_4d.recipes.launch import ALLOC_CONF_ENV, apply_cuda_alloc_conf
 
 register_configs()
 
@@ -34,7 +34,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
 def test_gpu_yaml_sets_expandable_segments_before_anything_runs(clean_env: pytest.MonkeyPatch) -> None:
     import os
 
-    from lightning_4d.recipes import build, observe
+    from lightning_4d.recipes import launch, observe
 
     cfg = _gpu_config()
     assert to_train_config(cfg).trainer.cuda_alloc_conf == "expandable_segments:True"
@@ -46,7 +46,7 @@ def test_gpu_yaml_sets_expandable_segments_before_anything_runs(clean_env: pytes
 
     clean_env.setattr(observe, "check_logger", first_step)
     with pytest.raises(KeyboardInterrupt):
-        build.run(cfg)
+        launch.run(cfg)
     assert seen == ["expandable_segments:True"]
 
 

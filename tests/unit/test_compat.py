@@ -1,5 +1,5 @@
 """Pins every private torch / Lightning / transformers name ``lightning_4d._compat`` relies on to the installed
-versions.
+versions, and refuses such a name anywhere else in the package (:func:`test_no_private_name_outside_compat`).
 
 An upgrade that renames or removes one fails here, naming the symbol, instead of inside a training run. The list
 of names is read from ``_compat``'s own source (imports, attribute accesses, ``getattr`` names and state keys that
@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import importlib
 import re
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,6 +43,15 @@ def _compat_sources() -> list[tuple[str, ast.Module]]:
     return [(path.name, ast.parse(path.read_text())) for path in sorted(COMPAT.glob("*.py"))]
 
 
+def _imported_names(node: ast.AST) -> list[str]:
+    """The components of a third-party module ``node`` imports, and the names it imports from one."""
+    if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in THIRD_PARTY:
+        return node.module.split(".") + [a.name for a in node.names]
+    if isinstance(node, ast.Import):
+        return [part for a in node.names if a.name.split(".")[0] in THIRD_PARTY for part in a.name.split(".")]
+    return []
+
+
 def private_names_used() -> dict[str, list[str]]:
     """``{private name: ["file:line", ...]}`` for every ``_``-prefixed, non-dunder name ``_compat``'s code uses from
     torch / Lightning / transformers: a component of an imported module, an imported name, an attribute read or
@@ -51,12 +61,8 @@ def private_names_used() -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
     for file, tree in _compat_sources():
         for node in _code_nodes(tree):
-            names: list[str] = []
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in THIRD_PARTY:
-                names = node.module.split(".") + [a.name for a in node.names]
-            elif isinstance(node, ast.Import):
-                names = [part for a in node.names if a.name.split(".")[0] in THIRD_PARTY for part in a.name.split(".")]
-            elif isinstance(node, ast.Attribute):
+            names = _imported_names(node)
+            if isinstance(node, ast.Attribute):
                 names = [node.attr]
             elif isinstance(node, ast.Constant) and isinstance(node.value, str):
                 names = [node.value]
@@ -84,6 +90,8 @@ PRIVATE_SYMBOLS = [
     ("lightning.fabric.utilities.distributed", "_get_default_process_group_backend_for_device"),
     ("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher"),
     ("lightning.pytorch.loops.fit_loop", "_FitLoop._should_accumulate"),
+    ("lightning.fabric.strategies.registry", "_StrategyRegistry"),
+    ("torch", "ops.aten.mm.default._schema"),
     ("torch.distributed.pipelining.schedules", "_wait_batch_p2p"),
     ("torch.distributed.pipelining.stage", "_PipelineStageBase.forward_one_chunk"),
     ("torch.distributed.pipelining.stage", "_PipelineStageBase.backward_one_chunk"),
@@ -153,6 +161,8 @@ def _fsdp_state() -> Any:
 INSTANCE_SLOTS: dict[str, Callable[[], Any]] = {
     "_modules": lambda: torch.nn.Linear(2, 2),
     "_parameters": lambda: torch.nn.Linear(2, 2),
+    "_buffers": lambda: torch.nn.BatchNorm1d(2),
+    "_current_fx_name": L.LightningModule,
     "_timeout": lambda: torch.distributed.ProcessGroupGloo._Options(),
     "_launcher": lambda: L.pytorch.strategies.SingleDeviceStrategy(device="cpu"),
     "_device_mesh": L.LightningModule,
@@ -244,3 +254,78 @@ def test_a_save_on_train_batch_end_keeps_its_logged_step() -> None:
                                    "epoch_progress": {}, "epoch_loop.state_dict": {"_batches_that_stepped": 3}}}}
     _compat.set_fit_loop_position(ckpt, epoch=0, in_epoch=4, total=4, last_batch=False)
     assert ckpt["loops"]["fit_loop"]["epoch_loop.state_dict"]["_batches_that_stepped"] == 3
+
+
+# ---------------------------------------------------------------------------------------------- outside _compat
+# Private names of other libraries allowed outside _compat, with the reason.
+ALLOWED_OUTSIDE = {"_exit": "os._exit, the standard library's documented exit without clean-up (a frozen rank)"}
+
+
+def _own_names(trees: list[ast.Module]) -> set[str]:
+    """Every name the package defines itself: functions, classes, arguments, assigned names and attributes,
+    attributes set by name (``setattr``, ``object.__setattr__``)."""
+    own: set[str] = set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(node.name)
+                if not isinstance(node, ast.ClassDef):
+                    own.update(a.arg for a in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs])
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                own.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                own.add(node.attr)
+            elif isinstance(node, ast.alias) and node.asname:
+                own.add(node.asname)
+            elif isinstance(node, ast.Call) and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and (
+                    getattr(node.func, "id", None) == "setattr" or getattr(node.func, "attr", None) == "__setattr__"):
+                own.add(str(node.args[1].value))
+    return own
+
+
+def private_names_outside_compat() -> dict[str, list[str]]:
+    """``{private name: ["path:line", ...]}`` of torch / Lightning / transformers private names the package uses
+    outside ``_compat``: a private component of an imported third-party module or name, an attribute read that the
+    package does not define itself, a ``getattr`` / ``hasattr`` / ``setattr`` name, or a string naming one of the
+    private instance attributes of an ``nn.Module`` or a ``LightningModule`` (``"_parameters"`` as a ``__dict__``
+    key)."""
+    root = COMPAT.parent
+    sources = {p: ast.parse(p.read_text()) for p in sorted(root.rglob("*.py"))}
+    own = _own_names(list(sources.values()))
+    instance = {n for n in [*vars(torch.nn.Linear(2, 2)), *vars(L.LightningModule())] if _is_private(n)}
+    found: dict[str, list[str]] = {}
+    for path, tree in sources.items():
+        if COMPAT in path.parents:
+            continue
+        for node in _code_nodes(tree):
+            names = _imported_names(node)
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and node.attr not in own:
+                names = [node.attr]
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr", "setattr") \
+                    and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value not in own:
+                names = [str(node.args[1].value)]
+            elif isinstance(node, ast.Constant) and node.value in instance:
+                names = [node.value]
+            for name in names:
+                if _is_private(name) and name not in ALLOWED_OUTSIDE:
+                    found.setdefault(name, []).append(f"{path.relative_to(root.parent)}:{node.lineno}")
+    return found
+
+
+def test_no_private_name_outside_compat() -> None:
+    found = private_names_outside_compat()
+    assert not found, ("private torch / Lightning / transformers names outside lightning_4d/_compat (reach them "
+                       f"through a _compat helper, pinned above): {found}")
+
+
+def test_the_outside_reader_finds_what_it_should(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import lightning_4d
+
+    fake = tmp_path / "lightning_4d"
+    (fake / "_compat").mkdir(parents=True)
+    (fake / "_compat" / "__init__.py").write_text("x = 1\n")
+    (fake / "bad.py").write_text("import torch\nfrom torch._ops import OperatorBase\n"
+                                 "def f(m):\n    m._current_fx_name\n    return m.__dict__['_parameters']\n")
+    monkeypatch.setattr(sys.modules[__name__], "COMPAT", fake / "_compat")
+    assert set(private_names_outside_compat()) == {"_ops", "_current_fx_name", "_parameters"}
+    assert lightning_4d.__file__  # the real package is read by test_no_private_name_outside_compat

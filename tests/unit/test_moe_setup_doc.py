@@ -1,4 +1,4 @@
-"""``docs/moe_setup.md`` (written by ``bench/bench_moe_setup.py --markdown``) supports what the README,
+"""``docs/moe_setup.md`` (written by ``bench/bench_moe_setup.py --markdown``) supports what docs/how_it_works.md,
 ``docs/measurements.md`` and the CHANGELOG claim from it: under ep=8, every rank's set-up peak is within ``1.5 · share + one expert's largest
 matrix`` for both pretrained and random initialisation, a rank reads only its experts' keys (1/8 of them), and
 initialisation seconds per rank fall with ep. A re-run of the benchmark that broke a claim fails here."""
@@ -50,10 +50,10 @@ def test_initialisation_seconds_fall_with_ep() -> None:
     assert seconds[-1] <= 0.5 * seconds[0], "ep=8 should take well under half of ep=1's seconds"
 
 
-def test_readme_quotes_the_chunk_and_scratch_of_the_code() -> None:
+def test_how_it_works_quotes_the_chunk_and_scratch_of_the_code() -> None:
     from lightning_4d.materialize.init_pieces import CHUNK_ELEMENTS, scratch_bytes
 
-    readme = (DOC.parents[1] / "README.md").read_text()
+    readme = (DOC.parent / "how_it_works.md").read_text()
     assert f"{CHUNK_ELEMENTS // 1024} Ki elements at a time" in readme
     assert f"a scratch of at most {scratch_bytes() / 2**20:.0f} MiB" in readme
 

@@ -24,17 +24,43 @@ def test_registry_maps_to_torch_classes() -> None:
     assert get_schedule_info(pipelining.ScheduleZBVZeroBubble).name == "zbv"
     assert (get_schedule_info("zbv").style, get_schedule_info("dualpipev").style) == ("v", "v")
     assert get_schedule_info("interleaved_1f1b").multi_stage and not get_schedule_info("gpipe").multi_stage
-    with pytest.raises(ValueError, match="schedule='pipedream' is unknown"):
+    with pytest.raises(ValueError, match="schedule='pipedream' is not known"):
         get_schedule_info("pipedream")
 
 
-def test_schedule_shapes_match_torchs_placement() -> None:
-    """The one table of schedule shapes (``config.SCHEDULE_SHAPES``) against torch's own action tables: every
-    stage runs on the rank ``stage_to_rank`` predicts for the table's style, with the table's stages per rank."""
-    from lightning_4d.config import SCHEDULE_SHAPES, default_virtual_stages, stage_style
-    from lightning_4d.pipeline.partition import stage_to_rank
+def test_an_unknown_schedule_is_refused_in_one_place() -> None:
+    """The options, the micro-batch rule, the bubble, the planner's in-flight count and the default stages per rank
+    all refuse an unknown schedule with the one message of the record's lookup (the micro-batch rule used to accept
+    any name, as GPipe)."""
+    from lightning_4d.config import FourDConfig
+    from lightning_4d.pipeline.schedules import default_virtual_stages, in_flight_microbatches, stage_style
 
-    assert set(SCHEDULE_SHAPES) == set(SCHEDULES)
+    with pytest.raises(ValueError) as lookup:
+        get_schedule_info("2f2b")
+    message = str(lookup.value)
+    assert message.startswith("schedule='2f2b' is not known. Choose one of gpipe, 1f1b, interleaved_1f1b, zbv, dualpipev")
+    for refuse in (lambda: FourDConfig(pp=2, schedule="2f2b"), lambda: validate_microbatches("2f2b", 2, 1, 2),
+                   lambda: minimum_microbatches("2f2b", 2), lambda: default_microbatches("2f2b", 2),
+                   lambda: bubble_theory("2f2b", 2, 4), lambda: in_flight_microbatches("2f2b", 2, 4, 0),
+                   lambda: default_virtual_stages("2f2b", 2), lambda: stage_style("2f2b", 2),
+                   lambda: schedule_actions("2f2b", 2, 1, 2)):
+        with pytest.raises(ValueError) as caught:
+            refuse()
+        assert str(caught.value) == message
+        assert caught.traceback[-1].name == "get_schedule_info"
+    # a schedule torch has but the strategy does not run, and an alias, are the options' own rules
+    with pytest.raises(ValueError, match="FourDStrategy runs gpipe, 1f1b, interleaved_1f1b, zbv, dualpipev"):
+        FourDConfig(pp=2, schedule="looped_bfs")
+    with pytest.raises(ValueError, match="write 'interleaved_1f1b'"):
+        FourDConfig(pp=2, schedule="interleaved")
+
+
+def test_schedule_records_match_torchs_placement() -> None:
+    """Each schedule's record (placement, stages per rank) against torch's own action tables: every stage runs on
+    the rank ``stage_to_rank`` predicts for the record's style, with the record's stages per rank."""
+    from lightning_4d.pipeline.partition import stage_to_rank
+    from lightning_4d.pipeline.schedules import default_virtual_stages, stage_style
+
     for name in SCHEDULES:
         for pp in (2, 4):
             v = default_virtual_stages(name, pp)
