@@ -222,8 +222,10 @@ class FourDConfig:
             by ``2·cp`` (zigzag load balancing).
         cp_algorithm: how attention runs across the cp ranks: ``"allgather"`` (K/V all-gathered, any head count),
             ``"ulysses"`` (q/k/v all-to-all heads ↔ sequence; every attention call's query and K/V heads per tp rank
-            must divide by ``cp``, else refused at set-up naming the module) or ``"auto"`` (default: Ulysses where
-            the heads divide, else all-gather). The layout plan names the choice.
+            must divide by ``cp``, else refused at set-up naming the module), ``"ring"`` (K/V passed around the cp
+            ranks, the next chunk's transfer overlapping the attention; any head count) or ``"auto"`` (default: the
+            least activation memory, then the fewest bytes, among those the heads allow: Ulysses where the heads
+            divide, else the ring). The layout plan names the choice.
 
     Example:
         >>> FourDConfig(schedule="zbv", pp=2).stages_per_rank

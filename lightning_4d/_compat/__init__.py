@@ -62,6 +62,8 @@ from lightning_4d._compat.fake import (  # noqa: E402
 )
 from lightning_4d._compat.kernels import (  # noqa: E402
     attention_ops,
+    attention_with_lse,
+    attention_with_lse_backward,
     foreach_norm,
     grouped_mm,
     grouped_mm_supported,

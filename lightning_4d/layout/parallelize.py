@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement
 from lightning_4d._compat import registered_submodule
 from lightning_4d.layout.activation_checkpoint import apply_activation_checkpointing
 from lightning_4d.config import FourDConfig
+from lightning_4d.context_parallel.layer_masks import LayerMasks
 from lightning_4d.layout.data_parallel import apply_data_parallel, reshards_after_forward, wrap_mode
 from lightning_4d.analysis.discovery import top_level_modules
 from lightning_4d.core.distributed import local_of
@@ -73,6 +74,7 @@ class ParallelPlan:
     pipeline_tied: list[tuple[str, str]] = field(default_factory=list)
     input_shape: Optional[tuple[int, ...]] = None  # the traced example's shape: inputs must have its rank
     layout: Optional[LayoutPlan] = None  # the plan this rank applied
+    cp_masks: Optional[LayerMasks] = None  # context parallelism: each attention call's mask, read at set-up
 
 
 @dataclass(frozen=True)
