@@ -32,10 +32,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from lightning_4d._compat import is_fake
-from lightning_4d.context_parallel.blockwise import piecewise_attention
 from lightning_4d.context_parallel.collectives import gather_sequence
+from lightning_4d.context_parallel.gathered import allgather_attention
 from lightning_4d.context_parallel.layer_masks import LayerMasks, running
-from lightning_4d.context_parallel.masks import MaskSpec, plan_pieces
+from lightning_4d.context_parallel.masks import MaskSpec
 from lightning_4d.context_parallel.ring import ring_attention
 from lightning_4d.context_parallel.shard import SequenceShard, UnsplittableAttention
 from lightning_4d.context_parallel.ulysses import ulysses_attention
@@ -180,10 +180,7 @@ class ContextParallelAttention(TorchFunctionMode):
             return ulysses_attention(query, key, value, shard, spec, self.where(), scale=scale, block=BLOCK)
         if self.algorithm == "ring":
             return ring_attention(query, key, value, shard, spec, scale=scale, block=BLOCK)
-        keys, values = _gather_kv(key, value, shard)  # (…, T, E)
-        pieces = plan_pieces(shard.ranges(), [(0, shard.seq_len)], spec, shard.documents(spec) is not None, BLOCK)
-        return piecewise_attention(query, keys, values, pieces, spec, shard.documents(spec), scale,
-                                   shard.positions(spec))  # (…, T/cp, Ev)
+        return allgather_attention(query, key, value, shard, spec, scale=scale, block=BLOCK)  # (…, T/cp, Ev)
 
     def _spec(self, shard: SequenceShard, attn_mask: Optional[Tensor], is_causal: bool,
               device: torch.device) -> MaskSpec:

@@ -31,7 +31,7 @@ from torch import Tensor
 from lightning_4d import _compat
 from lightning_4d.context_parallel.masks import MaskSpec, Piece, plan_pieces
 
-__all__ = ["PieceRunner", "merge_into", "piecewise_attention", "plan_pieces"]
+__all__ = ["PieceRunner", "merge_into", "pack", "piecewise_attention", "plan_pieces", "source_runners", "unpack"]
 
 
 def merge_into(out: Tensor, lse: Tensor, piece_out: Tensor, piece_lse: Tensor) -> None:
@@ -99,6 +99,36 @@ class PieceRunner:
             dq[..., p.qs:p.qe, :] += gq
             dk[..., p.ks:p.ke, :] += gk
             dv[..., p.ks:p.ke, :] += gv
+
+
+def source_runners(queries: Sequence[tuple[int, int]], sources: Sequence[Sequence[tuple[int, int]]], spec: MaskSpec,
+                   docs: Optional[Tensor], scale: Optional[float], positions: Optional[Tensor],
+                   block: int) -> list[PieceRunner]:
+    """One :class:`PieceRunner` per source rank: queries at the sequence ranges ``queries`` against the keys each
+    rank holds (``sources[r]``: its ranges, laid out one after the other), what the K/V all-gather and the ring run
+    per rank's chunk pair."""
+    return [PieceRunner(plan_pieces(queries, ranges, spec, docs is not None, block), spec, docs, scale, positions)
+            for ranges in sources]
+
+
+def pack(*tensors: Tensor) -> Tensor:
+    """One flat buffer of ``tensors`` (one message / collective for all of them).
+
+    Example:
+        >>> a, b = unpack(pack(torch.ones(2), torch.zeros(1, 3)), (torch.ones(2), torch.zeros(1, 3)))
+        >>> a.tolist(), b.shape
+        ([1.0, 1.0], torch.Size([1, 3]))
+    """
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def unpack(flat: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
+    """Views of ``flat`` shaped like ``like`` (the inverse of :func:`pack`)."""
+    out, at = [], 0
+    for t in like:
+        out.append(flat[at:at + t.numel()].view(t.shape))
+        at += t.numel()
+    return out
 
 
 def accumulator_dtype(q: Tensor) -> torch.dtype:

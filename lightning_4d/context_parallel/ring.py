@@ -26,26 +26,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_4d.context_parallel.blockwise import PieceRunner, accumulator_dtype, finish, start
-from lightning_4d.context_parallel.masks import MaskSpec, plan_pieces
+from lightning_4d.context_parallel.blockwise import accumulator_dtype, finish, pack, source_runners, start, unpack
+from lightning_4d.context_parallel.masks import MaskSpec
 
 if TYPE_CHECKING:
     from lightning_4d.context_parallel.shard import SequenceShard
 
 __all__ = ["ring_attention"]
-
-
-def _pack(*tensors: Tensor) -> Tensor:
-    """One flat buffer of ``tensors`` (one message per hop)."""
-    return torch.cat([t.reshape(-1) for t in tensors])
-
-
-def _unpack(flat: Tensor, like: tuple[Tensor, ...]) -> list[Tensor]:
-    out, at = [], 0
-    for t in like:
-        out.append(flat[at:at + t.numel()].view(t.shape))
-        at += t.numel()
-    return out
 
 
 class _Ring:
@@ -56,9 +43,8 @@ class _Ring:
         self.group, self.cp, self.rank = group, shard.cp, shard.rank
         self.next = dist.get_global_rank(group, (shard.rank + 1) % shard.cp)
         self.prev = dist.get_global_rank(group, (shard.rank - 1) % shard.cp)
-        docs, positions = shard.documents(spec), shard.positions(spec)
-        self.runners = [PieceRunner(plan_pieces(shard.ranges(), shard.ranges(src), spec, docs is not None, block),
-                                    spec, docs, scale, positions) for src in range(shard.cp)]
+        self.runners = source_runners(shard.ranges(), [shard.ranges(src) for src in range(shard.cp)], spec,
+                                      shard.documents(spec), scale, shard.positions(spec), block)
 
     def source(self, step: int) -> int:
         """The rank whose K/V this rank holds at ``step``."""
@@ -82,11 +68,11 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, ring: _Ring) -> Tensor:
         out, lse = start(q, v)
-        held = _pack(k, v)  # this rank's K/V, then each previous rank's in turn
+        held = pack(k, v)  # this rank's K/V, then each previous rank's in turn
         for step in range(ring.cp):
             incoming = torch.empty_like(held) if step < ring.cp - 1 else None
             works = ring.exchange([held if incoming is not None else None], [incoming])  # during this step
-            kh, vh = _unpack(held, (k, v))
+            kh, vh = unpack(held, (k, v))
             ring.runners[ring.source(step)].forward(q, kh, vh, out, lse)
             _wait(works)
             held = incoming if incoming is not None else held
@@ -99,23 +85,23 @@ class _RingAttention(torch.autograd.Function):
         ring: _Ring = ctx.ring
         acc = accumulator_dtype(q)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        held = _pack(k, v)
+        held = pack(k, v)
         done: Optional[Tensor] = None  # the previous step's chunk gradients, to pass on
         for step in range(ring.cp):
             incoming = torch.empty_like(held) if step < ring.cp - 1 else None
             arriving = torch.empty_like(held) if step > 0 else None  # the held chunk's gradients so far
             works = ring.exchange([held if incoming is not None else None, done], [incoming, arriving])
-            kh, vh = _unpack(held, (k, v))
+            kh, vh = unpack(held, (k, v))
             dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k, v))
             ring.runners[ring.source(step)].backward(grad, q, kh, vh, out, lse, dq, dk, dv)
             _wait(works)
-            done = _pack(dk.to(k.dtype), dv.to(v.dtype))
+            done = pack(dk.to(k.dtype), dv.to(v.dtype))
             if arriving is not None:
                 done = done + arriving
             held = incoming if incoming is not None else held
         own = torch.empty_like(held)
         _wait(ring.exchange([done], [own]))  # the last hop: every chunk's summed gradients back to its owner
-        dk, dv = _unpack(own, (k, v))
+        dk, dv = unpack(own, (k, v))
         return dq.to(q.dtype), dk, dv, None
 
 
