@@ -16,6 +16,9 @@ plus the gathered K/V under the all-gather), the planner's own activation term (
 algorithm) with its ratio to the measurement, and :func:`~lightning_4d.context_parallel.cost.wire_bytes_per_rank`.
 The table is docs/context_parallel_measurements.md (tests/unit/test_cp_measurements.py checks it).
 
+Beyond 16k tokens only cp = 4 runs besides cp = 1 (each configuration costs about four 16k ones on a CPU).
+``--keep`` keeps the rows of the ``--markdown`` file for the lengths not measured now (one length re-run alone).
+
 Run: python bench/bench_context_parallel.py [--seq 8192 16384 32768] [--markdown docs/context_parallel_measurements.md]
 """
 
@@ -25,7 +28,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -132,8 +135,19 @@ def planner_activation_bytes(seq: int, cp: int, algorithm: str = "allgather") ->
     return memory_per_rank(spec, ParallelDims.from_world(cp, cp=cp), train)[0].activations
 
 
-#: The configurations measured per sequence length: (cp, algorithm).
+#: The configurations measured per sequence length: (cp, algorithm); beyond 16k tokens only cp = 4 besides cp = 1
+#: (each costs about four 16k ones on a CPU, whatever its cp).
 CONFIGS = ((1, "-"), *((cp, a) for cp in (2, 4) for a in ("allgather", "ulysses", "ring")))
+LONG_CONFIGS = ((1, "-"), *((4, a) for a in ("allgather", "ulysses", "ring")))
+LONG = 16384
+
+
+def _kept_rows(path: Optional[Path], seqs: list[int]) -> list[str]:
+    """The table rows of ``path`` (an earlier ``--markdown``) for sequence lengths not measured now."""
+    if path is None or not path.exists():
+        return []
+    return [line for line in path.read_text().splitlines()
+            if line.startswith("| ") and line[2].isdigit() and int(line.split("|")[1]) not in seqs]
 
 
 def main() -> None:
@@ -143,6 +157,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, nargs="+", default=[8192, 16384, 32768])
     parser.add_argument("--markdown", type=Path, default=None,
                         help="also write the table as this markdown file (docs/context_parallel_measurements.md)")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the rows of the --markdown file for the sequence lengths not measured now")
     args = parser.parse_args()
     # Every tensor of 128 KiB or more in its own mapping, returned to the system when freed: the resident memory then
     # follows the live tensors (no heap fragmentation in the peak). Read by the C library when the ranks start.
@@ -150,9 +166,10 @@ def main() -> None:
     kv_width = HEADS * DIM // HEADS  # the package's Llama repeats K/V to every head before SDPA
     rows = [HEADER, "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     print("\n".join(rows), flush=True)
+    kept = _kept_rows(args.markdown, args.seq) if args.keep else []
     for seq in args.seq:
         base_peak, base_saved = 0.0, 0.0
-        for cp, algorithm in CONFIGS:
+        for cp, algorithm in (CONFIGS if seq <= LONG else LONG_CONFIGS):
             alg = algorithm if cp > 1 else "allgather"
             got = run_world(_rank, cp, seq, cp, alg, timeout_s=3600)
             saved, peak = max(r["saved"] for r in got), max(r["peak"] for r in got)
@@ -165,7 +182,9 @@ def main() -> None:
                         f"{got[0]['sent'] / 1e6:.2f} | {sent / 1e6:.2f} |")
             print(rows[-1], flush=True)
     if args.markdown is not None:
-        args.markdown.write_text(markdown(rows, args.seq))
+        body = sorted(kept + rows[2:], key=lambda line: int(line.split("|")[1]))  # by T, measured order kept
+        seqs = sorted({int(line.split("|")[1]) for line in body})
+        args.markdown.write_text(markdown(rows[:2] + body, seqs))
 
 
 HEADER = ("| T | algorithm | cp | peak MB/rank | peak / cp=1 | saved MB/rank | formula | planner | planner / saved | "

@@ -40,7 +40,8 @@ from lightning_4d.checkpoint.state import load_sharded, model_state_dict, optimi
 from lightning_4d.config import FourDConfig
 from lightning_4d.context_parallel import SequenceShard, takes_positions
 from lightning_4d.context_parallel.algorithm import choose_algorithm
-from lightning_4d.context_parallel.check import ModelInfo, check_context_parallel, check_unread_masks, example_length
+from lightning_4d.context_parallel.check import ModelInfo, check_context_parallel, example_length
+from lightning_4d.context_parallel.refusals import check_unread_masks
 from lightning_4d.layout.data_parallel import set_gradient_sync
 from lightning_4d.core.distributed import all_reduce_sum, broadcast_module_state, is_on_meta
 from lightning_4d.safety.heartbeat import Heartbeat
@@ -322,7 +323,7 @@ class FourDStrategy(ParallelStrategy):
         """:func:`~lightning_4d.context_parallel.check.check_context_parallel` on a tiny example: with values (each
         attention call's mask read, a collective over the cp group) on the model built for real, or for a meta-built
         one on a perturbed copy of it when the copy fits the reduced check's budget (else declared and traced only,
-        :func:`~lightning_4d.context_parallel.check.check_unread_masks`)."""
+        :func:`~lightning_4d.context_parallel.refusals.check_unread_masks`)."""
         assert self.model is not None
         dims = self.dims
         length = example_length(self.model, dims.cp, dims.tp if dims.sp else 1)

@@ -17,6 +17,8 @@
 - :mod:`.algorithm`: which algorithm runs a model (``cp_algorithm``), pure.
 - :mod:`.cost`: bytes on the wire and activation memory per algorithm, closed form.
 - :mod:`.check`: the set-up refusal of attention that cannot be split (named module) and the reading of the masks.
+- :mod:`.refusals`: the refusals that name a family's fix, and the fallback for masks that cannot be read.
+- :mod:`.gathered`: the K/V all-gather attention (one gathered buffer, attended chunk by chunk).
 
 Example:
     >>> from lightning_4d.context_parallel import zigzag_indices

@@ -32,10 +32,9 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import logging
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -50,15 +49,14 @@ from lightning_4d.context_parallel.layer_masks import LayerMasks
 from lightning_4d.context_parallel.lengths import Shrunk, declared_lengths, shrink_map, shrunk
 from lightning_4d.context_parallel.masks import MaskSpec
 from lightning_4d.context_parallel.probe import MaskRecord, document_positions, layer_specs, read_mask
+from lightning_4d.context_parallel.refusals import family_hint, refuse_traced
 from lightning_4d.context_parallel.shard import UnsplittableAttention
 from lightning_4d.context_parallel.sharding import shard_batch, takes_positions
 from lightning_4d.context_parallel.zigzag import zigzag_split
 from lightning_4d.core.precision import allowed_difference, max_difference
 
-__all__ = ["ModelInfo", "check_context_parallel", "check_declared", "check_unread_masks", "declared_sliding_window",
-           "example_length"]
+__all__ = ["ModelInfo", "check_context_parallel", "check_declared", "declared_sliding_window", "example_length"]
 
-log = logging.getLogger(__name__)
 
 _SCORE_FUNCS = {torch.matmul, torch.bmm, torch.baddbmm, torch.einsum, torch.softmax, F.softmax, torch.Tensor.softmax,
                 torch.Tensor.__matmul__, torch.Tensor.matmul, torch.Tensor.bmm}
@@ -301,35 +299,6 @@ def _whole_run(module: nn.Module, tokens: Tensor, watch: _Watch, outputs: dict[s
     return False
 
 
-def _refuse_traced(module: nn.Module, watch: _Watch, seq_len: int) -> None:
-    """Check 2 of the module doc: attention written by hand, a top-k selection of keys."""
-    if watch.selections:
-        raise UnsplittableAttention(
-            f"context parallelism cannot split the attention of {watch.selections[0]}: it selects keys by top-k over "
-            f"({seq_len}, {seq_len}) scores (a sparse-attention indexer, e.g. DeepSeek-V3.2's DSA with index_topk), "
-            f"and on a cp rank the selection would run over that rank's keys only. Train this model with cp=1 (for "
-            f"long sequences, tp / pp and activation checkpointing keep each rank's activations down).")
-    if not watch.hand_written:
-        return
-    where = watch.hand_written[0]
-    owner = next((m for m in module.modules() if getattr(type(m), "_supports_sdpa", None) is not None), None)
-    eager_only = owner is not None and type(owner)._supports_sdpa is False
-    sinks = any(getattr(m, "sinks", None) is not None for m in module.modules())
-    if eager_only:
-        why = (f"attention sinks (a learnt logit per head in the softmax: GPT-OSS, MiMo-V2-Flash), which SDPA does "
-               f"not compute, " if sinks else "")
-        raise UnsplittableAttention(
-            f"context parallelism cannot split the attention of {where}: it computes ({seq_len}, {seq_len}) attention "
-            f"scores itself with {why}and transformers offers no SDPA attention for {type(owner).__name__} "
-            f"(_supports_sdpa=False), so no call can be made global across the cp ranks. Train this model with cp=1 "
-            f"(for long sequences, tp / pp and activation checkpointing keep each rank's activations down).")
-    raise UnsplittableAttention(
-        f"context parallelism cannot split the attention of {where}: it computes ({seq_len}, {seq_len}) attention "
-        f"scores itself (matmul / softmax) instead of calling torch.nn.functional.scaled_dot_product_attention, the "
-        f"call made global across the cp ranks. Use an SDPA attention (transformers: attn_implementation='sdpa'), or "
-        f"cp=1.")
-
-
 def _read_masks(module: nn.Module, tokens: Tensor, watch: _Watch, positions: bool,
                 lengths: Shrunk) -> tuple[dict[str, tuple[MaskSpec, ...]], MaskTable]:
     """Each call's mask (:func:`~.probe.layer_specs`) from the whole run's ``watch`` and, if the model takes
@@ -380,7 +349,7 @@ def _check(module: nn.Module, tokens: Tensor, group: Optional[dist.ProcessGroup]
     problem: Optional[str] = None
     with _module_names(module) as where, _Watch(seq_len, where, masks=values) as watch, _record(module, whole):
         positions = _whole_run(module, tokens, watch, whole)
-    _refuse_traced(module, watch, seq_len)
+    refuse_traced(module, watch.hand_written, watch.selections, seq_len)
     info = ModelInfo(positions, watch.sdpa, tuple(watch.heads))
     if not values:
         return info
@@ -400,32 +369,8 @@ def _check(module: nn.Module, tokens: Tensor, group: Optional[dist.ProcessGroup]
         call_model(module, local_inputs)
     _agree(attention.errors[0] if attention.errors else None, group, "")
     differs = _first_difference(whole, local, order, seq_len, cp, rank)
-    _agree(differs, group, _DIFFERS + _hint(module, differs).replace("{", "{{").replace("}", "}}"))
+    _agree(differs, group, _DIFFERS + family_hint(module, differs).replace("{", "{{").replace("}", "}}"))
     return info
-
-
-def check_unread_masks(model: nn.Module, need: float, budget: Optional[float]) -> None:
-    """A model on the meta device whose copy (``need`` bytes) is over the check's ``budget``: its masks are not read.
-    Refused when it declares a window, chunk or top-k (:mod:`.lengths`: which layers apply them, and how, cannot be
-    told without values); else trained with each call's local mask checked at every step (causal, or per document).
-
-    Raises:
-        UnsplittableAttention: naming the declared lengths and the fixes.
-
-    Example:
-        >>> check_unread_masks(torch.nn.Linear(2, 2), need=1e12, budget=None)  # declares nothing
-    """
-    declared = sorted({f"{name}={value}" for _, name, value in declared_lengths(model)})
-    if declared:
-        raise UnsplittableAttention(
-            f"context parallelism cannot read the attention masks of {type(model).__name__}, built on the meta device: "
-            f"it declares {', '.join(declared)}, and which layers apply them, and how, is read from a run with values "
-            f"on a copy of the model, which would hold {need / 2**20:.0f} MiB, over the set-up check's budget"
-            f"{f' of {budget / 2**20:.0f} MiB' if budget is not None else ' (256 MiB by default)'}. Pass "
-            f"FourDStrategy(reduced_check_budget=<bytes>) with room for it, build the model for real, or use cp=1.")
-    log.warning("lightning_4d: context parallelism: the attention masks of %s (built on the meta device, a copy of "
-                "%.0f MiB over the set-up check's budget) are not read; each attention call's local mask is checked "
-                "at every step instead (causal, or causal per document).", type(model).__name__, need / 2**20)
 
 
 _DIFFERS = (
@@ -434,30 +379,6 @@ _DIFFERS = (
     "(torch.arange(T), a rotary table sliced to T, a learned position embedding), a cumulative op, a convolution or "
     "state across tokens. Take `position_ids` in forward and use them for positions (they are global under cp), or "
     "use cp=1.")
-
-
-#: Settings known to compute something from the local chunk, and the fix that applies to their family.
-_HINTS = {
-    "attn_temperature_tuning": (
-        "Here: Llama 4's attention temperature tuning scales the queries of its NoPE layers by a function of "
-        "torch.arange over the local length; set attn_temperature_tuning=False in the config (the same model for "
-        "sequences shorter than its floor_scale), or use cp=1."),
-}
-
-
-def _hint(module: nn.Module, name: Optional[str]) -> str:
-    """The family's fix (:data:`_HINTS`) for a difference first seen in module ``name``: a setting on it, on a module
-    above it or on their config."""
-    if not name:
-        return ""
-    parts = name.split(".")
-    for depth in range(len(parts), -1, -1):
-        owner = module.get_submodule(".".join(parts[:depth]))
-        for holder in (owner, getattr(owner, "config", None)):
-            for attr, text in _HINTS.items():
-                if getattr(holder, attr, False) is True:
-                    return " " + text
-    return ""
 
 
 def _agree(problem: Optional[str], group: Optional[dist.ProcessGroup], message: str) -> None:

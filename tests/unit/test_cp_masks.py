@@ -157,3 +157,11 @@ def test_layer_masks_read_mapped_back_or_refused() -> None:
                     MaskRecord("b", "module 'b' (B)", window)]
     assert layer_specs(records, docs_records, POSITIONS) == {"a": (MaskSpec(documents=True),),
                                                              "b": (MaskSpec("window", 3),)}
+
+
+def test_a_meta_model_over_the_check_budget_declaring_a_window_is_refused() -> None:
+    from lightning_4d.context_parallel.refusals import check_unread_masks
+
+    with pytest.raises(UnsplittableAttention, match=r"sliding_window=4096.*reduced_check_budget=<bytes>.*cp=1"):
+        check_unread_masks(nn.Sequential(_Attn()), need=2**40, budget=None)
+    check_unread_masks(nn.Linear(2, 2), need=2**40, budget=None)  # nothing declared: local masks checked per step
