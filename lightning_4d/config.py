@@ -182,7 +182,9 @@ class FourDConfig:
             e.g. a node, replicated across the groups; expert parameters stay FSDP2 over ``edp``).
         activation_checkpointing: ``None``, ``"selective"`` or ``"full"`` (per block).
         timeout: process-group timeout; a rank blocked on a failed peer raises after it.
-        process_group_backend: ``"gloo"``/``"nccl"``; default (``None``) by device.
+        process_group_backend: ``"gloo"``/``"nccl"``, or a torch ``"device:backend"`` string such as
+            ``"cuda:gloo"`` (several ranks sharing one GPU: gloo on CUDA tensors, refusing host tensors as NCCL
+            does; ``bench/gpu_smoke.py``); default (``None``) by device: ``nccl`` on CUDA, ``gloo`` on CPU.
         sync_module_states: every rank starts from rank 0's weights even without a common seed: a model built
             on the CPU is broadcast from rank 0 (64 MB buckets) before sharding; a model built on the meta device
             is initialised shard by shard (:mod:`lightning_4d.materialize.local_shards`) from rank 0's random state when the
@@ -216,6 +218,12 @@ class FourDConfig:
             written by the recipes; edit it to change what is sharded), applied instead of the derived one. It
             is checked against the model and the mesh (paths, styles, degrees) and by the set-up value check
             like a derived plan. ``None`` (default): derive it from the model.
+        async_checkpoint: write checkpoints saved during ``fit`` in the background with DCP's ``async_save``: a save
+            blocks training only while this rank's shards are copied to host memory (pinned on a GPU); the files,
+            their hashes, the manifest and the ``.partial`` → path swap follow in a background thread, crash-safe as
+            a synchronous save. One save at a time (the next save, a load, a preemption save and the end of
+            training wait for it); an error in the background raises at the next of those. Costs one host copy of
+            the rank's share of the model and optimizer state (:mod:`lightning_4d.checkpoint.background`).
         cp: context-parallel degree: every sample's sequence is split over ``cp`` ranks (a mesh axis between
             ``dp`` and ``tp``; parameters replicated over it, gradients reduced over ``dp × cp``), attention
             across them exact (:mod:`lightning_4d.context_parallel`). The sequence length must be divisible
@@ -257,6 +265,7 @@ class FourDConfig:
     cp: int = 1
     cp_algorithm: str = "auto"
     plan: Union[str, Path, LayoutPlan, None] = None
+    async_checkpoint: bool = False
 
     def __post_init__(self) -> None:
         self._check_runtime_options()
@@ -308,7 +317,7 @@ class FourDConfig:
                              f"'gloo' or 'nccl', or None (by device).")
         if self.nonfinite not in NONFINITE_MODES:
             raise ValueError(f"nonfinite={self.nonfinite!r} must be one of {', '.join(map(repr, NONFINITE_MODES))}.")
-        for name in ("sync_module_states", "checkpoint_checksums", "preemption_requeue"):
+        for name in ("sync_module_states", "checkpoint_checksums", "preemption_requeue", "async_checkpoint"):
             put(name, bool(getattr(self, name)))
         signals = self.preemption_signals
         signals = () if signals is None else (signals,) if isinstance(signals, (str, int)) else tuple(signals)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Iterable, Optional, 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from torch import Tensor
@@ -35,6 +35,7 @@ from typing_extensions import override
 from lightning_4d import _compat
 from lightning_4d.core.batches import batch_tokens
 from lightning_4d.core.comm import internal_comm
+from lightning_4d.checkpoint.background import BackgroundSaver
 from lightning_4d.checkpoint.resume import normalize_loop_state, skip_first_batches
 from lightning_4d.checkpoint.state import load_sharded, model_state_dict, optimizer_state_dict, save_sharded
 from lightning_4d.config import FourDConfig
@@ -59,7 +60,9 @@ from lightning_4d.layout.reduced_check import (
     CHECK_FLOOR_BYTES, check_budget_bytes, check_reduced_model, perturbed_copy, plan_share_bytes,
 )
 from lightning_4d.safety.preemption import PreemptionSaver, resolve_signals
-from lightning_4d.runtime.step import after_optimizer_step, clip_grad_norm, finish_backward, predict_outputs, step_loss
+from lightning_4d.runtime.step import (
+    GradNormShare, after_optimizer_step, clip_grad_norm, finish_backward, grad_norm_share, predict_outputs, step_loss,
+)
 from lightning_4d.runtime.step import loss_context as step_loss_context
 from lightning_4d.tensor_parallel.replicas import replica_mismatches
 from lightning_4d.analysis.trace import example_tokens
@@ -123,6 +126,7 @@ class FourDStrategy(ParallelStrategy):
         self._plan: Optional[ParallelPlan] = None
         self.layout_plan: Optional[LayoutPlan] = None  # the plan applied at set-up (save it: .save(path))
         self._grads_stale = True
+        self._grad_share: Optional[GradNormShare] = None  # the guard's gradient-norm share, reused by clipping
         self._replicas_checked = False  # replicated TP parameters are compared after the first step
         self._resume_loops: Optional[dict[str, Any]] = None
         self._peers: list[Peer] = []
@@ -131,6 +135,7 @@ class FourDStrategy(ParallelStrategy):
         self.materialize_report: Optional[MaterializeReport] = None  # set when the model was built on meta
         self._cp_shard: Optional[SequenceShard] = None  # cp > 1: this rank's share of the current batch
         self._cp_info: Optional[ModelInfo] = None  # cp > 1: what the set-up check learnt of the model
+        self._saver = BackgroundSaver(self.config.timeout) if self.config.async_checkpoint else None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -450,15 +455,19 @@ class FourDStrategy(ParallelStrategy):
                 f"Implement {hook_call(TP_PLAN)} to shard them, or use tp=1."
             )
 
-    def _guarded(self, closure: Callable[[], Optional[Tensor]]) -> Optional[Tensor]:
+    def _guarded(self, closure: Callable[[], Optional[Tensor]], optimizer: Optimizer) -> Optional[Tensor]:
         """Run the step's forward and backward, then stop or skip it on every rank if it is not finite
-        (before Lightning clips the gradients and the optimizer steps)."""
+        (before Lightning clips the gradients and the optimizer steps). The gradient norm's share it tests is
+        kept for clipping (unless a grad scaler unscales the gradients in between)."""
         loss = closure()
         trainer = self.lightning_module.trainer
         step = trainer.global_step
         saver = self.preemption
         agreed = [float(saver.received or 0)] if saver is not None else None
-        message = check_step(self.model, loss, step, self.root_device, also_max=agreed)
+        params = [p for group in optimizer.param_groups for p in group["params"]]  # what clipping is handed
+        share = grad_norm_share(self._plan, self.model, params)
+        self._grad_share = share if getattr(self.precision_plugin, "scaler", None) is None else None
+        message = check_step(self.model, loss, step, self.root_device, also_max=agreed, grad_norm_share=share.value)
         if saver is not None and agreed is not None:
             saver.agree(step, int(agreed[0]))  # the batch-end check then needs no collective of its own
         if message is None:
@@ -483,7 +492,7 @@ class FourDStrategy(ParallelStrategy):
             out = super().optimizer_step(optimizer, closure, model, **kwargs)
         else:
             try:
-                out = super().optimizer_step(optimizer, partial(self._guarded, closure), model, **kwargs)
+                out = super().optimizer_step(optimizer, partial(self._guarded, closure, optimizer), model, **kwargs)
             except SkipStep as skipped:
                 self.skipped_steps += 1
                 optimizer.zero_grad(set_to_none=True)
@@ -493,6 +502,8 @@ class FourDStrategy(ParallelStrategy):
                     rank_zero_warn(f"Skipped step ({self.skipped_steps} so far): {skipped}")
                 self._log_skipped()
                 return None
+            finally:
+                self._grad_share = None
             if self.config.nonfinite == "skip":
                 self._log_skipped()
         self._grads_stale = True
@@ -500,6 +511,8 @@ class FourDStrategy(ParallelStrategy):
             self._replicas_checked = True
             self._check_replicas()
         after_optimizer_step(self._plan, self.model)  # aux-loss-free balancing: after the step, on every rank
+        if self._saver is not None:
+            self._saver.poll()  # a failed background save is logged now, raised at the next save / teardown
         return out
 
     def compute_loss(self, module: "pl.LightningModule", inputs: Any, targets: Any, stage: str = "train") -> Tensor:
@@ -546,7 +559,7 @@ class FourDStrategy(ParallelStrategy):
             >>> trainer.strategy.clip_grad_norm_(model.parameters(), 1.0)  # doctest: +SKIP
         """
         assert self.model is not None
-        return clip_grad_norm(self._plan, self.model, parameters, max_norm, norm_type)
+        return clip_grad_norm(self._plan, self.model, parameters, max_norm, norm_type, share=self._grad_share)
 
     # ------------------------------------------------------------------ collectives
     @override
@@ -592,6 +605,7 @@ class FourDStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        save_error = self._saver.close() if self._saver is not None else None  # the last save completes first
         if self.preemption is not None:
             self.preemption.restore()
         if self._heartbeat is not None:  # after a failure the peers may notice this rank's silence: intended
@@ -602,6 +616,10 @@ class FourDStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+        if save_error is not None:
+            if not self._failed:
+                raise save_error
+            log.error("lightning_4d: the background checkpoint save failed as well: %s", save_error)
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -625,13 +643,30 @@ class FourDStrategy(ParallelStrategy):
                         storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError("FourDStrategy.save_checkpoint(storage_options=...) is not supported.")
-        save_sharded(checkpoint, self.broadcast(str(filepath)), is_global_zero=self.is_global_zero,
-                     checksums=self.config.checkpoint_checksums)
+        path = self.broadcast(str(filepath))
+        trainer = _compat.attached_trainer(self.lightning_module) if self.lightning_module is not None else None
+        if self._saver is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING \
+                and trainer.state.status == TrainerStatus.RUNNING:  # after fit nothing would wait: saved at once
+            self._saver.save(checkpoint, path, self.is_global_zero, self.root_device, self.config.checkpoint_checksums)
+            return
+        self.wait_for_checkpoint()
+        save_sharded(checkpoint, path, is_global_zero=self.is_global_zero, checksums=self.config.checkpoint_checksums)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until the checkpoint being written in the background (``async_checkpoint=True``) is complete; raise
+        its error (every rank). A no-op without one.
+
+        Example:
+            >>> FourDStrategy(async_checkpoint=True).wait_for_checkpoint()
+        """
+        if self._saver is not None:
+            self._saver.wait()
 
     @override
     def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
         assert self.model is not None
         strict = bool(getattr(self.lightning_module, "strict_loading", True))
+        self.wait_for_checkpoint()
         meta = load_sharded(self.broadcast(str(checkpoint_path)), self.model, self.optimizers,
                             verify=self.config.checkpoint_checksums, strict=strict)
         # Re-positioned once the training dataloader (and so the epoch length) is known.
@@ -656,19 +691,26 @@ class FourDStrategy(ParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
-        if self.is_global_zero:
-
-            path = Path(filepath)
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+        if not self.is_global_zero:
+            return
+        remove = partial(_remove_path, Path(filepath))
+        if self._saver is not None:
+            self._saver.after_save(remove)  # only once the save in flight is complete (now if none is)
+        else:
+            remove()
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """Register ``strategy="fourd"`` with Lightning's registry."""
         if "fourd" not in strategy_registry:
             strategy_registry.register("fourd", cls, description="4D parallelism: TP/SP, PP, EP and DP")
+
+
+def _remove_path(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
 
 
 def _options_signature() -> inspect.Signature:

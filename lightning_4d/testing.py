@@ -6,7 +6,8 @@ Ranks are forked from a *forkserver* that has already imported torch and Lightni
 short timeout and runs ``fn(rank, *args)``. The return values come back as a list in rank order.
 Reuse one world for many checks by making ``fn`` run them all. More modules for the forkserver to import once
 are named in ``LIGHTNING_4D_WORLD_PRELOAD`` (comma-separated); what a rank inherits from it is frozen
-(``gc.freeze``), so a garbage collection in the rank does not walk it.
+(``gc.freeze``), so a garbage collection in the rank does not walk it. :class:`HostSyncCounter` (from
+:mod:`lightning_4d.core.host_syncs`) counts a step's host syncs, in a world's rank or anywhere else.
 
 Example:
     >>> def fn(rank):
@@ -29,7 +30,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["PRELOAD_ENV", "run_world", "WorldError", "free_port"]
+from lightning_4d.core.host_syncs import HostSyncCounter
+
+__all__ = ["HostSyncCounter", "PRELOAD_ENV", "run_world", "WorldError", "free_port"]
 
 _PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning_4d"]
 PRELOAD_ENV = "LIGHTNING_4D_WORLD_PRELOAD"
@@ -49,7 +52,8 @@ def free_port() -> int:
 
 
 def _worker(
-    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, out: str, pg_timeout_s: float
+    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, out: str, pg_timeout_s: float,
+    backend: str = "gloo",
 ) -> None:
     os.environ.update(
         RANK=str(rank),
@@ -79,7 +83,7 @@ def _worker(
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                               timeout=timedelta(seconds=pg_timeout_s))
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
+            backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
         )
         result = {"ok": True, "value": fn(rank, *args)}
     except BaseException as err:  # noqa: BLE001 - reported to the parent
@@ -106,6 +110,7 @@ def run_world(
     timeout_s: float = 600.0,
     pg_timeout_s: float = 300.0,
     raise_on_error: bool = True,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Run ``fn(rank, *args)`` on ``world_size`` CPU ranks joined by a gloo process group.
 
@@ -116,6 +121,8 @@ def run_world(
         pg_timeout_s: the process-group timeout, so a rank blocked on a dead peer fails fast.
         raise_on_error: raise :class:`WorldError` if any rank failed; otherwise return the
             per-rank result dicts ``{"ok", "value" | "error", "traceback"}``.
+        backend: the default group's backend, a torch backend string: ``"cuda:gloo"`` lets ranks share one GPU
+            (gloo on CUDA tensors, which refuses host tensors as NCCL does; NCCL refuses two ranks on one GPU).
 
     Example:
         >>> # not run: needs a process group (spawns one process per rank)
@@ -138,7 +145,8 @@ def run_world(
     with tempfile.TemporaryDirectory(prefix="l4d_world_") as tmp:
         outs = [str(Path(tmp) / f"rank{r}.pkl") for r in range(world_size)]
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, fn, args, outs[r], pg_timeout_s), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, port, fn, args, outs[r], pg_timeout_s, backend),
+                        daemon=True)
             for r in range(world_size)
         ]
         for proc in procs:

@@ -36,7 +36,8 @@ __all__ = [
 
 # ---------------------------------------------------------------------------------------------- mesh and wrappers
 def mesh_backend_override(backend: str, timeout: Optional[timedelta], ndim: int) -> Optional[tuple]:
-    """Per-dimension ``(backend, options)`` for ``DeviceMesh`` so sub-groups inherit our timeout.
+    """Per-dimension ``(backend, options)`` for ``DeviceMesh`` so sub-groups inherit our timeout (``backend``: a
+    name or a ``"device:backend"`` string of one backend, e.g. ``"cuda:gloo"``).
 
     ``DeviceMesh`` sub-groups otherwise get torch's 30-minute default instead of the world's
     timeout, and a failing rank would leave the others hanging. Uses the private
@@ -45,10 +46,12 @@ def mesh_backend_override(backend: str, timeout: Optional[timedelta], ndim: int)
     """
     if timeout is None:
         return None
+    # A "device:backend" string ("cuda:gloo", "cpu:gloo,cuda:nccl") takes the options of its one backend.
+    kinds = {pair.rpartition(":")[2].strip().lower() for pair in backend.split(",")}
     try:
-        if backend == "gloo":
+        if kinds == {"gloo"}:
             opts: Any = dist.ProcessGroupGloo._Options()
-        elif backend == "nccl":
+        elif kinds == {"nccl"}:
             opts = dist.ProcessGroupNCCL.Options()
         else:
             return None

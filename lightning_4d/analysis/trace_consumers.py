@@ -153,6 +153,7 @@ class _Facts:
     sources: dict[str, frozenset[str]] = field(default_factory=dict)
     module_sources: dict[str, frozenset[str]] = field(default_factory=dict)
     input_ndim: dict[str, int] = field(default_factory=dict)
+    int_reads: dict[str, dict[str, int]] = field(default_factory=dict)
     mode: Optional[_Consumers] = None
 
     def into(self, trace: ModelTrace) -> ModelTrace:
@@ -166,4 +167,4 @@ class _Facts:
         return replace(trace, consumers=dict(self.mode.seen), columns=dict(self.mode.columns.layouts),
                        score_biases=dict(self.mode.biases.found), last_linear=self.last_linear,
                        sources=self.sources, module_sources=self.module_sources, input_ndim=self.input_ndim,
-                       takes_block_input=takes, kinds={})
+                       int_reads=self.int_reads, takes_block_input=takes, kinds={})

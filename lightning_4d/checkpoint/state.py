@@ -38,8 +38,8 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
 __all__ = ["model_state_dict", "optimizer_state_dict", "save_sharded", "load_sharded", "is_checkpoint",
-           "check_checkpoint", "recover_checkpoint", "verify_checkpoint", "CheckpointIntegrityError", "META_FILE",
-           "MANIFEST_FILE"]
+           "check_checkpoint", "recover_checkpoint", "verify_checkpoint", "CheckpointIntegrityError",
+           "CheckpointSaveError", "META_FILE", "MANIFEST_FILE"]
 
 META_FILE = "meta.pt"
 MANIFEST_FILE = "manifest.json"
@@ -331,60 +331,125 @@ def _verify_on_all_ranks(path: str, checksums: bool) -> None:
 
 
 # ------------------------------------------------------------------ save and load
-def save_sharded(checkpoint: dict[str, Any], path: str, is_global_zero: bool, checksums: bool = True) -> None:
-    """Write ``checkpoint`` (Lightning's dict) as a sharded DCP directory at ``path``, crash-safely.
+class CheckpointSaveError(RuntimeError):
+    """A save failed on some rank (the previous checkpoint at its path is untouched); raised on every rank."""
 
-    Works with or without a process group (one process). ``checksums=False`` records only file sizes in
-    the manifest (for checkpoints so large that hashing them costs too much save time).
-    """
-    import torch.distributed.checkpoint as dcp
 
-    final = Path(path)
+def _group_rank_world(group: Optional[dist.ProcessGroup]) -> tuple[bool, int, int]:
+    """(distributed, rank, world) of ``group`` (the default group when ``None``)."""
+    if not dist.is_initialized():
+        return False, 0, 1
+    return True, dist.get_rank(group), dist.get_world_size(group)
+
+
+def _begin_save(final: Path, is_global_zero: bool, group: Optional[dist.ProcessGroup] = None) -> Path:
+    """Put a complete sibling back, remove leftovers and create ``<final>.partial`` (rank 0), then a barrier over
+    ``group``; return the ``.partial`` directory every rank writes into."""
     tmp, old = _siblings(final)
-    distributed = dist.is_initialized()
-    rank = dist.get_rank() if distributed else 0
-    world = dist.get_world_size() if distributed else 1
     if is_global_zero:
         recover_checkpoint(final)  # a complete checkpoint left by an interrupted swap goes back to `path` first
         for leftover in (tmp, old):  # then nothing beside `path` is needed any more
             if os.path.lexists(leftover):
                 _remove(leftover)
         _file_op("mkdir", lambda p: p.mkdir(parents=True), tmp)
-    if distributed:
-        dist.barrier()
+    if dist.is_initialized():
+        dist.barrier(group=group)
+    return tmp
+
+
+def _dcp_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """What DCP writes, popped from Lightning's dict (``checkpoint`` keeps the rest, the ``meta.pt`` part)."""
     state = {"model": checkpoint.pop("state_dict")}
     for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
         state[f"optimizer_{i}"] = opt_state
+    return state
+
+
+def _meta_bytes(checkpoint: dict[str, Any]) -> bytes:
+    """``meta.pt``'s bytes: Lightning's dict without the DCP part (serialised at once, so later changes to the
+    live loop state are not in it)."""
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    return buffer.getvalue()
+
+
+def _finish_save(tmp: Path, final: Path, meta: Optional[bytes], is_global_zero: bool, checksums: bool,
+                group: Optional[dist.ProcessGroup] = None, failure: Optional[str] = None) -> None:
+    """Every rank, after its DCP shards are in ``tmp``: hash a share of the files; rank 0 then writes ``meta.pt``
+    (``meta``, rank 0's), the manifest and the ``.complete`` marker and swaps ``tmp`` into ``final``. Collectives
+    over ``group`` only (a gloo group for a background save). ``failure``: this rank's write failed (the message);
+    a failure on any rank leaves ``final`` untouched and raises :class:`CheckpointSaveError` on every rank (rank
+    0's own exception, re-raised, where its commit failed)."""
+    distributed, rank, world = _group_rank_world(group)
+    if distributed:
+        dist.barrier(group=group)  # every rank's files are written
+    entries: dict[str, dict[str, Any]] = {}
+    problem = failure
+    if problem is None:  # every rank hashes a share of the files just written (read back from the page cache)
+        try:
+            names = sorted(n for n in os.listdir(tmp) if n not in (META_FILE, MANIFEST_FILE, _COMPLETE))
+            entries = _file_entries(tmp, names[rank::world], checksums)
+        except OSError as err:
+            problem = f"rank {rank} could not read the files back ({type(err).__name__}: {err})"
+    parts: list[Any] = [(entries, problem)]
+    if distributed:
+        parts = [None] * world
+        dist.all_gather_object(parts, (entries, problem), group=group)
+    problems = [p for _, p in parts if p]
+    error: Optional[BaseException] = None
+    if is_global_zero and not problems:
+        assert meta is not None
+        files: dict[str, dict[str, Any]] = {}
+        for part, _ in parts:
+            files.update(part)
+        try:
+            _commit(tmp, final, files, meta, checksums)
+        except BaseException as err:  # told to the other ranks, then re-raised here
+            error = err
+    outcome = problems[0] if problems else (f"{type(error).__name__} on rank 0: {error}" if error else None)
+    if distributed:
+        box = [outcome]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        outcome = box[0]
+    if error is not None:
+        raise error
+    if outcome:
+        raise CheckpointSaveError(f"Could not save {final}: {outcome}. It was not completed ({tmp.name} is left "
+                                  f"incomplete); a previous checkpoint at {final.name} is untouched.")
+
+
+def _commit(tmp: Path, final: Path, files: dict[str, dict[str, Any]], meta: bytes, checksums: bool) -> None:
+    """Rank 0: ``meta.pt``, the manifest, the marker, then the two renames into ``final`` (module docstring)."""
+    _, old = _siblings(final)
+    files[META_FILE] = {"bytes": len(meta), "sha256": hashlib.sha256(meta).hexdigest() if checksums else None}
+    _file_op("write", _write_file, tmp / META_FILE, meta)
+    _file_op("write", _write_file, tmp / MANIFEST_FILE, _manifest_bytes(files, checksums))
+    _file_op("write", _write_file, tmp / _COMPLETE, b"")  # complete from here on
+    _fsync_dir(tmp)
+    if os.path.lexists(final):
+        _replace(final, old)  # crash after this: `.partial` (new) and `.old` are complete; recovery picks `.partial`
+    _replace(tmp, final)
+    if os.path.lexists(old):
+        _remove(old)
+
+
+def save_sharded(checkpoint: dict[str, Any], path: str, is_global_zero: bool, checksums: bool = True) -> None:
+    """Write ``checkpoint`` (Lightning's dict) as a sharded DCP directory at ``path``, crash-safely.
+
+    Works with or without a process group (one process). ``checksums=False`` records only file sizes in
+    the manifest (for checkpoints so large that hashing them costs too much save time). In the background:
+    :class:`~lightning_4d.checkpoint.background.BackgroundSaver`.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    final = Path(path)
+    tmp = _begin_save(final, is_global_zero)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    state = _dcp_state(checkpoint)
+    meta = _meta_bytes(checkpoint) if is_global_zero else None
     dcp.save(state, checkpoint_id=str(tmp))
     torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")  # every rank's own random streams
-    if distributed:
-        dist.barrier()
-    # Every rank hashes a share of the files just written (read back from the page cache).
-    names = sorted(n for n in os.listdir(tmp) if n not in (META_FILE, MANIFEST_FILE, _COMPLETE))
-    entries = _file_entries(tmp, names[rank::world], checksums)
-    parts: list[Optional[dict[str, dict[str, Any]]]] = [entries]
-    if distributed:
-        parts = [None] * world if rank == 0 else None  # type: ignore[assignment]
-        dist.gather_object(entries, parts, dst=0)
-    if is_global_zero:
-        files: dict[str, dict[str, Any]] = {}
-        for part in parts:
-            files.update(part)
-        buffer = io.BytesIO()
-        torch.save(checkpoint, buffer)
-        meta = buffer.getvalue()
-        files[META_FILE] = {"bytes": len(meta), "sha256": hashlib.sha256(meta).hexdigest() if checksums else None}
-        _file_op("write", _write_file, tmp / META_FILE, meta)
-        _file_op("write", _write_file, tmp / MANIFEST_FILE, _manifest_bytes(files, checksums))
-        _file_op("write", _write_file, tmp / _COMPLETE, b"")  # complete from here on
-        _fsync_dir(tmp)
-        if os.path.lexists(final):
-            _replace(final, old)  # crash after this: `.partial` (new) and `.old` are complete; recovery picks `.partial`
-        _replace(tmp, final)
-        if os.path.lexists(old):
-            _remove(old)
-    if distributed:
-        dist.barrier()
+    _finish_save(tmp, final, meta, is_global_zero, checksums)
 
 
 def _names(keys: Iterable[str], limit: int = 6) -> str:

@@ -10,6 +10,9 @@ stages, expert parallelism, a ``nn.Linear`` subclass) allows the same difference
 :func:`allowed_difference`: ``1e-5 + rtol · max|expected|`` with ``rtol = max(1e-4, 16·eps)`` of the
 expected output's floating dtypes (fp32: ``1e-4``; bf16: ``0.125``; fp16: ``0.0156``).
 
+A 16-bit run of a parallel layout is compared with one process in the same precision within
+:func:`parity_tolerance`, derived from the compute dtype's epsilon and the model's depth (``docs/precision.md``).
+
 Example:
     >>> precision_info("bf16-mixed").compute_bytes, precision_info("32").name
     (2, '32-true')
@@ -22,12 +25,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+import math
+
 import torch
 
 from lightning_4d._compat import pytree
 
-__all__ = ["ABSOLUTE_TOLERANCE", "PLANNER_PRECISIONS", "PRECISIONS", "PRECISION_NAMES", "Precision", "allowed_difference",
-           "max_difference", "output_tolerance", "precision_info"]
+__all__ = ["ABSOLUTE_TOLERANCE", "PLANNER_PRECISIONS", "PRECISIONS", "PRECISION_NAMES", "ParityTolerance", "Precision",
+           "allowed_difference", "max_difference", "output_tolerance", "parity_tolerance", "precision_info"]
 
 
 @dataclass(frozen=True)
@@ -149,3 +154,70 @@ def max_difference(got: Any, expected: Any) -> Optional[tuple[float, float]]:
     diff = max((float((x.float() - y.float()).abs().max()) for x, y in zip(a, b) if x.numel()), default=0.0)
     scale = max((float(y.float().abs().max()) for y in b if y.numel()), default=0.0)
     return diff, scale
+
+
+#: Sequential roundings per transformer sublayer (attention, MLP) whose place a layout may move: its input
+#: projections' outputs, its core (attention; the gated activation), its output projection (whose partial sums
+#: tensor parallelism rounds before it adds them).
+ROUNDINGS_PER_SUBLAYER = 3
+#: How many standard deviations of the rounding noise :func:`parity_tolerance` allows.
+NOISE_SIGMAS = 4.0
+
+
+@dataclass(frozen=True)
+class ParityTolerance:
+    """Relative tolerances of a 16-bit parity check against one process in the same precision.
+
+    Attributes:
+        loss: on each step's global-batch loss (``|a − b| / |b|``).
+        grad: on each parameter's gradient (``‖a − b‖ / ‖b‖``).
+    """
+
+    loss: float
+    grad: float
+
+
+def parity_tolerance(precision: Union[str, int], blocks: int, tokens: int) -> ParityTolerance:
+    """How far a correct parallel layout may land from one process in the same 16-bit ``precision``, after one
+    optimizer step, for a transformer of ``blocks`` blocks whose loss averages ``tokens`` target tokens.
+
+    Both runs compute the same operations in the same dtypes; a layout rounds some of them at other places
+    (partial sums of a split matmul, a block input cast once by FSDP2's policy, another reduction order). Each
+    such rounding moves a value by at most the unit roundoff ``u = eps / 2`` relative, independently in the two
+    runs: the difference of two runs gains variance ``2u²/3`` per rounding, ``σ(n) = u·√(2n/3)`` after ``n``.
+    A forward's longest path holds ``n_f = 2·3·blocks + 1`` of them (:data:`ROUNDINGS_PER_SUBLAYER` per sublayer,
+    two sublayers per block, the output head); a gradient adds the backward's mirror of it, ``n = 2·n_f``.
+
+    - ``grad = 4·σ(n)``: a weight's gradient sums its tokens' terms, which cancel (a norm scale's do), so no
+      averaging over tokens is credited;
+    - ``loss = 4·σ(n_f) / √tokens`` (the loss averages independent per-token errors), plus ``eps`` when the loss
+      itself is held in the 16-bit dtype (``*-true``: its last rounding may differ by one unit in the last place).
+
+    fp32 runs are checked against their own reordering noise instead (the compute dtype's accumulation, not its
+    output roundings, dominates there): this raises for them.
+
+    Example:
+        >>> t = parity_tolerance("bf16-mixed", blocks=2, tokens=100)
+        >>> round(t.grad, 4), round(t.loss, 5)
+        (0.0651, 0.0046)
+        >>> round(parity_tolerance("bf16-true", blocks=2, tokens=100).loss, 4)
+        0.0124
+
+    Raises:
+        ValueError: for a precision whose compute dtype is not 16-bit, or non-positive ``blocks`` / ``tokens``.
+    """
+    info = precision_info(precision)
+    if info.compute_bytes != 2:
+        raise ValueError(f"parity_tolerance: precision={info.name!r} computes in {info.compute_dtype}; it derives "
+                         f"16-bit tolerances only (bf16-mixed, bf16-true, 16-mixed, 16-true).")
+    if blocks < 1 or tokens < 1:
+        raise ValueError(f"parity_tolerance: blocks={blocks} and tokens={tokens} must both be >= 1.")
+    eps = torch.finfo(info.compute_dtype).eps
+    forward = 2 * ROUNDINGS_PER_SUBLAYER * blocks + 1
+
+    def sigma(n: int) -> float:
+        return eps / 2 * math.sqrt(2 * n / 3)
+
+    last_rounding = eps if not info.mixed else 0.0
+    return ParityTolerance(loss=NOISE_SIGMAS * sigma(forward) / math.sqrt(tokens) + last_rounding,
+                           grad=NOISE_SIGMAS * sigma(2 * forward))

@@ -330,6 +330,15 @@ class MaskedTokenDataset(Dataset):
         self.__dict__.update(state)
 
 
+def _pin(module: L.LightningDataModule, pin_memory: Optional[bool]) -> bool:
+    """``pin_memory`` as given, or (``None``) whether the Trainer the module is attached to trains on CUDA (pinned
+    host batches copy to the GPU without blocking the host)."""
+    if pin_memory is not None:
+        return bool(pin_memory)
+    trainer = getattr(module, "trainer", None)
+    return trainer is not None and trainer.strategy.root_device.type == "cuda"
+
+
 def _loader(
     dataset: Dataset, batch_size: int, shuffle: bool, seed: int, num_workers: int, pin_memory: bool
 ) -> DataLoader:
@@ -374,7 +383,7 @@ class TextDataModule(L.LightningDataModule):
         val_fraction: share of tokens held out for validation.
         seed: seed of the training shuffle.
         stride: distance between training window starts (default ``seq_len``: no overlap).
-        pin_memory: passed to the DataLoaders.
+        pin_memory: passed to the DataLoaders; ``None``: pinned when the Trainer trains on CUDA.
         pack: exact packing: samples are ``(inputs, targets, position_ids)`` whose positions restart after each
             file's end-of-text id, so attention stays within a document (:class:`TokenWindowDataset` ``doc_end``);
             needs a tokenizer with an end-of-text id (tiktoken, Hugging Face; not ``byte``).
@@ -402,7 +411,7 @@ class TextDataModule(L.LightningDataModule):
         val_fraction: float = 0.05,
         seed: int = 0,
         stride: Optional[int] = None,
-        pin_memory: bool = False,
+        pin_memory: Optional[bool] = None,
         pack: bool = False,
     ) -> None:
         super().__init__()
@@ -525,7 +534,8 @@ class TextDataModule(L.LightningDataModule):
         """Shuffled (seeded), ``drop_last=True`` batches of ``(inputs, targets)``."""
         self._require_setup()
         assert self.train_dataset is not None
-        return _loader(self.train_dataset, self.batch_size, True, self.seed, self.num_workers, self.pin_memory)
+        return _loader(self.train_dataset, self.batch_size, True, self.seed, self.num_workers,
+                       _pin(self, self.pin_memory))
 
     @override
     def val_dataloader(self) -> DataLoader:
@@ -537,7 +547,8 @@ class TextDataModule(L.LightningDataModule):
                 f"validation split {str(self.val_path)!r} has {len(self.val_file)} tokens, fewer than "
                 f"seq_len + 1 = {self.seq_len + 1}; raise val_fraction or max_bytes, or lower seq_len"
             )
-        return _loader(self.val_dataset, self.batch_size, False, self.seed, self.num_workers, self.pin_memory)
+        return _loader(self.val_dataset, self.batch_size, False, self.seed, self.num_workers,
+                       _pin(self, self.pin_memory))
 
     @override
     def test_dataloader(self) -> DataLoader:
@@ -558,6 +569,7 @@ class SyntheticDataModule(L.LightningDataModule):
         period: motif length for ``"repeat"``.
         seed: seed of the data and of the training shuffle.
         num_workers: DataLoader worker processes.
+        pin_memory: passed to the DataLoaders; ``None``: pinned when the Trainer trains on CUDA.
 
     Example:
         >>> dm = SyntheticDataModule(vocab_size=50, seq_len=4, batch_size=3)
@@ -578,6 +590,7 @@ class SyntheticDataModule(L.LightningDataModule):
         period: int = 8,
         seed: int = 0,
         num_workers: int = 0,
+        pin_memory: Optional[bool] = None,
     ) -> None:
         super().__init__()
         if batch_size <= 0:
@@ -586,6 +599,7 @@ class SyntheticDataModule(L.LightningDataModule):
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.num_workers = num_workers
+        self.pin_memory = pin_memory
         self.seed = seed
         self.train_dataset = SyntheticTokenDataset(num_train_samples, seq_len, vocab_size, kind, period, seed, split=0)
         self.val_dataset = SyntheticTokenDataset(num_val_samples, seq_len, vocab_size, kind, period, seed, split=1)
@@ -597,12 +611,14 @@ class SyntheticDataModule(L.LightningDataModule):
     @override
     def train_dataloader(self) -> DataLoader:
         """Shuffled (seeded), ``drop_last=True`` training batches."""
-        return _loader(self.train_dataset, self.batch_size, True, self.seed, self.num_workers, False)
+        return _loader(self.train_dataset, self.batch_size, True, self.seed, self.num_workers,
+                       _pin(self, self.pin_memory))
 
     @override
     def val_dataloader(self) -> DataLoader:
         """In-order, ``drop_last=True`` validation batches."""
-        return _loader(self.val_dataset, self.batch_size, False, self.seed, self.num_workers, False)
+        return _loader(self.val_dataset, self.batch_size, False, self.seed, self.num_workers,
+                       _pin(self, self.pin_memory))
 
     @override
     def test_dataloader(self) -> DataLoader:
@@ -642,6 +658,7 @@ class HFDataModule(L.LightningDataModule):
         mask_prompt: chat only: train on the answers only.
         num_proc: tokenization worker processes (``None``: by data size and CPU cores).
         num_workers: DataLoader worker processes.
+        pin_memory: passed to the DataLoaders; ``None``: pinned when the Trainer trains on CUDA.
         seed: seed of the training shuffle and of the chat validation pick.
         ignore_index: target of prompt and padding tokens.
         **fields: ``text_field``, ``messages_field``, ``prompt_field``, ``response_field``, ``system_prompt``,
@@ -672,6 +689,7 @@ class HFDataModule(L.LightningDataModule):
         num_workers: int = 0,
         seed: int = 0,
         ignore_index: int = -100,
+        pin_memory: Optional[bool] = None,
         **fields: Optional[str],
     ) -> None:
         super().__init__()
@@ -693,6 +711,7 @@ class HFDataModule(L.LightningDataModule):
         self.seq_len, self.batch_size = seq_len, batch_size
         self.val_fraction, self.pack, self.mask_prompt = val_fraction, pack, mask_prompt
         self.num_proc, self.num_workers, self.seed, self.ignore_index = num_proc, num_workers, seed, ignore_index
+        self.pin_memory = pin_memory
         self.fields = dict(fields)
         self.prepare_result: Optional[DatasetPrepareResult] = None
         self.train_dataset: Optional[Dataset] = None
@@ -761,14 +780,16 @@ class HFDataModule(L.LightningDataModule):
         """Shuffled (seeded), ``drop_last=True`` batches of ``(inputs, targets)``."""
         self._require_setup()
         assert self.train_dataset is not None
-        return _loader(self.train_dataset, self.batch_size, True, self.seed, self.num_workers, False)
+        return _loader(self.train_dataset, self.batch_size, True, self.seed, self.num_workers,
+                       _pin(self, self.pin_memory))
 
     @override
     def val_dataloader(self) -> DataLoader:
         """In-order, ``drop_last=True`` batches of the validation split."""
         self._require_setup()
         assert self.val_dataset is not None
-        return _loader(self.val_dataset, self.batch_size, False, self.seed, self.num_workers, False)
+        return _loader(self.val_dataset, self.batch_size, False, self.seed, self.num_workers,
+                       _pin(self, self.pin_memory))
 
     @override
     def test_dataloader(self) -> DataLoader:

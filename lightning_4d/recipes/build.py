@@ -282,7 +282,7 @@ def build_data(cfg: Config) -> "L.LightningDataModule":
         return SyntheticDataModule(
             vocab_size=d.vocab_size, seq_len=d.seq_len, batch_size=d.batch_size,
             num_train_samples=d.num_train_samples, num_val_samples=d.num_val_samples, kind=d.kind,
-            period=d.period, seed=d.seed, num_workers=d.num_workers)
+            period=d.period, seed=d.seed, num_workers=d.num_workers, pin_memory=d.pin_memory)
     if isinstance(d, HFDataConfig):
         from lightning_4d.data import HFDataModule
 
@@ -294,7 +294,7 @@ def build_data(cfg: Config) -> "L.LightningDataModule":
             files, Path(d.data_dir).absolute(), data_tokenizer(cfg), d.format, seq_len=d.seq_len,
             batch_size=d.batch_size, val_files=val_files, val_fraction=d.val_fraction, pack=d.pack,
             mask_prompt=d.mask_prompt, num_proc=d.num_proc, num_workers=d.num_workers, seed=d.seed,
-            text_field=d.text_field, messages_field=d.messages_field, prompt_field=d.prompt_field,
+            pin_memory=d.pin_memory, text_field=d.text_field, messages_field=d.messages_field, prompt_field=d.prompt_field,
             response_field=d.response_field, system_prompt=d.system_prompt, text_sample_by=d.text_sample_by)
     assert isinstance(d, TextDataConfig)
     from lightning_4d.data import TextDataModule
@@ -311,7 +311,7 @@ def build_data(cfg: Config) -> "L.LightningDataModule":
     return TextDataModule(
         data_dir=data_dir, text=text, seq_len=d.seq_len, batch_size=d.batch_size, num_workers=d.num_workers,
         tokenizer=d.tokenizer, max_bytes=d.max_bytes, val_fraction=d.val_fraction, seed=d.seed, stride=d.stride,
-        pack=d.pack)
+        pin_memory=d.pin_memory, pack=d.pack)
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -388,18 +388,24 @@ class LossHistory:
 
     @staticmethod
     def create() -> L.Callback:
-        """A new ``lightning.Callback`` with a ``losses`` list."""
+        """A new ``lightning.Callback`` with a ``losses`` list (read on the host when asked for, not every step)."""
         import lightning as L
+        import torch
 
         class _LossHistory(L.Callback):
             def __init__(self) -> None:
-                self.losses: list[float] = []
+                self._values: list[Any] = []  # device scalars: read on the host once, when asked for
+
+            @property
+            def losses(self) -> list[float]:
+                values = [torch.as_tensor(v).detach().reshape(()).float().cpu() for v in self._values]
+                return torch.stack(values).tolist() if values else []
 
             def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: STEP_OUTPUT,
                                    batch: Any, idx: int) -> None:
                 value = trainer.callback_metrics.get("train_loss")
                 if value is not None:
-                    self.losses.append(float(value))
+                    self._values.append(value.detach().clone() if isinstance(value, torch.Tensor) else value)
 
         return _LossHistory()
 
@@ -467,11 +473,13 @@ def build_trainer(cfg: Config, root: Optional[Path] = None,
         'FourDStrategy'
     """
     import lightning as L
+    import torch
 
     c = _cfg(cfg)
     t = c.trainer
     root = root if root is not None else output_dir(c)
     loggers = build_loggers(c, root)
+    torch.set_float32_matmul_precision(t.float32_matmul_precision)  # "high": fp32 matmuls may use TF32
     return L.Trainer(
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=build_strategy(c),
         precision=t.precision, max_steps=t.max_steps, max_epochs=t.max_epochs,

@@ -217,6 +217,7 @@ class TrainerConfig:
     accumulate_grad_batches: int = 1
     default_root_dir: Optional[str] = None
     deterministic: bool = False
+    float32_matmul_precision: str = "highest"  # torch.set_float32_matmul_precision before the Trainer is built
 
     def __post_init__(self) -> None:
         _one_of("trainer.accelerator", self.accelerator, _ACCELERATORS)
@@ -232,6 +233,7 @@ class TrainerConfig:
             _non_negative("trainer.limit_val_batches", self.limit_val_batches)
         _positive("trainer.log_every_n_steps", self.log_every_n_steps)
         _positive("trainer.accumulate_grad_batches", self.accumulate_grad_batches)
+        _one_of("trainer.float32_matmul_precision", self.float32_matmul_precision, ("highest", "high", "medium"))
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -260,6 +262,7 @@ class TextDataConfig:
     batch_size: int = 8
     stride: Optional[int] = None
     num_workers: int = 0
+    pin_memory: Optional[bool] = None  # None: pinned when training on CUDA
     seed: int = 0
     pack: bool = False
 
@@ -294,6 +297,7 @@ class SyntheticDataConfig:
     period: int = 8
     seed: int = 0
     num_workers: int = 0
+    pin_memory: Optional[bool] = None  # None: pinned when training on CUDA
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "seq_len", "batch_size", "num_train_samples", "num_val_samples", "period"):
@@ -347,6 +351,7 @@ class HFDataConfig:
     text_sample_by: str = "document"
     num_proc: Optional[int] = None
     num_workers: int = 0
+    pin_memory: Optional[bool] = None  # None: pinned when training on CUDA
     seed: int = 0
 
     def __post_init__(self) -> None:

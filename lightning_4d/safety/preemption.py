@@ -6,7 +6,8 @@ Schedulers preempt with a signal (SLURM and Kubernetes send ``SIGTERM``, SLURM's
 optimizer step all ranks agree on it (one all-reduce of one integer over the world, the same cost as the
 broadcast Lightning makes every step), so a signal that reached any rank — the launcher alone, or every
 worker under torchrun — stops every rank after the *same* step. Then a complete checkpoint is written
-(``preempted-step=N.ckpt``, atomically, like every checkpoint of the strategy), rank 0 logs where it is, and
+(``preempted-step=N.ckpt``, atomically, like every checkpoint of the strategy; after a save still in flight,
+and complete before the exit even with ``async_checkpoint``), rank 0 logs where it is, and
 the processes exit with ``128 + signal`` (143 for ``SIGTERM``): a scheduler sees a failed job, not a
 finished one. With ``requeue=True`` under SLURM, rank 0 also runs ``scontrol requeue $SLURM_JOB_ID``.
 Resuming from the checkpoint continues exactly (``trainer.fit(..., ckpt_path=path)``).
@@ -116,7 +117,7 @@ class PreemptionSaver(Callback):
         agreed, self._agreed = self._agreed, None
         if agreed is not None and agreed[0] == step:
             return agreed[1]
-        flag = torch.tensor([self.received or 0], dtype=torch.int64, device=device)
+        flag = torch.full((1,), self.received or 0, dtype=torch.int64, device=device)  # a fill, not a host copy
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             with internal_comm():
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -139,7 +140,10 @@ class PreemptionSaver(Callback):
             return
         path = self._target(trainer)
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        trainer.save_checkpoint(path)  # collective on every rank; atomic
+        trainer.save_checkpoint(path)  # collective on every rank; atomic; after a save in flight
+        wait = getattr(trainer.strategy, "wait_for_checkpoint", None)
+        if wait is not None:
+            wait()  # a background save (async_checkpoint) is complete before the exit
         self.saved = path
         error = Preempted(signum, path)
         if trainer.is_global_zero:

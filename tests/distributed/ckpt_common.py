@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import lightning as L
 import torch
@@ -23,17 +23,19 @@ class _Seen(L.Callback):
 
 def train(strategy: dict[str, Any], world: int, max_steps: int, ckpt_in: Optional[str] = None,
           save_to: Optional[str] = None, every_n: Optional[int] = None, ckpt_dir: Optional[str] = None,
-          model: str = "llama", samples: int = 32, global_batch: int = 8) -> list[tuple[int, int, int, float]]:
-    """One fit; returns (epoch, batch_idx, batch checksum, loss) per training batch on this rank."""
+          model: str = "llama", samples: int = 32, global_batch: int = 8, top_k: int = -1,
+          extra_callbacks: Sequence[L.Callback] = ()) -> list[tuple[int, int, int, float]]:
+    """One fit; returns (epoch, batch_idx, batch checksum, loss) per training batch on this rank (``top_k``: the
+    ``ModelCheckpoint``'s ``save_top_k``)."""
     torch.manual_seed(0)
     lm = CausalLM(build_model(model), lr=1e-3)
     dp = world // (strategy.get("tp", 1) * strategy.get("pp", 1) * strategy.get("cp", 1))
     loader = DataLoader(make_dataset(samples), batch_size=global_batch // dp, drop_last=True)
     seen = _Seen()
-    callbacks: list[Any] = [seen]
+    callbacks: list[Any] = [seen, *extra_callbacks]
     if every_n:
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=every_n,
-                                                              save_top_k=-1, filename="{step}"))
+                                                              save_top_k=top_k, filename="{step}"))
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=FourDStrategy(**strategy), max_steps=max_steps,
                         logger=False, enable_checkpointing=bool(every_n), enable_progress_bar=False,
                         enable_model_summary=False, callbacks=callbacks, num_sanity_val_steps=0)

@@ -185,7 +185,6 @@ REFUSED = {  # the model: what its message must say (each also says cp=1)
     "cp-hf-llama-eager": ("self_attn", "attn_implementation='sdpa'"),  # transformers' eager attention: not SDPA
     "cp-hf-gemma2-softcap": ("attn_logit_softcapping",),  # Gemma 2: SDPA has no logit soft-capping
     "nanogpt": ("transformer.wpe",),  # learned positions from torch.arange(T): the first module to differ
-    "titan": ("attention",),  # rotary table sliced to T
     # eager-only with sinks: "switch to SDPA" would not apply
     "cp-hf-gpt-oss": ("GptOssAttention", "attention sinks", "_supports_sdpa=False"),
     "cp-hf-mimo-v2-flash": ("MiMoV2FlashAttention", "attention sinks", "_supports_sdpa=False"),

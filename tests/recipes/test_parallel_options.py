@@ -47,6 +47,7 @@ SAMPLES: dict[str, tuple[str, Any, list[str]]] = {
     "cp": ("2", 2, []),
     "cp_algorithm": ("ulysses", "ulysses", ["parallel.cp=2"]),
     "plan": ("layout_plan.json", "layout_plan.json", []),  # a path, loaded and checked at set-up
+    "async_checkpoint": ("true", True, []),
 }
 
 

@@ -210,7 +210,8 @@ def test_moe_1t_fails_fast_without_its_devices() -> None:
     assert "512" in msg and "tp=8" in msg and "pp=4" in msg and "ep=8" in msg and "GiB per rank" in msg
     assert "trainer.num_nodes=64" in msg and "recipes/plan.py" in msg
     # The right world, but a node with one small GPU.
-    gpu = to_train_config(_compose(["model=moe_1t", "parallel=moe_1t", "trainer=gpu", "trainer.num_nodes=64"]))
+    gpu = to_train_config(_compose(["model=moe_1t", "parallel=moe_1t", "trainer=gpu", "trainer.devices=8",
+                                    "trainer.num_nodes=64"]))
     with pytest.raises(ResourceError, match="8 CUDA devices per node are needed"):
         check_resources(gpu, DeviceInventory("cuda", 1, 80 * GiB, 1))
     # Eight 16 GiB GPUs: enough devices, not enough memory.
@@ -220,7 +221,7 @@ def test_moe_1t_fails_fast_without_its_devices() -> None:
     with pytest.raises(ResourceError, match=r"microbatches=32 does not divide the local batch size 8"):
         check_resources(gpu, DeviceInventory("cuda", 8, 80 * GiB, 8))
     gpu = to_train_config(_compose(["model=moe_1t", "parallel=moe_1t", "trainer=gpu", "trainer.num_nodes=64",
-                                    "data.batch_size=32"]))
+                                    "data.batch_size=32"]))  # devices: auto, the node's 8 GPUs
     assert check_resources(gpu, DeviceInventory("cuda", 8, 80 * GiB, 8)).dims.world_size == 512
 
 

@@ -402,3 +402,20 @@ def test_cli_prepare_and_info(tmp_path: Path, text_file: Path) -> None:
 def test_cli_error_exit_code(tmp_path: Path) -> None:
     res = _cli("prepare", "--out", str(tmp_path / "o"), "--text", str(tmp_path / "nope"))
     assert res.returncode == 1 and "does not exist" in res.stderr
+
+
+def test_pin_memory_follows_the_trainers_device() -> None:
+    """``pin_memory=None`` (the default): pinned loaders when the attached Trainer trains on CUDA only; ``True`` /
+    ``False`` as given."""
+    from types import SimpleNamespace
+
+    from lightning_4d.data import SyntheticDataModule
+
+    dm = SyntheticDataModule(vocab_size=16, seq_len=4, batch_size=2, num_train_samples=4, num_val_samples=2)
+    assert dm.pin_memory is None and not dm.train_dataloader().pin_memory  # no Trainer attached
+    dm.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    assert not dm.train_dataloader().pin_memory
+    dm.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)))
+    assert dm.train_dataloader().pin_memory and dm.val_dataloader().pin_memory
+    dm.pin_memory = False
+    assert not dm.train_dataloader().pin_memory

@@ -104,3 +104,18 @@ def test_hsdp_degrees() -> None:
     assert ParallelDims.from_world(8).dp_replicate == 1  # no HSDP: one replica group
     with pytest.raises(ValueError, match=r"dp_shard=3 does not divide dp=4.*among \[1, 2, 4\]"):
         FourDConfig(data_parallel="hsdp", dp_shard=3).resolve(4)
+
+
+def test_mesh_backend_override_takes_device_backend_strings() -> None:
+    """The sub-groups' timeout reaches ``"cuda:gloo"`` (ranks sharing a GPU) and ``"cpu:gloo"`` as it reaches
+    ``"gloo"``; a string mixing two backends keeps torch's defaults (one options object cannot serve both)."""
+    from datetime import timedelta
+
+    from lightning_4d._compat import mesh_backend_override
+
+    for backend in ("gloo", "cpu:gloo", "cuda:gloo"):
+        override = mesh_backend_override(backend, timedelta(seconds=7), 3)
+        assert override is not None and len(override) == 3
+        assert {b for b, _ in override} == {backend} and override[0][1]._timeout == timedelta(seconds=7)
+    assert mesh_backend_override("cpu:gloo,cuda:nccl", timedelta(seconds=7), 3) is None
+    assert mesh_backend_override("cuda:gloo", None, 3) is None

@@ -14,6 +14,7 @@ from lightning_4d.core.precision import (
     PRECISIONS,
     allowed_difference,
     max_difference,
+    parity_tolerance,
     precision_info,
 )
 
@@ -79,3 +80,20 @@ def test_max_difference_refuses_other_shapes_and_skips_meta() -> None:
     assert max_difference(torch.ones(2), torch.ones(3)) == (float("inf"), 0.0)
     assert max_difference((torch.ones(2),), (torch.ones(2), torch.ones(2)))[0] == float("inf")
     assert max_difference(torch.ones(2, device="meta"), torch.ones(2, device="meta")) is None
+
+
+def test_parity_tolerance_follows_bf16_epsilon_and_depth() -> None:
+    """``4·σ`` of ``2·(6·blocks + 1)`` roundings of ``±eps/2`` for a gradient; the loss's per-token average, plus one
+    unit in the last place when the loss itself is bf16; fp32 refused (its tolerance is its reordering noise)."""
+    eps = torch.finfo(torch.bfloat16).eps
+    mixed, true = parity_tolerance("bf16-mixed", 2, 100), parity_tolerance("bf16-true", 2, 100)
+    assert mixed.grad == pytest.approx(4 * eps / 2 * (2 * 26 / 3) ** 0.5)
+    assert mixed.loss == pytest.approx(4 * eps / 2 * (2 * 13 / 3) ** 0.5 / 10)
+    assert true.grad == mixed.grad and true.loss == pytest.approx(mixed.loss + eps)
+    deeper = parity_tolerance("bf16-mixed", 8, 100)
+    assert deeper.grad == pytest.approx(mixed.grad * (98 / 26) ** 0.5)  # 2·(6·8 + 1) roundings against 26
+    assert parity_tolerance("16-mixed", 2, 100).grad < mixed.grad  # fp16 has 3 more mantissa bits
+    with pytest.raises(ValueError, match="16-bit tolerances only"):
+        parity_tolerance("32-true", 2, 100)
+    with pytest.raises(ValueError, match="blocks=0"):
+        parity_tolerance("bf16-mixed", 0, 100)
