@@ -42,6 +42,7 @@ from lightning_4d.config import FourDConfig
 from lightning_4d.context_parallel import SequenceShard, takes_positions
 from lightning_4d.context_parallel.algorithm import choose_algorithm
 from lightning_4d.context_parallel.check import ModelInfo, check_context_parallel, example_length
+from lightning_4d.context_parallel.local_masks import pending_flag, raise_if_differed, verify_local_masks
 from lightning_4d.context_parallel.refusals import check_unread_masks
 from lightning_4d.layout.data_parallel import set_gradient_sync
 from lightning_4d.core.distributed import all_reduce_sum, broadcast_module_state, is_on_meta
@@ -463,13 +464,18 @@ class FourDStrategy(ParallelStrategy):
         trainer = self.lightning_module.trainer
         step = trainer.global_step
         saver = self.preemption
-        agreed = [float(saver.received or 0)] if saver is not None else None
+        agreed: list[Any] = [float(saver.received or 0)] if saver is not None else []
+        if self._cp_masks_unread():  # the local masks' check (device flags) rides in the guard's one read
+            agreed.append(pending_flag(self.root_device))
         params = [p for group in optimizer.param_groups for p in group["params"]]  # what clipping is handed
         share = grad_norm_share(self._plan, self.model, params)
         self._grad_share = share if getattr(self.precision_plugin, "scaler", None) is None else None
-        message = check_step(self.model, loss, step, self.root_device, also_max=agreed, grad_norm_share=share.value)
-        if saver is not None and agreed is not None:
+        message = check_step(self.model, loss, step, self.root_device, also_max=agreed or None,
+                             grad_norm_share=share.value)
+        if saver is not None:
             saver.agree(step, int(agreed[0]))  # the batch-end check then needs no collective of its own
+        if self._cp_masks_unread():
+            raise_if_differed(agreed[-1])
         if message is None:
             return loss
         if self.config.nonfinite == "skip":
@@ -527,6 +533,9 @@ class FourDStrategy(ParallelStrategy):
         loss, self._cp_shard = step_loss(module, inputs, targets, self._plan, self.mesh, positions, stage,
                                          accumulate=module.trainer.accumulate_grad_batches,
                                          zero_grad=self.zero_grad_if_needed)
+        guarded = stage == "train" and self.config.nonfinite != "off" and module.automatic_optimization
+        if self._cp_masks_unread() and not guarded:  # else checked with the guard's flags (_guarded)
+            verify_local_masks(self.root_device)
         return loss
 
     def predict(self, module: "pl.LightningModule", inputs: Any) -> Any:
@@ -534,7 +543,15 @@ class FourDStrategy(ParallelStrategy):
         sequence split over the cp ranks like a training batch)."""
         check_inputs(batch_tokens(inputs), self._plan.input_shape if self._plan is not None else None)
         positions = self._cp_info.positions if self._cp_info is not None else takes_positions(module)
-        return predict_outputs(module, inputs, self._plan, self.mesh, positions)
+        out = predict_outputs(module, inputs, self._plan, self.mesh, positions)
+        if self._cp_masks_unread():
+            verify_local_masks(self.root_device)
+        return out
+
+    def _cp_masks_unread(self) -> bool:
+        """Context parallelism without the set-up check's reading of the masks: each call's local mask is checked
+        (:mod:`lightning_4d.context_parallel.local_masks`). The same on every rank."""
+        return self.dims.cp > 1 and self._plan is not None and getattr(self._plan, "cp_masks", None) is None
 
     def zero_grad_if_needed(self) -> None:
         """Zero gradients before the first micro-step of an accumulation window (pipeline mode)."""

@@ -18,6 +18,7 @@
 - :mod:`.cost`: bytes on the wire and activation memory per algorithm, closed form.
 - :mod:`.check`: the set-up refusal of attention that cannot be split (named module) and the reading of the masks.
 - :mod:`.refusals`: the refusals that name a family's fix, and the fallback for masks that cannot be read.
+- :mod:`.local_masks`: for masks not read at set-up, each call's local mask checked on the device, once a step.
 - :mod:`.gathered`: the K/V all-gather attention (one gathered buffer, attended chunk by chunk).
 
 Example:

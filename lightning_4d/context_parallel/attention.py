@@ -10,9 +10,10 @@ The mask is the call's own, recomputed from *global* indices: the :class:`~.mask
 from the mask this call applied on a whole sequence (:mod:`.layer_masks`) — causal, a sliding window, causal
 chunks or bidirectional, per packed document (document boundaries from the global ``position_ids``) where the call
 keeps documents apart. The mask tensor the model builds on its local chunk is not read (no host sync). Without
-the set-up check's masks (a model checked on the meta device only, a direct use of this class) the call's local
-mask is checked instead (one host sync per call): causal, or causal within the documents of the local
-``position_ids``; anything else (a prefix, an additive bias such as ALiBi) is refused naming the module.
+the set-up check's masks (a model checked on the meta device only, a direct use of this class) the call runs
+causal, within the documents of the local ``position_ids`` when the model is given them, and its local mask is
+checked against that on the device, the flags read once per step (:mod:`.local_masks`): anything else (a prefix,
+an additive bias such as ALiBi) is refused naming the module, before the optimizer step.
 
 Example:
     >>> # not run: needs a process group
@@ -35,14 +36,15 @@ from lightning_4d._compat import is_fake
 from lightning_4d.context_parallel.collectives import gather_sequence
 from lightning_4d.context_parallel.gathered import allgather_attention
 from lightning_4d.context_parallel.layer_masks import LayerMasks, running
+from lightning_4d.context_parallel.local_masks import record_local_mask
 from lightning_4d.context_parallel.masks import MaskSpec
 from lightning_4d.context_parallel.ring import ring_attention
 from lightning_4d.context_parallel.shard import SequenceShard, UnsplittableAttention
 from lightning_4d.context_parallel.ulysses import ulysses_attention
 from lightning_4d.context_parallel.zigzag import restore_order
 
-__all__ = ["ALGORITHMS", "ContextParallelAttention", "active_attention",
-           "allowed_from", "bind_microbatches"]
+__all__ = ["ALGORITHMS", "ContextParallelAttention", "active_attention", "allowed_and_bias", "allowed_from",
+           "bind_microbatches"]
 
 #: The algorithms :class:`ContextParallelAttention` runs (:mod:`.algorithm` chooses).
 ALGORITHMS = ("allgather", "ulysses", "ring")
@@ -50,23 +52,37 @@ ALGORITHMS = ("allgather", "ulysses", "ring")
 BLOCK = 1024
 
 
+def allowed_and_bias(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """A boolean mask (``True``: attend) from a boolean or additive one, and whether the additive one is a bias
+    (0-dim bool: values other than 0 and -inf, such as ALiBi), all on the device (no host sync).
+
+    Example:
+        >>> allowed, bias = allowed_and_bias(torch.tensor([0.0, float("-inf"), 1.5]))
+        >>> allowed.tolist(), bool(bias)
+        ([True, False, True], True)
+    """
+    if mask.dtype == torch.bool:
+        return mask, torch.zeros((), dtype=torch.bool, device=mask.device)
+    blocked = mask <= torch.finfo(mask.dtype).min / 2 if mask.is_floating_point() else mask == 0
+    bias = ((mask != 0) & ~blocked).any() if mask.is_floating_point() else torch.zeros((), dtype=torch.bool,
+                                                                                          device=mask.device)
+    return ~blocked, bias
+
+
 def allowed_from(mask: Tensor, where: str) -> Tensor:
-    """A boolean mask (``True``: attend) from a boolean or additive one; an additive mask with values other than
-    0 and -inf is a bias (ALiBi, relative positions) that depends on local offsets: refused (one host read).
+    """:func:`allowed_and_bias`, a bias refused naming ``where`` (one host read: for the set-up check).
 
     Example:
         >>> allowed_from(torch.tensor([0.0, float("-inf")]), "attn").tolist()
         [True, False]
     """
-    if mask.dtype == torch.bool:
-        return mask
-    blocked = mask <= torch.finfo(mask.dtype).min / 2 if mask.is_floating_point() else mask == 0
-    if mask.is_floating_point() and bool(((mask != 0) & ~blocked).any()):
+    allowed, bias = allowed_and_bias(mask)
+    if bool(bias):
         raise UnsplittableAttention(
             f"{where}: the attention mask adds a bias (values other than 0 and -inf, e.g. ALiBi or relative "
             f"positions), computed from the local chunk's offsets; context parallelism cannot re-express it for the "
             f"whole sequence. Use cp=1 for this model.")
-    return ~blocked
+    return allowed
 
 
 _ACTIVE = threading.local()  # the modes entered on this thread, innermost last
@@ -200,26 +216,12 @@ class ContextParallelAttention(TorchFunctionMode):
             # No values to check (the planner's dry run on fake tensors; nothing is trained): causal, per document
             # when the batch is packed.
             return MaskSpec(documents=True)
-        if attn_mask is not None:
-            return MaskSpec(documents=self._documents(shard, allowed_from(attn_mask, self.where()), device))
+        if attn_mask is not None:  # causal (per document, if the model is given positions), checked on the device
+            documents, expected = shard.local_masks(device)[0]
+            record_local_mask(f"{self.where()} (scaled_dot_product_attention call {self.calls} of the forward)",
+                              *allowed_and_bias(attn_mask), expected)
+            return MaskSpec(documents=documents)
         return MaskSpec() if is_causal else MaskSpec("full")
-
-    def _documents(self, shard: SequenceShard, allowed: Tensor, device: torch.device) -> bool:
-        """Whether a model's local mask is causal within documents (``True``) or plain causal (``False``): one of
-        :meth:`SequenceShard.local_masks`, else refused."""
-        for documents, local in shard.local_masks(device):
-            try:
-                same = bool((allowed == local).all())
-            except RuntimeError:  # shapes that do not broadcast
-                same = False
-            if same:
-                return documents
-        raise UnsplittableAttention(
-            f"{self.where()}: the attention mask {tuple(allowed.shape)} is neither causal nor causal within the "
-            f"documents of position_ids (a prefix, padding inside the sequence, a sliding window?): without the "
-            f"set-up check's reading of each layer's mask (a model built on the meta device, over the check's "
-            f"budget) context parallelism only knows those. Build the model for real, raise "
-            f"FourDStrategy(reduced_check_budget=...), or use cp=1.")
 
 
 def bind_microbatches(module: nn.Module) -> RemovableHandle:

@@ -94,7 +94,8 @@ def family_hint(module: nn.Module, name: Optional[str]) -> str:
 def check_unread_masks(model: nn.Module, need: float, budget: Optional[float]) -> None:
     """A model on the meta device whose copy (``need`` bytes) is over the check's ``budget``: its masks are not read.
     Refused when it declares a window, chunk or top-k (:mod:`.lengths`: which layers apply them, and how, cannot be
-    told without values); else trained with each call's local mask checked at every step (causal, or per document).
+    told without values); else trained causal (per document when packed), each call's local mask checked against
+    that on the device (:mod:`.local_masks`).
 
     Raises:
         UnsplittableAttention: naming the declared lengths and the fixes.

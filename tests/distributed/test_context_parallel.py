@@ -24,8 +24,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_4d import _compat
-from lightning_4d.testing import run_world
+from lightning_4d.testing import HostSyncCounter, run_world
 from tests.distributed.common import assert_parity, fit_spec, merge_ranks, world_fit
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -61,20 +60,6 @@ def _trainer(strategy: dict[str, Any], devices: int, **kwargs: Any) -> L.Trainer
 
 
 # ------------------------------------------------------------------------------------------- raw attention
-class _HostSyncs(_compat.dispatch_mode_base()):  # type: ignore[misc]
-    """Counts the operators that read a tensor's value on the host (``.item()``, ``torch.equal``, ``nonzero``)."""
-
-    SYNCS = ("_local_scalar_dense", "equal", "is_nonzero", "nonzero")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-        self.count += _compat.op_name(func) in self.SYNCS
-        return func(*args, **(kwargs or {}))
-
-
 def _attention_cases(rank: int, cp: int = 2) -> dict[str, float]:
     """Per algorithm and mask (:data:`CASES`): the worst absolute error of outputs and of q/k/v gradients against
     the whole sequence, the bytes this rank sent on the cp axis and the formula's."""
@@ -121,7 +106,7 @@ def _attention_cases(rank: int, cp: int = 2) -> dict[str, float]:
         shard = SequenceShard(mesh.get_group(), cp, rank, T, global_docs=docs if packed else None,
                               global_positions=positions if packed else None)
         masks = LayerMasks({layer: (spec,)}, {layer: "layer"})
-        with CommCounter(mesh_axis_groups(mesh)) as counter, _HostSyncs() as syncs:
+        with CommCounter(mesh_axis_groups(mesh)) as counter, HostSyncCounter() as syncs:
             with ContextParallelAttention(shard, algorithm=algorithm, masks=masks):
                 y = layer(*local, is_causal=True, **gqa)  # the local mask is not read: the set-up check's is
             (y * zigzag_split(w, cp, rank, dim=2)).sum().backward()
@@ -136,6 +121,51 @@ def _attention_cases(rank: int, cp: int = 2) -> dict[str, float]:
         if spec != MaskSpec():  # the mask matters: causal attention over the whole sequence differs
             plain = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
             out[f"{case} differs"] = float((plain - whole).detach().abs().max())
+    out.update(_local_mask_cases(rank, cp, mesh.get_group(), positions, docs, layer, gen))
+    return out
+
+
+def _local_mask_cases(rank: int, cp: int, group: Any, positions: torch.Tensor, docs: torch.Tensor,
+                      layer: torch.nn.Module, gen: torch.Generator) -> dict[str, Any]:
+    """Without the set-up check's masks, on packed documents: each algorithm given the mask the package's Llama
+    builds from its local ``position_ids`` (its error against the whole sequence, host syncs, the step's flag), and
+    given a local sliding window instead (the flag, and the error it raises)."""
+    import torch.nn.functional as F
+
+    from lightning_4d.context_parallel import ContextParallelAttention, MaskSpec, SequenceShard, zigzag_split
+    from lightning_4d.context_parallel.local_masks import pending_flag, raise_if_differed
+    from lightning_4d.core.batches import document_ids
+    from lightning_4d.models.llama import packed_causal_mask
+    from tests.distributed.cp_models import WINDOW
+
+    B, T = positions.shape
+    q, k, v = (torch.randn(B, 4, T, 8, generator=gen) for _ in range(3))
+    whole = F.scaled_dot_product_attention(q, k, v, attn_mask=MaskSpec(documents=True).allowed(
+        torch.arange(T), torch.arange(T), docs, docs, positions, positions))
+    local_positions = zigzag_split(positions, cp, rank, dim=1)  # (B, T/cp)
+    shard = SequenceShard(group, cp, rank, T, global_docs=docs, global_positions=positions,
+                          local_docs=document_ids(local_positions))
+    n = T // cp
+    window = MaskSpec("window", WINDOW).allowed(torch.arange(n), torch.arange(n))  # (1, 1, n, n) on local indices
+    out: dict[str, Any] = {}
+    for algorithm in ("allgather", "ulysses", "ring"):
+        local = [zigzag_split(t, cp, rank, dim=2) for t in (q, k, v)]
+        with HostSyncCounter() as syncs:
+            with ContextParallelAttention(shard, lambda: "module 'layer'", algorithm=algorithm):
+                y = layer(*local, attn_mask=packed_causal_mask(local_positions))
+            flag = pending_flag("cpu")
+        out[f"local {algorithm} error"] = float((y - zigzag_split(whole, cp, rank, dim=2)).abs().max())
+        out[f"local {algorithm} host syncs"] = syncs.count
+        out[f"local {algorithm} flag"] = float(flag)
+        with ContextParallelAttention(shard, lambda: "module 'layer'", algorithm=algorithm):
+            layer(*local, attn_mask=window)
+        flag = float(pending_flag("cpu"))
+        out[f"window {algorithm} flag"] = flag
+        try:
+            raise_if_differed(flag)
+            out[f"window {algorithm} error"] = "not refused"
+        except ValueError as err:
+            out[f"window {algorithm} error"] = str(err)
     return out
 
 
@@ -210,6 +240,36 @@ def _refusal(kind: str) -> str:
     return "not refused"
 
 
+def _unread_window_refusal() -> str:
+    """A user's model built on the meta device, over the set-up check's budget (its masks not read), whose attention
+    passes a sliding window of its own (declared nowhere): refused at the first step, on every rank."""
+    import torch.nn.functional as F
+
+    from lightning_4d.context_parallel import MaskSpec, UnsplittableAttention
+    from lightning_4d.models import CausalLM
+    from tests.distributed.common import make_dataset
+    from tests.distributed.cp_models import UserAttention, UserLM
+
+    class WindowAttention(UserAttention):
+        def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            B, T, _ = x.shape  # (B, T, D)
+            q, k, v = (lin(x).view(B, T, self.n_head, -1).transpose(1, 2) for lin in (self.q, self.k, self.v))
+            window = MaskSpec("window", 3).allowed(positions[0], positions[0])  # (1, 1, T, T) from its positions
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=window)  # (B, H, T, hd)
+            return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+
+    with torch.device("meta"):
+        model = UserLM()
+    for block in model.blocks:
+        block.attn.__class__ = WindowAttention
+    try:
+        _trainer(dict(cp=2, reduced_check_budget=1), 2, max_steps=1).fit(
+            CausalLM(model, lr=1e-3), DataLoader(make_dataset(2), batch_size=2))
+    except UnsplittableAttention as err:
+        return str(err)
+    return "not refused"
+
+
 # ------------------------------------------------------------------------------------------- a chunk of padding
 def _padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
     """Targets ignored on positions 4..11: all of cp rank 1's tokens under cp=2 (its mean loss would be 0/0)."""
@@ -239,7 +299,7 @@ def _world2(rank: int, specs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"attention": _attention_cases(rank), "fits": world_fit(rank, specs),
             "packed": _packed_losses(dict(cp=2, **AG), 2), "packed ring": _packed_losses(dict(cp=2, **RING), 2),
             "padded": _padded_losses(rank),
-            "refused": {k: _refusal(k) for k in REFUSED}}
+            "refused": {k: _refusal(k) for k in REFUSED}, "unread window": _unread_window_refusal()}
 
 
 def _monitored(rank: int) -> dict[str, float]:
@@ -284,7 +344,10 @@ WORLD2 = [*_matrix(dict(cp=2), 2),
           _spec("cp-hf-llama", dict(cp=2, **AG), 2, packed=True),
           _spec("llama", dict(cp=2, activation_checkpointing="full"), 2),
           _spec("llama", dict(cp=2, activation_checkpointing="selective", **RING), 2),
-          _spec("llama", dict(cp=2, **UL), 2, meta=True), _spec("llama", dict(cp=2, **RING), 2, accumulate=2, clip=0.05),
+          _spec("llama", dict(cp=2, **UL), 2, meta=True),
+          # over the set-up check's budget: each call's local mask (the Llama's own document mask) checked per step
+          _spec("llama", dict(cp=2, reduced_check_budget=1, **RING), 2, meta=True, packed=True),
+          _spec("llama", dict(cp=2, **RING), 2, accumulate=2, clip=0.05),
           _spec("llama", dict(cp=2), 2, predict=True, validate=True)]
 WORLD4 = [*_matrix(dict(cp=2, tp=2), 4), *_matrix(dict(cp=2, pp=2), 4), *_matrix(dict(cp=2, ep=2), 4, "ep"),
           *_matrix(dict(cp=4), 4),
@@ -326,6 +389,12 @@ def test_context_parallel_two_ranks(references: dict[str, dict[str, Any]]) -> No
             assert found[f"{case} host syncs"] == 0, (case, found[f"{case} host syncs"])  # none on the step's path
             if not case.endswith(("causal", "gqa")):  # the mask matters (GQA's is causal)
                 assert found[f"{case} differs"] > 1e-3, (case, found)
+        for algorithm in ("allgather", "ulysses", "ring"):  # the model's own local mask, not read at set-up
+            assert found[f"local {algorithm} error"] < 1e-5, found
+            assert found[f"local {algorithm} host syncs"] == 0 and found[f"local {algorithm} flag"] == 0.0, found
+            assert found[f"window {algorithm} flag"] == 1.0, found  # a local window: refused at the step's read
+            assert "module 'layer'" in found[f"window {algorithm} error"], found
+            assert "reduced_check_budget" in found[f"window {algorithm} error"], found
     reference = _packed_reference()
     from tests.distributed.test_batches import _lm
 
@@ -336,6 +405,9 @@ def test_context_parallel_two_ranks(references: dict[str, dict[str, Any]]) -> No
         _check_packed(rank_result["packed ring"], reference, "cp=2 ring")
         for name, got in rank_result["padded"].items():  # a rank without valid targets adds nothing (not NaN)
             assert abs(got - padded) <= RTOL * abs(padded), (name, got, padded)
+        message = rank_result["unread window"]  # on every rank, naming the call, the rule and the fixes
+        assert "call 1 of the forward" in message and "sliding window" in message, message
+        assert "reduced_check_budget" in message and "cp=1" in message, message
         for kind, needles in REFUSED.items():
             message = rank_result["refused"][kind]
             assert all(n in message for n in needles) and "cp=1" in message, (kind, message)
