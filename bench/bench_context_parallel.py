@@ -210,7 +210,8 @@ left out). **formula**: `lightning_4d.context_parallel.cost.activation_bytes_per
 (÷ cp, plus per layer the gathered K/V beyond the rank's share under the all-gather). **planner**: the planner's own
 activation term (`lightning_4d.planner.memory.memory_per_rank(...).activations` for the same model, sequence, cp and
 `cp_algorithm`, fp32), and its ratio to the measurement. **cp sent**: bytes this rank sent on the cp axis
-(`CommCounter`; the ring's point-to-point sends) against `wire_bytes_per_rank`.
+(`CommCounter`; the ring's point-to-point sends) against `wire_bytes_per_rank`. Beyond {LONG} tokens only cp = 4 runs
+besides cp = 1 (each configuration costs about four {LONG}-token ones on a CPU).
 
 {chr(10).join(rows)}
 
