@@ -346,7 +346,6 @@ def check_context_parallel(module: nn.Module, tokens: Tensor, group: Optional[di
     """
     check_declared(module)
     _bind_once(module)  # packed micro-batches under pp: their positions reach the attention of every stage
-    seq_len = tokens.shape[1]
     was_training = {m: m.training for m in module.modules()}
     module.eval()  # dropout off: the two runs must see the same values
     try:
@@ -378,7 +377,7 @@ def _check(module: nn.Module, tokens: Tensor, group: Optional[dist.ProcessGroup]
         info = ModelInfo(positions, watch.sdpa, tuple(watch.heads), table)
     except UnsplittableAttention as err:  # agreed over the cp ranks below, before the next collective
         problem = str(err)
-    _agree(problem, group, "")
+    _agree(problem, group, "", tokens.device)
     order = list(whole)
     local: dict[str, Tensor] = {}
     local_inputs, _, shard = shard_batch(tokens, tokens, group, cp, rank, positions)
@@ -387,9 +386,10 @@ def _check(module: nn.Module, tokens: Tensor, group: Optional[dist.ProcessGroup]
             ContextParallelAttention(shard, where, strict=False, masks=masks) as attention, \
             _record(module, local, skipped):
         call_model(module, local_inputs)
-    _agree(attention.errors[0] if attention.errors else None, group, "")
+    _agree(attention.errors[0] if attention.errors else None, group, "", tokens.device)
     differs = _first_difference(whole, local, order, seq_len, cp, rank, skipped)
-    _agree(differs, group, _DIFFERS + family_hint(module, differs).replace("{", "{{").replace("}", "}}"))
+    _agree(differs, group, _DIFFERS + family_hint(module, differs).replace("{", "{{").replace("}", "}}"),
+           tokens.device)
     return info
 
 
@@ -401,10 +401,11 @@ _DIFFERS = (
     "(they are global under cp), or use cp=1.")
 
 
-def _agree(problem: Optional[str], group: Optional[dist.ProcessGroup], message: str) -> None:
+def _agree(problem: Optional[str], group: Optional[dist.ProcessGroup], message: str, device: torch.device) -> None:
     """Every cp rank raises if one found a ``problem`` (no rank is left waiting in the next collective): the
-    ``message`` with ``{where}`` filled by the problem, or the problem itself when ``message`` is empty."""
-    flag = torch.tensor([0.0 if problem is None else 1.0])
+    ``message`` with ``{where}`` filled by the problem, or the problem itself when ``message`` is empty. The flag
+    is made on ``device``, the group's."""
+    flag = torch.tensor([0.0 if problem is None else 1.0], device=device)
     if group is not None:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if float(flag) == 0.0:
