@@ -311,8 +311,11 @@ def build_mesh(
     if dims.cp > 1 and dims.dp_shard is not None:  # HSDP with cp: FSDP2 shards over dp_shard × cp (TorchTitan's)
         flat_dp = flatten_mesh(dense, ("dp_replicate", "dp_shard"), "dp", one)
         dp_cp = flatten_mesh(dense, ("dp_replicate", "dp_shard", "cp"), "dp_cp", one)
-        flatten_mesh(dense, ("dp_shard", "cp"), "dp_shard_cp", one)
-        hsdp_cp = dense["dp_replicate", "dp_shard_cp"]
+        hsdp_cp = unflatten_mesh(dp_cp, "dp_cp", (dims.dp_replicate, dims.dp_shard * dims.cp),  # type: ignore[operator]
+                                 ("dp_replicate", "dp_shard_cp"), override[:2] if override is not None else None)
+        if hsdp_cp is None:  # a torch without DeviceMesh._unflatten: `dense` is a root mesh, sliced by name
+            flatten_mesh(dense, ("dp_shard", "cp"), "dp_shard_cp", one)
+            hsdp_cp = dense["dp_replicate", "dp_shard_cp"]
     elif dims.cp > 1:  # "dp_cp": the ranks holding different tokens of the same parameters
         dp_cp = flatten_mesh(dense, ("dp", "cp"), "dp_cp", one)
     elif dims.dp_shard is not None:  # HSDP: "dp" is the flattened union of (replicate, shard): loss, metrics, checks
