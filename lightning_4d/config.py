@@ -174,8 +174,10 @@ class FourDConfig:
             by ``2·cp`` (zigzag load balancing).
         cp_algorithm: how attention runs across the cp ranks: ``"allgather"`` (K/V all-gathered, any head count),
             ``"ulysses"`` (q/k/v all-to-all heads ↔ sequence; every attention call's query and K/V heads per tp rank
-            must divide by ``cp``, else refused at set-up naming the module) or ``"auto"`` (default: Ulysses where
-            the heads divide, else all-gather). The layout plan names the choice.
+            must divide by ``cp``, else refused at set-up naming the module), ``"ring"`` (K/V passed around the cp
+            ranks, the next chunk's transfer overlapping the attention; any head count) or ``"auto"`` (default: the
+            least activation memory, then the fewest bytes, among those the heads allow: Ulysses where the heads
+            divide, else the ring). The layout plan names the choice.
         nccl_flight_recorder: switch NCCL's flight recorder and its dump on a watchdog timeout on where the
             environment does not set them (``TORCH_NCCL_TRACE_BUFFER_SIZE``, ``TORCH_NCCL_DUMP_ON_TIMEOUT``, before the
             process group starts: :mod:`lightning_4d.safety.nccl_debug`); default on, ``False`` leaves the

@@ -2,7 +2,9 @@
 
 Rank order is ``(pp, dp, tp)`` with ``tp`` innermost (fastest varying), so a TP group stays
 inside one node's fast interconnect and pipeline stages span nodes; with context parallelism (``cp > 1``) it is
-``(pp, dp, cp, tp)``, and parameters are data-parallel over the flattened ``dp × cp`` ranks (``dp_cp``).
+``(pp, dp, cp, tp)``, and parameters are data-parallel over the flattened ``dp × cp`` ranks (``dp_cp``); under HSDP
+with cp, ``dp`` is ``dp_replicate × dp_shard`` and FSDP2 shards over ``dp_shard × cp`` (TorchTitan's
+``dp_shard_cp``), replicating over ``dp_replicate``.
 Experts use a second view over the same ``dp × cp × tp`` ranks of one stage: ``(pp, edp, ep)``
 with ``ep`` innermost ("MoE parallel folding").
 
@@ -107,12 +109,6 @@ class ParallelDims:
                 f"ep={self.ep} does not divide {folded} = {values} = {self.dp * self.cp * self.tp}. Experts are folded "
                 f"into the {folded.replace('·', '×')} ranks of a stage, so ep must divide {folded}; choose ep among "
                 f"{_divisors(self.dp * self.cp * self.tp)}."
-            )
-        if self.cp > 1 and self.dp_shard is not None:
-            raise ValueError(
-                f"cp={self.cp} with data_parallel='hsdp' (dp_shard={self.dp_shard}) is not supported yet: context "
-                f"parallelism shards parameters over the flattened dp×cp ranks. Use data_parallel='fsdp' or "
-                f"'replicate' with cp, or cp=1."
             )
         if self.ep > 1 and self.tp > 1 and not self.sequence_parallel:
             raise ValueError(
@@ -236,6 +232,7 @@ class FourDMesh:
     expert: "DeviceMesh"
     flat_dp: Optional["DeviceMesh"] = None  # HSDP: dp_replicate × dp_shard as one dimension
     dp_cp: Optional["DeviceMesh"] = None  # cp > 1: dp × cp as one dimension (gradients, loss, metrics)
+    hsdp_cp: Optional["DeviceMesh"] = None  # HSDP with cp: (dp_replicate, dp_shard × cp), what FSDP2 wraps over
 
     def __getitem__(self, name: Union[str, Axis]) -> "DeviceMesh":
         name = name.value if isinstance(name, Axis) else name
@@ -251,7 +248,10 @@ class FourDMesh:
     def data_parallel(self) -> "DeviceMesh":
         """The mesh dense parameters are data-parallel over: ``dp``, the flattened ``dp × cp`` with context
         parallelism, or the 2-D ``(dp_replicate, dp_shard)`` under HSDP (FSDP2 then shards over the second
-        dimension and replicates over the first)."""
+        dimension and replicates over the first), ``(dp_replicate, dp_shard × cp)`` under HSDP with context
+        parallelism (TorchTitan's ``dp_shard_cp``)."""
+        if self.hsdp_cp is not None:
+            return self.hsdp_cp
         if self.dp_cp is not None:
             return self.dp_cp
         if self.dims.dp_shard is None:
@@ -285,12 +285,12 @@ def build_mesh(
     from lightning_4d._compat import flatten_mesh, mesh_backend_override, unflatten_mesh
 
     backend = backend or dist.get_backend()
-    override = mesh_backend_override(backend, timeout, 4)
+    override = mesh_backend_override(backend, timeout, 5)
     one = override[0] if override is not None else None
     # Dense axes inside a pipeline stage (tp innermost); the expert view splits the same ranks into (edp, ep).
-    inner: tuple[tuple[str, int], ...] = (("dp", dims.dp), ("cp", dims.cp), ("tp", dims.tp)) if dims.cp > 1 else \
-        (("dp", dims.dp), ("tp", dims.tp)) if dims.dp_shard is None else \
-        (("dp_replicate", dims.dp_replicate), ("dp_shard", dims.dp_shard), ("tp", dims.tp))
+    dp: tuple[tuple[str, int], ...] = (("dp", dims.dp),) if dims.dp_shard is None else \
+        (("dp_replicate", dims.dp_replicate), ("dp_shard", dims.dp_shard))
+    inner = (*dp, *((("cp", dims.cp),) if dims.cp > 1 else ()), ("tp", dims.tp))
     names, sizes = tuple(n for n, _ in inner), tuple(s for _, s in inner)
     ranks = torch.arange(dims.world_size)
     # One root (pp, stage ranks): the dense mesh and the expert view both unflatten its second axis, so they share
@@ -307,9 +307,17 @@ def build_mesh(
         kwargs = {"backend_override": override[:3]} if override is not None else {}
         expert = DeviceMesh(device_type, ranks.view(dims.pp, dims.edp, dims.ep), mesh_dim_names=("pp", "edp", "ep"),
                             **kwargs)
-    flat_dp, dp_cp = None, None
-    if dims.cp > 1:  # "dp_cp": the ranks holding different tokens of the same parameters
+    flat_dp, dp_cp, hsdp_cp = None, None, None
+    if dims.cp > 1 and dims.dp_shard is not None:  # HSDP with cp: FSDP2 shards over dp_shard × cp (TorchTitan's)
+        flat_dp = flatten_mesh(dense, ("dp_replicate", "dp_shard"), "dp", one)
+        dp_cp = flatten_mesh(dense, ("dp_replicate", "dp_shard", "cp"), "dp_cp", one)
+        hsdp_cp = unflatten_mesh(dp_cp, "dp_cp", (dims.dp_replicate, dims.dp_shard * dims.cp),  # type: ignore[operator]
+                                 ("dp_replicate", "dp_shard_cp"), override[:2] if override is not None else None)
+        if hsdp_cp is None:  # a torch without DeviceMesh._unflatten: `dense` is a root mesh, sliced by name
+            flatten_mesh(dense, ("dp_shard", "cp"), "dp_shard_cp", one)
+            hsdp_cp = dense["dp_replicate", "dp_shard_cp"]
+    elif dims.cp > 1:  # "dp_cp": the ranks holding different tokens of the same parameters
         dp_cp = flatten_mesh(dense, ("dp", "cp"), "dp_cp", one)
     elif dims.dp_shard is not None:  # HSDP: "dp" is the flattened union of (replicate, shard): loss, metrics, checks
         flat_dp = flatten_mesh(dense, ("dp_replicate", "dp_shard"), "dp", one)
-    return FourDMesh(dims, dense, expert, flat_dp, dp_cp)
+    return FourDMesh(dims, dense, expert, flat_dp, dp_cp, hsdp_cp)

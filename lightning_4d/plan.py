@@ -106,7 +106,7 @@ class LayoutPlan:
         experts: the expert-parallel modules.
         activation_checkpointing / data_parallel: the wrapping modes.
         context_parallel: with ``cp > 1``, the algorithm attention runs across the cp ranks: its name
-            (``allgather`` or ``ulysses``, :attr:`cp_algorithm`), a colon, what it does.
+            (``allgather``, ``ulysses`` or ``ring``, :attr:`cp_algorithm`), a colon, what it does.
     """
 
     degrees: tuple[tuple[str, int], ...]

@@ -33,7 +33,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_4d import _compat
-from lightning_4d.core.batches import batch_tokens, call_model
+from lightning_4d.core.batches import batch_tokens
 from lightning_4d.core.comm import internal_comm
 from lightning_4d.checkpoint.background import BackgroundSaver
 from lightning_4d.checkpoint.resume import normalize_loop_state, skip_first_batches
@@ -42,6 +42,8 @@ from lightning_4d.config import FourDConfig
 from lightning_4d.context_parallel import SequenceShard, takes_positions
 from lightning_4d.context_parallel.algorithm import choose_algorithm
 from lightning_4d.context_parallel.check import ModelInfo, check_context_parallel, example_length
+from lightning_4d.context_parallel.local_masks import pending_flag, raise_if_differed, verify_local_masks
+from lightning_4d.context_parallel.refusals import check_unread_masks
 from lightning_4d.layout.data_parallel import set_gradient_sync
 from lightning_4d.core.distributed import all_reduce_sum, broadcast_module_state, connect, is_on_meta, to_full
 from lightning_4d.safety.heartbeat import Heartbeat
@@ -57,12 +59,13 @@ from lightning_4d.layout.parallelize import (
     LayoutRow, ParallelPlan, apply_layout, describe_layout, plan_layout,
 )
 from lightning_4d.safety.peers import describe_peer_failure, gather_peers
-from lightning_4d.layout.pipeline_glue import pipeline_eval
 from lightning_4d.plan import LayoutPlan, load_plan
-from lightning_4d.layout.reduced_check import check_budget_bytes, check_reduced_model, plan_share_bytes
+from lightning_4d.layout.reduced_check import (
+    CHECK_FLOOR_BYTES, check_budget_bytes, check_reduced_model, perturbed_copy, plan_share_bytes,
+)
 from lightning_4d.safety.preemption import PreemptionSaver, resolve_signals
 from lightning_4d.runtime.step import (
-    GradNormShare, after_optimizer_step, clip_grad_norm, finish_backward, grad_norm_share, step_loss,
+    GradNormShare, after_optimizer_step, clip_grad_norm, finish_backward, grad_norm_share, predict_outputs, step_loss,
 )
 from lightning_4d.runtime.step import loss_context as step_loss_context
 from lightning_4d.tensor_parallel.replicas import replica_mismatches
@@ -281,7 +284,7 @@ class FourDStrategy(ParallelStrategy):
         self.module_parameter_counts = {name: sum(p.numel() for p in sub.parameters())
                                         for name, sub in self.model.named_modules() if name}
         if self.dims.cp > 1:  # on the whole model: refuse attention that cannot be split, naming the module
-            self._check_context_parallel(meta)
+            self._check_context_parallel(meta, skeleton)
         # Plan (one traced forward on the unsharded model, or the given plan checked against it) -> check (the plan
         # applied to a reduced copy with perturbed weights, for every model, before the real one is touched: its
         # memory is gone before this rank's shards exist) -> apply -> materialise.
@@ -302,8 +305,10 @@ class FourDStrategy(ParallelStrategy):
         del buffers
         gc.collect()  # the reduced copy's rewrite leaves reference cycles (hooks, closures) holding its tensors
         self._release_freed_memory()  # the reduced copy's memory, before the shards are allocated
+        cp_masks = self._cp_info.layer_masks(self.model) if self._cp_info is not None else None  # before pruning
         record = apply_layout(self.model, plan, self.mesh, self.config, self.precision_plugin.precision,
                               accumulate=trainer.accumulate_grad_batches, device=self.root_device)
+        record.cp_masks = cp_masks
         if log.isEnabledFor(logging.DEBUG):
             log.debug("lightning_4d: rank %d layout:\n  %s", self.global_rank,
                       "\n  ".join(map(str, describe_layout(self.model))))
@@ -336,16 +341,28 @@ class FourDStrategy(ParallelStrategy):
         elif self.root_device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _check_context_parallel(self, meta: bool) -> None:
-        """:func:`~lightning_4d.context_parallel.check.check_context_parallel` on a tiny example (declared and traced
-        only for a model on the meta device; with values, a collective over the cp group, for one built for real)."""
+    def _check_context_parallel(self, meta: bool, skeleton: torch.nn.Module) -> None:
+        """:func:`~lightning_4d.context_parallel.check.check_context_parallel` on a tiny example: with values (each
+        attention call's mask read, a collective over the cp group) on the model built for real, or for a meta-built
+        one on a perturbed copy of it when the copy fits the reduced check's budget (else declared and traced only,
+        :func:`~lightning_4d.context_parallel.refusals.check_unread_masks`)."""
         assert self.model is not None
         dims = self.dims
         length = example_length(self.model, dims.cp, dims.tp if dims.sp else 1)
-        tokens = example_tokens(self.model, seq=length).to("meta" if meta else self.root_device)  # (2, T)
-        with _compat.meta_scalar_mode() if meta else nullcontext():
-            self._cp_info = check_context_parallel(self.model, tokens, self.mesh[Axis.CP].get_group(), dims.cp,
-                                                   self.mesh.rank(Axis.CP), values=not meta)
+        group, rank = self.mesh[Axis.CP].get_group(), self.mesh.rank(Axis.CP)
+        model, budget = self.model, self.config.reduced_check_budget
+        if meta:
+            tokens = example_tokens(self.model, seq=length).to("meta")  # (2, T)
+            with _compat.meta_scalar_mode():
+                self._cp_info = check_context_parallel(self.model, tokens, group, dims.cp, rank, values=False)
+            tensors = {id(t): t for t in [*skeleton.parameters(), *skeleton.buffers()]}.values()
+            need = float(sum(t.numel() * t.element_size() for t in tensors))
+            if need > (CHECK_FLOOR_BYTES if budget is None else budget):
+                check_unread_masks(self.model, need, budget)
+                return
+            model = perturbed_copy(skeleton, self.root_device)
+        tokens = example_tokens(model, seq=length).to(self.root_device)  # (2, T)
+        self._cp_info = check_context_parallel(model, tokens, group, dims.cp, rank, values=True)
 
     def _check_budget(self, skeleton: torch.nn.Module, plan: LayoutPlan, meta: bool) -> float:
         """Bytes the reduced check may hold, the same on every rank: the option, else
@@ -463,13 +480,18 @@ class FourDStrategy(ParallelStrategy):
         trainer = self.lightning_module.trainer
         step = trainer.global_step
         saver = self.preemption
-        agreed = [float(saver.received or 0)] if saver is not None else None
+        agreed: list[Any] = [float(saver.received or 0)] if saver is not None else []
+        if self._cp_masks_unread():  # the local masks' check (device flags) rides in the guard's one read
+            agreed.append(pending_flag(self.root_device))
         params = [p for group in optimizer.param_groups for p in group["params"]]  # what clipping is handed
         share = grad_norm_share(self._plan, self.model, params)
         self._grad_share = share if getattr(self.precision_plugin, "scaler", None) is None else None
-        message = check_step(self.model, loss, step, self.root_device, also_max=agreed, grad_norm_share=share.value)
-        if saver is not None and agreed is not None:
+        message = check_step(self.model, loss, step, self.root_device, also_max=agreed or None,
+                             grad_norm_share=share.value)
+        if saver is not None:
             saver.agree(step, int(agreed[0]))  # the batch-end check then needs no collective of its own
+        if self._cp_masks_unread():
+            raise_if_differed(agreed[-1])
         if message is None:
             return loss
         if self.config.nonfinite == "skip":
@@ -527,15 +549,25 @@ class FourDStrategy(ParallelStrategy):
         loss, self._cp_shard = step_loss(module, inputs, targets, self._plan, self.mesh, positions, stage,
                                          accumulate=module.trainer.accumulate_grad_batches,
                                          zero_grad=self.zero_grad_if_needed)
+        guarded = stage == "train" and self.config.nonfinite != "off" and module.automatic_optimization
+        if self._cp_masks_unread() and not guarded:  # else checked with the guard's flags (_guarded)
+            verify_local_masks(self.root_device)
         return loss
 
     def predict(self, module: "pl.LightningModule", inputs: Any) -> Any:
-        """Full (unsharded) model outputs on every rank."""
+        """Full (unsharded) model outputs on every rank (:func:`lightning_4d.runtime.step.predict_outputs`: the
+        sequence split over the cp ranks like a training batch)."""
         check_inputs(batch_tokens(inputs), self._plan.input_shape if self._plan is not None else None)
-        if self._plan is not None and self._plan.pipeline is not None:
-            return pipeline_eval(self._plan.pipeline, module, inputs, None, self.mesh[Axis.DP].get_group(),
-                                 self.loss_context)
-        return to_full(call_model(module, inputs))
+        positions = self._cp_info.positions if self._cp_info is not None else takes_positions(module)
+        out = predict_outputs(module, inputs, self._plan, self.mesh, positions)
+        if self._cp_masks_unread():
+            verify_local_masks(self.root_device)
+        return out
+
+    def _cp_masks_unread(self) -> bool:
+        """Context parallelism without the set-up check's reading of the masks: each call's local mask is checked
+        (:mod:`lightning_4d.context_parallel.local_masks`). The same on every rank."""
+        return self.dims.cp > 1 and self._plan is not None and getattr(self._plan, "cp_masks", None) is None
 
     def zero_grad_if_needed(self) -> None:
         """Zero gradients before the first micro-step of an accumulation window (pipeline mode)."""

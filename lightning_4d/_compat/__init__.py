@@ -64,6 +64,8 @@ from lightning_4d._compat.fake import (  # noqa: E402
 )
 from lightning_4d._compat.kernels import (  # noqa: E402
     attention_ops,
+    attention_with_lse,
+    attention_with_lse_backward,
     foreach_mul_,
     reducing_collective_ops,
     foreach_norm,

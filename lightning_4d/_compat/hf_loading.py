@@ -6,7 +6,7 @@ fused into transformers 5's 3-D ``experts.gate_up_proj``).
 Private transformers names used (pinned by ``tests/unit/test_compat.py``):
 ``conversion_mapping.get_model_conversion_mapping``, ``core_model_loading.rename_source_key``,
 ``core_model_loading.WeightConverter`` (``add_tensor``, ``convert``), ``core_model_loading.WeightRenaming`` and
-``core_model_loading.dot_natural_key``. A transformers without them (4.x: its modules hold the checkpoint's own
+``core_model_loading.dot_natural_key``; ``PreTrainedModel._supports_sdpa`` (:func:`sdpa_support`). A transformers without them (4.x: its modules hold the checkpoint's own
 names) gets no transforms and a local natural sort.
 
 Example:
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedConfig
     from transformers.core_model_loading import WeightConverter, WeightRenaming
 
-__all__ = ["convert_group", "model_transforms", "natural_key", "rename_key"]
+__all__ = ["convert_group", "model_transforms", "natural_key", "rename_key", "sdpa_support"]
 
 
 def model_transforms(model: nn.Module) -> tuple[list[WeightRenaming], list[WeightConverter]]:
@@ -99,3 +99,14 @@ def natural_key(key: str) -> list[tuple[Union[int, str], ...]]:
     except ImportError:
         return [(0, int(p)) if p.isdigit() else (1, p) for p in key.split(".")]
     return dot_natural_key(key)
+
+
+def sdpa_support(module: nn.Module) -> Optional[bool]:
+    """Whether transformers offers SDPA attention for ``module``'s class (``PreTrainedModel._supports_sdpa``):
+    ``False`` for an eager-only family, ``None`` for a module that does not say (not a transformers model).
+
+    Example:
+        >>> sdpa_support(nn.Linear(1, 1)) is None
+        True
+    """
+    return getattr(type(module), "_supports_sdpa", None)

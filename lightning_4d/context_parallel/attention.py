@@ -1,16 +1,19 @@
 """Exact attention over a sequence split across the ``cp`` ranks: every ``F.scaled_dot_product_attention`` call of
-the model (the user's own code, transformers' ``sdpa`` interface) is intercepted while the step runs, its keys and
-values are all-gathered along the sequence (the backward reduce-scatters their gradients; Llama 3's choice for
-GQA, where K/V are small) and put back in sequence order, and the mask is recomputed from *global* positions:
-causal over the whole sequence for this rank's zigzag chunks, and block-diagonal per document for packed batches
-(document boundaries from the global ``position_ids``), so documents stay apart across ranks; within a sliding
-window (``0 <= q - k < window`` in global positions) for a layer that declares one (:mod:`.windows`). With
-``algorithm="ulysses"`` (:mod:`.ulysses`) q, k and v are instead exchanged heads ↔ sequence by all-to-all and the
-mask is that of the whole sequence (:meth:`SequenceShard.whole_mask`).
+the model (the user's own code, transformers' ``sdpa`` interface) is intercepted while the step runs and made
+global by the plan's algorithm — ``"allgather"``: keys and values all-gathered along the sequence (the backward
+reduce-scatters their gradients; Llama 3's choice for GQA, where K/V are small) and put back in sequence order;
+``"ulysses"`` (:mod:`.ulysses`): q, k and v exchanged heads ↔ sequence by all-to-all; ``"ring"`` (:mod:`.ring`):
+K/V passed around the cp ranks one chunk at a time. Each runs attention in pieces merged by log-sum-exp
+(:mod:`.blockwise`), never a ``(T/cp × T)`` mask.
 
-The model's own mask is checked first: it must be what the model computes from the local chunk (plain causal, or
-causal within the documents of the local ``position_ids``, either within the layer's window); any other mask (a
-prefix, an additive bias such as ALiBi) cannot be re-expressed globally and is refused naming the module.
+The mask is the call's own, recomputed from *global* indices: the :class:`~.masks.MaskSpec` the set-up check read
+from the mask this call applied on a whole sequence (:mod:`.layer_masks`) — causal, a sliding window, causal
+chunks or bidirectional, per packed document (document boundaries from the global ``position_ids``) where the call
+keeps documents apart. The mask tensor the model builds on its local chunk is not read (no host sync). Without
+the set-up check's masks (a model checked on the meta device only, a direct use of this class) the call runs
+causal, within the documents of the local ``position_ids`` when the model is given them, and its local mask is
+checked against that on the device, the flags read once per step (:mod:`.local_masks`): anything else (a prefix,
+an additive bias such as ALiBi) is refused naming the module, before the optimizer step.
 
 Example:
     >>> # not run: needs a process group
@@ -21,147 +24,66 @@ Example:
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from lightning_4d._compat import is_fake
-from lightning_4d.core.batches import document_ids
 from lightning_4d.context_parallel.collectives import gather_sequence
 from lightning_4d.context_parallel.kinds import SDPA, attention_kind
+from lightning_4d.context_parallel.gathered import allgather_attention
+from lightning_4d.context_parallel.layer_masks import LayerMasks, running
+from lightning_4d.context_parallel.local_masks import record_local_mask
+from lightning_4d.context_parallel.masks import MaskSpec
+from lightning_4d.context_parallel.ring import ring_attention
+from lightning_4d.context_parallel.shard import SequenceShard, UnsplittableAttention
 from lightning_4d.context_parallel.ulysses import ulysses_attention
-from lightning_4d.context_parallel.windows import MIXED, current_window
-from lightning_4d.context_parallel.zigzag import restore_order, zigzag_indices
+from lightning_4d.context_parallel.zigzag import restore_order
 
-__all__ = ["ContextParallelAttention", "SequenceShard", "UnsplittableAttention", "active_attention",
-           "bind_microbatches", "causal_mask"]
+__all__ = ["ALGORITHMS", "ContextParallelAttention", "active_attention", "allowed_and_bias", "allowed_from",
+           "bind_microbatches"]
+
+#: The algorithms :class:`ContextParallelAttention` runs (:mod:`.algorithm` chooses).
+ALGORITHMS = ("allgather", "ulysses", "ring")
+#: Queries and keys per masked piece (a window's or document's edge): the largest mask one kernel call gets.
+BLOCK = 1024
 
 
-class UnsplittableAttention(ValueError):
-    """An attention call context parallelism cannot split exactly (named in the message)."""
-
-
-def causal_mask(query_pos: Tensor, key_pos: Tensor, query_docs: Optional[Tensor] = None,
-                key_docs: Optional[Tensor] = None, window: Optional[int] = None) -> Tensor:
-    """``True`` where a query may attend to a key: ``key <= query`` in global positions (and ``query - key <
-    window`` with a sliding ``window``), and, with document ids ``(B, Tq)`` / ``(B, Tk)``, within the same document.
-    Shape ``(1 or B, 1, Tq, Tk)``.
+def allowed_and_bias(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """A boolean mask (``True``: attend) from a boolean or additive one, and whether the additive one is a bias
+    (0-dim bool: values other than 0 and -inf, such as ALiBi), all on the device (no host sync).
 
     Example:
-        >>> causal_mask(torch.tensor([0, 3]), torch.arange(4))[0, 0].int().tolist()
-        [[1, 0, 0, 0], [1, 1, 1, 1]]
-        >>> docs = torch.tensor([[0, 0, 1, 1]])
-        >>> causal_mask(torch.tensor([0, 3]), torch.arange(4), docs[:, [0, 3]], docs)[0, 0].int().tolist()
-        [[1, 0, 0, 0], [0, 0, 1, 1]]
-        >>> causal_mask(torch.tensor([3]), torch.arange(4), window=2)[0, 0].int().tolist()
-        [[0, 0, 1, 1]]
+        >>> allowed, bias = allowed_and_bias(torch.tensor([0.0, float("-inf"), 1.5]))
+        >>> allowed.tolist(), bool(bias)
+        ([True, False, True], True)
     """
-    distance = query_pos[:, None] - key_pos[None, :]  # (Tq, Tk)
-    mask = ((distance >= 0) if window is None else ((distance >= 0) & (distance < window)))[None]  # (1, Tq, Tk)
-    if query_docs is not None and key_docs is not None:
-        mask = mask & (query_docs[:, :, None] == key_docs[:, None, :])  # (B, Tq, Tk)
-    return mask[:, None]  # (1 or B, 1, Tq, Tk)
-
-
-@dataclass
-class SequenceShard:
-    """This rank's share of one batch's sequence and what attention needs to stay exact.
-
-    Attributes:
-        group: the context-parallel process group (``cp`` ranks, this one at ``rank``).
-        seq_len: the global sequence length ``T``.
-        global_docs: document ids ``(B, T)`` of packed documents (from the global ``position_ids``), else ``None``.
-        local_docs: document ids ``(1 or B, T/cp)`` the model sees in its local ``position_ids`` (``None``: the model
-            is not given positions): the mask it builds from them is what :meth:`ContextParallelAttention` accepts.
-        per_microbatch: packed documents under pipeline parallelism: the documents are those of each micro-batch,
-            learnt when it enters the model (:meth:`for_microbatch`, :func:`bind_microbatches`), not of the batch.
-
-    Example:
-        >>> shard = SequenceShard(None, cp=2, rank=1, seq_len=8)
-        >>> shard.query_pos.tolist()
-        [2, 3, 4, 5]
-    """
-
-    group: Optional[dist.ProcessGroup]
-    cp: int
-    rank: int
-    seq_len: int
-    global_docs: Optional[Tensor] = None
-    local_docs: Optional[Tensor] = None
-    per_microbatch: bool = False
-    _masks: dict[str, Tensor] = field(default_factory=dict, repr=False)
-
-    def for_microbatch(self, local_positions: Tensor) -> "SequenceShard":
-        """The shard of one micro-batch whose local ``position_ids`` are ``(b, T/cp)``: its global positions
-        all-gathered over the cp ranks (collective: every cp rank runs the same micro-batches in the same order)
-        give its documents."""
-        with torch.no_grad():
-            gathered = gather_sequence(local_positions.contiguous(), self.group)  # (cp, b, T/cp)
-            order = restore_order(self.seq_len, self.cp, device=local_positions.device)  # (T,)
-            positions = gathered.movedim(0, 1).flatten(1).index_select(1, order)  # (b, T)
-        return SequenceShard(self.group, self.cp, self.rank, self.seq_len, global_docs=document_ids(positions),
-                             local_docs=document_ids(local_positions))
-
-    @property
-    def query_pos(self) -> Tensor:
-        """Global positions ``(T/cp,)`` of this rank's tokens (zigzag)."""
-        return zigzag_indices(self.seq_len, self.cp, self.rank)
-
-    def global_mask(self, documents: bool, device: torch.device, window: Optional[int] = None) -> Tensor:
-        """``(1 or B, 1, T/cp, T)``: causal from global positions, per document if ``documents``, within a sliding
-        ``window``; cached."""
-        key = f"global-{documents}-{device}-{window}"
-        if key not in self._masks:
-            q, k = self.query_pos.to(device), torch.arange(self.seq_len, device=device)
-            docs = self.global_docs.to(device) if documents and self.global_docs is not None else None
-            self._masks[key] = causal_mask(q, k, None if docs is None else docs[:, q], docs, window)
-        return self._masks[key]
-
-    def whole_mask(self, documents: bool, device: torch.device, window: Optional[int] = None) -> Tensor:
-        """``(1 or B, 1, T, T)``: causal over the whole sequence in global order, per document if ``documents``,
-        within a sliding ``window`` (Ulysses' mask); cached."""
-        key = f"whole-{documents}-{device}-{window}"
-        if key not in self._masks:
-            pos = torch.arange(self.seq_len, device=device)
-            docs = self.global_docs.to(device) if documents and self.global_docs is not None else None
-            self._masks[key] = causal_mask(pos, pos, docs, docs, window)
-        return self._masks[key]
-
-    def local_masks(self, device: torch.device, window: Optional[int] = None) -> list[tuple[bool, Tensor]]:
-        """The masks a model may build from its local chunk, ``(1 or B, 1, T/cp, T/cp)``, each with whether it
-        separates documents: causal within the local documents (when it is given positions), plain causal; both
-        within a sliding ``window`` of local indices (transformers' rule; the local documents split the two zigzag
-        chunks, so within one the local distance is the global one)."""
-        key = f"local-{device}-{window}"
-        if key not in self._masks:
-            n = self.seq_len // self.cp
-            idx = torch.arange(n, device=device)
-            self._masks[key] = causal_mask(idx, idx, window=window)  # (1, 1, T/cp, T/cp)
-        masks = []
-        if self.local_docs is not None:
-            docs = self.local_docs.to(device)
-            masks.append((True, self._masks[key] & (docs[:, :, None] == docs[:, None, :])[:, None]))
-        return masks + [(False, self._masks[key])]
-
-
-def _allowed(mask: Tensor, where: str) -> Tensor:
-    """A boolean mask (``True``: attend) from a boolean or additive one; an additive mask with values other than
-    0 and -inf is a bias (ALiBi, relative positions) that depends on local offsets: refused."""
     if mask.dtype == torch.bool:
-        return mask
+        return mask, torch.zeros((), dtype=torch.bool, device=mask.device)
     blocked = mask <= torch.finfo(mask.dtype).min / 2 if mask.is_floating_point() else mask == 0
-    if mask.is_floating_point() and bool(((mask != 0) & ~blocked).any()):
+    bias = ((mask != 0) & ~blocked).any() if mask.is_floating_point() else torch.zeros((), dtype=torch.bool,
+                                                                                          device=mask.device)
+    return ~blocked, bias
+
+
+def allowed_from(mask: Tensor, where: str) -> Tensor:
+    """:func:`allowed_and_bias`, a bias refused naming ``where`` (one host read: for the set-up check).
+
+    Example:
+        >>> allowed_from(torch.tensor([0.0, float("-inf")]), "attn").tolist()
+        [True, False]
+    """
+    allowed, bias = allowed_and_bias(mask)
+    if bool(bias):
         raise UnsplittableAttention(
             f"{where}: the attention mask adds a bias (values other than 0 and -inf, e.g. ALiBi or relative "
             f"positions), computed from the local chunk's offsets; context parallelism cannot re-express it for the "
             f"whole sequence. Use cp=1 for this model.")
-    return ~blocked
+    return allowed
 
 
 _ACTIVE = threading.local()  # the modes entered on this thread, innermost last
@@ -180,10 +102,11 @@ def active_attention() -> Optional["ContextParallelAttention"]:
 
 class ContextParallelAttention(TorchFunctionMode):
     """While active, every ``F.scaled_dot_product_attention(q, k, v, ...)`` on this rank's chunk ``(…, T/cp, E)``
-    attends to the whole sequence: K/V all-gathered over the ``cp`` ranks (``(…, T, E)``, sequence order) and the
-    mask recomputed from global positions (see the module doc); ``algorithm="ulysses"``: heads ↔ sequence
-    all-to-all instead (:mod:`.ulysses`). ``where()`` names the running module for errors;
-    ``strict=False`` records them in ``errors`` instead of raising (the set-up check then agrees across ranks).
+    attends to the whole sequence under the call's own mask recomputed from global indices (see the module doc),
+    by ``algorithm`` (:data:`ALGORITHMS`). ``masks``: each call's mask as the set-up check read it
+    (:class:`~.layer_masks.LayerMasks`; ``None``: checked from the call's local mask instead). ``where()`` names
+    the running module for errors; ``strict=False`` records them in ``errors`` instead of raising (the set-up
+    check then agrees across ranks).
 
     Example:
         >>> # not run: needs a process group
@@ -192,12 +115,13 @@ class ContextParallelAttention(TorchFunctionMode):
     """
 
     def __init__(self, shard: SequenceShard, where: Callable[[], str] = lambda: "an attention call",
-                 strict: bool = True, algorithm: str = "allgather") -> None:
+                 strict: bool = True, algorithm: str = "allgather", masks: Optional[LayerMasks] = None) -> None:
         super().__init__()
-        if algorithm not in ("allgather", "ulysses"):
-            raise ValueError(f"context-parallel algorithm {algorithm!r} is not known: 'allgather' or 'ulysses'.")
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"context-parallel algorithm {algorithm!r} is not known: one of {', '.join(ALGORITHMS)}.")
         self.shard = shard
-        self.algorithm = algorithm  # "allgather" (K/V all-gather) or "ulysses" (heads <-> sequence all-to-all)
+        self.algorithm = algorithm
+        self.masks = masks
         self.where = where
         self.strict = strict  # False: a mask that cannot be split is recorded in `errors` (plain causal used)
         self.errors: list[str] = []
@@ -216,7 +140,8 @@ class ContextParallelAttention(TorchFunctionMode):
     def again(self) -> "ContextParallelAttention":
         """A new mode for the same batch (and micro-batch: created in forward): activation checkpointing enters it
         to recompute a block in backward, where the modes active in forward are not."""
-        return ContextParallelAttention(self.current or self.shard, self.where, self.strict, self.algorithm)
+        return ContextParallelAttention(self.current or self.shard, self.where, self.strict, self.algorithm,
+                                        self.masks)
 
     def enter_microbatch(self, local_positions: Tensor) -> None:
         """A micro-batch with local ``position_ids`` ``(b, T/cp)`` enters the model (a no-op unless the shard is
@@ -233,7 +158,7 @@ class ContextParallelAttention(TorchFunctionMode):
 
     def _attention(self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
                    dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
-                   **rest: Any) -> Tensor:
+                   enable_gqa: bool = False) -> Tensor:
         shard, n = self.current, self.shard.seq_len // self.shard.cp
         if shard is None:
             raise UnsplittableAttention(
@@ -246,76 +171,58 @@ class ContextParallelAttention(TorchFunctionMode):
                 f"{tuple(key.shape)}, but this context-parallel rank holds {n} of the {shard.seq_len} tokens: the "
                 f"attention does not run on the local sequence chunk (a cache, a pooled or cross attention), so it "
                 f"cannot be split. Use cp=1 for this model.")
-        documents: Optional[bool] = None  # None: no mask; else causal, per document if True
-        window: Optional[int] = None
         try:
-            window = self._window(attn_mask, is_causal, n)
-            if attn_mask is not None and (attn_mask.is_meta or is_fake(attn_mask)):
-                # No values to check (the planner's dry run on fake tensors; nothing is trained): the global mask a
-                # causal model gets, of the same shape. A real run checks the mask at set-up and in every step.
-                documents = shard.global_docs is not None
-            elif attn_mask is not None:
-                documents = self._documents(shard, _allowed(attn_mask, self.where()), query.device, window)
-            elif is_causal:
-                documents = False
+            spec = self._spec(shard, attn_mask, is_causal, query.device)
         except UnsplittableAttention as err:
             if self.strict:
                 raise
             self.errors.append(str(err))  # the caller agrees with the other ranks after the forward
-            documents, window = False, None
-        if rest.pop("enable_gqa", False) and key.dim() >= 3 and key.shape[-3] != query.shape[-3]:
+            spec = MaskSpec()
+        if spec.documents and shard.global_docs is None:  # a model's local "documents" are only the zigzag chunks
+            spec = MaskSpec(spec.kind, spec.size)
+        if key.dim() >= 3 and key.shape[-3] != query.shape[-3] and enable_gqa:
             # K/V heads repeated as SDPA's GQA reads them (query head i uses K/V head i // rep): a model may repeat
             # them itself on one rank and not on another (transformers does when it passes a mask), and all ranks
-            # must gather the same shapes.
+            # must exchange the same shapes.
             rep = query.shape[-3] // key.shape[-3]
             key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)  # (…, H, T/cp, E)
-        if self.algorithm == "ulysses":  # plain causal: SDPA's own causal mask on the whole sequence, in order
-            # causal without packed documents (a model's mask from its local positions names "documents" that are
-            # only the two zigzag chunks): SDPA's own causal kernel, no (T, T) mask kept for backward
-            plain = window is None and (documents is False or (documents is True and shard.global_docs is None))
+        if dropout_p > 0.0:  # dropout cannot be replayed piece by piece: SDPA on the whole keys, (T/cp × T) mask
+            if self.algorithm == "ulysses":
+                return ulysses_attention(query, key, value, shard, spec, self.where(), dropout_p=dropout_p,
+                                         scale=scale)
+            keys, values = _gather_kv(key, value, shard)  # (…, T, E)
+            return F.scaled_dot_product_attention(query, keys, values, attn_mask=shard.global_mask(spec, query.device),
+                                                  dropout_p=dropout_p, scale=scale)
+        if self.algorithm == "ulysses":
+            return ulysses_attention(query, key, value, shard, spec, self.where(), scale=scale, block=BLOCK)
+        if self.algorithm == "ring":
+            return ring_attention(query, key, value, shard, spec, scale=scale, block=BLOCK)
+        return allgather_attention(query, key, value, shard, spec, scale=scale, block=BLOCK)  # (…, T/cp, Ev)
 
-            def whole() -> Optional[Tensor]:
-                return None if documents is None or plain else shard.whole_mask(documents, query.device, window)
-            return ulysses_attention(query, key, value, shard.cp, shard.seq_len, shard.group, whole, plain,
-                                     self.where(), dropout_p=dropout_p, scale=scale, **rest)
-        mask = None if documents is None else shard.global_mask(documents, query.device, window)
-        keys, values = _gather_kv(key, value, shard)  # (…, T, E)
-        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, dropout_p=dropout_p,
-                                              scale=scale, **rest)  # (…, T/cp, Ev)
-
-    def _window(self, attn_mask: Optional[Tensor], is_causal: bool, n: int) -> Optional[int]:
-        """The sliding window of the running layer (:func:`~.windows.current_window`), checked against the call."""
-        window = current_window()
-        if window == MIXED:
-            raise UnsplittableAttention(
-                f"{self.where()}: the model's config declares a sliding window for some layer types only, and the "
-                f"running attention module does not say (no `sliding_window` attribute) whether it is one of them: "
-                f"context parallelism recomputes the mask from global positions and needs each layer's window. Set "
-                f"`sliding_window` (int, or None) on the attention modules, or use cp=1.")
-        if window is not None and attn_mask is None and is_causal and window < n:
-            raise UnsplittableAttention(
-                f"{self.where()}: the layer declares a sliding window of {window} tokens but calls "
-                f"scaled_dot_product_attention with is_causal and no mask on its {n} local tokens, so its own "
-                f"attention is not windowed: context parallelism cannot tell which of the two is meant. Use cp=1.")
-        return window  # type: ignore[return-value]
-
-    def _documents(self, shard: SequenceShard, allowed: Tensor, device: torch.device,
-                   window: Optional[int] = None) -> bool:
-        """Whether a model's local mask is causal within documents (``True``) or plain causal (``False``), within the
-        layer's ``window``: one of :meth:`SequenceShard.local_masks`, else refused."""
-        for documents, local in shard.local_masks(device, window):
-            try:
-                same = bool((allowed == local).all())
-            except RuntimeError:  # shapes that do not broadcast
-                same = False
-            if same:
-                return documents
-        within = f" within the layer's sliding window of {window} tokens" if window is not None else ""
-        raise UnsplittableAttention(
-            f"{self.where()}: the attention mask {tuple(allowed.shape)} is neither causal nor causal within the "
-            f"documents of position_ids{within} (a prefix, padding inside the sequence, an undeclared window?): "
-            f"context parallelism recomputes the mask from global positions and only knows those. Use cp=1 for this "
-            f"model, or pass packed documents as position_ids.")
+    def _spec(self, shard: SequenceShard, attn_mask: Optional[Tensor], is_causal: bool,
+              device: torch.device) -> MaskSpec:
+        """The call's mask: as the set-up check read it (:attr:`masks`), else from its local mask (see the module
+        doc)."""
+        if self.masks is not None:
+            frame = running()
+            spec = self.masks.spec(frame)
+            if spec is None:
+                raise UnsplittableAttention(
+                    f"{self.where()}: calls scaled_dot_product_attention where the set-up check saw no such call "
+                    f"(module {self.masks.name(frame.module) if frame else 'none'!r}, call {frame.calls if frame else 0})"
+                    f", so its mask is not known. The model's attention must not depend on the batch or the training "
+                    f"mode; else use cp=1.")
+            return spec
+        if attn_mask is not None and (attn_mask.is_meta or is_fake(attn_mask)):
+            # No values to check (the planner's dry run on fake tensors; nothing is trained): causal, per document
+            # when the batch is packed.
+            return MaskSpec(documents=True)
+        if attn_mask is not None:  # causal (per document, if the model is given positions), checked on the device
+            documents, expected = shard.local_masks(device)[0]
+            record_local_mask(f"{self.where()} (scaled_dot_product_attention call {self.calls} of the forward)",
+                              *allowed_and_bias(attn_mask), expected)
+            return MaskSpec(documents=documents)
+        return MaskSpec() if is_causal else MaskSpec("full")
 
 
 def bind_microbatches(module: nn.Module) -> RemovableHandle:

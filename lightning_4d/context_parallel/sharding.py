@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_4d.core.batches import PackedInputs, batch_tokens, check_takes_positions, document_ids
-from lightning_4d.context_parallel.attention import SequenceShard
+from lightning_4d.context_parallel.shard import SequenceShard
 from lightning_4d.context_parallel.zigzag import check_sequence_length, zigzag_indices
 
 __all__ = ["shard_batch", "takes_positions"]
@@ -73,7 +73,7 @@ def shard_batch(inputs: Any, targets: Any, group: Optional[dist.ProcessGroup], c
     local_tokens = tokens.index_select(1, idx)  # (B, T/cp)
     shard = SequenceShard(group, cp, rank, T, global_docs=document_ids(positions) if packed else None,
                           local_docs=document_ids(local_positions) if (takes_positions or packed) else None,
-                          per_microbatch=packed and pipelined)
+                          per_microbatch=packed and pipelined, global_positions=positions if packed else None)
     if takes_positions or packed:  # packed without a positions argument: call_model refuses it
         local_inputs: Any = PackedInputs(local_tokens, local_positions.expand(B, -1))
     else:

@@ -1,28 +1,33 @@
 """Ulysses context parallelism (DeepSpeed-Ulysses): attention heads ↔ sequence by all-to-all.
 
 Each rank holds ``T/cp`` tokens (zigzag chunks) of all ``H`` heads. One all-to-all turns q, k and v into ``H/cp``
-heads of the whole sequence (put back in global order), attention runs there with the mask of the whole sequence
-(causal, or causal per packed document, from global positions), and a second all-to-all returns the output to
-``T/cp`` tokens of all heads. The all-to-all with equal splits is its own transpose, so its backward is the same
-all-to-all on the gradients: the backward is exact. Usable where the query and K/V heads of every attention call
-(per tensor-parallel rank) divide by ``cp``.
+heads of the whole sequence (put back in global order), attention runs there under the call's mask over the whole
+sequence (SDPA's own causal kernel for plain causal attention, else the pieces of :mod:`.blockwise`: no ``(T × T)``
+mask), and a second all-to-all returns the output to ``T/cp`` tokens of all heads. The all-to-all with equal splits
+is its own transpose, so its backward is the same all-to-all on the gradients: the backward is exact. Usable where
+the query and K/V heads of every attention call (per tensor-parallel rank) divide by ``cp``.
 
 Example:
     >>> # not run: needs a process group
     >>> # q, k, v (B, H, T/cp, E) -> y (B, H, T/cp, E); causal over the whole sequence
-    >>> y = ulysses_attention(q, k, v, cp, T, group, lambda: None, True, "attn")  # doctest: +SKIP
+    >>> y = ulysses_attention(q, k, v, shard, MaskSpec(), "attn")  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_4d.context_parallel.blockwise import piecewise_attention
+from lightning_4d.context_parallel.masks import MaskSpec, plan_pieces
 from lightning_4d.context_parallel.zigzag import gathered_order, restore_order
+
+if TYPE_CHECKING:
+    from lightning_4d.context_parallel.shard import SequenceShard
 
 __all__ = ["all_to_all", "heads_to_sequence", "sequence_to_heads", "ulysses_attention"]
 
@@ -85,29 +90,40 @@ def heads_to_sequence(y: Tensor, cp: int, seq_len: int, group: dist.ProcessGroup
     return got.movedim(0, -4).flatten(-4, -3)  # (…, H, T/cp, E)
 
 
-def ulysses_attention(query: Tensor, key: Tensor, value: Tensor, cp: int, seq_len: int,
-                      group: dist.ProcessGroup, mask: Callable[[], Optional[Tensor]], is_causal: bool,
-                      where: str, **sdpa: Any) -> Tensor:
-    """``F.scaled_dot_product_attention`` over the whole sequence for this rank's chunk ``(…, H, T/cp, E)``: heads
-    ↔ sequence all-to-all, attention on ``H/cp`` heads of ``T`` tokens with ``mask()`` (``(1 or B, 1, T, T)``, or
-    ``None`` with ``is_causal``), all-to-all back. q, k and v travel in one all-to-all when their shapes agree.
+def ulysses_attention(query: Tensor, key: Tensor, value: Tensor, shard: "SequenceShard", spec: MaskSpec, where: str,
+                      dropout_p: float = 0.0, scale: Optional[float] = None, block: int = 1024) -> Tensor:
+    """``F.scaled_dot_product_attention`` over the whole sequence for this rank's chunk ``(…, H, T/cp, E)`` under
+    ``spec`` (documents from ``shard``): heads ↔ sequence all-to-all, attention on ``H/cp`` heads of ``T`` tokens,
+    all-to-all back. q, k and v travel in one all-to-all when their shapes agree. ``dropout_p > 0``: one SDPA call
+    with the whole ``(T × T)`` mask (dropout cannot be replayed piece by piece).
 
     Raises:
         ValueError: head counts not divisible by ``cp`` (naming ``where``).
 
     Example:
         >>> # not run: needs a process group
-        >>> ulysses_attention(q, k, v, 2, 16, group, lambda: None, True, "attn").shape  # doctest: +SKIP
+        >>> ulysses_attention(q, k, v, shard, MaskSpec(), "attn").shape  # doctest: +SKIP
         torch.Size([2, 4, 8, 8])
     """
+    cp, seq_len, group = shard.cp, shard.seq_len, shard.group
     heads, kv_heads = query.shape[-3], key.shape[-3]
     if heads % cp or kv_heads % cp or value.shape[-3] % cp:
         raise ValueError(
             f"{where}: Ulysses context parallelism splits the attention heads over cp={cp} ranks, but this call has "
-            f"{heads} query and {kv_heads} K/V heads per rank. Use cp_algorithm='allgather' (or 'auto').")
+            f"{heads} query and {kv_heads} K/V heads per rank. Use cp_algorithm='allgather' or 'ring' (or 'auto').")
     if query.shape == key.shape == value.shape and query.dtype == key.dtype == value.dtype:
         q, k, v = sequence_to_heads(torch.stack([query, key, value]), cp, seq_len, group).unbind(0)  # (…, H/cp, T, E)
     else:
         q, k, v = (sequence_to_heads(t, cp, seq_len, group) for t in (query, key, value))
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask(), is_causal=is_causal, **sdpa)  # (…, H/cp, T, Ev)
+    docs, positions = shard.documents(spec), shard.positions(spec)
+    if dropout_p > 0.0:
+        idx = torch.arange(seq_len, device=q.device)
+        docs_, pos_ = (None if t is None else t.to(q.device) for t in (docs, positions))
+        mask = spec.allowed(idx, idx, docs_, docs_, pos_, pos_)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+    elif docs is None and spec.kind in ("causal", "full"):  # SDPA's own kernels, no mask
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=spec.kind == "causal", scale=scale)  # (…, H/cp, T, Ev)
+    else:
+        pieces = plan_pieces([(0, seq_len)], [(0, seq_len)], spec, docs is not None, block)
+        y = piecewise_attention(q, k, v, pieces, spec, docs, scale, positions)  # (…, H/cp, T, Ev)
     return heads_to_sequence(y, cp, seq_len, group)  # (…, H, T/cp, Ev)

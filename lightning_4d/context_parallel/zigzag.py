@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["check_sequence_length", "gathered_order", "restore_order", "zigzag_indices", "zigzag_split"]
+__all__ = ["check_sequence_length", "gathered_order", "restore_order", "zigzag_indices", "zigzag_ranges",
+           "zigzag_split"]
 
 
 def check_sequence_length(seq_len: int, cp: int, tp: int = 1) -> None:
@@ -55,6 +56,19 @@ def zigzag_indices(seq_len: int, cp: int, rank: int, device: torch.device | str 
     head = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
     tail_start = (2 * cp - 1 - rank) * chunk
     return torch.cat([head, torch.arange(tail_start, tail_start + chunk, device=device)])  # (T/cp,)
+
+
+def zigzag_ranges(seq_len: int, cp: int, rank: int) -> list[tuple[int, int]]:
+    """The two sequence ranges ``[start, end)`` rank ``rank`` holds, in its order: chunk ``rank``, then chunk
+    ``2·cp - 1 - rank`` (:func:`zigzag_indices` as ranges).
+
+    Example:
+        >>> zigzag_ranges(12, cp=3, rank=1)
+        [(2, 4), (8, 10)]
+    """
+    chunk = seq_len // (2 * cp)
+    tail = 2 * cp - 1 - rank
+    return [(rank * chunk, (rank + 1) * chunk), (tail * chunk, (tail + 1) * chunk)]
 
 
 def zigzag_split(x: Tensor, cp: int, rank: int, dim: int = 1) -> Tensor:

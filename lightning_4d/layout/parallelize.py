@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement
 from lightning_4d._compat import registered_submodule
 from lightning_4d.layout.activation_checkpoint import apply_activation_checkpointing
 from lightning_4d.config import FourDConfig
+from lightning_4d.context_parallel.layer_masks import LayerMasks
 from lightning_4d.layout.data_parallel import apply_data_parallel, reshards_after_forward, wrap_mode
 from lightning_4d.analysis.discovery import top_level_modules
 from lightning_4d.core.distributed import all_reduce_coalesced, local_of
@@ -71,6 +72,7 @@ class ParallelPlan:
     expert_modules: list[str] = field(default_factory=list)  # the experts modules made expert-parallel here
     tp_partial_params: list[str] = field(default_factory=list)  # summed over tp: :func:`tp_summed_parameters`
     bias_update: bool = False  # an MoE router runs the aux-loss-free bias update after each optimizer step
+    cp_masks: Optional[LayerMasks] = None  # context parallelism: each attention call's mask, read at set-up
     # (model, DTensor parameters, tp_partial_params' parameters): found at the first step (reduce_tp_partial_grads)
     tp_grad_params: Optional[tuple[nn.Module, list, list]] = field(default=None, repr=False, compare=False)
 

@@ -52,8 +52,8 @@ from lightning_4d.pipeline.partition import partition_blocks
 from lightning_4d.analysis.trace import _opaque_moe_on_meta as opaque_moe_on_meta
 from lightning_4d.analysis.trace import example_tokens
 
-__all__ = ["CHECK_FLOOR_BYTES", "block_signature", "check_budget_bytes", "check_reduced_model", "plan_share_bytes",
-           "reduce_depth", "reduce_vocabulary", "perturb_", "reduced_copy_bytes"]
+__all__ = ["CHECK_FLOOR_BYTES", "block_signature", "check_budget_bytes", "check_reduced_model", "perturbed_copy",
+           "plan_share_bytes", "reduce_depth", "reduce_vocabulary", "perturb_", "reduced_copy_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +232,21 @@ def _fill(model: nn.Module, device: torch.device, buffers: Optional[dict[str, to
     perturb_(model, torch.Generator().manual_seed(_SEED))
 
 
+def perturbed_copy(skeleton: nn.Module, device: torch.device) -> nn.Module:
+    """A copy of ``skeleton`` (the unsharded model on the meta device) built for real on ``device``: buffers from
+    its initialisers, parameters from :func:`perturb_` (the context-parallel set-up check of a meta-built model
+    reads its masks there; the caller checks its size against a budget first).
+
+    Example:
+        >>> copy = perturbed_copy(nn.Linear(2, 2, device="meta"), torch.device("cpu"))
+        >>> copy.weight.is_meta
+        False
+    """
+    clone = module_copy(skeleton)
+    _fill(clone, device, None)
+    return clone
+
+
 def _forward_runs(model: nn.Module, tp: int) -> bool:
     """Whether ``model`` (on the meta device) still runs a forward on an example: shapes only (MoE layers pass
     their input through, as in the trace)."""
@@ -316,7 +331,7 @@ def plan_share_bytes(model: nn.Module, plan: LayoutPlan, dims: ParallelDims) -> 
     """Bytes of the largest rank's share of ``model`` (on the meta device) under ``plan``, from the plan alone
     (before anything is rewritten): weights of a sharding TP style ÷ tp, experts ÷ ep, the largest pipeline
     stage's blocks plus everything outside the blocks, then ÷ the data-parallel sharding (FSDP2 over dp × cp, HSDP
-    over dp_shard, experts over edp). What the check's default budget starts from
+    over dp_shard (× cp), experts over edp). What the check's default budget starts from
     (:func:`check_budget_bytes`).
 
     Example:
@@ -332,7 +347,7 @@ def plan_share_bytes(model: nn.Module, plan: LayoutPlan, dims: ParallelDims) -> 
     stage_of = {f"{plan.blocks_path}.{k}.": s for s, keys in enumerate(plan.stages) for k in keys}
     per_stage = [0.0] * max(1, len(plan.stages))
     outside = 0.0
-    dense_dp = 1 if plan.data_parallel == "replicate" else (dims.dp_shard or dims.dp_cp)
+    dense_dp = 1 if plan.data_parallel == "replicate" else (dims.dp_shard * dims.cp if dims.dp_shard else dims.dp_cp)
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         size = float(t.numel() * t.element_size())
         if name.rpartition(".")[0] in sharded:

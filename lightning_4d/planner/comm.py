@@ -279,7 +279,9 @@ def _data_parallel(dims: ParallelDims, train: TrainSpec, m: int, r: int, lp: dic
     units += [(dense_axis, "block", d, raf and i < n - 1) for i, d in enumerate(lp["layer_dense"])]
     pad = expert_padding if mode in ("fsdp", "hsdp") else 1.0
     units += [("edp", "experts", e * pad, raf_experts) for e in lp["layer_experts"] if e]
-    groups = {"dp": dims.dp, "dp_cp": dims.dp_cp, "edp": dims.edp, "dp_shard": shard, "dp_replicate": dims.dp // shard}
+    # HSDP with cp shards over dp_shard × cp (the runtime's dp_shard_cp) and replicates over dp / dp_shard
+    groups = {"dp": dims.dp, "dp_cp": dims.dp_cp, "edp": dims.edp, "dp_shard": shard * (dims.cp if hsdp else 1),
+              "dp_replicate": dims.dp // shard}
     acc: dict[tuple, list] = {}
 
     def add(axis: str, kind: str, label: str, calls: int, size: float) -> None:
@@ -350,7 +352,7 @@ def comm_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
     out = []
     for r, layers in enumerate(layout):
         first, last = r == 0, r == stage_to_rank(num_stages - 1, dims.pp, style)
-        fsdp_ranks = {"fsdp": dims.dp_cp, "hsdp": _dp_shard(dims, train)}.get(train.data_parallel, 1)
+        fsdp_ranks = {"fsdp": dims.dp_cp, "hsdp": _dp_shard(dims, train) * dims.cp}.get(train.data_parallel, 1)
         recs = _tp(spec, dims, layers, first, last, m, act, b * s, c, recompute, fsdp_ranks,
                    recompute_outputs=train.activation_checkpointing == "full")
         if dims.pp > 1:
@@ -391,6 +393,12 @@ def comm_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
             passes = (fwd_passes + 1) * m * len(layers)
             recs += [Collective("cp", "all_to_all", "q, k, v heads <-> sequence (fwd, bwd)", passes, 3 * local, dims.cp),
                      Collective("cp", "all_to_all", "attention output back (fwd, bwd)", passes, local, dims.cp)]
+        elif algorithm == "ring":  # this rank's K/V to the next rank, cp-1 hops per forward (again when recomputed)
+            # and backward, and their gradients cp hops in backward
+            own = kv_gathered_bytes(b, train.seq(spec), spec.gathered_kv_width, c, t) / dims.cp
+            hops = fwd_passes * (dims.cp - 1) + (dims.cp - 1) + dims.cp
+            recs.append(Collective("cp", "send", "K/V around the ring (fwd, bwd) and their grads (bwd)",
+                                   hops * m * len(layers), own, dims.cp))
         recs += _loss_statistics(dims, m)
         last_rank = stage_to_rank(num_stages - 1, dims.pp, style)
         if spec.tied_embeddings and (first or last) and last_rank != 0:

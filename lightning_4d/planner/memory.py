@@ -43,8 +43,9 @@ divided by ``t`` only with SP (without SP every tp rank routes the same tokens).
 ``s×s`` scores, softmax and dropout) vanishes with flash attention or selective recomputation; full
 recomputation stores only ``2·s·b·h`` per layer (``/ t`` with SP) plus one layer's working set.
 fp32 activations double everything. Context parallelism (``cp > 1``) holds ``s/cp`` tokens of all this, plus per
-layer the gathered K/V beyond its share and the additive ``s/cp × s`` mask SDPA keeps
-(:mod:`lightning_4d.context_parallel.cost`; measured by ``bench/bench_context_parallel.py``). A rank holds
+layer, under the K/V all-gather only, the gathered K/V beyond its share (the algorithm the runtime runs:
+:meth:`~lightning_4d.planner.spec.TrainSpec.cp_algorithm_for`; :mod:`lightning_4d.context_parallel.cost`; measured by
+``bench/bench_context_parallel.py``). A rank holds
 ``in_flight`` micro-batches (:func:`~lightning_4d.planner.bubble.in_flight_microbatches`) of its layers'
 activations; the last
 stage also holds one micro-batch of logits ``s·b·V/t·(c + 4)`` (bf16 logits and fp32 softmax).
@@ -65,7 +66,7 @@ from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from typing import Optional
 
-from lightning_4d.context_parallel.cost import kv_gathered_bytes, mask_bytes
+from lightning_4d.context_parallel.cost import kv_gathered_bytes
 from lightning_4d.layout.data_parallel import wrap_mode
 from lightning_4d.mesh import ParallelDims
 from lightning_4d.pipeline.partition import stage_to_rank
@@ -223,12 +224,12 @@ def layer_activation_bytes(spec: TransformerSpec, layer: int, dims: ParallelDims
         mlp_div = 1 if c["moe"] else t
         coef = c["R"] + c["T_attn"] / t + c["T_mlp"] / mlp_div + c["scores"] / t
     # Context parallelism, K/V all-gather: the whole sequence's K/V (repeated to every query head, as SDPA receives
-    # them), gathered for the attention, kept beyond this rank's share; and the additive global mask SDPA keeps
-    # (T/cp × T). Ulysses keeps H/cp heads of the whole sequence and no mask: nothing beyond the 1/cp share.
+    # them), gathered for the attention, kept beyond this rank's share (attention in pieces: no mask). Ulysses keeps
+    # H/cp heads of the whole sequence, the ring one remote chunk at a time: nothing beyond the 1/cp share.
     if train.cp_algorithm_for(spec, dims.cp, t) != "allgather":
         return sbh * coef * train.act_bytes / 2
     gathered = kv_gathered_bytes(b, train.seq(spec), spec.gathered_kv_width, train.act_bytes, t) * (1 - 1 / dims.cp)
-    return sbh * coef * train.act_bytes / 2 + gathered + mask_bytes(train.seq(spec), dims.cp, train.act_bytes)
+    return sbh * coef * train.act_bytes / 2 + gathered
 
 
 @dataclass(frozen=True)
@@ -349,15 +350,15 @@ def memory_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
 
 
 def _shard_groups(dims: ParallelDims, train: TrainSpec) -> tuple[Optional[int], Optional[int]]:
-    """HSDP shard-group sizes of the dense (dp) and expert (edp) states: ``dp_shard`` (default: all of dp)
-    and, as the runtime wraps them (:func:`lightning_4d.layout.data_parallel.wrap_mode`), the experts FSDP-sharded
-    over all of edp."""
+    """HSDP shard-group sizes of the dense (dp) and expert (edp) states: ``dp_shard`` (default: all of dp; times
+    ``cp``: with context parallelism the runtime shards over ``dp_shard × cp``) and, as the runtime wraps them
+    (:func:`lightning_4d.layout.data_parallel.wrap_mode`), the experts FSDP-sharded over all of edp."""
     if train.data_parallel != "hsdp":
         return None, None
     from lightning_4d.planner.dp_modes import hsdp_groups
 
     _, k = hsdp_groups(dims.dp, train.dp_shard or dims.dp_shard)
-    return k, (dims.edp if wrap_mode("hsdp", experts=True) == "fsdp" else None)
+    return k * dims.cp, (dims.edp if wrap_mode("hsdp", experts=True) == "fsdp" else None)
 
 
 def saved_activation_bytes(spec: TransformerSpec, layer: int, dims: ParallelDims, train: TrainSpec, b: int

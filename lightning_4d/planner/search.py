@@ -114,11 +114,12 @@ def _runtime_accepts(world: int, tp: int, pp: int, ep: int, sp: bool, m: int, sc
         return None
 
 
-def _node_shard(dp: int, tp: int, gpus_per_node: int) -> Optional[int]:
-    """HSDP shard group: the largest divisor of ``dp`` whose ranks fit in one node; ``None`` when that is
-    all of dp or a single rank (HSDP would be FSDP or replicate)."""
-    k = max(d for d in _divisors(dp) if d * tp <= max(gpus_per_node, tp))
-    return k if 1 < k < dp else None
+def _node_shard(dp: int, tp: int, gpus_per_node: int, cp: int = 1) -> Optional[int]:
+    """HSDP shard group ``dp_shard``: the largest divisor of ``dp`` whose ranks (``dp_shard × cp × tp``: with context
+    parallelism FSDP2 shards over ``dp_shard × cp``) fit in one node; ``None`` when that is all of dp, or a single
+    rank without cp (HSDP would be FSDP or replicate)."""
+    k = max(d for d in _divisors(dp) if d * cp * tp <= max(gpus_per_node, cp * tp))
+    return k if (1 if cp > 1 else 2) <= k < dp else None
 
 
 #: Options the search varies besides the degrees, schedule and micro-batches.
@@ -185,8 +186,8 @@ def _with_options(spec: TransformerSpec, cluster: ClusterSpec, train: TrainSpec,
                 if cp > 1 and sp and spec.cp_refusal(cp, train.seq(spec), tp):
                     continue  # each rank's T/cp tokens do not split again over tp
                 for mode in (data_parallel if dp * cp > 1 or ep < tp else ("fsdp",)):
-                    shard = _node_shard(dp, tp, cluster.gpus_per_node) if mode == "hsdp" else None
-                    if mode == "hsdp" and (shard is None or cp > 1):  # the runtime shards over dp × cp, no HSDP
+                    shard = _node_shard(dp, tp, cluster.gpus_per_node, cp) if mode == "hsdp" else None
+                    if mode == "hsdp" and shard is None:
                         continue
                     for ac in activation_checkpointing:
                         for m in _microbatch_choices(schedule, pp, v, local):

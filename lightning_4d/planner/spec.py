@@ -462,8 +462,9 @@ class TrainSpec:
         meta_built: the model is built on the meta device, so set-up holds only this rank's shards plus one
             chunk of initialisation scratch (:mod:`lightning_4d.planner.setup_memory`); ``False``: built for
             real, every rank holds the whole model at set-up.
-        cp_algorithm: the context-parallel attention (``"auto"``, ``"allgather"``, ``"ulysses"``: the runtime's
-            option, :mod:`lightning_4d.context_parallel.algorithm`); :meth:`cp_algorithm_for` resolves it per layout.
+        cp_algorithm: the context-parallel attention (``"auto"``, ``"allgather"``, ``"ulysses"``, ``"ring"``: the
+            runtime's option, :mod:`lightning_4d.context_parallel.algorithm`); :meth:`cp_algorithm_for` resolves it
+            per layout.
 
     Example:
         >>> TrainSpec(global_batch_size=8).act_bytes
@@ -533,7 +534,7 @@ class TrainSpec:
             >>> spec = TransformerSpec(vocab_size=8, hidden=64, layers=1, heads=4, kv_heads=2)
             >>> train = TrainSpec(global_batch_size=8)
             >>> train.cp_algorithm_for(spec, 2), train.cp_algorithm_for(spec, 8), train.cp_algorithm_for(spec, 1)
-            ('ulysses', 'allgather', '')
+            ('ulysses', 'ring', '')
         """
         from lightning_4d.context_parallel.algorithm import choose_algorithm
 

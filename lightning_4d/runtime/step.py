@@ -46,8 +46,8 @@ from lightning_4d.layout.parallelize import ParallelPlan, reduce_tp_partial_grad
 from lightning_4d.layout.pipeline_glue import pipeline_train_loss, sync_tied
 from lightning_4d.pipeline.runner import ScheduleRun
 
-__all__ = ["GradNormShare", "after_optimizer_step", "clip_grad_norm", "finish_backward", "grad_norm_share", "loss_context",
-           "shard_sequence", "step_loss"]
+__all__ = ["GradNormShare", "after_optimizer_step", "clip_grad_norm", "finish_backward", "grad_norm_share",
+           "loss_context", "predict_outputs", "shard_sequence", "step_loss"]
 
 
 def shard_sequence(mesh: FourDMesh, inputs: Any, targets: Any, positions: bool, pipelined: bool
@@ -71,7 +71,7 @@ def shard_sequence(mesh: FourDMesh, inputs: Any, targets: Any, positions: bool, 
 def loss_context(plan: Optional[ParallelPlan], shard: Optional[SequenceShard]) -> Generator[None, None, None]:
     """The context of the loss and its backward: ``loss_parallel`` under TP (a vocabulary-parallel head) and, with
     context parallelism, the model's attention made global for ``shard``'s batch by the algorithm the layout plan
-    names (in backward too: recomputed activations).
+    names, each attention call under the mask the set-up check read (in backward too: recomputed activations).
 
     Example:
         >>> with loss_context(None, None):
@@ -80,8 +80,9 @@ def loss_context(plan: Optional[ParallelPlan], shard: Optional[SequenceShard]) -
     parallel_loss = plan is not None and getattr(plan, "loss_parallel", False)
     layout = getattr(plan, "layout", None)
     algorithm = (layout.cp_algorithm if layout is not None else "") or "allgather"  # the plan names it
+    masks = getattr(plan, "cp_masks", None)  # each call's mask as the set-up check read it
     with loss_parallel() if parallel_loss else nullcontext():
-        with ContextParallelAttention(shard, algorithm=algorithm) if shard is not None else nullcontext():
+        with ContextParallelAttention(shard, algorithm=algorithm, masks=masks) if shard is not None else nullcontext():
             yield
 
 
@@ -125,6 +126,52 @@ def step_loss(module: nn.Module, inputs: Any, targets: Any, plan: Optional[Paral
         local = module.loss_fn(outputs, targets)
     n_local = module.count_targets(targets)
     return weighted_global_loss(local, n_local.to(local.device), group, batch_ranks), shard
+
+
+@torch.no_grad()
+def predict_outputs(module: nn.Module, inputs: Any, plan: Optional[ParallelPlan], mesh: FourDMesh,
+                    positions: bool) -> Any:
+    """The full (unsharded) model outputs for ``inputs`` on every rank. With context parallelism the sequence is
+    split like a training batch (each rank runs its zigzag share, attention global), and the outputs ``(B, T/cp,
+    …)`` are all-gathered over the cp ranks and put back in sequence order ``(B, T, …)``.
+
+    Example:
+        >>> # not run: needs a process group
+        >>> logits = predict_outputs(module, tokens, plan, mesh, positions=True)  # doctest: +SKIP
+    """
+    from lightning_4d.core.distributed import to_full
+    from lightning_4d.layout.pipeline_glue import pipeline_eval
+
+    runner = plan.pipeline if plan is not None else None
+    tokens = batch_tokens(inputs)
+    local, _, shard = shard_sequence(mesh, inputs, tokens, positions, pipelined=runner is not None)
+
+    def enter() -> Any:
+        return loss_context(plan, shard)
+
+    if runner is not None:
+        out = pipeline_eval(runner, module, local, None, mesh[Axis.DP].get_group(), enter)
+    else:
+        with enter():
+            out = to_full(call_model(module, local))
+    if shard is None:
+        return out
+    return _whole_sequence(out, shard, tokens.shape[1])
+
+
+def _whole_sequence(out: Any, shard: SequenceShard, seq_len: int) -> Tensor:
+    """This rank's outputs ``(B, T/cp, …)`` and the other cp ranks' as ``(B, T, …)`` in sequence order."""
+    from lightning_4d.context_parallel.collectives import gather_sequence
+    from lightning_4d.context_parallel.zigzag import restore_order
+
+    if not isinstance(out, Tensor) or out.dim() < 2 or out.shape[1] != seq_len // shard.cp:
+        raise ValueError(
+            f"predict under context parallelism gathers the model's outputs along the sequence, so they must be one "
+            f"(batch, sequence, …) tensor; got {type(out).__name__} {tuple(getattr(out, 'shape', ()))} for "
+            f"{seq_len // shard.cp} local tokens. Return logits from forward, or predict with cp=1.")
+    gathered = gather_sequence(out.contiguous(), shard.group)  # (cp, B, T/cp, …)
+    whole = gathered.movedim(0, 1).flatten(1, 2)  # (B, T, …) in rank order
+    return whole.index_select(1, restore_order(seq_len, shard.cp, device=out.device))  # (B, T, …)
 
 
 def finish_backward(plan: Optional[ParallelPlan], mesh: FourDMesh, model: nn.Module) -> None:

@@ -89,12 +89,13 @@ def _describe(model: nn.Module, loss: Optional[Tensor]) -> dict[str, Any]:
 
 
 def check_step(model: nn.Module, loss: Optional[Tensor], step: int, device: Any = None,
-               also_max: Optional[list[float]] = None, grad_norm_share: Optional[Tensor] = None) -> Optional[str]:
+               also_max: Optional[list[Any]] = None, grad_norm_share: Optional[Tensor] = None) -> Optional[str]:
     """``None`` when the step is finite on every rank, else the message (the same on every rank).
 
     Collective over the world: call it on every rank at the same point of the step. ``also_max``: other
-    per-rank numbers to agree on in the same all-reduce (their maximum over the ranks replaces them in place;
-    the preemption check rides along so that a step costs one small collective, not two). ``grad_norm_share``:
+    per-rank numbers (floats, or one-element tensors on the device) to agree on in the same all-reduce (their
+    maximum over the ranks replaces them in place, as floats; the preemption check and context parallelism's local
+    mask check ride along so that a step costs one small collective, not several). ``grad_norm_share``:
     see :func:`local_flags` (the gradients are then not read again). The flags reach the host in one copy: the
     step's one host sync.
 
@@ -107,8 +108,9 @@ def check_step(model: nn.Module, loss: Optional[Tensor], step: int, device: Any 
 
     flags = local_flags(loss, model.parameters(), device, grad_norm_share)
     extra = len(also_max or [])
-    if extra:  # fills on the device, not a copy of host values
-        flags = torch.cat([flags, *(torch.full((1,), float(v), dtype=flags.dtype, device=flags.device)
+    if extra:  # fills on the device, not a copy of host values; a tensor (on the device) joins as it is
+        flags = torch.cat([flags, *(v.detach().reshape(1).to(flags) if isinstance(v, Tensor) else
+                                    torch.full((1,), float(v), dtype=flags.dtype, device=flags.device)
                                     for v in also_max)])  # type: ignore[union-attr]
     if dist.is_initialized() and dist.get_world_size() > 1:
         with internal_comm():  # the guard's own flag exchange, not the step's traffic

@@ -1,8 +1,12 @@
 """Tiny models for the context-parallel tests: a user's own model calling ``F.scaled_dot_product_attention`` with
 rotary positions from ``position_ids``, and transformers models through the package's ``HFLogits`` (which passes
-``position_ids``) — Llama, Qwen3, Gemma 3 with alternating sliding-window / global layers and Mistral with a
-window on every layer (windows of 4 tokens, shorter than the 16-token sequence and than a cp=2 rank's 8); plus
-models context parallelism must refuse (eager attention; Gemma 2's attention logit soft-capping)."""
+``position_ids``) — Llama, Qwen3, Gemma 3 with alternating sliding-window / global layers, Mistral with a window on
+every layer, EXAONE 4 (a ``sliding_window`` attribute on every layer, applied only by its sliding ones) and its MoE
+sibling, Llama 4 (chunked attention, chunks of 6, and a NoPE global layer); windows of 4 and chunks of 6 tokens,
+shorter than the 16-token sequence and than a cp=2 rank's 8, and the chunks not aligned with the zigzag chunks; plus
+models context parallelism must refuse (eager attention; Gemma 2's attention logit soft-capping; GPT-OSS and
+MiMo-V2-Flash, eager-only with attention sinks; DeepSeek-V3.2's top-k indexer; Llama 4's attention temperature
+tuning, positions from the local length)."""
 
 from __future__ import annotations
 
@@ -14,9 +18,11 @@ from torch import nn
 
 from tests.distributed.byom_models import FFN, HEADS, HIDDEN, KV_HEADS, SEQ, VOCAB
 
-KINDS = ("cp-user", "cp-hf-llama", "cp-hf-qwen3", "cp-hf-gemma3-window", "cp-hf-mistral-window",
-         "cp-hf-llama-eager", "cp-hf-gemma2-softcap")
+KINDS = ("cp-user", "cp-hf-llama", "cp-hf-qwen3", "cp-hf-gemma3-window", "cp-hf-mistral-window", "cp-hf-exaone4",
+         "cp-hf-exaone-moe", "cp-hf-llama4", "cp-hf-llama-eager", "cp-hf-gemma2-softcap", "cp-hf-gpt-oss",
+         "cp-hf-mimo-v2-flash", "cp-hf-deepseek-v32", "cp-hf-llama4-tuned")
 WINDOW = 4  # sliding window (tokens) of the windowed models
+CHUNK = 6  # Llama 4's attention chunk (tokens): crosses the zigzag chunks of 4 (cp=2) and 2 (cp=4)
 
 
 def _rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -102,6 +108,37 @@ def build_cp_model(kind: str) -> nn.Module:
         model = tf.MistralForCausalLM(tf.MistralConfig(**base, sliding_window=WINDOW, attn_implementation="sdpa"))
     elif kind == "cp-hf-gemma2-softcap":  # transformers runs Gemma 2 eager only (SDPA has no logit soft-capping)
         model = tf.Gemma2ForCausalLM(tf.Gemma2Config(**base, head_dim=HIDDEN // HEADS, sliding_window=WINDOW))
+    elif kind == "cp-hf-exaone4":  # every attention module holds sliding_window; the full layer ignores it
+        model = tf.Exaone4ForCausalLM(tf.Exaone4Config(
+            **base, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+            attn_implementation="sdpa"))
+    elif kind == "cp-hf-exaone-moe":
+        model = tf.ExaoneMoeForCausalLM(tf.ExaoneMoeConfig(
+            **base, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"], num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=FFN // 2, mlp_layer_types=["dense", "sparse"],
+            attn_implementation="sdpa"))
+    elif kind in ("cp-hf-llama4", "cp-hf-llama4-tuned"):  # a chunked RoPE layer, then a global NoPE layer
+        # (temperature tuning: NoPE queries scaled by positions from torch.arange of the local length)
+        model = tf.Llama4ForCausalLM(tf.Llama4TextConfig(
+            **{**base, "intermediate_size_mlp": FFN}, head_dim=HIDDEN // HEADS, attention_chunk_size=CHUNK,
+            layer_types=["chunked_attention", "full_attention"], no_rope_layers=[1, 0],
+            attn_temperature_tuning=kind.endswith("tuned"), moe_layers=[], num_local_experts=1,
+            attn_implementation="sdpa"))
+    elif kind == "cp-hf-gpt-oss":  # eager only: attention sinks
+        model = tf.GptOssForCausalLM(tf.GptOssConfig(
+            **base, head_dim=HIDDEN // HEADS, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+            num_local_experts=4, num_experts_per_tok=2))
+    elif kind == "cp-hf-mimo-v2-flash":  # eager only: attention sinks on its sliding layers
+        model = tf.MiMoV2FlashForCausalLM(tf.MiMoV2FlashConfig(
+            **base, head_dim=HIDDEN // HEADS, sliding_window=WINDOW, layer_types=["full_attention", "sliding_attention"],
+            mlp_layer_types=["dense", "dense"]))
+    elif kind == "cp-hf-deepseek-v32":  # MLA with the DSA indexer's top-k over the keys
+        model = tf.DeepseekV32ForCausalLM(tf.DeepseekV32Config(
+            **{**base, "num_key_value_heads": HEADS}, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+            qk_nope_head_dim=4, v_head_dim=8, index_topk=WINDOW, index_head_dim=8, index_n_heads=2,
+            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=FFN // 2,
+            mlp_layer_types=["dense", "dense"], n_group=1, topk_group=1,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, attn_implementation="sdpa"))
     else:
         raise ValueError(f"unknown context-parallel test model {kind!r}; known: {', '.join(KINDS)}")
     return HFLogits(model.float())

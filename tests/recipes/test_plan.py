@@ -218,16 +218,17 @@ def test_materialize_rank_sets_up_one_rank_for_real(tmp_path: Path) -> None:
 
 def test_plan_with_context_parallelism(tmp_path: Path) -> None:
     # cp=2 on 2 devices, each algorithm: its traffic on the cp axis (Ulysses' all-to-alls, the default here: the
-    # heads divide by cp; the K/V all-gathers), FSDP over dp × cp; the dry run traces the cp step on the fake cp group
-    # and agrees with the formulas.
-    for algorithm, kind in (("auto", "all_to_all"), ("allgather", "all_gather")):
+    # heads divide by cp; the K/V all-gathers; the ring's sends), FSDP over dp × cp; the dry run traces the cp step on
+    # the fake cp group and agrees with the formulas.
+    kinds = {"all_to_all": {"all_to_all"}, "all_gather": {"all_gather", "reduce_scatter"}, "send": {"send"}}
+    for algorithm, kind in (("auto", "all_to_all"), ("allgather", "all_gather"), ("ring", "send")):
         outcome = run_plan(_compose(["model=tiny_dense", "parallel=none", "parallel.cp=2",
                                      f"parallel.cp_algorithm={algorithm}", *TOY, "plan.gpus_per_node=2",
                                      f"output_dir={tmp_path / algorithm}"]))
         assert outcome.exit_code == 0
         busiest = outcome.plan["communication"]["busiest_rank"]
         assert busiest["cp"][kind] > 0 and busiest["dp_cp"]["reduce_scatter"] > 0, busiest
-        assert set(busiest["cp"]) == ({"all_to_all"} if kind == "all_to_all" else {"all_gather", "reduce_scatter"})
+        assert set(busiest["cp"]) == kinds[kind]
         assert outcome.plan["layout"]["cp"] == 2 and "cp=2" in outcome.text
         dry = outcome.plan["dry_run"]
         assert dry["ok"], outcome.text[-3000:]

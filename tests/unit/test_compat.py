@@ -107,7 +107,9 @@ PRIVATE_SYMBOLS = [
     ("torch", "_ops.HigherOrderOperator"),
     ("torch", "ops.aten._local_scalar_dense"),
     ("torch", "ops.aten._scaled_dot_product_flash_attention_for_cpu"),
+    ("torch", "ops.aten._scaled_dot_product_flash_attention_for_cpu_backward"),
     ("torch", "ops.aten._scaled_dot_product_efficient_attention"),
+    ("torch", "ops.aten._scaled_dot_product_efficient_attention_backward"),
     ("torch", "ops.aten._scaled_dot_product_flash_attention"),
     ("torch", "ops.aten._scaled_dot_product_cudnn_attention"),
     ("torch", "ops._c10d_functional.all_reduce"),
@@ -148,6 +150,7 @@ PRIVATE_SYMBOLS = [
     ("transformers.core_model_loading", "WeightConverter.convert"),
     ("transformers.core_model_loading", "WeightRenaming"),
     ("transformers.core_model_loading", "dot_natural_key"),
+    ("transformers", "PreTrainedModel._supports_sdpa"),
 ]
 
 

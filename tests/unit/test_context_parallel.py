@@ -10,7 +10,7 @@ from torch import nn
 from lightning_4d.core.batches import PackedInputs, document_ids
 from lightning_4d.config import FourDConfig
 from lightning_4d.context_parallel import (
-    SequenceShard, UnsplittableAttention, causal_mask, check_sequence_length, gathered_order, restore_order,
+    MaskSpec, SequenceShard, UnsplittableAttention, check_sequence_length, gathered_order, restore_order,
     shard_batch, zigzag_indices, zigzag_split,
 )
 from lightning_4d.context_parallel.check import check_declared, example_length
@@ -55,12 +55,12 @@ def test_sequence_length_rules(T: int, cp: int, tp: int, match: str) -> None:
 def test_global_mask_is_the_whole_sequence_mask_restricted_to_local_queries() -> None:
     positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7]])  # three packed documents
     docs = document_ids(positions)
-    whole = causal_mask(torch.arange(16), torch.arange(16), docs, docs)  # (1, 1, 16, 16)
+    whole = MaskSpec(documents=True).allowed(torch.arange(16), torch.arange(16), docs, docs)  # (1, 1, 16, 16)
     for rank in range(2):
         shard = SequenceShard(None, 2, rank, 16, global_docs=docs)
-        local = shard.global_mask(True, torch.device("cpu"))  # (1, 1, 8, 16)
+        local = shard.global_mask(MaskSpec(documents=True), torch.device("cpu"))  # (1, 1, 8, 16)
         assert torch.equal(local, whole[:, :, zigzag_indices(16, 2, rank)])
-        causal_only = shard.global_mask(False, torch.device("cpu"))
+        causal_only = shard.global_mask(MaskSpec(), torch.device("cpu"))
         assert bool((causal_only >= local).all()) and not torch.equal(causal_only, local)
 
 
@@ -100,12 +100,24 @@ def test_degrees_with_cp() -> None:
     (dict(world_size=8, cp=2, dp=2), r"tp·pp·dp·cp = 1·1·2·2 = 4 does not equal the world size 8"),
     (dict(world_size=4, cp=2, ep=3), "ep=3 does not divide dp·cp·tp"),
     (dict(world_size=4, cp=0), "cp=0 is below 1"),
-    (dict(world_size=4, cp=2, dp_shard=1), "data_parallel='hsdp'"),
+    (dict(world_size=8, cp=2, dp=4, dp_shard=3), "dp_shard=3 does not divide dp=4"),
 ])
 def test_invalid_cp_degrees(kwargs: dict, match: str) -> None:
     world = kwargs.pop("world_size")
     with pytest.raises(ValueError, match=match):
         ParallelDims.from_world(world, **kwargs)
+
+
+def test_hsdp_with_cp_shards_over_dp_shard_times_cp() -> None:
+    from lightning_4d.planner.comm import comm_per_rank
+    from lightning_4d.planner.spec import TrainSpec, TransformerSpec
+
+    dims = ParallelDims.from_world(8, cp=2, dp_shard=2)  # dp = 4: 2 replicas of 2 · cp = 4 ranks sharding
+    assert (dims.dp, dims.dp_replicate, dims.dp_cp) == (4, 2, 8)
+    spec = TransformerSpec(vocab_size=64, hidden=32, layers=2, heads=4, ffn_hidden=64, seq_len=64)
+    records = comm_per_rank(spec, dims, TrainSpec(8, data_parallel="hsdp", dp_shard=2))[0]
+    assert {r.group for r in records if r.axis == "dp_shard"} == {4}
+    assert {r.group for r in records if r.axis == "dp_replicate"} == {2}
 
 
 class _Windowed(nn.Module):
@@ -149,60 +161,24 @@ def _with_config(**values: object) -> nn.Module:
     return module
 
 
-def test_declared_window_per_module_and_config() -> None:
-    from lightning_4d.context_parallel.windows import MIXED, declared_window
-
-    assert declared_window(_Windowed()) == 128  # the module's own attribute (Qwen2 / Gemma 3 attention)
-    full = _Windowed()
-    full.sliding_window = None  # a full-attention layer of a mixed model
-    assert declared_window(full) is None
-    assert declared_window(_with_config(sliding_window=8)) == 8  # Mistral: every layer
-    assert declared_window(_with_config(sliding_window=8, layer_types=["sliding_attention"] * 2)) == 8
-    assert declared_window(_with_config(sliding_window=8, layer_types=["sliding_attention", "full_attention"])) \
-        == MIXED
-    assert declared_window(_with_config(sliding_window=None)) not in (None, 8, MIXED)  # declares nothing
-
-
-def test_window_tracking_innermost_module_wins() -> None:
-    from lightning_4d.context_parallel.windows import current_window, track_windows
-
-    seen = []
-
-    class Probe(nn.Module):
-        def __init__(self, window: object) -> None:
-            super().__init__()
-            self.sliding_window = window
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            seen.append(current_window())
-            return x
-
-    outer = _with_config(sliding_window=8, layer_types=["sliding_attention", "full_attention"])
-    outer.layers = nn.ModuleList([Probe(8), Probe(None)])  # type: ignore[assignment]
-    track_windows(outer)
-    assert len(track_windows(outer)) == 0  # hooked once
-    for layer in outer.layers:  # type: ignore[union-attr]
-        layer(torch.zeros(1))
-    assert seen == [8, None] and current_window() is None
-
-
 def test_window_masks_from_global_positions() -> None:
     shard = SequenceShard(None, cp=2, rank=0, seq_len=8)  # holds positions 0, 1, 6, 7
-    mask = shard.global_mask(False, torch.device("cpu"), window=3)[0, 0].int().tolist()
+    mask = shard.global_mask(MaskSpec("window", 3), torch.device("cpu"))[0, 0].int().tolist()
     assert mask[3] == [0, 0, 0, 0, 0, 1, 1, 1]  # position 7 sees 5, 6, 7
     assert mask[1] == [1, 1, 0, 0, 0, 0, 0, 0]
-    local = shard.local_masks(torch.device("cpu"), window=2)[-1][1][0, 0].int().tolist()  # plain, local indices
-    assert local == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
+    assert shard.ranges() == [(0, 2), (6, 8)]
 
 
-def test_example_length_avoids_model_dimensions() -> None:
+def test_example_length_avoids_model_dimensions_and_crosses_declared_lengths() -> None:
     assert example_length(nn.Linear(8, 8), cp=2) == 12  # 8 is a dimension: (8, 8) would look like scores
     assert example_length(nn.Linear(3, 5), cp=2, tp=2) == 8
     assert example_length(nn.Linear(3, 5), cp=3, tp=2) == 12
+    # a window and a chunk declared (4096, 8192): shrunk to 3 and 5 for the check, which runs on more than 2 · 5
+    assert example_length(_with_config(sliding_window=4096, attention_chunk_size=8192), cp=2) == 12
 
 
 def test_planner_counts_context_parallelism() -> None:
-    from lightning_4d.context_parallel.cost import kv_gathered_bytes, kv_wire_bytes, mask_bytes, ulysses_wire_bytes
+    from lightning_4d.context_parallel.cost import kv_gathered_bytes, kv_wire_bytes, ring_wire_bytes, ulysses_wire_bytes
     from lightning_4d.planner.comm import comm_per_rank
     from lightning_4d.planner.memory import layer_activation_bytes, memory_per_rank
     from lightning_4d.planner.spec import TrainSpec, TransformerSpec
@@ -210,15 +186,13 @@ def test_planner_counts_context_parallelism() -> None:
     spec = TransformerSpec(vocab_size=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn_hidden=64, seq_len=4096)
     train = TrainSpec(global_batch_size=2, cp_algorithm="allgather")
     one, two = ParallelDims(1), ParallelDims(2, cp=2)
-    # Activations (K/V all-gather): half the tokens, plus the other half of the gathered K/V (repeated to every query head, as SDPA
-    # receives them) and the additive (T/2, T) mask SDPA keeps.
+    # Activations (K/V all-gather): half the tokens, plus the other half of the gathered K/V (repeated to every query
+    # head, as SDPA receives them); attention in pieces keeps no mask.
     whole, split = (layer_activation_bytes(spec, 0, d, train, b=2) for d in (one, two))
-    assert split == (whole / 2 + kv_gathered_bytes(2, 4096, spec.gathered_kv_width, train.act_bytes) / 2
-                     + 2048 * 4096 * train.act_bytes)
-    assert mask_bytes(4096, 2, train.act_bytes) == 2048 * 4096 * train.act_bytes
+    assert split == whole / 2 + kv_gathered_bytes(2, 4096, spec.gathered_kv_width, train.act_bytes) / 2
     m1, m2 = memory_per_rank(spec, one, train)[0], memory_per_rank(spec, two, train)[0]
     assert m2.params == m1.params / 2  # FSDP2 over dp × cp
-    assert m2.activations == 2 * split  # (hidden 32 at T = 4096: the T² mask outweighs what cp saves)
+    assert m2.activations == 2 * split
     # Communication: the K/V all-gathers and reduce-scatters of the formula on the cp axis.
     records = comm_per_rank(spec, two, train)[0]
     sent = sum(r.bytes_sent for r in records if r.axis == "cp")
@@ -232,6 +206,13 @@ def test_planner_counts_context_parallelism() -> None:
     assert {r.kind for r in records if r.axis == "cp"} == {"all_to_all"}
     sent = sum(r.bytes_sent for r in records if r.axis == "cp")
     assert sent == ulysses_wire_bytes(2, 4096, spec.q_width, spec.q_width, layers=2, cp=2, act_bytes=train.act_bytes)
+    # The ring: activations half (one remote chunk at a time), its sends on the cp axis.
+    ring = train.with_(cp_algorithm="ring")
+    assert layer_activation_bytes(spec, 0, two, ring, b=2) == whole / 2
+    records = comm_per_rank(spec, two, ring)[0]
+    assert {r.kind for r in records if r.axis == "cp"} == {"send"}
+    sent = sum(r.bytes_sent for r in records if r.axis == "cp")
+    assert sent == ring_wire_bytes(2, 4096, spec.gathered_kv_width, layers=2, cp=2, act_bytes=train.act_bytes)
 
 
 def test_planner_compute_time_falls_with_cp() -> None:
@@ -252,15 +233,18 @@ def test_algorithm_is_chosen_from_the_heads_per_tp_rank() -> None:
     calls = [("module 'layers.0.attn' (Attention)", 8, 4, False), ("module 'layers.1.attn' (Attention)", 8, 4, False)]
     assert choose_algorithm("auto", calls, cp=2) == "ulysses"
     assert choose_algorithm("auto", calls, cp=2, tp=2) == "ulysses"  # 4 query and 2 K/V heads per tp rank
-    assert choose_algorithm("auto", calls, cp=4, tp=2) == "allgather"  # 2 K/V heads per tp rank: not by 4
+    assert choose_algorithm("auto", calls, cp=4, tp=2) == "ring"  # 2 K/V heads per tp rank: not by 4
     assert choose_algorithm("auto", [("m", 8, 4, True)], cp=8) == "ulysses"  # GQA left to SDPA: K/V repeated to 8
-    assert choose_algorithm("allgather", calls, cp=2) == "allgather"
-    assert choose_algorithm("auto", [], cp=2) == "ulysses"  # no attention call: nothing to split
+    # narrow K/V (8 query heads, 1 K/V head per cp rank): the ring sends fewer bytes than Ulysses' all-to-alls
+    assert choose_algorithm("auto", [("m", 16, 2, False)], cp=2) == "ring"
+    assert choose_algorithm("allgather", calls, cp=2) == choose_algorithm("auto", [], cp=2) == "allgather"
+    assert choose_algorithm("ring", calls, cp=2) == "ring"
     with pytest.raises(ValueError, match=r"module 'layers.0.attn' \(Attention\) .* 2 query and 1 K/V heads .*tp=4.*"
                                          r"cp=2"):
         choose_algorithm("ulysses", calls, cp=2, tp=4)
-    with pytest.raises(ValueError, match="cp_algorithm='ring' is not known"):
-        FourDConfig(cp=2, cp_algorithm="ring")
+    with pytest.raises(ValueError, match="cp_algorithm='sparse' is not known"):
+        FourDConfig(cp=2, cp_algorithm="sparse")
+    assert FourDConfig(cp=2, cp_algorithm="ring").cp_algorithm == "ring"
 
 
 def _meta_llama(heads: int, kv_heads: int) -> nn.Module:
@@ -280,7 +264,7 @@ def test_layout_plan_names_the_algorithm() -> None:
     assert auto.cp_algorithm == "ulysses" and "context parallel: ulysses: " in str(auto)
     assert LayoutPlan.from_json(auto.to_json()).cp_algorithm == "ulysses"
     assert plan_layout(lm, ParallelDims(4, cp=4), FourDConfig(cp=4)).cp_algorithm == "ulysses"  # K/V repeated
-    assert plan_layout(lm, ParallelDims(8, cp=8), FourDConfig(cp=8)).cp_algorithm == "allgather"  # 4 heads
+    assert plan_layout(lm, ParallelDims(8, cp=8), FourDConfig(cp=8)).cp_algorithm == "ring"  # 4 heads
     given = plan_layout(lm, ParallelDims(2, cp=2), FourDConfig(cp=2, cp_algorithm="allgather"))
     assert given.cp_algorithm == "allgather"
     assert plan_layout(lm, ParallelDims(1), FourDConfig()).cp_algorithm == ""
@@ -288,13 +272,17 @@ def test_layout_plan_names_the_algorithm() -> None:
                                          r"heads .* cp=8"):
         plan_layout(lm, ParallelDims(8, cp=8), FourDConfig(cp=8, cp_algorithm="ulysses"))
     with pytest.raises(ValueError, match="names no algorithm"):
-        auto.replace(context_parallel="ring").check(lm, ParallelDims(2, cp=2))
+        auto.replace(context_parallel="sparse").check(lm, ParallelDims(2, cp=2))
 
 
-def test_ulysses_activations_and_bytes() -> None:
-    from lightning_4d.context_parallel.cost import activation_bytes_per_rank, ulysses_wire_bytes
+def test_ulysses_and_ring_activations_and_bytes() -> None:
+    from lightning_4d.context_parallel.cost import activation_bytes_per_rank, ring_wire_bytes, ulysses_wire_bytes
 
     assert activation_bytes_per_rank(8.0, 1, 64, 16, 2, cp=4, act_bytes=2, algorithm="ulysses") == 2.0
+    assert activation_bytes_per_rank(8.0, 1, 64, 16, 2, cp=4, act_bytes=2, algorithm="ring") == 2.0
+    # per layer: own K/V (2·32/4 tokens of width 8, fp32) 3 hops forward, 3 (K/V) + 4 (grads) backward
+    assert ring_wire_bytes(2, 32, 8, layers=1, cp=4, act_bytes=4) == (3 + 3 + 4) * (2 * 2 * 8 * 8 * 4)
+    assert ring_wire_bytes(2, 32, 8, layers=1, cp=4, act_bytes=4, recompute=True) == (6 + 3 + 4) * (2 * 2 * 8 * 8 * 4)
     # per layer: q (w 8), k, v (w 4 each) and the output (w 8) of 2·32/2 tokens, fp32, half of it sent; 2 passes
     assert ulysses_wire_bytes(2, 32, 8, 4, layers=1, cp=2, act_bytes=4) == 2 * (2 * 16 * 24 * 4) / 2
     assert ulysses_wire_bytes(2, 32, 8, 4, layers=1, cp=2, act_bytes=4, recompute=True) == 3 * (2 * 16 * 24 * 4) / 2

@@ -22,11 +22,12 @@ def test_cp_is_enumerated_within_what_the_runtime_accepts() -> None:
     for dims, train in seen:
         assert dims.dp * dims.cp * dims.tp * dims.pp == 8
         assert 16 % (2 * dims.cp) == 0 and (not dims.sp or dims.tp == 1 or (16 // dims.cp) % dims.tp == 0)
-        assert not (dims.cp > 1 and train.data_parallel == "hsdp")  # the runtime shards over dp × cp, no HSDP
         FourDConfig(tp=dims.tp, pp=dims.pp, ep=dims.ep, cp=dims.cp, sequence_parallel=dims.sequence_parallel,
                     schedule=train.schedule, data_parallel=train.data_parallel, dp_shard=train.dp_shard,
                     activation_checkpointing=train.activation_checkpointing).resolve(8)
     assert any(d.cp == 8 and d.tp == 1 for d, _ in seen)  # 16 tokens in 16 chunks of one
+    # HSDP with cp: FSDP2 over dp_shard × cp inside a node, replicated across nodes
+    assert any(d.cp == 2 and t.data_parallel == "hsdp" and t.dp_shard == 1 for d, t in seen)
 
 
 def test_cp_only_where_the_sequence_and_the_attention_allow_it() -> None:

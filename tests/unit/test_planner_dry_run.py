@@ -69,7 +69,8 @@ DENSE.update({
 def test_context_parallel_kv_bytes_by_hand():
     """The K/V all-gather of every attention call on the fake cp group against the bytes worked out by hand: the
     package's Llama repeats its 2 K/V heads to the 4 query heads before attention, so K and V are gathered 4 heads
-    wide (``TransformerSpec.gathered_kv_width``, not the ``kv_width`` of the projections); and Ulysses' all-to-alls."""
+    wide (``TransformerSpec.gathered_kv_width``, not the ``kv_width`` of the projections); Ulysses' all-to-alls and the
+    ring's sends."""
     cfg = LlamaConfig(n_layers=2, **LLAMA)
     b, T, heads, hd, fp32 = 1, 32, 4, 16, 4
     for tp, ac, passes in ((1, None, 1), (2, "full", 2)):  # full AC gathers again in the recomputed forward
@@ -91,6 +92,14 @@ def test_context_parallel_kv_bytes_by_hand():
         local = b * T // 2 * heads * hd // tp * fp32  # one of q, k, v or the output on this rank
         for r in result.ranks:
             assert r.traced["cp"] == {"all_to_all": 2 * (passes + 1) * (3 + 1) * local / 2}
+        # The ring: this rank's K and V (one message) to the next rank once per forward (again when recomputed) and
+        # backward, and their gradients twice (cp = 2: one hop, one home), point-to-point, 2 layers.
+        result = dry_run(lambda: CausalLM(Llama(cfg)), TransformerSpec.from_config(cfg, seq_len=T), dims,
+                         train.with_(cp_algorithm="ring"))
+        assert result.ok, result.format()
+        for r in result.ranks:
+            assert r.traced["cp"] == {"send": 2 * (passes + 1 + 2) * 2 * local}
+            assert r.traced_calls["cp"] == {"send": 2 * (passes + 1 + 2)}
 
 
 @pytest.mark.parametrize("name", list(DENSE))
