@@ -159,6 +159,8 @@ class LayoutPlan:
                 entries += [(f"{owner}.{c}", f"per-head slices {list(s)}") for c, s in params.items()]
             for owner, inputs in tpl.head_inputs.items():
                 entries += [(owner, f"per-head input {k!r}: {h} heads {list(s)}") for k, (h, s) in inputs.items()]
+            for owner, cuts in tpl.feature_inputs.items():
+                entries += [(owner, f"input {k!r} cut to {w}/tp features") for k, w in cuts.items()]
             for fqn, (perm, dim) in tpl.permutations.items():
                 entries.append((fqn, f"rows permuted along dim {dim} ({len(perm)} rows)"))
             entries += [(name, "replicated, gradient summed over tp") for name in tpl.partial_params]
@@ -381,6 +383,8 @@ def _tp_to_data(tpl: TPLayout) -> dict[str, Any]:
         "boundary": None if tpl.boundary is None else list(tpl.boundary),
         "hidden": dataclasses.asdict(tpl.hidden),
         "user_plan": tpl.user_plan,
+        **({"feature_inputs": {o: [[k, w] for k, w in d.items()] for o, d in tpl.feature_inputs.items()}}
+           if tpl.feature_inputs else {}),
     }
 
 
@@ -400,6 +404,7 @@ def _tp_from_data(d: dict[str, Any]) -> TPLayout:
         boundary=None if d["boundary"] is None else (d["boundary"][0], d["boundary"][1]),
         hidden=HiddenArg(**d["hidden"]),
         user_plan=bool(d.get("user_plan", False)),
+        feature_inputs={o: {k: int(w) for k, w in x} for o, x in d.get("feature_inputs", {}).items()},
     )
 
 
@@ -417,7 +422,7 @@ def _filter_tp(tpl: TPLayout, keep: Any, rename: Any,
     return TPLayout(
         styles=by_path(tpl.styles), heads=by_path(tpl.heads), local_heads=by_path(tpl.local_heads),
         configs=by_path(tpl.configs), head_lists=by_path(tpl.head_lists), head_params=by_path(tpl.head_params),
-        head_inputs=by_path(tpl.head_inputs),
+        head_inputs=by_path(tpl.head_inputs), feature_inputs=by_path(tpl.feature_inputs),
         regions={rename(b): [r for r in regs if keep(f"{b}.{r}")] for b, regs in tpl.regions.items() if keep(b)},
         # the vocabulary-parallel head (a torch ColwiseParallel outside the blocks) makes the loss parallel
         loss_parallel=tpl.loss_parallel and all(keep(p) for p, s in tpl.styles.items() if s.kind == "ColwiseParallel"),

@@ -40,6 +40,7 @@ from torch import nn
 
 from lightning_4d._compat import child_modules, registered_submodule
 from lightning_4d.analysis.hooks import PIPELINE_HOOKS, PIPELINE_POST, PIPELINE_PRE, PIPELINE_SPLIT, hook_call
+from lightning_4d.analysis.feature_inputs import is_index_output
 from lightning_4d.analysis.layer_kinds import holds_routed_experts, is_linear, is_norm
 from lightning_4d.analysis.trace_consumers import _Consumers, _Facts
 from lightning_4d.analysis.trace_records import SPLIT_OPS, ColumnLayout, Consumer, HiddenArg, ModelTrace
@@ -146,6 +147,7 @@ def trace_model(root: nn.Module, blocks_path: str, example: Any) -> ModelTrace:
             mode.columns.names = {id(b): n for n, b in blocks[key].named_buffers()}
             mode.columns.params = {id(p): (p, n) for n, p in blocks[key].named_parameters()}
             mode.__enter__()
+            mode.features.label_call(args, kwargs)  # the block's own arguments (Gemma 4's per-layer input)
             facts[key].mode = mode
             recording.append(key)
         here = current(mod)
@@ -169,6 +171,8 @@ def trace_model(root: nn.Module, blocks_path: str, example: Any) -> ModelTrace:
         if main is not None and isinstance(out, torch.Tensor) and out.shape == main.shape and is_norm(mod):
             mode.columns.same(main, out)  # a norm keeps the features where they are
         here = current(mod)
+        if here is not None and not is_linear(mod) and is_index_output(out):
+            here[1].index_modules.add(here[0])  # DeepSeek-V3.2's indexer: top-k positions, no features
         if here is not None and is_linear(mod) and isinstance(out, torch.Tensor):
             rel, f = here
             mode.watch[id(out)] = (rel, out)

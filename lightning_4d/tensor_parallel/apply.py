@@ -24,6 +24,7 @@ from lightning_4d.analysis.head_bias import ArgKey, install_head_inputs
 from lightning_4d.analysis.hooks import LOSS_PARALLEL, TP_PLAN, hook_call, user_hook
 from lightning_4d.analysis.layer_kinds import is_conv1d
 from lightning_4d.mesh import Axis, FourDMesh, ParallelDims
+from lightning_4d.tensor_parallel.block_inputs import install_feature_cuts
 from lightning_4d.tensor_parallel.plan import block_plan, model_plan
 from lightning_4d.tensor_parallel.specs import StyleSpec, spec_of
 from lightning_4d.tensor_parallel.rng import ShardedRNG, install_sharded_rng, sharded_dropout_modules
@@ -91,6 +92,8 @@ class TPLayout:
     head_params: dict[str, dict[str, list[tuple[int, int]]]] = field(default_factory=dict)  # owner -> {param: slices}
     # region -> {argument: (heads, slices)}: the per-head score biases (ALiBi) it receives
     head_inputs: dict[str, dict[ArgKey, tuple[int, list[tuple[int, int]]]]] = field(default_factory=dict)
+    # block -> {argument: width}: cut with the column-parallel linear it meets (Gemma 4's per-layer input)
+    feature_inputs: dict[str, dict[ArgKey, int]] = field(default_factory=dict)
     regions: dict[str, list[str]] = field(default_factory=dict)  # block -> TP regions (attention, MLP)
     loss_parallel: bool = False
     permutations: dict[str, tuple[list[int], int]] = field(default_factory=dict)  # param fqn -> (rows, dim)
@@ -178,6 +181,8 @@ def tp_styles(root: nn.Module, trace: ModelTrace, tp: int, sp: bool) -> TPLayout
             layout.head_params.setdefault(f"{block_name}.{owner}" if owner else block_name, {})[pname] = slices
         for region, inputs in plan.head_inputs.items():
             layout.head_inputs[f"{block_name}.{region}"] = inputs
+        if plan.feature_inputs:
+            layout.feature_inputs[block_name] = dict(plan.feature_inputs)
         layout.partial_params += [f"{block_name}.{n}" for n in plan.partial_params]
     if not styles:
         raise ValueError(
@@ -287,6 +292,9 @@ def apply_tensor_parallel(module: nn.Module, mesh: FourDMesh, plan: TPRecord, la
     for owner, inputs in layout.head_inputs.items():
         if present(owner):
             install_head_inputs(module.get_submodule(owner), {k: (h, s[rank]) for k, (h, s) in inputs.items()})
+    for owner, cuts in layout.feature_inputs.items():
+        if present(owner):
+            install_feature_cuts(module.get_submodule(owner), cuts, tp_mesh)
     _retie(module, groups)
     if layout.boundary is not None:
         first, last = (module.get_submodule(n) if present(n) else None for n in layout.boundary)

@@ -54,6 +54,7 @@ from lightning_4d.analysis.head_bias import ArgKey
 from lightning_4d.analysis.hooks import TP_PLAN, hook_call
 from lightning_4d.analysis.layer_kinds import holds_routed_experts, is_linear, is_norm
 from lightning_4d.core.precision import allowed_difference, max_difference
+from lightning_4d.tensor_parallel.block_inputs import feature_cuts, feature_gates, whole_linears
 from lightning_4d.tensor_parallel.layouts import concat_permutation
 from lightning_4d.tensor_parallel.mixers import plan_mixer
 from lightning_4d.tensor_parallel.styles import head_axis, linear_features
@@ -128,6 +129,9 @@ class BlockPlan:
     local_norms: list[str] = field(default_factory=list)  # SP norms on non-(B, T, H) inputs: local, grads summed
     # region -> {argument: (heads, per-rank [lo, hi))}: per-head score biases it receives (ALiBi), cut with its heads
     head_inputs: dict[str, dict[ArgKey, tuple[int, list[tuple[int, int]]]]] = field(default_factory=dict)
+    # block argument -> its width: cut along its last dimension with the column-parallel linear it meets (Gemma 4's
+    # per-layer input; :mod:`lightning_4d.tensor_parallel.block_inputs`)
+    feature_inputs: dict[ArgKey, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -397,6 +401,8 @@ def block_plan(block: nn.Module, block_name: str, tp: int, trace: Optional[Model
     plan = BlockPlan()
     plan.low_rank = low_rank_pairs(trace, block)
     downs = set(plan.low_rank.values())
+    gates = feature_gates(block, trace)  # meet a block argument feature by feature: column-parallel, it is cut
+    indexed = trace.index_modules if trace is not None else frozenset()  # DeepSeek-V3.2's indexer: kept whole
     moe_prefixes: list[str] = []
     for name, module in block.named_modules():
         if not name:
@@ -409,7 +415,8 @@ def block_plan(block: nn.Module, block_name: str, tp: int, trace: Optional[Model
             continue
         if is_linear(module):
             _check_linear_forward(f"{block_name}.{name}", module)
-            plan.linears[name] = ("replicate" if name in downs else "colwise" if name in plan.low_rank
+            plan.linears[name] = ("replicate" if name in downs or whole_linears([name], indexed)
+                                  else "colwise" if name in plan.low_rank or name in gates
                                   else _role(block_name, name, trace))
         elif is_norm(module) and ("." not in name or _in_norm_list(block, name)):
             plan.norms.append(name)
@@ -441,6 +448,8 @@ def block_plan(block: nn.Module, block_name: str, tp: int, trace: Optional[Model
         else:  # a low-rank down-projection: replicated, its gradient a partial sum over the ranks' heads
             plan.partial_params += [f"{name}.{n}" for n, _ in block.get_submodule(name).named_parameters()]
     _check_replicated_heads(block_name, plan, regions, pieces_of)
+    plan.feature_inputs = feature_cuts(block_name, block, plan.linears, [*plan.permutations, *plan.gathered], trace,
+                                       tp)
     plan.direct = sorted(n for n, r in regions.items() if r == "" and plan.linears[n] != "replicate")
     plan.regions = sorted({r for n, r in regions.items() if r and plan.linears[n] == "colwise"})
     for region in plan.regions:
