@@ -8,6 +8,7 @@ Example:
 """
 
 from lightning_4d.config import FourDConfig
+from lightning_4d.core.optim import mesh_param_groups
 from lightning_4d.plan import LayoutPlan, load_plan
 from lightning_4d.mesh import Axis, FourDMesh, ParallelDims, build_mesh
 from lightning_4d.mixin import FourDModule
@@ -20,5 +21,5 @@ from lightning_4d._compat.moved import install as _install_moved  # noqa: E402
 _install_moved()  # the pre-0.2 module names (lightning_4d.trace, ...) import for one more release, with a warning
 
 __all__ = ["Axis", "FourDConfig", "FourDMesh", "FourDModule", "FourDStrategy", "LayoutPlan", "ParallelDims",
-           "apply_layout", "build_mesh", "load_plan", "plan_layout"]
+           "apply_layout", "build_mesh", "load_plan", "mesh_param_groups", "plan_layout"]
 __version__ = "0.1.0"

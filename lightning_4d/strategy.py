@@ -58,7 +58,9 @@ from lightning_4d.layout.pipeline_glue import pipeline_eval
 from lightning_4d.plan import LayoutPlan, load_plan
 from lightning_4d.layout.reduced_check import check_budget_bytes, check_reduced_model, plan_share_bytes
 from lightning_4d.safety.preemption import PreemptionSaver, resolve_signals
-from lightning_4d.runtime.step import after_optimizer_step, clip_grad_norm, finish_backward, step_loss
+from lightning_4d.runtime.step import (
+    GradNormShare, after_optimizer_step, clip_grad_norm, finish_backward, grad_norm_share, step_loss,
+)
 from lightning_4d.runtime.step import loss_context as step_loss_context
 from lightning_4d.tensor_parallel.replicas import replica_mismatches
 from lightning_4d.analysis.trace import example_tokens
@@ -122,6 +124,7 @@ class FourDStrategy(ParallelStrategy):
         self._plan: Optional[ParallelPlan] = None
         self.layout_plan: Optional[LayoutPlan] = None  # the plan applied at set-up (save it: .save(path))
         self._grads_stale = True
+        self._grad_share: Optional[GradNormShare] = None  # the guard's gradient-norm share, reused by clipping
         self._replicas_checked = False  # replicated TP parameters are compared after the first step
         self._resume_loops: Optional[dict[str, Any]] = None
         self._peers: list[Peer] = []
@@ -436,15 +439,19 @@ class FourDStrategy(ParallelStrategy):
                 f"Implement {hook_call(TP_PLAN)} to shard them, or use tp=1."
             )
 
-    def _guarded(self, closure: Callable[[], Optional[Tensor]]) -> Optional[Tensor]:
+    def _guarded(self, closure: Callable[[], Optional[Tensor]], optimizer: Optimizer) -> Optional[Tensor]:
         """Run the step's forward and backward, then stop or skip it on every rank if it is not finite
-        (before Lightning clips the gradients and the optimizer steps)."""
+        (before Lightning clips the gradients and the optimizer steps). The gradient norm's share it tests is
+        kept for clipping (unless a grad scaler unscales the gradients in between)."""
         loss = closure()
         trainer = self.lightning_module.trainer
         step = trainer.global_step
         saver = self.preemption
         agreed = [float(saver.received or 0)] if saver is not None else None
-        message = check_step(self.model, loss, step, self.root_device, also_max=agreed)
+        params = [p for group in optimizer.param_groups for p in group["params"]]  # what clipping is handed
+        share = grad_norm_share(self._plan, self.model, params)
+        self._grad_share = share if getattr(self.precision_plugin, "scaler", None) is None else None
+        message = check_step(self.model, loss, step, self.root_device, also_max=agreed, grad_norm_share=share.value)
         if saver is not None and agreed is not None:
             saver.agree(step, int(agreed[0]))  # the batch-end check then needs no collective of its own
         if message is None:
@@ -469,7 +476,7 @@ class FourDStrategy(ParallelStrategy):
             out = super().optimizer_step(optimizer, closure, model, **kwargs)
         else:
             try:
-                out = super().optimizer_step(optimizer, partial(self._guarded, closure), model, **kwargs)
+                out = super().optimizer_step(optimizer, partial(self._guarded, closure, optimizer), model, **kwargs)
             except SkipStep as skipped:
                 self.skipped_steps += 1
                 optimizer.zero_grad(set_to_none=True)
@@ -479,6 +486,8 @@ class FourDStrategy(ParallelStrategy):
                     rank_zero_warn(f"Skipped step ({self.skipped_steps} so far): {skipped}")
                 self._log_skipped()
                 return None
+            finally:
+                self._grad_share = None
             if self.config.nonfinite == "skip":
                 self._log_skipped()
         self._grads_stale = True
@@ -535,7 +544,7 @@ class FourDStrategy(ParallelStrategy):
             >>> trainer.strategy.clip_grad_norm_(model.parameters(), 1.0)  # doctest: +SKIP
         """
         assert self.model is not None
-        return clip_grad_norm(self._plan, self.model, parameters, max_norm, norm_type)
+        return clip_grad_norm(self._plan, self.model, parameters, max_norm, norm_type, share=self._grad_share)
 
     # ------------------------------------------------------------------ collectives
     @override

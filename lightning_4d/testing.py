@@ -6,7 +6,8 @@ Ranks are forked from a *forkserver* that has already imported torch and Lightni
 short timeout and runs ``fn(rank, *args)``. The return values come back as a list in rank order.
 Reuse one world for many checks by making ``fn`` run them all. More modules for the forkserver to import once
 are named in ``LIGHTNING_4D_WORLD_PRELOAD`` (comma-separated); what a rank inherits from it is frozen
-(``gc.freeze``), so a garbage collection in the rank does not walk it.
+(``gc.freeze``), so a garbage collection in the rank does not walk it. :class:`HostSyncCounter` (from
+:mod:`lightning_4d.core.host_syncs`) counts a step's host syncs, in a world's rank or anywhere else.
 
 Example:
     >>> def fn(rank):
@@ -29,7 +30,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["PRELOAD_ENV", "run_world", "WorldError", "free_port"]
+from lightning_4d.core.host_syncs import HostSyncCounter
+
+__all__ = ["HostSyncCounter", "PRELOAD_ENV", "run_world", "WorldError", "free_port"]
 
 _PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning_4d"]
 PRELOAD_ENV = "LIGHTNING_4D_WORLD_PRELOAD"

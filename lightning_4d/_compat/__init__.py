@@ -14,7 +14,7 @@ Areas (one module each, all re-exported here):
 - :mod:`.fake`: the planner's dry runs: the ``fake`` process group, fake tensors, DTensor caches,
   FSDP2 state.
 - :mod:`.pipelining`: internals of ``torch.distributed.pipelining`` schedules.
-- :mod:`.kernels`: private operators (``_foreach_norm``, ``_grouped_mm``, the SDPA kernels).
+- :mod:`.kernels`: private operators (``_foreach_norm``, ``_foreach_mul_``, ``_grouped_mm``, the SDPA kernels).
 - :mod:`.modules`: ``nn.Module`` / ``DataLoader`` internals, meta-device materialisation.
 - :mod:`.moved`: the old names of modules that moved into folders (not re-exported; installed by the package).
 
@@ -62,7 +62,9 @@ from lightning_4d._compat.fake import (  # noqa: E402
 )
 from lightning_4d._compat.kernels import (  # noqa: E402
     attention_ops,
+    foreach_mul_,
     foreach_norm,
+    fused_optimizer_devices,
     grouped_mm,
     grouped_mm_supported,
 )

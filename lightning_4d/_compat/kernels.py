@@ -1,4 +1,5 @@
-"""Private operators: ``torch._foreach_norm``, ``torch._grouped_mm``, the SDPA kernels.
+"""Private operators: ``torch._foreach_norm``, ``torch._foreach_mul_``, ``torch._grouped_mm`` (where the public
+``torch.nn.functional.grouped_mm`` is missing), the SDPA kernels.
 
 Example:
     >>> import torch
@@ -8,7 +9,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -17,7 +18,7 @@ from lightning_4d._compat.fake import is_fake
 if TYPE_CHECKING:
     from torch._ops import OpOverload
 
-__all__ = ["attention_ops", "foreach_norm", "grouped_mm", "grouped_mm_supported"]
+__all__ = ["attention_ops", "foreach_mul_", "foreach_norm", "fused_optimizer_devices", "grouped_mm", "grouped_mm_supported"]
 
 
 def foreach_norm(tensors: list[torch.Tensor], ord: float) -> list[torch.Tensor]:
@@ -29,32 +30,64 @@ def foreach_norm(tensors: list[torch.Tensor], ord: float) -> list[torch.Tensor]:
     return [torch.linalg.vector_norm(t, ord) for t in tensors]
 
 
-def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether :func:`grouped_mm` runs ``x (M, K)`` against stacked ``w (G, N, K)`` here: this torch has
-    the private ``torch._grouped_mm``, dtypes match, the last two dims of ``w`` are 16-byte multiples,
-    and the device / dtype is one its kernels take (CPU fp32/bf16/fp16, CUDA bf16 on sm90+; fake or meta
+def foreach_mul_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiply every tensor in place by the 0-dim ``factor`` (on their device) in one fused call (private
+    ``torch._foreach_mul_``; a loop of ``mul_`` where it is missing). The factor stays on the device: no host sync."""
+    fused = getattr(torch, "_foreach_mul_", None)
+    if fused is not None:
+        fused(tensors, factor)
+        return
+    for t in tensors:
+        t.mul_(factor)
+
+
+def _grouped_mm_op() -> Optional[Callable[..., torch.Tensor]]:
+    """``torch.nn.functional.grouped_mm`` (public since torch 2.10), else the private ``torch._grouped_mm``, else
+    ``None``."""
+    public = getattr(torch.nn.functional, "grouped_mm", None)
+    return public if public is not None else getattr(torch, "_grouped_mm", None)
+
+
+def fused_optimizer_devices() -> list[str]:
+    """Device types with fused optimizer kernels (``fused=True``; private
+    ``torch.utils._foreach_utils._get_fused_kernels_supported_devices``; ``["cuda", "cpu"]`` where it is missing)."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:
+        return ["cuda", "cpu"]
+    return list(_get_fused_kernels_supported_devices())
+
+
+def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor, dtype: Optional[torch.dtype] = None) -> bool:
+    """Whether :func:`grouped_mm` runs ``x (M, K)`` against stacked ``w (G, N, K)`` here (both cast to ``dtype``
+    first, when given): this torch has the operator, dtypes match, the last two dims of ``w`` are 16-byte
+    multiples, and the device / dtype is one its kernels take (CPU fp32/bf16/fp16, CUDA bf16 on sm90+; fake or meta
     tensors, e.g. a planner dry run, bf16 only: the operator's meta kernel)."""
-    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
+    x_dtype, w_dtype = (dtype, dtype) if dtype is not None else (x.dtype, w.dtype)
+    if _grouped_mm_op() is None or x_dtype != w_dtype:
         return False
-    if (is_fake(x) or x.is_meta) and x.dtype != torch.bfloat16:
+    if (is_fake(x) or x.is_meta) and x_dtype != torch.bfloat16:
         return False
-    align = 16 // x.element_size()
+    align = 16 // torch.empty((), dtype=x_dtype, device="meta").element_size()
     if w.shape[-1] % align or w.shape[-2] % align:
         return False
     if x.device.type == "cpu":
-        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        return x_dtype in (torch.float32, torch.bfloat16, torch.float16)
     if x.device.type == "cuda":
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        return x_dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
     return False
 
 
 def grouped_mm(x: torch.Tensor, w_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Private ``torch._grouped_mm(x (M, K), w_t (G, K, N), offs (G,) int32 cumsum) -> (M, N)``.
+    """``torch.nn.functional.grouped_mm(x (M, K), w_t (G, K, N), offs=offs (G,) int32 cumsum) -> (M, N)`` (the
+    private ``torch._grouped_mm`` where the public name is missing). The offsets stay on the device: no host sync.
 
     Its backward rejects non-contiguous incoming gradients (e.g. from ``.sum()``), so the output
     gets a hook that makes the gradient contiguous. Check :func:`grouped_mm_supported` first.
     """
-    y = torch._grouped_mm(x, w_t, offs=offs)  # (M, N)
+    op = _grouped_mm_op()
+    assert op is not None, "grouped_mm: check grouped_mm_supported first"
+    y = op(x, w_t, offs=offs)  # (M, N)
     if y.requires_grad:
         y.register_hook(lambda g: g.contiguous())
     return y

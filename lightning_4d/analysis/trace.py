@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from lightning_4d._compat import child_modules, registered_submodule
+from lightning_4d.analysis.int_reads import watch_int_reads
 from lightning_4d.analysis.hooks import PIPELINE_HOOKS, PIPELINE_POST, PIPELINE_PRE, PIPELINE_SPLIT, hook_call
 from lightning_4d.analysis.feature_inputs import is_index_output
 from lightning_4d.analysis.layer_kinds import holds_routed_experts, is_linear, is_norm
@@ -192,8 +193,11 @@ def trace_model(root: nn.Module, blocks_path: str, example: Any) -> ModelTrace:
     root.eval()
     args = example if isinstance(example, tuple) else (example,)
     opaque = _opaque_moe_on_meta(root)
+    # the ints each module of a block reads in its forward (a library's own classes: torch's are not watched)
+    watched = {f"{key}/{n}": m for key, block in blocks.items() for n, m in block.named_modules()
+               if n and not type(m).__module__.startswith("torch.")}
     try:
-        with torch.no_grad():
+        with torch.no_grad(), watch_int_reads(watched) as reads:
             mode.__enter__()
             try:
                 trace.output = root(*args)
@@ -205,6 +209,9 @@ def trace_model(root: nn.Module, blocks_path: str, example: Any) -> ModelTrace:
         for mod in opaque:
             del mod.forward
         root.train(was_training)
+    for path, found in reads.items():
+        key, _, rel = path.partition("/")
+        facts[key].int_reads[rel] = found
     _analyse_blocks(trace, root, blocks, block_calls)
     _classify_outside(trace, root, blocks_path, events)
     trace.block_attrs = {key: {k: v for k, v in vars(block).items() if not k.startswith("_")
@@ -233,6 +240,7 @@ def _completed(trace: ModelTrace, later: ModelTrace) -> ModelTrace:
                    last_linear=fill(trace.last_linear, later.last_linear), sources=fill(trace.sources, later.sources),
                    module_sources=fill(trace.module_sources, later.module_sources),
                    input_ndim=fill(trace.input_ndim, later.input_ndim),
+                   int_reads=fill(trace.int_reads, later.int_reads),
                    takes_block_input=trace.takes_block_input | {r for r in later.takes_block_input if r not in ran})
 
 

@@ -157,6 +157,7 @@ class _Facts:
     module_sources: dict[str, frozenset[str]] = field(default_factory=dict)
     input_ndim: dict[str, int] = field(default_factory=dict)
     index_modules: set[str] = field(default_factory=set)
+    int_reads: dict[str, dict[str, int]] = field(default_factory=dict)
     mode: Optional[_Consumers] = None
 
     def into(self, trace: ModelTrace) -> ModelTrace:
@@ -170,5 +171,5 @@ class _Facts:
         return replace(trace, consumers=dict(self.mode.seen), columns=dict(self.mode.columns.layouts),
                        score_biases=dict(self.mode.biases.found), last_linear=self.last_linear,
                        sources=self.sources, module_sources=self.module_sources, input_ndim=self.input_ndim,
-                       takes_block_input=takes, kinds={}, feature_inputs=dict(self.mode.features.found),
-                       index_modules=frozenset(self.index_modules))
+                       int_reads=self.int_reads, takes_block_input=takes, kinds={},
+                       feature_inputs=dict(self.mode.features.found), index_modules=frozenset(self.index_modules))

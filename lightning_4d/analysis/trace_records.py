@@ -108,6 +108,9 @@ class ModelTrace:
     input_ndim: dict[str, int] = field(default_factory=dict)
     columns: dict[str, "ColumnLayout"] = field(default_factory=dict)
     score_biases: dict[str, dict[ArgKey, tuple[tuple[int, ...], int]]] = field(default_factory=dict)
+    # module path in the block -> {attribute: value}: the ints its own forward read from itself or its ``config``
+    # and used as a count of groups in a shape (``"config.n_query_groups"``; :mod:`lightning_4d.analysis.int_reads`)
+    int_reads: dict[str, dict[str, int]] = field(default_factory=dict)
     output: Any = None
     kinds: dict[str, "ModelTrace"] = field(default_factory=dict)  # block key -> the facts of its kind's first block
     # block key -> its plain attributes (Nemotron-H's ``block_type``, read by the model's loop to pick a mask)

@@ -4,15 +4,19 @@ Three checks, before the model is rewritten for the mesh:
 
 1. **Declared** (no forward): ALiBi (a module or attribute named ``alibi``), a position bias the local chunk's
    offsets would get wrong, and attention logit soft-capping (``attn_logit_softcapping`` on a module or its
-   ``config``: Gemma 2), a ``tanh`` on the scores ``F.scaled_dot_product_attention`` cannot compute. (Sliding
+   ``config``: Gemma 2; LitGPT's ``attention_logit_softcapping``), a ``tanh`` on the scores
+   ``F.scaled_dot_product_attention`` cannot compute. (Sliding
    windows are supported: :mod:`.windows` tracks each layer's, the mask is recomputed from global positions.)
 2. **Traced** (one forward of the whole model on a tiny example): attention written by hand (a ``matmul`` /
    ``softmax`` producing ``(T, T)`` scores, e.g. transformers' ``eager`` interface) instead of
    ``F.scaled_dot_product_attention``, the only call :class:`~.attention.ContextParallelAttention` makes global.
 3. **Values** (models built for real): the same example run context-parallel, every module's output compared
    with its zigzag share of the whole run's; the first module that differs is named (typically positions taken
-   from the local length — ``torch.arange(T)``, a rotary table sliced to ``T``, a learned position embedding —
-   in a forward that takes no ``position_ids``).
+   from the local length — ``torch.arange(T)``, a learned position embedding — in a forward that takes no
+   ``position_ids``). Only outputs laid out along the sequence are compared: a module handed a data-dependent
+   subset of the tokens (an expert of a loop MoE, :mod:`.alignment`) is not. A buffer the whole run slices to
+   ``T`` rows (a rotary table: LitGPT's ``cos[:T]``) is handed to the model in this rank's global positions during
+   every context-parallel step (:mod:`.position_tables`), so such models split exactly.
 
 Example:
     >>> import torch
@@ -40,7 +44,9 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_4d.core.batches import PackedInputs, call_model
 from lightning_4d.context_parallel.algorithm import AttentionHeads
+from lightning_4d.context_parallel.alignment import TokenSubsets
 from lightning_4d.context_parallel.attention import ContextParallelAttention, UnsplittableAttention, bind_microbatches
+from lightning_4d.context_parallel.position_tables import install_position_tables, watch_sliced_tables
 from lightning_4d.context_parallel.sharding import shard_batch, takes_positions
 from lightning_4d.context_parallel.windows import track_windows
 from lightning_4d.context_parallel.zigzag import zigzag_split
@@ -81,14 +87,18 @@ def check_declared(module: nn.Module) -> None:
         if owner is None:
             continue
         whose = "it" if owner is sub else "its config"
-        cap = getattr(owner, "attn_logit_softcapping", None)
-        if isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap:
+        # transformers' ``attn_logit_softcapping``, LitGPT's ``attention_logit_softcapping``
+        capping = [(a, v) for a in [*vars(owner), *vars(type(owner))]
+                   if "softcap" in a and ("attn" in a or "attention" in a)
+                   and isinstance(v := getattr(owner, a, None), (int, float)) and not isinstance(v, bool) and v]
+        if capping:
+            attr, cap = capping[0]
             raise UnsplittableAttention(
                 f"context parallelism cannot split the attention of module {name!r} ({type(sub).__name__}): {whose} "
-                f"caps the attention logits (attn_logit_softcapping={cap}: scores -> cap·tanh(scores/cap)), which "
+                f"caps the attention logits ({attr}={cap}: scores -> cap·tanh(scores/cap)), which "
                 f"torch.nn.functional.scaled_dot_product_attention, the call made global across the cp ranks, does "
-                f"not compute (transformers runs such models with eager attention). Use cp=1 for this model, or a "
-                f"config with attn_logit_softcapping=None and attn_implementation='sdpa' (a different model).")
+                f"not compute (transformers and LitGPT compute it by hand). Use cp=1 for this model, or a config "
+                f"with {attr}=None (a different model; transformers: also attn_implementation='sdpa').")
         alibi = [a for a, v in vars(owner).items()
                  if ("alibi" in a.lower() and v not in (None, False)) or (isinstance(v, str) and v.lower() == "alibi")]
         if (owner is sub and "alibi" in type(sub).__name__.lower()) or alibi:
@@ -176,21 +186,26 @@ class _Watch(TorchFunctionMode):
         return out
 
 
-def _record(module: nn.Module, outputs: dict[str, Tensor]) -> contextlib.ExitStack:
+def _record(module: nn.Module, outputs: dict[str, Tensor], skipped: set[str]) -> contextlib.ExitStack:
+    """Every module's first floating output; a module handling a data-dependent subset of the tokens (an expert
+    fed ``x[rows]``: :mod:`.alignment`) goes to ``skipped`` instead, its output being no sequence."""
     stack = contextlib.ExitStack()
+    subsets = stack.enter_context(TokenSubsets())
     for name, sub in module.named_modules():
-        def keep(_m: Any, _i: Any, out: Any, name: str = name) -> None:
-            if isinstance(out, Tensor) and out.is_floating_point() and out.dim() >= 2 and name not in outputs:
+        def keep(_m: Any, inputs: Any, out: Any, name: str = name) -> None:
+            if subsets.touches(inputs, out):
+                skipped.add(name)
+            elif isinstance(out, Tensor) and out.is_floating_point() and out.dim() >= 2 and name not in outputs:
                 outputs[name] = out.detach()
         stack.callback(sub.register_forward_hook(keep).remove)
     return stack
 
 
 def _first_difference(whole: dict[str, Tensor], local: dict[str, Tensor], order: list[str], seq_len: int, cp: int,
-                      rank: int) -> Optional[str]:
+                      rank: int, skipped: set[str]) -> Optional[str]:
     for name in order:
         a, b = whole.get(name), local.get(name)
-        if a is None or b is None:
+        if a is None or b is None or name in skipped:
             continue
         for dim in (0, 1):
             if a.shape[dim] == seq_len and b.shape[dim] == seq_len // cp:
@@ -257,7 +272,9 @@ def check_context_parallel(module: nn.Module, tokens: Tensor, group: Optional[di
     module.eval()  # dropout off: the two runs must see the same values
     try:
         whole: dict[str, Tensor] = {}
-        with _module_names(module) as where, _Watch(seq_len, where) as watch, _record(module, whole):
+        skipped: set[str] = set()
+        with _module_names(module) as where, _Watch(seq_len, where) as watch, _record(module, whole, skipped), \
+                watch_sliced_tables(module, seq_len) as tables:
             positions = _whole_run(module, tokens, watch, whole)
         if watch.hand_written:
             raise UnsplittableAttention(
@@ -266,16 +283,18 @@ def check_context_parallel(module: nn.Module, tokens: Tensor, group: Optional[di
                 f"torch.nn.functional.scaled_dot_product_attention, the call made global across the cp ranks. Use "
                 f"an SDPA attention (transformers: attn_implementation='sdpa'), or cp=1.")
         info = ModelInfo(positions, watch.sdpa, tuple(watch.heads))
+        if not positions:  # tables sliced to the length: rows at this rank's global positions during a cp step
+            install_position_tables(module, tables)
         if not values:
             return info
         order = list(whole)
         local: dict[str, Tensor] = {}
         local_inputs, _, shard = shard_batch(tokens, tokens, group, cp, rank, positions)
         with _module_names(module) as where, ContextParallelAttention(shard, where, strict=False) as attention, \
-                _record(module, local):
+                _record(module, local, skipped):
             call_model(module, local_inputs)
         _agree(attention.errors[0] if attention.errors else None, group, "")
-        _agree(_first_difference(whole, local, order, seq_len, cp, rank), group, _DIFFERS)
+        _agree(_first_difference(whole, local, order, seq_len, cp, rank, skipped), group, _DIFFERS)
         return info
     finally:
         for m, mode in was_training.items():
@@ -285,9 +304,9 @@ def check_context_parallel(module: nn.Module, tokens: Tensor, group: Optional[di
 _DIFFERS = (
     "context parallelism changes the output of {where}, the first module to differ from the whole sequence's run on a "
     "test input: the model computes something from the local chunk alone — positions from its length "
-    "(torch.arange(T), a rotary table sliced to T, a learned position embedding), a cumulative op, a convolution or "
-    "state across tokens. Take `position_ids` in forward and use them for positions (they are global under cp), or "
-    "use cp=1.")
+    "(torch.arange(T), a learned position embedding called on arange(T); a buffer sliced to [:T] is handled), a "
+    "cumulative op, a convolution or state across tokens. Take `position_ids` in forward and use them for positions "
+    "(they are global under cp), or use cp=1.")
 
 
 def _agree(problem: Optional[str], group: Optional[dist.ProcessGroup], message: str) -> None:

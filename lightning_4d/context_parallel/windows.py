@@ -7,6 +7,8 @@ it builds from its local chunk), so it is read from the modules that declare it,
 
 - a module's own ``sliding_window`` attribute (an ``int``, or ``None`` for a full-attention layer: transformers'
   Qwen2 / Gemma 3 attention modules set it per layer type);
+- LitGPT's per-layer ``apply_sliding_window_attention`` flag, the window being its config's
+  ``sliding_window_size``;
 - else a ``config`` whose ``sliding_window`` applies to every layer (no ``layer_types``, or only
   ``sliding_attention`` ones: Mistral); a config mixing layer types without a per-module attribute is
   :data:`MIXED` (refused at the call: which layer is which cannot be told).
@@ -61,6 +63,9 @@ def declared_window(module: nn.Module) -> Any:
     if "sliding_window" in vars(module) or "sliding_window" in vars(type(module)):
         return _window_value(getattr(module, "sliding_window"))
     config = getattr(module, "config", None)
+    if "apply_sliding_window_attention" in vars(module):  # LitGPT: a per-layer flag, the window in its config
+        return _window_value(getattr(config, "sliding_window_size", None)) if module.apply_sliding_window_attention \
+            else None
     if config is None or _window_value(getattr(config, "sliding_window", None)) is None:
         return _NOT_DECLARED
     layer_types = getattr(config, "layer_types", None) or ()

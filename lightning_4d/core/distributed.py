@@ -18,7 +18,8 @@ from torch import Tensor, nn
 
 from lightning_4d import _compat
 
-__all__ = ["all_reduce_sum", "broadcast_module_state", "global_grad_norm", "is_on_meta", "local_of", "to_full"]
+__all__ = ["all_reduce_coalesced", "all_reduce_sum", "broadcast_module_state", "global_grad_norm", "grad_norm_share", "is_on_meta", "local_of",
+           "to_full"]
 
 
 def all_reduce_sum(tensor: Tensor, group: Optional[dist.ProcessGroup] = None) -> Tensor:
@@ -31,6 +32,27 @@ def all_reduce_sum(tensor: Tensor, group: Optional[dist.ProcessGroup] = None) ->
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
+
+
+@torch.no_grad()
+def all_reduce_coalesced(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Sum ``tensors`` in place over ``group``: one all-reduce per ``(device, dtype)`` of their concatenation.
+
+    Example:
+        >>> # not run: needs a process group
+        >>> all_reduce_coalesced([router.weight.grad, shared.w1.weight.grad], mesh["tp"].get_group())  # doctest: +SKIP
+    """
+    buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        buckets.setdefault((t.device, t.dtype), []).append(t)
+    for bucket in buckets.values():
+        if len(bucket) == 1 and bucket[0].is_contiguous():
+            dist.all_reduce(bucket[0], group=group)
+            continue
+        flat = torch.cat([t.reshape(-1) for t in bucket])  # (Σ numel,)
+        dist.all_reduce(flat, group=group)
+        for t, part in zip(bucket, flat.split([t.numel() for t in bucket])):
+            t.copy_(part.view_as(t))
 
 
 @torch.no_grad()
@@ -84,22 +106,22 @@ def _local_norm_pow(grads: list[Tensor], norm_type: float) -> Tensor:
     return torch.stack([n.float() for n in norms]).pow(norm_type).sum()
 
 
-def global_grad_norm(params: Iterable[nn.Parameter], norm_type: float = 2.0, pp: int = 1,
-                     group: Optional[dist.ProcessGroup] = None) -> Tensor:
-    """The norm of all gradients of the model across every shard, equal on every rank: one all-reduce.
+def grad_norm_share(params: Iterable[nn.Parameter], norm_type: float = 2.0, pp: int = 1,
+                    group: Optional[dist.ProcessGroup] = None) -> Tensor:
+    """This rank's share of the ``norm_type``-th power of the global gradient norm: a device scalar that, summed
+    over ``group`` (default: the world), gives ``‖g‖^p`` with every distinct shard counted once. No host sync; a
+    collective only to resolve ``Partial`` gradients.
 
-    Each rank sums the ``p``-th powers of its *local* gradient shards, weighted so that the sum over
-    ``group`` (default: the world) counts every distinct shard once: a parameter of one pipeline rank is
-    held by ``world / pp`` ranks; a DTensor gradient has ``Π size(d)`` distinct shards over its
-    ``Shard`` mesh dimensions (replicas on ``Replicate`` dimensions or outside its mesh share the
-    weight), a plain gradient one (identical on every rank of its stage). One scalar all-reduce
-    replaces one redistribution per parameter and mesh dimension. ``Partial`` gradients are resolved
-    first. Tied copies must be left out by the caller.
+    Each rank sums the ``p``-th powers of its *local* gradient shards, weighted so that the sum over ``group``
+    counts every distinct shard once: a parameter of one pipeline rank is held by ``world / pp`` ranks; a DTensor
+    gradient has ``Π size(d)`` distinct shards over its ``Shard`` mesh dimensions (replicas on ``Replicate``
+    dimensions or outside its mesh share the weight), a plain gradient one (identical on every rank of its stage).
+    Tied copies must be left out by the caller.
 
     Example:
         >>> lin = nn.Linear(2, 1); lin(torch.ones(1, 2)).sum().backward()
-        >>> round(float(global_grad_norm(lin.parameters())), 4)
-        1.7321
+        >>> round(float(grad_norm_share(lin.parameters())), 4)  # 1² + 1² + 1²
+        3.0
     """
     if norm_type == float("inf"):
         raise ValueError("norm_type=inf is not supported for global clipping; use 2.0.")
@@ -126,9 +148,25 @@ def global_grad_norm(params: Iterable[nn.Parameter], norm_type: float = 2.0, pp:
     total = torch.zeros((), dtype=torch.float32, device=device)
     for weight, grads in weighted.items():
         total = total + weight * _local_norm_pow(grads, norm_type).to(device)
-    if world > 1:
+    return total
+
+
+def global_grad_norm(params: Iterable[nn.Parameter], norm_type: float = 2.0, pp: int = 1,
+                     group: Optional[dist.ProcessGroup] = None, share: Optional[Tensor] = None) -> Tensor:
+    """The norm of all gradients of the model across every shard, equal on every rank: one scalar all-reduce of
+    :func:`grad_norm_share` (or of ``share``, that function's result computed earlier for the same gradients),
+    which replaces one redistribution per parameter and mesh dimension. A device scalar: nothing is read on the
+    host.
+
+    Example:
+        >>> lin = nn.Linear(2, 1); lin(torch.ones(1, 2)).sum().backward()
+        >>> round(float(global_grad_norm(lin.parameters())), 4)
+        1.7321
+    """
+    total = (share if share is not None else grad_norm_share(params, norm_type, pp, group)).clone()
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
         all_reduce_sum(total, group)
-    return total.cpu().pow(1.0 / norm_type)
+    return total.pow(1.0 / norm_type)
 
 
 def local_of(tensor: Any) -> Any:

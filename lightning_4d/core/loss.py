@@ -13,7 +13,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 from torch import Tensor
@@ -80,7 +80,7 @@ def count_targets(targets: Any, ignore_index: Optional[int] = -100) -> Tensor:
         )
     if not targets.is_floating_point() and ignore_index is not None:
         return (targets != ignore_index).sum().to(torch.float64)
-    return torch.tensor(float(targets.numel()), dtype=torch.float64)
+    return torch.full((), targets.numel(), dtype=torch.float64, device=targets.device)  # a fill: no host copy
 
 
 def with_value(grad_source: Tensor, value: Tensor) -> Tensor:
@@ -95,16 +95,32 @@ def with_value(grad_source: Tensor, value: Tensor) -> Tensor:
     return grad_source + (value.to(grad_source.dtype) - grad_source).detach()
 
 
-def token_weighted(mean: Tensor, n: float, total: float, scale: float = 1.0) -> Tensor:
+def token_weighted(mean: Tensor, n: Union[float, Tensor], total: Union[float, Tensor], scale: float = 1.0) -> Tensor:
     """A mean loss over ``n`` targets as its share of a mean over ``total``, times ``scale``: ``mean · n / total ·
     scale``. The one weighting rule of the package: data parallelism (:func:`weighted_global_loss`, ``scale = dp``
     because gradients are averaged over ``dp``) and pipeline micro-batches (:mod:`lightning_4d.pipeline.runner`).
 
+    ``n`` and ``total`` may be device tensors (counts never leave the device): the factor is then computed in their
+    precision (float64 counts) and applied in ``mean``'s compute precision (float32 for bf16), as a Python float would
+    be. A ``mean`` over
+    nothing (``n == 0``, NaN) contributes an exact zero, and so does everything when ``total == 0``; its backward
+    then hands ``loss_fn`` a zero gradient.
+
     Example:
         >>> token_weighted(torch.tensor(2.0), 3, 12, scale=2.0).item()
         1.0
+        >>> token_weighted(torch.tensor(float("nan")), torch.tensor(0.0), torch.tensor(12.0)).item()
+        0.0
     """
-    return mean * (float(n) * scale / float(total))
+    if not isinstance(n, Tensor) and not isinstance(total, Tensor):
+        return mean * (float(n) * scale / float(total))
+    n_t, total_t = (x.to(device=mean.device, dtype=torch.float64) if isinstance(x, Tensor)
+                    else torch.full((), float(x), dtype=torch.float64, device=mean.device) for x in (n, total))
+    keep = (n_t > 0) & (total_t > 0)
+    factor = torch.where(keep, n_t * scale / torch.where(keep, total_t, 1.0), 0.0)  # () float64
+    opmath = torch.promote_types(mean.dtype, torch.float32)  # as a kernel takes a Python scalar: no bf16 factor
+    kept = torch.where(keep, mean, torch.zeros((), dtype=mean.dtype, device=mean.device))
+    return (kept.to(opmath) * factor.to(opmath)).to(mean.dtype)
 
 
 def weighted_global_loss(local_loss: Tensor, n_local: Tensor, dp_group: Optional[dist.ProcessGroup],
@@ -121,12 +137,13 @@ def weighted_global_loss(local_loss: Tensor, n_local: Tensor, dp_group: Optional
 
     if isinstance(local_loss, DTensor):  # loss_parallel returns a replicated DTensor scalar
         local_loss = local_loss.to_local()
-    if float(n_local) == 0.0:  # no valid target here (e.g. a context-parallel chunk of padding): the mean is 0/0
-        local_loss = torch.nan_to_num(local_loss, nan=0.0)
+    n_local = n_local.to(device=local_loss.device, dtype=torch.float64)
+    # No valid target here (e.g. a context-parallel chunk of padding): the mean is 0/0, counted as 0. Decided on the
+    # device: the step reads nothing on the host here.
+    safe = torch.where(n_local > 0, local_loss.detach().to(torch.float64), 0.0)
     # (2,) float64: [Σ n_r L_r, Σ n_r], one all-reduce over the dp group
-    stats = torch.stack([local_loss.detach().to(torch.float64) * n_local, n_local]).to(local_loss.device)
+    stats = torch.stack([safe * n_local, n_local])
     all_reduce_sum(stats, dp_group)
     total_loss, n_total = stats[0], stats[1]
-    if float(n_total) == 0.0:
-        return with_value(local_loss * 0.0, torch.zeros((), device=local_loss.device))
-    return with_value(token_weighted(local_loss, float(n_local), float(n_total), dp_size), total_loss / n_total)
+    value = torch.where(n_total > 0, total_loss / torch.where(n_total > 0, n_total, 1.0), 0.0)
+    return with_value(token_weighted(local_loss, n_local, n_total, dp_size), value)

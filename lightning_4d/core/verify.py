@@ -15,7 +15,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -25,7 +26,8 @@ from lightning_4d.core.distributed import is_on_meta, to_full
 from lightning_4d.analysis.hooks import TP_PLAN, hook_call
 from lightning_4d.core.precision import allowed_difference, max_difference
 
-__all__ = ["changed_output_error", "check_tensor_parallel", "compare_forward"]
+__all__ = ["REWRITES_ATTR", "changed_output_error", "check_tensor_parallel", "compare_forward", "running_modules",
+           "tensor_parallel_failure"]
 
 
 def compare_forward(module: nn.Module, run: Callable[[], Any], expected: Any,
@@ -69,36 +71,81 @@ def check_tensor_parallel(module: nn.Module, example: Any, expected: Any) -> Non
         ...
         ValueError: Linear: the tensor-parallel rewrite changes its output (max abs difference 1 on a test input)...
     """
+    with running_modules(module) as where:
+        compare_forward(module, lambda: module(*(example if isinstance(example, tuple) else (example,))), expected,
+                        lambda err: tensor_parallel_failure(module, where(), err),
+                        lambda diff, _allowed: changed_output_error(module, diff))
+
+
+@contextmanager
+def running_modules(module: nn.Module) -> Iterator[Callable[[], str]]:
+    """While active, a function naming the innermost module of ``module`` that entered its forward and has not
+    returned (the one whose forward raised, after an exception).
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(2, 2))
+        >>> with running_modules(net) as where:
+        ...     _ = net(torch.ones(1, 2))
+        >>> where()
+        ''
+    """
     names = {id(m): n for n, m in module.named_modules()}
     stack: list[str] = []
 
     def enter(mod: nn.Module, _args: tuple) -> None:
-        stack.append(names.get(id(mod), type(mod).__name__))
+        if id(mod) in names:
+            stack.append(names[id(mod)])
 
-    def leave(_mod: nn.Module, _args: tuple, _out: Any) -> None:
-        if stack:
+    def leave(mod: nn.Module, _args: tuple, _out: Any) -> None:
+        if id(mod) in names and stack:
             stack.pop()
 
-    def run() -> Any:
-        hooks = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
-        try:
-            return module(*(example if isinstance(example, tuple) else (example,)))
-        finally:
-            for h in hooks:
-                h.remove()
+    hooks = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
+    try:
+        yield lambda: next((n for n in reversed(stack) if n), "")
+    finally:
+        for h in hooks:
+            h.remove()
 
-    def failed(err: Exception) -> ValueError:
-        inner = [n for n in stack if n]
-        where = inner[-1] if inner else type(module).__name__
-        return ValueError(
-            f"{type(module).__name__}: the forward of {where} fails after the tensor-parallel rewrite "
-            f"({type(err).__name__}: {err}). Attention/MLP code must take head counts and widths from attributes "
-            f"(divided by tp, e.g. `self.n_head`, `self.split_size`) or from `-1` in view/reshape, not from its "
-            f"input's width (`C // self.n_head` with `B, T, C = x.size()`); otherwise implement "
-            f"{hook_call(TP_PLAN)}, or use tp=1."
-        )
 
-    compare_forward(module, run, expected, failed, lambda diff, _allowed: changed_output_error(module, diff))
+#: Set by the tensor-parallel rewrite on each module it gave per-rank integers: ``{attribute: (whole, per rank)}``
+#: (``"config.n_head"`` for its config's); named when that module's forward then fails.
+REWRITES_ATTR = "_fourd_tp_rewrites"
+
+
+def tensor_parallel_failure(module: nn.Module, where: str, err: Exception) -> ValueError:
+    """The error of a forward that raised after the tensor-parallel rewrite, naming the innermost module that failed
+    (``where``), what the rewrite changed in it or the nearest module around it that it changed, and the fix.
+
+    Example:
+        >>> str(tensor_parallel_failure(nn.Linear(2, 2), "", RuntimeError("boom"))).split(" (")[0]
+        'Linear: the forward of Linear fails after the tensor-parallel rewrite'
+    """
+    owner, path = None, where
+    while True:
+        found = module.get_submodule(path) if path else module
+        if getattr(found, REWRITES_ATTR, None):
+            owner = path
+            break
+        if not path:
+            break
+        path = path.rpartition(".")[0]
+    if owner is not None:
+        rewrites = getattr(module.get_submodule(owner) if owner else module, REWRITES_ATTR)
+        changed = ", ".join(f"{a} {whole} -> {local}" for a, (whole, local) in sorted(rewrites.items()))
+        cause = (f"The rewrite gave {owner or type(module).__name__} per-rank values of the integers its forward was "
+                 f"traced reading that count the heads of its projections ({changed}); a size it takes from "
+                 f"anywhere else (an integer it was not seen reading on itself or its `config`, an argument, its "
+                 f"input's width) still has the whole model's value.")
+    else:
+        cause = ("No integer it was traced reading on itself or its `config` counts the heads of the projections "
+                 "tensor parallelism splits, so none was given a per-rank value: a size it takes from anywhere else "
+                 "(an argument, a parent's attribute, its input's width) still has the whole model's value.")
+    return ValueError(
+        f"{type(module).__name__}: the forward of {where or type(module).__name__} fails after the tensor-parallel "
+        f"rewrite ({type(err).__name__}: {err}). {cause} Fix: implement {hook_call(TP_PLAN)} for this model, or use "
+        f"tp=1."
+    )
 
 
 def changed_output_error(module: nn.Module, diff: float, where: str = "") -> ValueError:

@@ -95,6 +95,8 @@ class DispatchInfo:
         tokens_per_local_expert: ``(E_local,)`` rows per local expert after regrouping.
         input_splits / output_splits: rows sent to / received from each rank in the dispatch.
         perm: ``(R,)`` source-major -> expert-major order of the received rows.
+        host_tokens_per_local_expert: ``tokens_per_local_expert`` on the host (read in the dispatch's one host copy),
+            for expert code that needs the counts there (a per-expert loop) without another sync.
     """
 
     group: dist.ProcessGroup
@@ -103,6 +105,7 @@ class DispatchInfo:
     input_splits: list[int]
     output_splits: list[int]
     perm: torch.Tensor
+    host_tokens_per_local_expert: Optional[list[int]] = None
 
 
 def dispatch(
@@ -111,7 +114,8 @@ def dispatch(
     """Send expert-sorted rows to the ranks that own their experts and regroup them by local expert.
 
     Rank ``r`` of the ``ep`` group owns experts ``[r·E/ep, (r+1)·E/ep)``. Issues one small
-    all-to-all of the per-expert counts and one of the rows. Under a :class:`~.permute.FixedRouting` the
+    all-to-all of the per-expert counts and one of the rows; the split sizes reach the host in one copy (the
+    layer's one host sync, as in TorchTitan and Megatron). Under a :class:`~.permute.FixedRouting` the
     counts and split sizes are host values computed in its ``host`` context, and the counts received are
     known (every rank routes alike: rank ``s`` sends this rank what it sends itself); the counts
     all-to-all is still issued, as in training.
@@ -139,11 +143,14 @@ def dispatch(
         counts = _a2a_raw(send_counts, None, None, group).view(ep, e_local)  # (ep, E_local)
         if fixed is not None:
             counts = send_counts.view(ep, e_local)[dist.get_rank(group)].repeat(ep, 1)  # (ep, E_local)
-        input_splits = split_sizes(send_counts, ep).tolist()
-        output_splits = counts.sum(1).tolist()
+        # The layer's one host sync: rows sent per rank and the received counts, in one copy.
+        host = torch.cat([split_sizes(send_counts, ep), counts.reshape(-1)]).tolist()  # (ep + ep·E_local,)
+        input_splits, received = host[:ep], host[ep:]
+        output_splits = [sum(received[s * e_local:(s + 1) * e_local]) for s in range(ep)]
+        local_counts = [sum(received[j::e_local]) for j in range(e_local)]
         recv = all_to_all(xs, output_splits, input_splits, group)  # (R, H) source-major
-        perm = regroup_by_expert(counts)  # (R,)
-        info = DispatchInfo(group, counts, counts.sum(0), input_splits, output_splits, perm)
+        perm = regroup_by_expert(counts, total=sum(output_splits))  # (R,)
+        info = DispatchInfo(group, counts, counts.sum(0), input_splits, output_splits, perm, local_counts)
         return recv.index_select(0, perm), info  # (R, H) expert-major
 
 

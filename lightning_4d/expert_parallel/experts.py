@@ -4,10 +4,11 @@
 (replicated over ``edp``) apart from the dense router and shared experts (replicated over ``dp``).
 
 Experts are stored stacked, ``w1 [E, F, H]``, ``w2 [E, H, F]``, ``w3 [E, F, H]``; the rows for expert
-``e`` are contiguous (``counts[e]`` of them). torch's private grouped matmul (through
+``e`` are contiguous (``counts[e]`` of them). torch's grouped matmul (``torch.nn.functional.grouped_mm``, through
 :func:`lightning_4d._compat.grouped_mm`) runs all experts in one kernel where it is available (CPU
-fp32/bf16/fp16, CUDA bf16 on sm90+, rows of 16-byte multiples); otherwise a per-expert loop gives the
-same math.
+fp32/bf16/fp16, CUDA bf16 on sm90+, rows of 16-byte multiples), in autocast's dtype under autocast (the fp32
+weights cast like an ``nn.Linear``'s); otherwise a per-expert loop gives the same math, with one copy of the
+counts to the host per layer.
 
 Example:
     >>> x = torch.randn(5, 8)                              # (M, H) sorted by expert
@@ -19,7 +20,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Literal, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -28,31 +29,59 @@ from torch import nn
 from lightning_4d import _compat
 from lightning_4d.core.distributed import local_of
 
-__all__ = ["GroupedExperts", "grouped_linear", "swiglu_experts", "scale_grad", "SwiGLU", "init_experts_", "GroupedMM"]
+__all__ = ["GroupedExperts", "compute_dtype", "grouped_linear", "swiglu_experts", "scale_grad", "SwiGLU", "init_experts_",
+           "GroupedMM"]
 
 GroupedMM = Union[bool, Literal["auto"]]
 
 
+def compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
+    """The dtype expert matmuls run in: autocast's for ``x``'s device when autocast is on there (what ``F.linear``
+    would run in), else ``x``'s when ``x`` and ``w`` agree, else the wider of the two.
+
+    Example:
+        >>> compute_dtype(torch.ones(1), torch.ones(1))
+        torch.float32
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     compute_dtype(torch.ones(1), torch.ones(1))
+        torch.bfloat16
+    """
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return torch.promote_types(x.dtype, w.dtype)
+
+
 def grouped_linear(
-    x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, grouped_mm: GroupedMM = "auto"
+    x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, grouped_mm: GroupedMM = "auto",
+    host_counts: Optional[Sequence[int]] = None,
 ) -> torch.Tensor:
     """Per-expert ``x_e @ w[e].T`` for contiguous row groups: ``(M, in), (G, out, in) -> (M, out)``.
+
+    ``x`` and ``w`` are cast to :func:`compute_dtype` (autocast's dtype under autocast: the experts' fp32 weights
+    then run in bf16 like every ``nn.Linear``). One grouped matmul (:func:`lightning_4d._compat.grouped_mm`, reading
+    ``counts`` on the device) where the operator takes these dtypes and shapes; a loop over the experts otherwise,
+    which needs the counts on the host (``host_counts``, or one copy of ``counts``: a host sync on a GPU).
 
     Args:
         x: ``(M, in)`` rows, ``counts[e]`` rows of group ``e`` after those of ``e-1``.
         w: ``(G, out, in)`` stacked weights (``nn.Linear`` layout).
         counts: ``(G,)`` rows per group, summing to ``M``.
-        grouped_mm: ``"auto"`` (use ``torch._grouped_mm`` when supported), ``True`` (force), ``False`` (loop).
+        grouped_mm: ``"auto"`` (the grouped matmul when supported), ``True`` (force), ``False`` (loop).
+        host_counts: ``counts`` already on the host (e.g. :attr:`~.dispatch.DispatchInfo.host_tokens_per_local_expert`).
 
     Example:
         >>> grouped_linear(torch.ones(3, 4), torch.ones(2, 5, 4), torch.tensor([1, 2])).shape
         torch.Size([3, 5])
     """
+    dtype = compute_dtype(x, w)
+    x, w = x.to(dtype), w.to(dtype)
     use = _compat.grouped_mm_supported(x, w) if grouped_mm == "auto" else bool(grouped_mm)
     if use:
         offs = torch.cumsum(counts, 0).to(torch.int32)  # (G,)
         return _compat.grouped_mm(x.contiguous(), w.transpose(-2, -1), offs)  # (M, out)
-    chunks = x.split(counts.tolist(), dim=0)
+    sizes = list(host_counts) if host_counts is not None else counts.tolist()
+    chunks = x.split(sizes, dim=0)
     outs = [F.linear(c, w[e]) for e, c in enumerate(chunks)]  # [(m_e, out)]
     if not outs:
         return x.new_zeros(0, w.shape[-2])
@@ -61,17 +90,29 @@ def grouped_linear(
 
 def swiglu_experts(
     x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, counts: torch.Tensor,
-    grouped_mm: GroupedMM = "auto",
+    grouped_mm: GroupedMM = "auto", host_counts: Optional[Sequence[int]] = None,
 ) -> torch.Tensor:
-    """SwiGLU experts ``w2[e](silu(w1[e] x) * w3[e] x)`` on expert-sorted rows ``(M, H) -> (M, H)``.
+    """SwiGLU experts ``w2[e](silu(w1[e] x) * w3[e] x)`` on expert-sorted rows ``(M, H) -> (M, H)``, in
+    :func:`compute_dtype`. The counts reach the host at most once (only for the loop; ``host_counts`` if known).
 
     Example:
         >>> swiglu_experts(torch.ones(2, 4), torch.ones(1, 8, 4), torch.ones(1, 4, 8), torch.ones(1, 8, 4),
         ...                torch.tensor([2])).shape
         torch.Size([2, 4])
     """
-    h = F.silu(grouped_linear(x, w1, counts, grouped_mm)) * grouped_linear(x, w3, counts, grouped_mm)  # (M, F)
-    return grouped_linear(h, w2, counts, grouped_mm)  # (M, H)
+    if host_counts is None and not _grouped(x, w1, w2, grouped_mm):
+        host_counts = counts.tolist()  # the loop's one copy for all three matmuls
+    h = F.silu(grouped_linear(x, w1, counts, grouped_mm, host_counts)) * \
+        grouped_linear(x, w3, counts, grouped_mm, host_counts)  # (M, F)
+    return grouped_linear(h, w2, counts, grouped_mm, host_counts)  # (M, H)
+
+
+def _grouped(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, grouped_mm: GroupedMM) -> bool:
+    """Whether every matmul of :func:`swiglu_experts` runs grouped (no host counts needed)."""
+    if grouped_mm != "auto":
+        return bool(grouped_mm)
+    dtype = compute_dtype(x, w_in)
+    return _compat.grouped_mm_supported(x, w_in, dtype) and _compat.grouped_mm_supported(x, w_out, dtype)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -225,10 +266,12 @@ class GroupedExperts(nn.Module):
             dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
             setattr(self, name, nn.Parameter(dt, requires_grad=p.requires_grad))
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """``x (M, H)`` sorted by local expert, ``counts (E_local,)`` -> ``(M, H)``."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, host_counts: Optional[Sequence[int]] = None
+                ) -> torch.Tensor:
+        """``x (M, H)`` sorted by local expert, ``counts (E_local,)`` -> ``(M, H)``; ``host_counts``: ``counts`` on
+        the host when known (see :func:`swiglu_experts`)."""
         w1, w2, w3 = (scale_grad(local_tensor(p), self.grad_scale) for p in (self.w1, self.w2, self.w3))
-        return swiglu_experts(x, w1, w2, w3, counts, self.grouped_mm)  # (M, H)
+        return swiglu_experts(x, w1, w2, w3, counts, self.grouped_mm, host_counts)  # (M, H)
 
     def extra_repr(self) -> str:
         e, f, h = self.w1.shape

@@ -43,7 +43,7 @@ from torch import nn
 from lightning_4d import _compat
 from lightning_4d.expert_parallel.dispatch import combine, dispatch
 from lightning_4d.expert_parallel.experts import GroupedExperts, local_tensor, scale_grad
-from lightning_4d.expert_parallel.permute import make_permutation, permute, unpermute
+from lightning_4d.expert_parallel.permute import expert_counts, make_permutation, permute, unpermute
 from lightning_4d.expert_parallel.zero_experts import two_sizes_reason, zero_expert_router
 from lightning_4d.analysis.layer_kinds import holds_stacked_experts
 from lightning_4d.core.precision import allowed_difference, max_difference
@@ -250,24 +250,29 @@ def _assignments_forward(module: nn.Module, st: _State, hidden: torch.Tensor, id
                          weights: torch.Tensor) -> torch.Tensor:
     e = st.spec.num_experts
     tensors = _local_tensors(module, st)
-    with torch.no_grad():
-        counts = torch.bincount(idx.reshape(-1).long(), minlength=e)  # (E,), longer for an id >= E
-        st.tokens = counts[:e]
     if st.group is None:
+        with torch.no_grad():  # ids >= E (zero experts the layer computes itself) are not counted
+            st.tokens = expert_counts(idx.clamp(max=e), e + 1)[:e] if st.spec.zero_experts else expert_counts(idx, e)
         return _call_local(module, st, tensors, hidden, idx, weights)  # (N, H)
-    if counts.numel() != e:
+    # A router of exactly E rows yields ids in [0, E), counted on the device (an id beyond is an index error). One with
+    # zero experts beyond them (LongCat-Flash) must have the layer map those to ids < E: checked on the host, one
+    # more sync per layer for such models only.
+    top = int(idx.max()) if st.spec.zero_experts and idx.numel() else 0
+    if top >= e:
         raise ValueError(
             f"experts module '{st.spec.name}' ({type(module).__bases__[-1].__name__}) received expert id "
-            f"{counts.numel() - 1} but holds {e} experts (ids 0..{e - 1}); the model's layer passes it ids of experts "
+            f"{top} but holds {e} experts (ids 0..{e - 1}); the model's layer passes it ids of experts "
             f"it does not hold (zero / identity experts the router counts: {st.spec.zero_experts}), which expert "
             f"parallelism cannot send to an owner. Fix: map such assignments in the layer to weight-0 ids in "
             f"[0, {e}) as LongCat-Flash does, "
             f"or use ep=1.")
     plan = make_permutation(idx, e)
+    st.tokens = plan.routed_per_expert  # (E,)
     xs = permute(hidden, plan)  # (M, H) sorted by expert
     recv, info = dispatch(xs, plan.tokens_per_expert, st.group)  # (R, H) by local expert
     counts = info.tokens_per_local_expert  # (E/ep,)
-    local_ids = torch.repeat_interleave(torch.arange(counts.numel(), device=recv.device), counts)  # (R,)
+    local_ids = torch.repeat_interleave(torch.arange(counts.numel(), device=recv.device), counts,
+                                        output_size=recv.shape[0])  # (R,): the size is known, no host sync
     ones = torch.ones(recv.shape[0], 1, dtype=weights.dtype, device=recv.device)  # (R, 1)
     ys = _call_local(module, st, tensors, recv, local_ids.unsqueeze(1).to(idx.dtype), ones)  # (R, H)
     back = combine(ys + _touch(tensors).to(ys.dtype), info)  # (M, H)

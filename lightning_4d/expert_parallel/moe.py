@@ -164,7 +164,8 @@ class MoE(nn.Module):
         xs = permute(h, plan)  # (M, H) sorted by expert
         if self.ep_group is not None:
             recv, info = dispatch(xs, plan.tokens_per_expert, self.ep_group)  # (R, H)
-            ys = combine(self.experts(recv, info.tokens_per_local_expert), info)  # (R, H) -> (M, H)
+            ys = combine(self.experts(recv, info.tokens_per_local_expert, info.host_tokens_per_local_expert),
+                         info)  # (R, H) -> (M, H)
         else:
             ys = self.experts(xs, plan.tokens_per_expert)  # (M, H)
         weights = r.weights  # (N, k)

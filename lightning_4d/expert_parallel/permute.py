@@ -26,6 +26,7 @@ import torch
 
 __all__ = [
     "FIXED_ROUTING",
+    "expert_counts",
     "FixedRouting",
     "PermutePlan",
     "compute_capacity",
@@ -59,6 +60,20 @@ class PermutePlan:
     num_dropped: torch.Tensor
     num_tokens: int
     capacity: Optional[int]
+
+
+def expert_counts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert ``(E,)`` int64 of expert ids ``indices`` (any shape, values in ``[0, E)``): a
+    ``scatter_add`` into ``E`` bins, so the output's size is known without reading the ids on the host (``bincount``
+    reads their maximum: a host sync on a GPU). An id outside ``[0, E)`` is an index error.
+
+    Example:
+        >>> expert_counts(torch.tensor([[1, 0], [1, 2]]), 4).tolist()
+        [1, 2, 1, 0]
+    """
+    flat = indices.reshape(-1).long()  # (N·k,)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))  # (E,)
 
 
 def compute_capacity(num_assignments: int, num_experts: int, capacity_factor: float) -> int:
@@ -105,7 +120,7 @@ def make_permutation(
         raise ValueError(f"indices must be (N, k), got shape {tuple(indices.shape)}")
     n, k = indices.shape
     flat = indices.reshape(-1).long()  # (N·k,)
-    routed = torch.bincount(flat, minlength=num_experts)  # (E,)
+    routed = expert_counts(flat, num_experts)  # (E,)
     if capacity is None:
         order = torch.sort(flat, stable=True).indices  # (M,) slots sorted by expert, then token
         kept_per_expert = routed
@@ -215,12 +230,13 @@ def split_sizes(tokens_per_expert: torch.Tensor, ep: int) -> torch.Tensor:
     return tokens_per_expert.reshape(ep, e // ep).sum(1)  # (ep,)
 
 
-def regroup_by_expert(counts: torch.Tensor) -> torch.Tensor:
+def regroup_by_expert(counts: torch.Tensor, total: Optional[int] = None) -> torch.Tensor:
     """Permutation from source-major to expert-major order of received rows.
 
     After the dispatch all-to-all a rank holds rows ordered ``(source rank s, local expert j)``
     with ``counts[s, j]`` rows per block. ``received[perm]`` orders them ``(j, s)`` so that each
-    local expert's rows are contiguous (``perm`` has shape ``(counts.sum(),)``).
+    local expert's rows are contiguous (``perm`` has shape ``(counts.sum(),)``). ``total``: that sum, when the
+    caller knows it on the host (the dispatch does); otherwise it is read from ``counts`` (a host sync on a GPU).
 
     Example:
         >>> regroup_by_expert(torch.tensor([[1, 2], [1, 1]])).tolist()  # rows: s0j0 s0j1 s0j1 s1j0 s1j1
@@ -230,7 +246,7 @@ def regroup_by_expert(counts: torch.Tensor) -> torch.Tensor:
     starts = (torch.cumsum(sizes, 0) - sizes).reshape(counts.shape)  # (S, J)
     sizes_t = counts.t().reshape(-1)  # (J·S,) expert-major
     starts_t = starts.t().reshape(-1)
-    total = int(sizes.sum())
+    total = int(sizes.sum()) if total is None else total
     out_starts = torch.cumsum(sizes_t, 0) - sizes_t  # (J·S,)
     pos = torch.arange(total, device=counts.device)
     return torch.repeat_interleave(starts_t - out_starts, sizes_t, output_size=total) + pos

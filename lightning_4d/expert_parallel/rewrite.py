@@ -1,10 +1,13 @@
 """Find mixture-of-experts blocks in a user model and replace Mixtral-style ones by :class:`~.moe.MoE`.
 
-A Mixtral-style block has a bias-free ``gate`` ``nn.Linear(H, E)``, an ``experts`` ``nn.ModuleList`` of
-``E`` identical SwiGLU MLPs named ``w1 w2 w3`` (Mixtral) or ``gate_proj up_proj down_proj`` (Hugging Face;
-``w1 = gate_proj``, ``w3 = up_proj``, ``w2 = down_proj``), and ``top_k`` or ``num_experts_per_tok``. Its
-math: ``softmax(gate(x))`` over all experts in fp32 -> top-k -> renormalise (unless the block has
-``norm_topk_prob = False``) -> ``Σ w_j · expert_j(x)``. The replacement computes exactly this (no aux
+A Mixtral-style block has a bias-free ``gate`` ``nn.Linear(H, E)`` and an ``experts`` ``nn.ModuleList`` of
+``E`` identical SwiGLU MLPs, whatever their linears are called (Mixtral's ``w1 w2 w3``, Hugging Face's
+``gate_proj down_proj up_proj``, LitGPT's ``fc_1 proj fc_2``: told apart by shape and by which output goes
+through the activation, :func:`~.expert_lists.swiglu_roles`); its top-k is the ``k`` of its own ``torch.topk``
+over the router's scores, else an attribute of the block or its ``config`` (:func:`~.expert_lists.layer_top_k`).
+Its math: ``softmax(gate(x))`` over all experts in fp32 -> top-k -> renormalise (unless the block has
+``norm_topk_prob = False``; LitGPT's ``softmax(topk(gate(x)))`` is the same) -> ``Σ w_j · expert_j(x)``.
+Expert parallelism rewrites a block only when ``ep > 1``: otherwise it runs as written. The replacement computes exactly this (no aux
 loss, no bias), with the weights copied into the stacked layout. An optional ``shared_expert(s)``
 SwiGLU child is kept as the shared experts. Each replacement records ``source_key_map`` (e.g.
 ``"experts.3.w1.weight" -> ("experts.w1", 3)``) used by :func:`export_original_state_dict` and
@@ -41,6 +44,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from lightning_4d.expert_parallel.expert_lists import TOP_K_NAMES, layer_top_k, swiglu_roles
 from lightning_4d.expert_parallel.moe import MoE
 from lightning_4d.analysis.layer_kinds import is_expert_list
 from lightning_4d.core.precision import allowed_difference, max_difference
@@ -68,19 +72,23 @@ def find_moe_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def _fail(name: str, why: str) -> ValueError:
+def _fail(name: str, why: str, fix: str = "") -> ValueError:
     return ValueError(
-        f"MoE-like module '{name}' cannot be converted to lightning_4d's MoE: {why}. Supported: a bias-free "
-        f"`gate` Linear(H, E), an `experts` ModuleList of E identical SwiGLU MLPs (w1/w2/w3 or "
-        f"gate_proj/up_proj/down_proj, no bias), an int `top_k`/`num_experts_per_tok`. Fix: rewrite the "
-        f"block as lightning_4d.expert_parallel.MoE yourself, or give the model an explicit expert plan.")
+        f"MoE-like module '{name}' cannot be made expert-parallel (ep > 1 replaces it by lightning_4d's MoE layer): "
+        f"{why}. What the rewrite needs: a bias-free `gate` Linear(H, E); an `experts` ModuleList of E identical "
+        f"SwiGLU MLPs w2(silu(w1 x) * w3 x) without biases, whatever the linears are called; its top-k as the k of "
+        f"its forward's torch.topk over the E router scores, or an int attribute of the module or its `config` "
+        f"({' / '.join(TOP_K_NAMES[:3])}). Fix: {fix + '; or ' if fix else ''}build the layer with "
+        f"lightning_4d.expert_parallel.MoE(dim, hidden_dim, num_experts, top_k); or use ep=1 (the layer then runs "
+        f"as written under every other layout).")
 
 
 def _swiglu_names(mlp: nn.Module) -> Optional[tuple[str, str, str]]:
-    for names in _NAMINGS:
+    for names in _NAMINGS:  # the known conventions, told by name (no forward needed)
         if all(isinstance(getattr(mlp, n, None), nn.Linear) for n in names):
             return names
-    return None
+    roles = swiglu_roles(mlp)
+    return roles if isinstance(roles, tuple) else None
 
 
 def _check_mlp(name: str, mlp: nn.Module, names: tuple[str, str, str]) -> None:
@@ -130,21 +138,25 @@ def moe_from_mixtral(block: nn.Module, name: str = "block", verify: bool = True)
         >>> moe_from_mixtral(nn.Linear(8, 4), "layers.0.block_sparse_moe")
         Traceback (most recent call last):
         ...
-        ValueError: MoE-like module 'layers.0.block_sparse_moe' cannot be converted ...: `gate` is not a bias-free nn.Linear...
+        ValueError: MoE-like module 'layers.0.block_sparse_moe' cannot be made expert-parallel ...: `gate` is not a...
     """
     gate, experts = getattr(block, "gate", None), getattr(block, "experts", None)
     if not isinstance(gate, nn.Linear) or gate.bias is not None:
         raise _fail(name, "`gate` is not a bias-free nn.Linear")
     if not isinstance(experts, nn.ModuleList) or len(experts) == 0:
         raise _fail(name, "`experts` is not a non-empty nn.ModuleList")
-    k = getattr(block, "top_k", getattr(block, "num_experts_per_tok", None))
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise _fail(name, f"no integer `top_k` / `num_experts_per_tok` attribute (found {k!r})")
     if float(getattr(block, "jitter_noise", 0.0) or 0.0) > 0:
-        raise _fail(name, "router jitter noise is not supported")
+        raise _fail(name, "router jitter noise is not supported", "set `jitter_noise = 0`")
+    if any(type(e) is not type(experts[0]) for e in experts):
+        raise _fail(name, f"the experts are not identical (classes {sorted({type(e).__name__ for e in experts})})")
     names = _swiglu_names(experts[0])
-    if names is None or any(type(e) is not type(experts[0]) for e in experts):
-        raise _fail(name, "the experts are not identical SwiGLU MLPs")
+    if names is None:
+        raise _fail(name, f"its experts are not SwiGLU MLPs (expert 0: {swiglu_roles(experts[0])})")
+    k = layer_top_k(block, len(experts), gate.weight.shape[1])
+    if k is None:
+        raise _fail(name, f"its top-k is unknown: its forward called no torch.topk over the {len(experts)} router "
+                          f"scores on a test input, and neither it nor its `config` has an int attribute "
+                          f"{' / '.join(TOP_K_NAMES)}", f"set `{name.rpartition('.')[2] or 'block'}.top_k = k`")
     for e in experts:
         _check_mlp(name, e, names)
     w1, w2, w3 = (getattr(experts[0], n).weight for n in names)
@@ -158,7 +170,7 @@ def moe_from_mixtral(block: nn.Module, name: str = "block", verify: bool = True)
     shared_names = _swiglu_names(shared) if shared is not None else None
     if shared is not None:
         if shared_names is None:
-            raise _fail(name, f"`{shared_name}` is not a SwiGLU MLP")
+            raise _fail(name, f"`{shared_name}` is not a SwiGLU MLP ({swiglu_roles(shared)})")
         _check_mlp(name, shared, shared_names)
     known = {id(p) for m in [gate, experts] + ([shared] if shared is not None else []) for p in m.parameters()}
     extra = [n for n, p in block.named_parameters() if id(p) not in known]

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_4d.expert_parallel.dispatch import all_reduce_
+from lightning_4d.expert_parallel.permute import expert_counts
 
 __all__ = ["RouterOutput", "TopKRouter", "check_routing"]
 
@@ -168,7 +169,7 @@ class TopKRouter(nn.Module):
         if self.route_scale != 1.0:
             weights = weights * self.route_scale
         weights = weights.to(x.dtype)
-        counts = torch.bincount(indices.reshape(-1), minlength=self.num_experts)  # (E,)
+        counts = expert_counts(indices, self.num_experts)  # (E,) on the device
         if self.training:
             with torch.no_grad():
                 self.load_accum += counts.to(self.load_accum.dtype)
@@ -180,7 +181,7 @@ class TopKRouter(nn.Module):
         prob_sum = probs.sum(0)  # (E,) differentiable, local tokens
         e = self.num_experts
         stats = torch.cat([counts.to(torch.float64), prob_sum.detach().to(torch.float64),
-                           torch.tensor([float(n)], dtype=torch.float64, device=counts.device)])  # (2E+1,)
+                           torch.full((1,), n, dtype=torch.float64, device=counts.device)])  # (2E+1,)
         stats = self._all_reduce(stats)
         g_counts, g_prob, g_n = stats[:e], stats[e:2 * e], stats[2 * e]
         f64 = g_counts / (g_n * self.top_k)  # (E,) global assignment fractions

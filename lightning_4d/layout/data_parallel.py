@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any, Iterable, Literal, Optional
 
 import torch
@@ -138,11 +139,19 @@ def data_parallel_roots(module: nn.Module) -> list[nn.Module]:
     return [m for m in module.modules() if isinstance(m, FSDPModule) or hasattr(m, "set_requires_gradient_sync")]
 
 
+_ROOTS: "weakref.WeakKeyDictionary[nn.Module, list[nn.Module]]" = weakref.WeakKeyDictionary()
+
+
 def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
-    """Switch gradient reduction on/off (off on the non-stepping micro-steps of accumulation).
+    """Switch gradient reduction on/off (off on the non-stepping micro-steps of accumulation). Called every step: the
+    wrapped modules are found once per ``module`` (set-up has wrapped them all by the first step), not by a walk
+    over every module each time.
 
     Example:
         >>> set_gradient_sync(nn.Linear(2, 2), False)  # no-op without data parallelism
     """
-    for wrapped in data_parallel_roots(module):
+    roots = _ROOTS.get(module)
+    if roots is None:
+        roots = _ROOTS[module] = data_parallel_roots(module)
+    for wrapped in roots:
         wrapped.set_requires_gradient_sync(enabled, recurse=False)

@@ -95,7 +95,7 @@ def plan_layout(module: nn.Module, dims: ParallelDims, config: Optional[FourDCon
         check_shared_blocks(module, blocks_path, order, {k: s for s, keys in enumerate(stages) for k in keys})
     block_order = tuple(trace.block_order) if trace is not None else keys
     hidden = trace.hidden if trace is not None else None
-    experts = _expert_entries(module)
+    experts = _expert_entries(module, dims.ep)
     tpl = plan_tensor_parallel(module, dims, trace, tp_mesh) if dims.tp > 1 and trace else None
     if tpl is not None:
         # Expert parallelism takes these over: their experts (and a whole MoE layer it rewrites) are accounted
@@ -135,15 +135,16 @@ def _cp_algorithm(module: nn.Module, dims: ParallelDims, requested: str,
     return choose_algorithm(requested, heads or (), dims.cp, dims.tp)
 
 
-def _expert_entries(module: nn.Module) -> tuple[ExpertEntry, ...]:
+def _expert_entries(module: nn.Module, ep: int) -> tuple[ExpertEntry, ...]:
     """The expert modules the rewrite makes expert-parallel: in-place experts (3-D weights), lightning_4d's MoE
-    layers and Mixtral-style expert lists (rewritten into that layer)."""
+    layers and, with ``ep > 1``, Mixtral-style expert lists (rewritten into that layer; at ``ep == 1`` they run as
+    written)."""
     specs, _ = find_expert_modules(module)
     out = [ExpertEntry(s.name, "in-place", s.num_experts) for s in specs]
     for name, mod in find_moe_modules(module):
         if isinstance(mod, MoE):
             out.append(ExpertEntry(f"{name}.experts", "moe", mod.num_experts))
-        else:
+        elif ep > 1:
             pre = f"{name}." if name else ""
             renames = tuple((pre + old, pre + new, index) for old, (new, index) in mixtral_source_keys(mod).items())
             out.append(ExpertEntry(name, "mixtral", len(getattr(mod, "experts", ())), renames))

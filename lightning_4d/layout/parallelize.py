@@ -27,7 +27,7 @@ from lightning_4d.layout.activation_checkpoint import apply_activation_checkpoin
 from lightning_4d.config import FourDConfig
 from lightning_4d.layout.data_parallel import apply_data_parallel, reshards_after_forward, wrap_mode
 from lightning_4d.analysis.discovery import top_level_modules
-from lightning_4d.core.distributed import local_of
+from lightning_4d.core.distributed import all_reduce_coalesced, local_of
 from lightning_4d.expert_parallel import MoE, apply_expert_parallel
 from lightning_4d.expert_parallel.inplace import is_inplace_experts
 from lightning_4d.expert_parallel.parallel import (
@@ -73,6 +73,8 @@ class ParallelPlan:
     pipeline_tied: list[tuple[str, str]] = field(default_factory=list)
     input_shape: Optional[tuple[int, ...]] = None  # the traced example's shape: inputs must have its rank
     layout: Optional[LayoutPlan] = None  # the plan this rank applied
+    # (model, DTensor parameters, tp_partial_params' parameters): found at the first step (reduce_tp_partial_grads)
+    tp_grad_params: Optional[tuple[nn.Module, list, list]] = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -277,24 +279,34 @@ def check_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, accumulat
 def reduce_tp_partial_grads(plan: Optional[ParallelPlan], mesh: FourDMesh, model: nn.Module) -> None:
     """Once per optimizer step, after backward (``FourDStrategy`` and the planner's dry run call it): sum over
     ``tp`` the gradients of plain parameters that saw only this rank's sequence shard
-    (``plan.tp_partial_params``: routers, shared experts) and resolve DTensor gradients left ``Partial``
-    (sequence-parallel norm weights) once, instead of in every optimizer op.
+    (``plan.tp_partial_params``: routers, shared experts) in one all-reduce per dtype (their local shards
+    concatenated: the bytes of one all-reduce per parameter, in one call), and resolve DTensor gradients left
+    ``Partial`` (sequence-parallel norm weights) once, instead of in every optimizer op. Which parameters to look at
+    is found once per plan (no walk over the model each step).
 
     Example:
         >>> reduce_tp_partial_grads(None, None, nn.Linear(2, 2))  # no DTensor gradient, nothing to sum
     """
-
-    for p in model.parameters():
+    dtensors, partial = _tp_grad_params(plan, model)
+    for p in dtensors:
         g = p.grad
-        if isinstance(g, DTensor) and isinstance(p, DTensor) and any(isinstance(x, Partial) for x in g.placements):
+        if isinstance(g, DTensor) and any(isinstance(x, Partial) for x in g.placements):
             p.grad = g.redistribute(p.device_mesh, p.placements)
-    names = set(plan.tp_partial_params) if plan is not None else set()
-    if not names:
-        return
-    group = mesh[Axis.TP].get_group()
-    for name, p in model.named_parameters():
-        if name in names and p.grad is not None:
-            dist.all_reduce(local_of(p.grad), group=group)
+    grads = [local_of(p.grad) for p in partial if p.grad is not None]
+    if grads:
+        all_reduce_coalesced(grads, mesh[Axis.TP].get_group())
+
+
+def _tp_grad_params(plan: Optional[ParallelPlan], model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """``(DTensor parameters, plan.tp_partial_params)`` of ``model``, found once and kept on the plan."""
+    found = plan.tp_grad_params if plan is not None else None
+    if found is None or found[0] is not model:
+        names = set(plan.tp_partial_params) if plan is not None else set()
+        named = list(model.named_parameters())
+        found = (model, [p for _, p in named if isinstance(p, DTensor)], [p for n, p in named if n in names])
+        if plan is not None:
+            plan.tp_grad_params = found
+    return found[1], found[2]
 
 
 def _blocks_of(container: nn.Module) -> list[nn.Module]:
@@ -326,8 +338,9 @@ def _apply_experts(module: nn.Module, mesh: FourDMesh, plan: ParallelPlan, accum
             )
         return
     stats = None if (dims.sp or dims.tp == 1) else ([("dp", mesh[Axis.DP_CP].get_group())] if dims.dp_cp > 1 else [])
+    # Mixtral-style expert lists are rewritten only when their experts are spread (ep > 1): else they run as written
     apply_expert_parallel(module, mesh, grad_scale=grad_scale, stats_groups=stats,
-                          aux_grad_scale=dims.dp_cp / max(accumulate, 1))
+                          aux_grad_scale=dims.dp_cp / max(accumulate, 1), rewrite=dims.ep > 1)
     for name, moe in module.named_modules():
         if isinstance(moe, MoE):
             plan.expert_modules.append(f"{name}.experts")

@@ -38,7 +38,9 @@ from lightning_4d.pipeline.schedules import get_schedule_info
 from lightning_4d.pipeline.staged import StagedForward
 from lightning_4d.pipeline.stages import ChainForward, PipelineParts, StageForward, find_pipeline_split, prune_stages
 from lightning_4d.pipeline.tied import sync_tied_grads
-from lightning_4d.core.verify import check_tensor_parallel
+from lightning_4d.core.verify import (
+    changed_output_error, check_tensor_parallel, running_modules, tensor_parallel_failure,
+)
 
 __all__ = ["check_after_tensor_parallel", "hooks_split", "install_stages", "split_pipeline", "build_runner",
            "check_packed", "pipeline_train_loss", "pipeline_eval", "sync_tied", "uses_pipeline_hooks"]
@@ -97,10 +99,11 @@ def check_after_tensor_parallel(module: nn.Module, stages: Optional[StageForward
     if stages is None:
         check_tensor_parallel(module, example, expected)
         return
-    try:
-        check_staged(stages, example, expected)
-    except ValueError as err:
-        raise ValueError(f"With tensor parallelism: {err}") from err
+    # the stages alone were checked before the rewrite: what fails now is the rewrite's, named like tp alone's
+    with running_modules(stages.root) as where:
+        check_staged(stages, example, expected,
+                     failed=lambda err: tensor_parallel_failure(stages.root, where(), err),
+                     differs=lambda diff, _allowed: changed_output_error(stages.root, diff, "run stage by stage"))
 
 
 def split_pipeline(mesh: FourDMesh, config: FourDConfig, stages: StageForward) -> PipelineParts:
@@ -131,7 +134,7 @@ def build_runner(module: nn.Module, mesh: FourDMesh, config: FourDConfig, parts:
         parts.modules, mesh[Axis.PP], module.loss_fn, schedule=config.schedule, microbatches=config.microbatches,
         inputs_to_every_stage=parts.modules[0].stage_forward.inputs_to_every_stage,
         ignore_index=-100 if ignore is None else ignore,
-        token_count_fn=(lambda t: int(count(t))) if callable(count) else None,
+        token_count_fn=count if callable(count) else None,  # a device tensor: never read on the host
         model=module,  # tied weights are synchronised by the strategy once per optimizer step
         device=device,
     )
@@ -170,9 +173,10 @@ def check_packed(runner: PipelineRunner, module: nn.Module, inputs: Any) -> None
     check_takes_positions(module)
 
 
-def _token_total(module: nn.Module, targets: Tensor, dp_group: dist.ProcessGroup) -> float:
+def _token_total(module: nn.Module, targets: Tensor, dp_group: dist.ProcessGroup) -> Tensor:
+    """The step's valid targets over the dp group, a device scalar (the runner makes 0 into 1)."""
     n = module.count_targets(targets).to(torch.float64).reshape(1).clone()
-    return float(all_reduce_sum(n, dp_group)[0])
+    return all_reduce_sum(n, dp_group)[0]
 
 
 def pipeline_train_loss(runner: PipelineRunner, module: nn.Module, inputs: Any, targets: Tensor,
@@ -193,7 +197,7 @@ def pipeline_train_loss(runner: PipelineRunner, module: nn.Module, inputs: Any, 
     check_packed(runner, module, inputs)
     total = _token_total(module, targets, dp_group)
     with loss_context():
-        local = runner.train_step(inputs, targets, grad_scale=dp / accumulate, num_tokens=total or 1.0,
+        local = runner.train_step(inputs, targets, grad_scale=dp / accumulate, num_tokens=total,
                                   schedule_run=schedule_run)
     return all_reduce_sum(local.detach().to(torch.float64).reshape(1).clone(), dp_group)[0].float()
 
@@ -212,5 +216,5 @@ def pipeline_eval(runner: PipelineRunner, module: nn.Module, inputs: Any, target
             return to_full(runner.eval_step(inputs, None).output)
     total = _token_total(module, targets, dp_group)
     with loss_context():
-        loss = runner.eval_step(inputs, targets, num_tokens=total or 1.0, broadcast_outputs=False).loss
+        loss = runner.eval_step(inputs, targets, num_tokens=total, broadcast_outputs=False).loss
     return all_reduce_sum(loss.detach().to(torch.float64).reshape(1).clone(), dp_group)[0].float()

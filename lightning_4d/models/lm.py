@@ -172,16 +172,19 @@ class CausalLM(FourDModule, L.LightningModule):
             checkpoint[CHECKPOINT_KEY] = record
 
     def configure_optimizers(self) -> OptimizerLRScheduler:
-        """AdamW (per-tensor, so parameters on different meshes mix freely) with the learning-rate schedule:
-        linear warm-up, then constant or a cosine / linear decay (:class:`~lightning_4d.models.lr_schedule.WarmupDecay`,
-        stepped every optimizer step). A decay without ``decay_steps`` ends with the run, so without a Trainer
-        attached (the planner's dry run tracing one step) the optimizer alone is returned."""
+        """AdamW with fused kernels (``foreach`` where the device has none), one parameter group per device mesh and
+        placements (:func:`~lightning_4d.core.optim.mesh_param_groups`: a fused call takes one mesh), with the
+        learning-rate schedule: linear warm-up, then constant or a cosine / linear decay
+        (:class:`~lightning_4d.models.lr_schedule.WarmupDecay`, stepped every optimizer step). A decay without
+        ``decay_steps`` ends with the run, so without a Trainer attached (the planner's dry run tracing one step) the
+        optimizer alone is returned."""
+        from lightning_4d.core.optim import fast_kernel, mesh_param_groups
         from lightning_4d.models.lr_schedule import WarmupDecay
 
         hp = self.hparams
-        opt = torch.optim.AdamW(
-            self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas), foreach=False
-        )
+        params = list(self.parameters())
+        opt = torch.optim.AdamW(mesh_param_groups(params), lr=hp.lr, weight_decay=hp.weight_decay,
+                                betas=tuple(hp.betas), **fast_kernel(params))
         schedule = hp.get("schedule", "constant")
         if not hp.warmup_steps and schedule == "constant":
             return opt

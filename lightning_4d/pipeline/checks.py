@@ -31,10 +31,13 @@ from lightning_4d.core.verify import compare_forward
 __all__ = ["check_sequential", "check_staged"]
 
 
-def check_staged(stages: StageForward, example: Any, expected: Any) -> None:
+def check_staged(stages: StageForward, example: Any, expected: Any,
+                 failed: Optional[Callable[[Exception], ValueError]] = None,
+                 differs: Optional[Callable[[float, float], ValueError]] = None) -> None:
     """Run every stage in order in one process on ``example`` and compare with ``expected`` (the plain
     forward's output) within :func:`lightning_4d.core.precision.allowed_difference`. Raises a ``ValueError``
-    naming the model and the hooks when they differ.
+    naming the model and the hooks when they differ; a caller checking something else through the stages (the
+    tensor-parallel rewrite) gives its own errors (``failed(err)``, ``differs(diff, allowed)``).
 
     Example:
         >>> from lightning_4d.models import Llama, LlamaConfig
@@ -53,13 +56,13 @@ def check_staged(stages: StageForward, example: Any, expected: Any) -> None:
             h = stages.run(index, h if index == 0 or isinstance(h, tuple) else (h,), example)  # (hidden, *carried)
         return h
 
-    compare_forward(stages.root, run, expected, lambda err: ValueError(
+    compare_forward(stages.root, run, expected, failed or (lambda err: ValueError(
         f"{cls}: running its forward stage by stage failed with {type(err).__name__}: {err}. Pipeline stages "
         f"run {stages.describe()}; otherwise {HOOK_HINT}."
-    ), lambda diff, _allowed: ValueError(
+    )), differs or (lambda diff, _allowed: ValueError(
         f"{cls}: its forward run stage by stage differs from the plain forward (max abs difference {diff:.3g}). "
         f"Pipeline stages run {stages.describe()}; if that changes the values, {HOOK_HINT}."
-    ))
+    )))
 
 
 def _diff(a: Any, b: Any) -> float:

@@ -4,11 +4,13 @@ Loss weighting (exact parity with the single-process full-batch loss): the user'
 ``loss_fn(output, target)`` returns the *mean* over the valid tokens of its micro-batch (or a
 ``(sum, count)`` pair). Before the schedule runs, the valid tokens of the whole local batch are
 counted once (``target != ignore_index``; ``num_tokens=`` overrides it, e.g. with a count summed
-over data-parallel ranks). Each micro-batch loss is then rescaled inside the loss function handed
-to torch: ``mean_i · n_i / N`` (or ``sum_i / N``), times ``grad_scale``. Summed over micro-batches
-this is the full-batch mean, so the accumulated gradients equal the single-process gradients even
-when ``ignore_index`` positions differ per micro-batch; torch's own ``1/m`` scaling is disabled
-(``scale_grads=False``). A micro-batch without valid tokens contributes zero (not NaN).
+over data-parallel ranks). Counts stay on the device: a step reads none of them on the host. Each
+micro-batch loss is then rescaled inside the loss function handed to torch: ``mean_i · n_i / N`` (or
+``sum_i / N``), times ``grad_scale``. Summed over micro-batches this is the full-batch mean, so the accumulated
+gradients equal the single-process gradients even when ``ignore_index`` positions differ per micro-batch; torch's
+own ``1/m`` scaling is disabled (``scale_grads=False``). A micro-batch without valid tokens contributes zero (not
+NaN), and its ``loss_fn`` backward gets a zero gradient (``F.cross_entropy`` then gives zeros; a loss dividing by
+its own count would give NaN there: return ``(sum, count)`` instead).
 
 The loss returned by :meth:`PipelineRunner.train_step` is the local-batch loss (``grad_scale``
 undone), broadcast from the last stage over the pp group, so every pp rank returns the same value.
@@ -89,7 +91,7 @@ class PipelineRunner:
             :func:`~lightning_4d.pipeline.schedules.default_microbatches`).
         stage_ids / num_stages: taken from the modules' ``stage_index`` / ``num_stages`` if omitted.
         ignore_index: target value excluded from token counts.
-        token_count_fn: ``fn(target) -> int`` replacing :func:`default_token_count`.
+        token_count_fn: ``fn(target) -> count`` (a device tensor, or a number) replacing :func:`default_token_count`.
         device: device of the stages (default: that of their first parameter).
         model / tied: the pruned model and its tied first/last-stage parameter pairs; the gradients
             are summed between the owning ranks after each train step.
@@ -112,7 +114,7 @@ class PipelineRunner:
         stage_ids: Optional[Sequence[int]] = None,
         num_stages: Optional[int] = None,
         ignore_index: int = -100,
-        token_count_fn: Optional[Callable[[torch.Tensor], int]] = None,
+        token_count_fn: Optional[Callable[[torch.Tensor], Union[torch.Tensor, float]]] = None,
         device: Optional[Union[str, torch.device]] = None,
         model: Optional[nn.Module] = None,
         tied: Sequence[tuple[str, str]] = (),
@@ -161,14 +163,24 @@ class PipelineRunner:
         target = self.stages if self.info.multi_stage else self.stages[0]
         self.schedule = self.info.torch_class(target, self.microbatches, loss_fn=self.scaled_loss, scale_grads=False)
         self._mode = "train"
-        self._total = 1.0
+        self._total: Union[torch.Tensor, float] = 1.0
         self._grad_scale = 1.0
 
     # -- loss -------------------------------------------------------------------------------
-    def _count(self, target: torch.Tensor) -> int:
+    def _count(self, target: torch.Tensor) -> Union[torch.Tensor, float]:
+        """Valid targets of ``target``, on the device when the count is a tensor (read on the host nowhere)."""
         if self.token_count_fn is not None:
-            return int(self.token_count_fn(target))
-        return default_token_count(target, self.ignore_index)
+            return self.token_count_fn(target)
+        return count_targets(target, self.ignore_index)
+
+    def _normaliser(self, num_tokens: Union[torch.Tensor, float, None], targets: torch.Tensor
+                    ) -> Union[torch.Tensor, float]:
+        """``N`` of the step: ``num_tokens`` (default: the valid targets of ``targets``), 1 where it is 0."""
+        total = num_tokens if num_tokens is not None else self._count(targets)
+        if isinstance(total, torch.Tensor):
+            total = total.detach().to(device=self.device, dtype=torch.float64)
+            return torch.where(total == 0, 1.0, total)
+        return float(total) or 1.0
 
     def scaled_loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         """Micro-batch loss as handed to torch's schedule: its share of the local-batch mean, times ``grad_scale``
@@ -178,13 +190,14 @@ class PipelineRunner:
         value = self.loss_fn(output, target)
         if isinstance(value, (tuple, list)):
             total_sum = value[0]
-            contrib = total_sum / self._total
-        else:
-            n = self._count(target)
-            if n == 0:  # a mean over nothing is NaN; contribute an exact zero that keeps the graph
-                return sum((t.sum() * 0.0 for t in _leaves(output)), torch.zeros((), device=self.device))
-            return token_weighted(value, n, self._total, self._grad_scale)
-        return contrib * self._grad_scale
+            total = self._total
+            if not isinstance(total, torch.Tensor):
+                return total_sum / total * self._grad_scale
+            opmath = torch.promote_types(total_sum.dtype, torch.float32)  # as a kernel takes a Python scalar
+            return (total_sum.to(opmath) / total.to(opmath)).to(total_sum.dtype) * self._grad_scale
+        # A mean over nothing (n == 0) is NaN: token_weighted makes it an exact zero, decided on the device (no
+        # host sync per micro-batch); loss_fn's backward then sees a zero gradient.
+        return token_weighted(local_of(value), self._count(target), self._total, self._grad_scale)
 
     # -- steps ------------------------------------------------------------------------------
     def _check_batch(self, inputs: Any, targets: Optional[torch.Tensor]) -> int:
@@ -211,7 +224,7 @@ class PipelineRunner:
 
     def train_step(
         self, inputs: Any, targets: Optional[torch.Tensor], *, grad_scale: float = 1.0,
-        num_tokens: Optional[int] = None, schedule_run: Optional[ScheduleRun] = None,
+        num_tokens: Union[torch.Tensor, float, None] = None, schedule_run: Optional[ScheduleRun] = None,
     ) -> torch.Tensor:
         """Forward + backward of the local batch through the schedule; gradients accumulate in ``.grad``.
 
@@ -219,7 +232,7 @@ class PipelineRunner:
             inputs: model inputs (tensor or tuple of tensors, batch first); used on the first stage.
             targets: targets (batch first); used on the last stage.
             grad_scale: multiplies the gradients (e.g. ``1 / accumulate_grad_batches``); not the returned loss.
-            num_tokens: the normaliser ``N`` (default: valid tokens in ``targets``).
+            num_tokens: the normaliser ``N`` (default: valid tokens in ``targets``); a tensor stays on the device.
             schedule_run: runs the micro-batches instead of torch's schedule (:data:`ScheduleRun`; the number of
                 micro-batches is then its own).
 
@@ -235,7 +248,7 @@ class PipelineRunner:
         if self.has_last:
             if targets is None:
                 raise ValueError(f"pp rank {self.pp_rank} runs the last stage and needs the targets.")
-            self._total = float(num_tokens if num_tokens is not None else self._count(targets)) or 1.0
+            self._total = self._normaliser(num_tokens, targets)
         self._grad_scale = float(grad_scale)
         self._mode = "train"
         losses: list[torch.Tensor] = []
@@ -253,7 +266,7 @@ class PipelineRunner:
         return self._broadcast_loss(loss)
 
     def eval_step(
-        self, inputs: Any, targets: Optional[torch.Tensor] = None, *, num_tokens: Optional[int] = None,
+        self, inputs: Any, targets: Optional[torch.Tensor] = None, *, num_tokens: Union[torch.Tensor, float, None] = None,
         broadcast_outputs: bool = True,
     ) -> EvalOutput:
         """Forward-only pass (torch's ``schedule.eval``), usable under ``torch.no_grad()``.
@@ -271,7 +284,7 @@ class PipelineRunner:
             if targets is None:
                 target = torch.zeros(size, device=self.device)  # splits like the batch; unused
             else:
-                self._total = float(num_tokens if num_tokens is not None else self._count(targets)) or 1.0
+                self._total = self._normaliser(num_tokens, targets)
         self._mode = "eval" if targets is not None else "predict"
         self._grad_scale = 1.0
         losses: list[torch.Tensor] = []

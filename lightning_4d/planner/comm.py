@@ -230,7 +230,7 @@ def _tp(spec: TransformerSpec, dims: ParallelDims, layers: list[int], first: boo
         out.append(Collective("tp", "all_reduce", "grads of SP norms (Partial, resolved once per step)",
                               norms * per_norm, spec.norm_params * 4.0 / per_norm, t))
     # Router and shared experts (plain parameters fed by sequence shards): the strategy sums their fp32
-    # gradients over tp once per step, after backward, on the rank's FSDP shard.
+    # gradients over tp once per step, after backward, on the rank's FSDP shard, in one coalesced all-reduce.
     calls = elems = 0
     h = spec.hidden
     for i in layers:
@@ -241,9 +241,9 @@ def _tp(spec: TransformerSpec, dims: ParallelDims, layers: list[int], first: boo
             fs = spec.shared_experts * spec.expert_hidden
             calls += 3
             elems += 2 * _sharded_rows(fs, h, dp_shards) + _sharded_rows(h, fs, dp_shards)
-    if calls:
-        out.append(Collective("tp", "all_reduce", "grads of router / shared experts (once per step)", calls,
-                              elems * 4.0 / calls, t))
+    if calls:  # coalesced: one all-reduce of all of them (fp32, one dtype)
+        out.append(Collective("tp", "all_reduce", "grads of router / shared experts (once per step, coalesced)", 1,
+                              elems * 4.0, t))
     return out
 
 

@@ -388,18 +388,24 @@ class LossHistory:
 
     @staticmethod
     def create() -> L.Callback:
-        """A new ``lightning.Callback`` with a ``losses`` list."""
+        """A new ``lightning.Callback`` with a ``losses`` list (read on the host when asked for, not every step)."""
         import lightning as L
+        import torch
 
         class _LossHistory(L.Callback):
             def __init__(self) -> None:
-                self.losses: list[float] = []
+                self._values: list[Any] = []  # device scalars: read on the host once, when asked for
+
+            @property
+            def losses(self) -> list[float]:
+                values = [torch.as_tensor(v).detach().reshape(()).float().cpu() for v in self._values]
+                return torch.stack(values).tolist() if values else []
 
             def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: STEP_OUTPUT,
                                    batch: Any, idx: int) -> None:
                 value = trainer.callback_metrics.get("train_loss")
                 if value is not None:
-                    self.losses.append(float(value))
+                    self._values.append(value.detach().clone() if isinstance(value, torch.Tensor) else value)
 
         return _LossHistory()
 

@@ -12,8 +12,11 @@ A step, in order:
 3. the backward, under :func:`loss_context` (without pipeline parallelism);
 4. :func:`finish_backward`, once per optimizer step: ``tp`` reduction of sequence-parallel partial gradients
    (:func:`~lightning_4d.layout.parallelize.reduce_tp_partial_grads`) and the tied first/last-stage weights' gradients;
-5. the optimizer step (:func:`clip_grad_norm` first when the Trainer clips), then :func:`after_optimizer_step` (the
-   aux-loss-free expert-bias update).
+5. the optimizer step (:func:`clip_grad_norm` first when the Trainer clips, reusing the non-finite guard's
+   :func:`grad_norm_share`), then :func:`after_optimizer_step` (the aux-loss-free expert-bias update).
+
+Counts, flags and norms stay on the device: the step's one host sync is the guard's decision
+(:func:`~lightning_4d.safety.nonfinite.check_step`).
 
 Example:
     >>> with loss_context(None, None):  # no plan, no context parallelism: nothing to enter
@@ -22,7 +25,9 @@ Example:
 
 from __future__ import annotations
 
+from collections import defaultdict
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any, Callable, Generator, Iterable, Optional
 
 import torch
@@ -31,7 +36,9 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from lightning_4d.core.batches import batch_tokens, call_model
 from lightning_4d.context_parallel import ContextParallelAttention, SequenceShard, shard_batch
-from lightning_4d.core.distributed import global_grad_norm
+from lightning_4d import _compat
+from lightning_4d.core.distributed import global_grad_norm, local_of
+from lightning_4d.core.distributed import grad_norm_share as core_grad_norm_share
 from lightning_4d.expert_parallel import update_expert_bias
 from lightning_4d.core.loss import check_inputs, check_targets, weighted_global_loss
 from lightning_4d.mesh import Axis, FourDMesh
@@ -39,7 +46,8 @@ from lightning_4d.layout.parallelize import ParallelPlan, reduce_tp_partial_grad
 from lightning_4d.layout.pipeline_glue import pipeline_train_loss, sync_tied
 from lightning_4d.pipeline.runner import ScheduleRun
 
-__all__ = ["after_optimizer_step", "clip_grad_norm", "finish_backward", "loss_context", "shard_sequence", "step_loss"]
+__all__ = ["GradNormShare", "after_optimizer_step", "clip_grad_norm", "finish_backward", "grad_norm_share", "loss_context",
+           "shard_sequence", "step_loss"]
 
 
 def shard_sequence(mesh: FourDMesh, inputs: Any, targets: Any, positions: bool, pipelined: bool
@@ -133,25 +141,66 @@ def finish_backward(plan: Optional[ParallelPlan], mesh: FourDMesh, model: nn.Mod
         sync_tied(model, plan.pipeline, plan.pipeline_tied)
 
 
+@dataclass(frozen=True)
+class GradNormShare:
+    """This rank's share of the squared global gradient norm (:func:`grad_norm_share`), kept on the device by the
+    non-finite guard so that clipping reuses it instead of a second pass over every gradient.
+
+    Attributes:
+        params: ``id`` of each parameter it covers, in order (clipping reuses it only for the same list).
+        norm_type: the ``p`` of the norm.
+        value: the device scalar (not reduced over the ranks).
+    """
+
+    params: tuple[int, ...]
+    norm_type: float
+    value: Tensor
+
+
+def grad_norm_share(plan: Optional[ParallelPlan], model: nn.Module, parameters: Iterable[nn.Parameter],
+                    norm_type: float = 2.0) -> GradNormShare:
+    """This rank's share of ``‖g‖^p`` over ``parameters`` (:func:`~lightning_4d.core.distributed.grad_norm_share`,
+    the last stage's copy of a tied weight counted once): what :func:`clip_grad_norm` all-reduces. No host sync.
+
+    Example:
+        >>> lin = nn.Linear(2, 1); lin(torch.ones(1, 2)).sum().backward()
+        >>> float(grad_norm_share(None, lin, lin.parameters()).value)
+        3.0
+    """
+    params = list(parameters)
+    tied = _tied_copies(plan, model)
+    pp = plan.pipeline.pp if plan is not None and plan.pipeline is not None else 1
+    value = core_grad_norm_share([p for p in params if p.grad is not None and id(p) not in tied], norm_type, pp)
+    return GradNormShare(tuple(id(p) for p in params), float(norm_type), value)
+
+
 def clip_grad_norm(plan: Optional[ParallelPlan], model: nn.Module, parameters: Iterable[nn.Parameter],
-                   max_norm: float, norm_type: float = 2.0) -> Tensor:
+                   max_norm: float, norm_type: float = 2.0, share: Optional[GradNormShare] = None) -> Tensor:
     """Clip gradients by the global norm across every tp / pp / ep / dp / cp shard (one scalar all-reduce,
     :func:`~lightning_4d.core.distributed.global_grad_norm`; the last stage's copy of a tied weight counted once); returns
-    the norm before clipping.
+    the norm before clipping (a device scalar). ``share``: the guard's :func:`grad_norm_share` of the same
+    parameters (reused when it matches them and ``norm_type``). As ``torch.nn.utils.clip_grad_norm_``: every
+    gradient is multiplied by ``min(1, max_norm / (norm + 1e-6))`` computed on the device (no host sync), one
+    fused multiply per device.
 
     Example:
         >>> lin = nn.Linear(2, 1); lin(torch.ones(1, 2)).sum().backward()
         >>> round(float(clip_grad_norm(None, lin, lin.parameters(), 1.0)), 4), round(float(lin.weight.grad.norm()), 2)
         (1.7321, 0.82)
     """
-    params = [p for p in parameters if p.grad is not None]
-    tied = _tied_copies(plan, model)
-    pp = plan.pipeline.pp if plan is not None and plan.pipeline is not None else 1
-    total = global_grad_norm([p for p in params if id(p) not in tied], norm_type, pp)
-    coef = float(max_norm) / (float(total) + 1e-6)
-    if coef < 1.0:
-        for p in params:  # per tensor: grads may be plain tensors and DTensors on several meshes
-            p.grad.mul_(coef)
+    params = list(parameters)
+    if share is None or share.params != tuple(id(p) for p in params) or share.norm_type != float(norm_type):
+        share = grad_norm_share(plan, model, params, norm_type)
+    total = global_grad_norm([], norm_type, share=share.value)
+    coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)  # () on the device: torch's own rule
+    by_device: dict[torch.device, list[Tensor]] = defaultdict(list)
+    for p in params:  # local shards: grads may be plain tensors and DTensors on several meshes
+        if p.grad is not None:
+            g = local_of(p.grad)
+            by_device[g.device].append(g)
+    with torch.no_grad():
+        for device, grads in by_device.items():
+            _compat.foreach_mul_(grads, coef.to(device))
     return total
 
 

@@ -117,7 +117,7 @@ class PreemptionSaver(Callback):
         agreed, self._agreed = self._agreed, None
         if agreed is not None and agreed[0] == step:
             return agreed[1]
-        flag = torch.tensor([self.received or 0], dtype=torch.int64, device=device)
+        flag = torch.full((1,), self.received or 0, dtype=torch.int64, device=device)  # a fill, not a host copy
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             with internal_comm():
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)

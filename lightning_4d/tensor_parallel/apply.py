@@ -23,6 +23,7 @@ from lightning_4d._compat import registered_submodule
 from lightning_4d.analysis.head_bias import ArgKey, install_head_inputs
 from lightning_4d.analysis.hooks import LOSS_PARALLEL, TP_PLAN, hook_call, user_hook
 from lightning_4d.analysis.layer_kinds import is_conv1d
+from lightning_4d.core.verify import REWRITES_ATTR
 from lightning_4d.mesh import Axis, FourDMesh, ParallelDims
 from lightning_4d.tensor_parallel.block_inputs import install_feature_cuts
 from lightning_4d.tensor_parallel.plan import block_plan, model_plan
@@ -274,6 +275,7 @@ def apply_tensor_parallel(module: nn.Module, mesh: FourDMesh, plan: TPRecord, la
             continue
         target = module.get_submodule(region)
         for attr, value in attrs.items():
+            target.__dict__.setdefault(REWRITES_ATTR, {})[attr] = (getattr(target, attr, None), value)
             setattr(target, attr, value)
     for region, attrs in layout.configs.items():
         if not present(region):
@@ -281,6 +283,7 @@ def apply_tensor_parallel(module: nn.Module, mesh: FourDMesh, plan: TPRecord, la
         target = module.get_submodule(region)
         config = copy.copy(target.config)  # this region's own copy: the model's config is shared and stays whole
         for attr, value in attrs.items():
+            target.__dict__.setdefault(REWRITES_ATTR, {})[f"config.{attr}"] = (getattr(config, attr, None), value)
             setattr(config, attr, value)
         target.config = config
     for owner, lists in layout.head_lists.items():

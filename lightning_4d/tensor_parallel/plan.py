@@ -94,6 +94,7 @@ CONFIG_WIDTH_ATTRS = ("hidden_size", "intermediate_size", "n_embd", "ffn_hidden_
 CONFIG_GROUP_ATTRS: tuple[str, ...] = ()
 
 _HOOK = f"{hook_call(TP_PLAN)} on your FourDModule (returns {{module path: ParallelStyle}})"
+_NAMED = frozenset(HEAD_ATTRS + WIDTH_ATTRS + GROUP_ATTRS + CONFIG_HEAD_ATTRS + CONFIG_WIDTH_ATTRS + CONFIG_GROUP_ATTRS)
 
 
 @dataclass
@@ -470,6 +471,8 @@ def block_plan(block: nn.Module, block_name: str, tp: int, trace: Optional[Model
             if conf_local:
                 plan.config_attrs[region] = conf_local
         mixer = plan_mixer(block_name, block, region, plan, pieces_of, trace, tp)
+        _read_head_counts(f"{block_name}.{region}", plan, region, trace.int_reads.get(region, {}) if trace else {},
+                          heads, {p.unit for n in members for p in pieces_of.get(n, ()) if p.unit}, tp)
         if mixer.rows:
             plan.channel_rows[region] = mixer.rows
         plan.partial_params += _region_params(block_name, block, region, plan, heads, trace, tp, mixer.handled)
@@ -567,6 +570,50 @@ def _local_attrs(owner: str, obj: object, heads: _Heads, widths: set[int], tp: i
                 found[attr], local[attr] = value, value // next(h for h, u in heads.replicated.items()
                                                                  if value == h * u)
     return found, local
+
+
+def _read_head_counts(owner: str, plan: BlockPlan, region: str, reads: dict[str, int], heads: _Heads,
+                      units: set[int], tp: int) -> None:
+    """Per-rank values of the integers the region's forward read and used as a count of groups in a shape (the
+    trace's :mod:`~lightning_4d.analysis.int_reads`, whatever their names) that are head counts of its projections
+    (LitGPT's ``config.n_query_groups``): a count split over the ranks is divided by
+    ``tp``, one replicated (fewer heads than ``tp``) becomes 1, the ratio of query heads to replicated KV heads
+    becomes the local query heads. Completes the name lists: a name they know (``num_key_value_groups``, a ratio
+    that may equal a head count) is theirs to decide, and a value that is also a head's width may be either. A
+    value taken for what it is not makes the region's forward fail or differ at the set-up check, which names it.
+
+    Example:
+        >>> plan = BlockPlan()
+        >>> _read_head_counts("h.0.attn", plan, "attn", {"config.n_query_groups": 2, "config.n_head": 4},
+        ...                   _Heads(sharded={4, 2}), {8}, 2)
+        >>> plan.config_attrs
+        {'attn': {'n_query_groups': 1}}
+    """
+    from lightning_4d.analysis.int_reads import CONFIG_PREFIX
+
+    ratios = {q // kv: q // tp for q in heads.sharded for kv in heads.replicated if kv and q % kv == 0}
+    for key, value in reads.items():
+        on_config = key.startswith(CONFIG_PREFIX)
+        attr = key[len(CONFIG_PREFIX):] if on_config else key
+        found = plan.config_attrs.get(region, {}) if on_config else plan.head_attrs.get(region, {})
+        if attr in found or attr in _NAMED or value in units:
+            continue
+        if value in heads.sharded:
+            _divisible(f"{owner}.{key}", "value", value, tp)
+            local = value // tp
+        elif value in heads.replicated:
+            local = 1
+        elif value in ratios:
+            local = ratios[value]
+        else:
+            continue
+        if local == value:
+            continue
+        if on_config:
+            plan.config_attrs.setdefault(region, {})[attr] = local
+        else:
+            plan.head_attrs.setdefault(region, {})[attr] = value
+            plan.local_attrs.setdefault(region, {})[attr] = local
 
 
 def _head_slices(count: int, heads: _Heads, tp: int) -> Optional[list[tuple[int, int]]]:

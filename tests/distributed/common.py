@@ -29,6 +29,11 @@ def build_model(kind: str) -> torch.nn.Module:
     ...)."""
     from tests.distributed import byom_models
 
+    if kind.startswith("lit-"):  # LitGPT's own GPT: "lit-<family>" or "lit-<family>-<layers>"
+        from tests.distributed.byom_litgpt import build_litgpt
+
+        base, _, layers = kind.rpartition("-")
+        return build_litgpt(base, int(layers)) if layers.isdigit() else build_litgpt(kind)
     if kind.startswith("cp-"):
         from tests.distributed.cp_models import build_cp_model
 
@@ -98,6 +103,29 @@ class _ReferenceBiasUpdate(L.Callback):
             from lightning_4d.expert_parallel import update_expert_bias
 
             update_expert_bias(pl_module)
+
+
+class HostSyncsPerStep(L.Callback):
+    """Host syncs (:class:`~lightning_4d.testing.HostSyncCounter`) of each training batch whose index is in
+    ``batches``, from ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, guard, clipping and
+    optimizer step): ``per_step[i] = (count, report)``."""
+
+    def __init__(self, batches: Any) -> None:
+        self.batches = set(batches)
+        self.per_step: dict[int, tuple[int, str]] = {}
+        self._counter: Any = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, idx: int) -> None:
+        if idx in self.batches:
+            from lightning_4d.testing import HostSyncCounter
+
+            self._counter = HostSyncCounter().__enter__()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        if self._counter is not None:
+            self._counter.__exit__(None, None, None)
+            self.per_step[idx] = (self._counter.count, self._counter.report())
+            self._counter = None
 
 
 class _Recorder(L.Callback):
@@ -247,6 +275,9 @@ def fit_spec(spec: dict[str, Any]) -> dict[str, Any]:
         loader = DataLoader(data, batch_size=batch, shuffle=False)
     recorder = _Recorder()
     callbacks: list[L.Callback] = [recorder] if strategy_kwargs is not None else [recorder, _ReferenceBiasUpdate()]
+    syncs = HostSyncsPerStep(spec["count_host_syncs"]) if spec.get("count_host_syncs") else None
+    if syncs is not None:  # first: its window closes before the other callbacks' batch-end hooks read values
+        callbacks.insert(0, syncs)
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, accumulate_grad_batches=accum,
         gradient_clip_val=spec.get("clip"), precision=spec.get("precision", "32-true"),
@@ -259,6 +290,8 @@ def fit_spec(spec: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {"losses": recorder.losses, "grads": full_grads(lm)}
     if strategy_kwargs is not None:  # whether the loss ran under loss_parallel (a vocabulary-parallel head)
         result["loss_parallel"] = bool(getattr(trainer.strategy.plan, "loss_parallel", False))
+    if syncs is not None:
+        result["host_syncs"] = syncs.per_step
     if spec.get("placements"):  # mesh dimension names and placements of every DTensor parameter
         from torch.distributed.tensor import DTensor
 
@@ -268,13 +301,14 @@ def fit_spec(spec: dict[str, Any]) -> dict[str, Any]:
         # Per listed parameter (LightningModule names): a DTensor sharded on tp? None where this rank lacks it.
         params = dict(lm.named_parameters())
         result["sharded"] = {name: sharded_on_tp(params.get(name)) for name in spec["check_sharded"]}
-    if spec.get("model") == "mixtral" and strategy_kwargs is None:
-        # The strategy stacks Mixtral experts ([E, ...]); compare under the stacked names.
-        import copy
-
-        from lightning_4d.expert_parallel import convert_original_state_dict, rewrite_moe_modules
-
-        result["grads"] = convert_original_state_dict(rewrite_moe_modules(copy.deepcopy(lm)), result["grads"])
+    if strategy_kwargs is not None and trainer.strategy.layout_plan.source_names():
+        # Expert parallelism stacked a Mixtral-style list's experts ([E, ...]): compare under the user's names.
+        grads, renames = result["grads"], trainer.strategy.layout_plan.source_names()
+        for old, (new, index) in renames.items():
+            if new in grads:
+                result["grads"][old] = grads[new] if index is None else grads[new][index]
+        for new in {new for new, _ in renames.values()}:
+            grads.pop(new, None)
     if spec.get("buffers"):
         result["buffers"] = {n: b.detach().clone() for n, b in lm.named_buffers() if "expert_bias" in n}
     if spec.get("validate"):

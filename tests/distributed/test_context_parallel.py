@@ -179,7 +179,6 @@ REFUSED = {
     "cp-hf-llama-eager": "self_attn",  # transformers' eager attention: matmul + softmax, not SDPA
     "cp-hf-gemma2-softcap": "attn_logit_softcapping",  # Gemma 2: SDPA has no logit soft-capping
     "nanogpt": "transformer.wpe",  # learned positions from torch.arange(T): the first module to differ
-    "titan": "attention",  # rotary table sliced to T
 }
 
 

@@ -89,6 +89,8 @@ PRIVATE_SYMBOLS = [
     ("torch.distributed.pipelining.stage", "_PipelineStageBase.backward_one_chunk"),
     ("torch.distributed.pipelining.stage", "_PipelineStageBase.backward_weight_one_chunk"),
     ("torch", "_foreach_norm"),
+    ("torch", "_foreach_mul_"),
+    ("torch.utils._foreach_utils", "_get_fused_kernels_supported_devices"),
     ("torch", "Tensor._make_wrapper_subclass"),
     ("torch", "_C._disabled_torch_function_impl"),
     ("torch.nn.init", "_no_grad_trunc_normal_"),
