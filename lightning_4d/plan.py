@@ -74,6 +74,8 @@ class LayoutPlan:
         input_shape: the traced example's shape (inputs must have its rank).
         block_attrs: each block's plain attributes (what a stage's stand-in for another stage's block answers,
             e.g. a hybrid's ``block_type``).
+        shared_args: block arguments that are one container several blocks write and read (Gemma 4's
+            ``shared_kv_states``): named when pipeline stages cannot pass it on.
         stages: block keys of every pipeline stage (empty without a pipeline); ``pipeline_hooks``: stages
             chain the user's ``pipeline_pre_blocks`` → blocks → ``pipeline_post_blocks``.
         tensor_parallel: the TP/SP styles and rewrites (``None`` at tp=1).
@@ -95,6 +97,7 @@ class LayoutPlan:
     elsewhere: tuple[str, ...] = ()
     input_shape: Optional[tuple[int, ...]] = None
     block_attrs: dict[str, dict[str, Any]] = field(default_factory=dict, hash=False)
+    shared_args: tuple[str, ...] = ()
     stages: tuple[tuple[str, ...], ...] = ()
     pipeline_hooks: bool = False
     tensor_parallel: Optional[TPLayout] = None
@@ -125,7 +128,8 @@ class LayoutPlan:
         return ModelTrace(blocks_path=self.blocks_path, block_order=self.block_order,
                           hidden=HiddenArg(position=position, keyword=keyword, tuple_out=tuple_out),
                           pre=self.pre, post=self.post, elsewhere=self.elsewhere,
-                          block_attrs={k: dict(v) for k, v in self.block_attrs.items()})
+                          block_attrs={k: dict(v) for k, v in self.block_attrs.items()},
+                          shared_args=self.shared_args)
 
     def source_names(self) -> dict[str, tuple[str, Optional[int]]]:
         """``{name in the user's model: (name after the expert rewrite, index along dim 0 or None)}``."""
@@ -201,6 +205,8 @@ class LayoutPlan:
                 data[f.name] = [dataclasses.asdict(e) for e in value]
             elif f.name == "degrees":
                 data[f.name] = dict(value)
+            elif f.name == "shared_args" and not value:
+                continue  # rare: written only when present
             else:
                 data[f.name] = _lists(value)
         return data

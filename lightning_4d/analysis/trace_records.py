@@ -119,6 +119,8 @@ class ModelTrace:
     # (Gemma 4's per-layer input; :mod:`lightning_4d.analysis.feature_inputs`)
     feature_inputs: dict[ArgKey, tuple[int, frozenset[str]]] = field(default_factory=dict)
     index_modules: frozenset[str] = frozenset()  # modules of the first block whose outputs hold no float tensor
+    # block arguments that are one container several blocks write and read (Gemma 4's ``shared_kv_states``)
+    shared_args: tuple[str, ...] = ()
 
     def for_block(self, key: str) -> "ModelTrace":
         """The trace whose per-block facts (sources, columns, ...) are those of block ``key``'s kind: a hybrid's

@@ -302,9 +302,14 @@ class StagedForward(StageForward):
         stubs = ", ".join(self.stubs) or "none"
         carried = (f"; the outputs later stages read ({describe_carried(self.carried)}) computed on the first stage and "
                    f"sent on" if self.carried else "")
+        shared = (f". The blocks also share state through their argument(s) {', '.join(map(repr, self.trace.shared_args))}"
+                  f" (one container a block writes and a later block reads, e.g. Gemma 4's K and V under "
+                  f"num_kv_shared_layers), which no pipeline stage boundary passes on: every block reading it must be "
+                  f"on the stage of the block writing it, else use pp=1 (tp, dp and ep keep it) or a model without the "
+                  f"sharing" if self.trace.shared_args else "")
         return (f"the model's forward with the blocks of other stages skipped and, on later stages, the modules before "
                 f"the blocks ({stubs}) replaced by shape-only stand-ins (zeros of the right shape: what the blocks "
-                f"receive, masks and rotary tables, is computed with them){carried}")
+                f"receive, masks and rotary tables, is computed with them){carried}{shared}")
 
     # -- running --------------------------------------------------------------------------------------
     def dispatcher(self, pos: int) -> Callable[..., Any]:

@@ -163,7 +163,7 @@ def tp_styles(root: nn.Module, trace: ModelTrace, tp: int, sp: bool) -> TPLayout
                 if norm not in plan.local_norms:  # those run on this rank's tokens as they are (grads summed)
                     # A local output: a norm on a region's output (Gemma's sandwich norms) feeds the residual add.
                     styles[f"{block_name}.{norm}"] = SequenceParallel(use_local_output=True)
-            for moe in plan.moe:
+            for moe in (m for m in plan.moe if m not in plan.block_moe):  # those see the block's local tokens
                 # Tokens stay sequence-sharded into the MoE layer (experts see local tokens).
                 styles[f"{block_name}.{moe}"] = PrepareModuleInput(
                     input_layouts=(seq,), desired_input_layouts=(seq,), use_local_output=True

@@ -111,6 +111,8 @@ class BlockPlan:
     regions: list[str] = field(default_factory=list)  # modules entered with replicated (gathered) input
     norms: list[str] = field(default_factory=list)
     moe: list[str] = field(default_factory=list)
+    # of ``moe``: the experts and router a block holds itself (Gemma 4), called on the block's own local tokens
+    block_moe: list[str] = field(default_factory=list)
     head_attrs: dict[str, dict[str, int]] = field(default_factory=dict)  # region -> {attr: global value}
     permutations: dict[str, list[int]] = field(default_factory=dict)  # concatenated fused linear -> row order
     partial_params: list[str] = field(default_factory=list)  # replicated params that see sharded activations
@@ -405,12 +407,19 @@ def block_plan(block: nn.Module, block_name: str, tp: int, trace: Optional[Model
     gates = feature_gates(block, trace)  # meet a block argument feature by feature: column-parallel, it is cut
     indexed = trace.index_modules if trace is not None else frozenset()  # DeepSeek-V3.2's indexer: kept whole
     moe_prefixes: list[str] = []
+    own_moe = plan.block_moe = _block_level_moe(block)
+    if own_moe and sequence_parallel:
+        raise ValueError(
+            f"{block_name} holds its experts and router itself ({', '.join(f'{block_name}.{n}' for n in own_moe)}, "
+            f"beside its attention and MLP, as Gemma 4's MoE layers do), which sequence parallelism does not support "
+            f"yet (its gradients would be wrong). Set sequence_parallel=False (tensor parallelism without it, and "
+            f"ep, hold), or implement {_HOOK}.")
     for name, module in block.named_modules():
         if not name:
             continue
         if any(name == p or name.startswith(p + ".") for p in moe_prefixes):
             continue  # expert weights are never treated as dense layers
-        if holds_routed_experts(module):
+        if name in own_moe or holds_routed_experts(module):
             moe_prefixes.append(name)
             plan.moe.append(name)
             continue
@@ -774,6 +783,27 @@ def _norm_source(block_name: str, block: nn.Module, path: str, size: Optional[in
             f"tensor parallelism splits across ranks, and cannot run as a distributed norm: {why}. {fix}"
         )
     return source
+
+
+def _block_level_moe(block: nn.Module) -> list[str]:
+    """The experts module and its router when a block holds them itself, beside its attention and MLP (Gemma 4's
+    ``experts`` and ``router``, whose ``proj`` scores the experts): handled as a mixture-of-experts layer, the router
+    whole (never a row- or column-parallel linear). Empty for a block whose experts sit in a sublayer.
+
+    Example:
+        >>> _block_level_moe(nn.Linear(2, 2))
+        []
+    """
+    from lightning_4d.expert_parallel.inplace import inspect_experts
+
+    experts = getattr(block, "experts", None)
+    name = next((n for n, m in block.named_children() if m is experts), None) if experts is not None else None
+    if name is None:
+        return []
+    spec = inspect_experts(experts, name, block)
+    if isinstance(spec, str) or not spec.router or spec.router.startswith("../"):
+        return [name]
+    return [name, spec.router.partition(".")[0]]
 
 
 def _moe_params(block: nn.Module, plan: BlockPlan, sequence_parallel: bool) -> list[str]:

@@ -94,10 +94,10 @@ ZOO_KINDS = ("hf-stablelm", "hf-gemma2", "hf-gemma3", "hf-phi3", "hf-olmo2", "hf
              "hf-xglm", "hf-gptneo", "hf-codegen", "hf-cohere", "hf-apertus", "hf-dbrx", "hf-jetmoe", "hf-mamba2",
              "hf-mamba2grp", "hf-granite4h", "hf-lfm2", "hf-falconh1",
              "hf-nemotronh", "hf-zamba2", "hf-zamba2first", "hf-mamba1", "hf-granite4hmoe", "hf-longcat",
-             "hf-kimilinear", "hf-gemma4", "hf-gemma4ple", "hf-dsv32", "tt-llama3",
+             "hf-kimilinear", "hf-gemma4", "hf-gemma4ple", "hf-gemma4moe", "hf-gemma4kv", "hf-dsv32", "tt-llama3",
              "tt-qwen3moe")
 ZOO_MOE_KINDS = ("hf-olmoe", "hf-gptoss", "hf-llama4", "hf-qwen3next", "hf-jetmoe", "hf-granite4hmoe", "hf-longcat",
-                 "hf-kimilinear", "hf-dsv32", "tt-qwen3moe")
+                 "hf-kimilinear", "hf-gemma4moe", "hf-dsv32", "tt-qwen3moe")
 ZERO_EXPERTS = 2  # LongCat-Flash's zero (identity) experts beside its MOE_EXPERTS routed ones
 
 
@@ -282,6 +282,19 @@ def _hf(family: str, layers: int) -> nn.Module:
                                   layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"],
                                   attention_k_eq_v=not ple, num_global_key_value_heads=None if ple else KV_HEADS,
                                   hidden_size_per_layer_input=8 if ple else 0, vocab_size_per_layer_input=VOCAB)
+    elif family in ("gemma4moe", "gemma4kv"):  # Gemma 4 with routed experts / with K and V shared across layers
+        # "gemma4moe": an MoE block beside every layer's MLP (26B-A4B); "gemma4kv": the last half of the layers
+        # reuse the K and V the last earlier layer of their type stored (num_kv_shared_layers, E2B / E4B; with 2
+        # layers both global, the second reusing the first's)
+        moe = family == "gemma4moe"
+        cfg = tf.Gemma4TextConfig(**_common(layers), num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                                  head_dim=HIDDEN // HEADS, global_head_dim=2 * HIDDEN // HEADS, intermediate_size=FFN,
+                                  sliding_window=6, layer_types=["sliding_attention", "full_attention"] * (layers // 2)
+                                  if moe or layers > 2 else ["full_attention"] * 2,
+                                  hidden_size_per_layer_input=0, enable_moe_block=moe,
+                                  num_experts=MOE_EXPERTS if moe else None, top_k_experts=2 if moe else None,
+                                  moe_intermediate_size=MOE_FFN if moe else None,
+                                  num_kv_shared_layers=0 if moe else layers // 2)
     elif family == "dsv32":  # DeepSeek-V3.2: MLA with a sparse-attention indexer (its own heads, no gradient)
         cfg = tf.DeepseekV32Config(**_common(layers), num_attention_heads=HEADS, num_key_value_heads=HEADS,
                                    intermediate_size=FFN, moe_intermediate_size=MOE_FFN, n_routed_experts=MOE_EXPERTS,

@@ -129,6 +129,7 @@ SHARDED: dict[str, list[str]] = {
     # column-parallel (the per-layer input cut with it) and the projection back row-parallel
     "hf-gemma4": _LLAMA_LIKE + ["model.model.model.layers.1.self_attn.k_proj.weight"],
     "hf-gemma4ple": _LLAMA_LIKE + [f"{_HF0}.{n}.weight" for n in ("per_layer_input_gate", "per_layer_projection")],
+    "hf-gemma4moe": _LLAMA_LIKE, "hf-gemma4kv": _LLAMA_LIKE + ["model.model.model.layers.1.self_attn.q_proj.weight"],
     # DeepSeek-V3.2: latent attention's up-projections sharded, the sparse-attention indexer whole (REPLICATED)
     "hf-dsv32": [f"{_HF0}.self_attn.{n}.weight" for n in ("q_b_proj", "kv_b_proj", "o_proj")],
 }
@@ -152,6 +153,8 @@ REPLICATED: dict[Any, list[str]] = {
 }
 REPLICATED["hf-zamba2first"] = REPLICATED["hf-zamba2"]
 # the indexer returns top-k key positions (no gradient): each rank computes them whole from the gathered input
+# Gemma 4's router and (at ep=1) its experts: whole on every tp rank, fed the block's own tokens
+REPLICATED["hf-gemma4moe"] = [f"{_HF0}.router.proj.weight", f"{_HF0}.experts.gate_up_proj"]
 REPLICATED["hf-dsv32"] = [f"{_HF0}.self_attn.indexer.{n}.weight" for n in ("wq_b", "wk", "weights_proj")]
 # Models that compute part of their forward in bf16 by design (TorchTitan's grouped experts): every gradient
 # downstream of that rounding is held to 10x the noise floor of plain data parallelism, measured in the same world.
@@ -160,7 +163,7 @@ BF16_MODELS = ("tt-qwen3moe",)
 # unscaled attention logits of normalised queries and keys; one process with the batch in two micro-batches differs
 # from it whole by up to 9e-6 after 3 AdamW steps): held like BF16_MODELS, to 10x the floor plain data parallelism
 # measures in the same world on the same depth (dp2: 2 layers, dp2-4 / dp4: 4 layers), which must come first.
-FLOOR_MODELS = BF16_MODELS + ("hf-gemma4", "hf-gemma4ple")
+FLOOR_MODELS = BF16_MODELS + ("hf-gemma4", "hf-gemma4ple", "hf-gemma4moe", "hf-gemma4kv")
 # Expected refusals at set-up: (family, layout) -> what the error must name (the cause and the fix are checked by
 # tests/unit/test_tp_heads_plan.py and test_mixer_plan.py): tp=4 with 2 KV groups interleaved in TorchTitan's
 # fused wqkv.
@@ -179,6 +182,11 @@ REFUSED: dict[tuple[str, str], str] = {
     ("hf-zamba2", "tp2-pp2"): "layers.2.shared_transformer is a module reused at several depths",
     # Mamba-1's x_proj reads the sharded inner width and feeds dt_proj: a reduction inside the mixer
     ("hf-mamba1", "tp2"): "mixer.dt_proj is a linear layer whose role is unknown",
+    # Gemma 4's MoE layers hold their experts and router beside attention and MLP: not under SP yet (without: held)
+    ("hf-gemma4moe", "tp2"): "holds its experts and router itself",
+    ("hf-gemma4moe", "tp2-ep2"): "holds its experts and router itself",
+    # Gemma 4's KV-shared layers read the K and V an earlier layer stored, here on the other stage
+    ("hf-gemma4kv", "pp2"): "share state through their argument(s) 'shared_kv_states'",
 }
 
 ERRORS: dict[str, str] = {}  # "family layout" -> worst relative error, or the refusal
@@ -371,11 +379,14 @@ def test_tensor_parallel_with_and_without_sequence_parallelism(references: Refer
 
 # Layers configured by position (Gemma 4: each layer's type, rotary table, head width and per-layer input picked by
 # its index), with and without per-layer input embeddings (computed before the blocks, carried to later pipeline
-# stages, cut with the column-parallel gate under tp), and DeepSeek-V3.2's sparse-attention indexer under tp; the
-# Gemma 4 floors first (FLOOR_MODELS).
-BY_POSITION = ([(f, lay) for f in ("hf-gemma4", "hf-gemma4ple") for lay in ("dp2", "dp2-4")]
+# stages, cut with the column-parallel gate under tp), with experts held by the layer itself and with K and V
+# shared across layers (under tp; refused under pp: REFUSED), and DeepSeek-V3.2's sparse-attention indexer under
+# tp; the Gemma 4 floors first (FLOOR_MODELS).
+BY_POSITION = ([(f, lay) for f in ("hf-gemma4", "hf-gemma4ple", "hf-gemma4moe") for lay in ("dp2", "dp2-4")]
+               + [("hf-gemma4kv", "dp2")]
                + [("hf-gemma4", "tp2"), ("hf-gemma4", "pp2"), ("hf-gemma4ple", "tp2"), ("hf-gemma4ple", "tp2-nosp"),
-                  ("hf-gemma4ple", "pp2"), ("hf-dsv32", "tp2"), ("hf-dsv32", "tp2-ep2")])
+                  ("hf-gemma4ple", "pp2"), ("hf-gemma4moe", "tp2-nosp"), ("hf-gemma4moe", "ep2"),
+                  ("hf-gemma4moe", "pp2"), ("hf-gemma4kv", "tp2"), ("hf-dsv32", "tp2"), ("hf-dsv32", "tp2-ep2")])
 BY_POSITION_4 = [("hf-gemma4ple", "dp4"), ("hf-gemma4ple", "tp2-pp2")]
 
 
