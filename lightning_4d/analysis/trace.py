@@ -301,8 +301,8 @@ def _analyse_blocks(trace: ModelTrace, root: nn.Module, blocks: dict[str, nn.Mod
 
 def _shared_args(calls: list) -> tuple[str, ...]:
     """The block arguments that are one mutable container handed to several blocks and holding tensors after the
-    forward: state one block writes and a later one reads (Gemma 4's ``shared_kv_states`` under
-    ``num_kv_shared_layers``), which cannot cross a pipeline stage boundary."""
+    forward: state blocks may write and later blocks read (Gemma 4's ``shared_kv_states``, read under
+    ``num_kv_shared_layers``), which does not cross a pipeline stage boundary; named when the staged check fails."""
     seen: dict[int, tuple[str, set[int]]] = {}
     for index, (_, args, kwargs, _) in enumerate(calls):
         for key, value in [*((f"argument {i}", a) for i, a in enumerate(args)), *kwargs.items()]:

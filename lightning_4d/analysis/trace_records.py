@@ -119,7 +119,7 @@ class ModelTrace:
     # (Gemma 4's per-layer input; :mod:`lightning_4d.analysis.feature_inputs`)
     feature_inputs: dict[ArgKey, tuple[int, frozenset[str]]] = field(default_factory=dict)
     index_modules: frozenset[str] = frozenset()  # modules of the first block whose outputs hold no float tensor
-    # block arguments that are one container several blocks write and read (Gemma 4's ``shared_kv_states``)
+    # block arguments that are one container several blocks may write and read (Gemma 4's ``shared_kv_states``)
     shared_args: tuple[str, ...] = ()
 
     def for_block(self, key: str) -> "ModelTrace":

@@ -106,3 +106,25 @@ def test_the_per_layer_input_is_cut_with_its_gate_and_the_indexer_stays_whole() 
     indexer = {n: s.kind for n, s in layout.styles.items() if ".indexer." in n}
     assert set(indexer.values()) == {"LowRankDown"} and len(indexer) == 6  # wq_b, wk, weights_proj in 2 layers
     assert layout.styles["model.model.layers.0.self_attn.q_b_proj"].kind == "Colwise"
+
+
+def test_gemma4_moe_router_stays_whole_and_kv_sharing_is_named() -> None:
+    # Gemma 4's MoE layers hold their experts and router beside attention and MLP: the router's proj (an (E, H)
+    # weight) was planned row-parallel (a raw DTensor error); it stays whole, and SP is refused naming the layer.
+    # Its KV-shared layers read K and V an earlier layer wrote into one dict handed to every layer: found by value
+    # (named by the pipeline check when a stage lacks them).
+    from lightning_4d.analysis.trace import example_tokens, trace_model
+    from lightning_4d.tensor_parallel.apply import tp_styles
+    from lightning_4d.tensor_parallel.plan import block_plan
+    from tests.distributed.common import build_model
+
+    torch.manual_seed(0)
+    moe = build_model("hf-gemma4moe")
+    trace = trace_model(moe, "model.model.layers", example_tokens(moe))
+    layout = tp_styles(moe, trace, 2, False)
+    assert not any(".router." in n or ".experts" in n for n in layout.styles)  # whole on every rank
+    assert layout.styles["model.model.layers.0.mlp.down_proj"].kind == "Rowwise"
+    with pytest.raises(ValueError, match=r"layers.0 holds its experts and router itself .*sequence_parallel=False"):
+        block_plan(moe.model.model.layers[0], "layers.0", 2, trace, sequence_parallel=True)
+    kv = build_model("hf-gemma4kv")
+    assert trace_model(kv, "model.model.layers", example_tokens(kv)).shared_args == ("shared_kv_states",)
