@@ -115,9 +115,8 @@ class CarriedRecorder:
         self.calls = calls
         self._seen: Optional[list[tuple[str, list[torch.Tensor]]]] = None
         wanted = {p for p, _ in calls}
-        for path, module in modules.items():
-            if path in wanted:
-                module.register_forward_hook(self._hook(path))
+        self._modules = {p: m for p, m in modules.items() if p in wanted}
+        self._handles: list[Any] = []
 
     def _hook(self, path: str) -> Callable[..., None]:
         def hook(_mod: nn.Module, _args: tuple, out: Any) -> None:
@@ -126,11 +125,16 @@ class CarriedRecorder:
         return hook
 
     def __enter__(self) -> "CarriedRecorder":
+        # hooked while recording only, after any hook a rewrite added since set-up (a vocabulary-parallel
+        # embedding's output is reduced by its own hook: the copy is of the reduced output)
+        self._handles = [m.register_forward_hook(self._hook(p)) for p, m in self._modules.items()]
         self._seen = []
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        pass
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def values(self) -> list[torch.Tensor]:
         """The recorded tensors of :attr:`calls`, flat, in call order (refuses a call pattern that differs)."""
