@@ -186,7 +186,8 @@ class FourDConfig:
             ``"cuda:gloo"`` (several ranks sharing one GPU: gloo on CUDA tensors, refusing host tensors as NCCL
             does; ``bench/gpu_smoke.py``); default (``None``) by device: ``nccl`` on CUDA, ``gloo`` on CPU.
         sync_module_states: every rank starts from rank 0's weights even without a common seed: a model built
-            on the CPU is broadcast from rank 0 (64 MB buckets) before sharding; a model built on the meta device
+            for real is moved to the rank's device and broadcast from rank 0 there (64 MB buckets) before
+            sharding; a model built on the meta device
             is initialised shard by shard (:mod:`lightning_4d.materialize.local_shards`) from rank 0's random state when the
             ranks' states differ (nothing is broadcast but that state).
         nonfinite: what a step whose loss or global gradient norm is NaN/inf does, decided on every rank
@@ -233,6 +234,10 @@ class FourDConfig:
             ``"ulysses"`` (q/k/v all-to-all heads ↔ sequence; every attention call's query and K/V heads per tp rank
             must divide by ``cp``, else refused at set-up naming the module) or ``"auto"`` (default: Ulysses where
             the heads divide, else all-gather). The layout plan names the choice.
+        nccl_flight_recorder: switch NCCL's flight recorder and its dump on a watchdog timeout on where the
+            environment does not set them (``TORCH_NCCL_TRACE_BUFFER_SIZE``, ``TORCH_NCCL_DUMP_ON_TIMEOUT``, before the
+            process group starts: :mod:`lightning_4d.safety.nccl_debug`); default on, ``False`` leaves the
+            environment alone.
 
     Example:
         >>> FourDConfig(schedule="zbv", pp=2).stages_per_rank
@@ -265,6 +270,7 @@ class FourDConfig:
     cp_algorithm: str = "auto"
     plan: Union[str, Path, LayoutPlan, None] = None
     async_checkpoint: bool = False
+    nccl_flight_recorder: bool = True
 
     def __post_init__(self) -> None:
         self._check_runtime_options()
@@ -316,7 +322,8 @@ class FourDConfig:
                              f"'gloo' or 'nccl', or None (by device).")
         if self.nonfinite not in NONFINITE_MODES:
             raise ValueError(f"nonfinite={self.nonfinite!r} must be one of {', '.join(map(repr, NONFINITE_MODES))}.")
-        for name in ("sync_module_states", "checkpoint_checksums", "preemption_requeue", "async_checkpoint"):
+        for name in ("sync_module_states", "checkpoint_checksums", "preemption_requeue", "async_checkpoint",
+                     "nccl_flight_recorder"):
             put(name, bool(getattr(self, name)))
         signals = self.preemption_signals
         signals = () if signals is None else (signals,) if isinstance(signals, (str, int)) else tuple(signals)

@@ -244,7 +244,7 @@ class FourDMesh:
         if name == "dp" and self.flat_dp is not None:
             return self.flat_dp
         if name == "dp_cp":
-            return self.dp_cp if self.dp_cp is not None else self.dense["dp"]
+            return self.dp_cp if self.dp_cp is not None else self["dp"]
         return self.dense[name]
 
     @property
@@ -282,28 +282,34 @@ def build_mesh(
         raise ValueError(
             f"The process group has {dist.get_world_size()} ranks but the degrees describe {dims.world_size}."
         )
-    from lightning_4d._compat import flatten_mesh, mesh_backend_override
+    from lightning_4d._compat import flatten_mesh, mesh_backend_override, unflatten_mesh
 
     backend = backend or dist.get_backend()
-    override = mesh_backend_override(backend, timeout, 3)
-    kwargs = {"backend_override": override} if override is not None else {}
+    override = mesh_backend_override(backend, timeout, 4)
+    one = override[0] if override is not None else None
+    # Dense axes inside a pipeline stage (tp innermost); the expert view splits the same ranks into (edp, ep).
+    inner: tuple[tuple[str, int], ...] = (("dp", dims.dp), ("cp", dims.cp), ("tp", dims.tp)) if dims.cp > 1 else \
+        (("dp", dims.dp), ("tp", dims.tp)) if dims.dp_shard is None else \
+        (("dp_replicate", dims.dp_replicate), ("dp_shard", dims.dp_shard), ("tp", dims.tp))
+    names, sizes = tuple(n for n, _ in inner), tuple(s for _, s in inner)
     ranks = torch.arange(dims.world_size)
+    # One root (pp, stage ranks): the dense mesh and the expert view both unflatten its second axis, so they share
+    # its pp groups (a second DeviceMesh would create them again: one more communicator per rank). The second
+    # axis itself communicates nothing: a "fake" group, no communicator.
+    root = DeviceMesh(device_type, ranks.view(dims.pp, -1), mesh_dim_names=("pp", "stage"),
+                      backend_override=(one or (None, None), ("fake", None)))
+    dense = unflatten_mesh(root, "stage", sizes, names, override[:len(names)] if override is not None else None)
+    expert = unflatten_mesh(root, "stage", (dims.edp, dims.ep), ("edp", "ep"),
+                            override[:2] if override is not None else None)
+    if dense is None or expert is None:  # a torch without DeviceMesh._unflatten: two meshes (pp groups twice)
+        kwargs = {"backend_override": override[:len(names) + 1]} if override is not None else {}
+        dense = DeviceMesh(device_type, ranks.view(dims.pp, *sizes), mesh_dim_names=("pp", *names), **kwargs)
+        kwargs = {"backend_override": override[:3]} if override is not None else {}
+        expert = DeviceMesh(device_type, ranks.view(dims.pp, dims.edp, dims.ep), mesh_dim_names=("pp", "edp", "ep"),
+                            **kwargs)
     flat_dp, dp_cp = None, None
-    if dims.cp > 1:  # (pp, dp, cp, tp); "dp_cp": the ranks holding different tokens of the same parameters
-        kwargs4 = {"backend_override": mesh_backend_override(backend, timeout, 4)} if override is not None else {}
-        dense = DeviceMesh(device_type, ranks.view(dims.pp, dims.dp, dims.cp, dims.tp),
-                           mesh_dim_names=("pp", "dp", "cp", "tp"), **kwargs4)
-        dp_cp = flatten_mesh(dense, ("dp", "cp"), "dp_cp", override[0] if override is not None else None)
-    elif dims.dp_shard is None:
-        dense = DeviceMesh(
-            device_type, ranks.view(dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"), **kwargs
-        )
-    else:  # HSDP: dp split in (replicate, shard); "dp" is their flattened union (loss, metrics, checks)
-        kwargs4 = {"backend_override": mesh_backend_override(backend, timeout, 4)} if override is not None else {}
-        dense = DeviceMesh(device_type, ranks.view(dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp),
-                           mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"), **kwargs4)
-        flat_dp = flatten_mesh(dense, ("dp_replicate", "dp_shard"), "dp", override[0] if override is not None else None)
-    expert = DeviceMesh(
-        device_type, ranks.view(dims.pp, dims.edp, dims.ep), mesh_dim_names=("pp", "edp", "ep"), **kwargs
-    )
+    if dims.cp > 1:  # "dp_cp": the ranks holding different tokens of the same parameters
+        dp_cp = flatten_mesh(dense, ("dp", "cp"), "dp_cp", one)
+    elif dims.dp_shard is not None:  # HSDP: "dp" is the flattened union of (replicate, shard): loss, metrics, checks
+        flat_dp = flatten_mesh(dense, ("dp_replicate", "dp_shard"), "dp", one)
     return FourDMesh(dims, dense, expert, flat_dp, dp_cp)

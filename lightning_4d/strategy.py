@@ -43,10 +43,12 @@ from lightning_4d.context_parallel import SequenceShard, takes_positions
 from lightning_4d.context_parallel.algorithm import choose_algorithm
 from lightning_4d.context_parallel.check import ModelInfo, check_context_parallel, example_length
 from lightning_4d.layout.data_parallel import set_gradient_sync
-from lightning_4d.core.distributed import all_reduce_sum, broadcast_module_state, is_on_meta, to_full
+from lightning_4d.core.distributed import all_reduce_sum, broadcast_module_state, connect, is_on_meta, to_full
 from lightning_4d.safety.heartbeat import Heartbeat
+from lightning_4d.safety.nccl_debug import enable_flight_recorder
 from lightning_4d.analysis.hooks import TP_PLAN, hook_call
 from lightning_4d.core.loss import check_inputs
+from lightning_4d.core.precision import exact_fp32_matmul
 from lightning_4d.materialize.local_shards import MaterializeReport, materialize_local_shards, meta_skeleton
 from lightning_4d.mesh import Axis, FourDMesh, ParallelDims, build_mesh
 from lightning_4d.safety.nonfinite import NonFiniteError, SkipStep, check_step
@@ -223,7 +225,9 @@ class FourDStrategy(ParallelStrategy):
         backend = self._process_group_backend or _compat.default_pg_backend(self.root_device)
         self._process_group_backend = backend
         assert self.cluster_environment is not None
-        _compat.init_dist_connection(self.cluster_environment, backend, self.config.timeout, self.root_device)
+        if self.config.nccl_flight_recorder:
+            enable_flight_recorder()  # before NCCL starts: it reads the environment then
+        connect(self.cluster_environment, backend, self.config.timeout, self.root_device)
         if dist.get_world_size() != self.world_size:
             raise ValueError(
                 f"The existing process group has {dist.get_world_size()} ranks but the Trainer asks for "
@@ -240,8 +244,10 @@ class FourDStrategy(ParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         if self._plan is None:  # a second fit/validate on the same Trainer reuses the layout
-            self._plan = self._set_up_layout(trainer)
+            with exact_fp32_matmul():  # the set-up's value checks in full fp32 (TF32 off), the user's choice restored
+                self._plan = self._set_up_layout(trainer)
         self.model_to_device()
+        self._release_freed_memory()  # what set-up freed on the device: the reduced copy, whole-tensor initialisers
         self.barrier()
         self._start_heartbeat()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -261,6 +267,8 @@ class FourDStrategy(ParallelStrategy):
         rewritten."""
         assert self.model is not None
         meta = is_on_meta(self.model)
+        if not meta:  # on the device before any collective sees it (NCCL refuses host tensors)
+            self.model_to_device()
         # The unsharded model on meta (no memory): initialisation of a meta-built model and the set-up check.
         skeleton = meta_skeleton(self.model)
         buffers = None if meta else {n: b.detach().clone() for n, b in self.model.named_buffers()}
@@ -292,8 +300,7 @@ class FourDStrategy(ParallelStrategy):
                             budget_bytes=self._check_budget(skeleton, plan, meta))
         del buffers
         gc.collect()  # the reduced copy's rewrite leaves reference cycles (hooks, closures) holding its tensors
-        if self.root_device.type == "cpu":
-            _compat.release_freed_host_memory()  # the reduced copy's memory, before the shards are allocated
+        self._release_freed_memory()  # the reduced copy's memory, before the shards are allocated
         record = apply_layout(self.model, plan, self.mesh, self.config, self.precision_plugin.precision,
                               accumulate=trainer.accumulate_grad_batches, device=self.root_device)
         if log.isEnabledFor(logging.DEBUG):
@@ -306,8 +313,7 @@ class FourDStrategy(ParallelStrategy):
                                               source_names=plan.source_names())
             del skeleton
             gc.collect()
-            if self.root_device.type == "cpu":
-                _compat.release_freed_host_memory()  # the freed full tensors of the initialisation
+            self._release_freed_memory()  # the freed full tensors of the initialisation
             self.materialize_report = report
             log.info("lightning_4d: materialised this rank's shards (%.1f MB) in %.1f s, %d of %d initialiser calls "
                      "replayed piece by piece (scratch %.1f MB)%s", report.local_bytes / 2**20,
@@ -319,6 +325,15 @@ class FourDStrategy(ParallelStrategy):
                             "(largest %s: %.1f MB in full): %s", len(report.whole_calls), report.largest_call,
                             report.largest_call_bytes / 2**20, "; ".join(report.whole_calls[:8]))
         return record
+
+    def _release_freed_memory(self) -> None:
+        """Give back memory the set-up freed: the C heap's to the OS on CPU (``malloc_trim``), the caching
+        allocator's unused blocks on CUDA (``torch.cuda.empty_cache()``: they would otherwise stay reserved for this
+        process, unusable by NCCL and fragmenting the training's allocations)."""
+        if self.root_device.type == "cpu":
+            _compat.release_freed_host_memory()
+        elif self.root_device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _check_context_parallel(self, meta: bool) -> None:
         """:func:`~lightning_4d.context_parallel.check.check_context_parallel` on a tiny example (declared and traced
@@ -401,9 +416,9 @@ class FourDStrategy(ParallelStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
-        # Meta tensors are materialised as full tensors in `setup`, then sharded.
-        ctx = torch.device("meta") if empty_init else nullcontext()
-        with ctx, self.precision_plugin.tensor_init_context():
+        # Meta tensors are materialised as this rank's shards in `setup`; otherwise built on the root device, as in
+        # Lightning's own strategies (then broadcast from there under sync_module_states).
+        with torch.device("meta") if empty_init else self.root_device, self.precision_plugin.tensor_init_context():
             yield
 
     # ------------------------------------------------------------------ steps

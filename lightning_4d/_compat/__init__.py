@@ -50,6 +50,7 @@ from lightning_4d._compat.distributed import (  # noqa: E402
     replicate,
     shard_global_offset,
     unbox_work,
+    unflatten_mesh,
 )
 from lightning_4d._compat.fake import (  # noqa: E402
     clear_dtensor_caches,
@@ -63,6 +64,7 @@ from lightning_4d._compat.fake import (  # noqa: E402
 from lightning_4d._compat.kernels import (  # noqa: E402
     attention_ops,
     foreach_mul_,
+    reducing_collective_ops,
     foreach_norm,
     fused_optimizer_devices,
     grouped_mm,

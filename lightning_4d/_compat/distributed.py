@@ -31,6 +31,7 @@ __all__ = [
     "replicate",
     "shard_global_offset",
     "unbox_work",
+    "unflatten_mesh",
 ]
 
 
@@ -72,6 +73,22 @@ def flatten_mesh(mesh: DeviceMesh, dims: tuple[str, ...], name: str,
     """
     kwargs = {"backend_override": backend_override} if backend_override is not None else {}
     return mesh[dims]._flatten(name, **kwargs)
+
+
+def unflatten_mesh(mesh: DeviceMesh, dim: str, sizes: tuple[int, ...], names: tuple[str, ...],
+                   backend_override: Optional[tuple] = None) -> Optional[DeviceMesh]:
+    """``mesh`` with dimension ``dim`` split into ``names`` of ``sizes`` (row-major), new process groups for those
+    alone: the private ``DeviceMesh._unflatten`` (``None`` where this torch lacks it). ``backend_override``: one
+    ``(backend, options)`` per new dimension, as :func:`mesh_backend_override` gives.
+
+    Example:
+        >>> # not run: needs a process group
+        >>> unflatten_mesh(root, "dp_cp_tp", (2, 2), ("edp", "ep"))  # doctest: +SKIP
+    """
+    if not hasattr(mesh, "_unflatten"):
+        return None
+    kwargs = {"backend_override": dict(zip(names, backend_override))} if backend_override is not None else {}
+    return mesh._unflatten(dim, sizes, names, **kwargs)
 
 
 def replicate(module: nn.Module, mesh: DeviceMesh, mp_policy: Optional[MixedPrecisionPolicy] = None,

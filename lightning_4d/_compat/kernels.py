@@ -18,7 +18,8 @@ from lightning_4d._compat.fake import is_fake
 if TYPE_CHECKING:
     from torch._ops import OpOverload
 
-__all__ = ["attention_ops", "foreach_mul_", "foreach_norm", "fused_optimizer_devices", "grouped_mm", "grouped_mm_supported"]
+__all__ = ["attention_ops", "foreach_mul_", "foreach_norm", "fused_optimizer_devices", "grouped_mm", "grouped_mm_supported",
+           "reducing_collective_ops"]
 
 
 def foreach_norm(tensors: list[torch.Tensor], ord: float) -> list[torch.Tensor]:
@@ -93,16 +94,30 @@ def grouped_mm(x: torch.Tensor, w_t: torch.Tensor, offs: torch.Tensor) -> torch.
     return y
 
 
-def attention_ops() -> set[OpOverload]:
-    """The private fused attention kernels ``F.scaled_dot_product_attention`` dispatches to
-    (``aten._scaled_dot_product_{flash_attention_for_cpu,efficient_attention,flash_attention}.default``),
-    those this torch has."""
-    names = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
-             "_scaled_dot_product_flash_attention")
+def _default_overloads(namespace: Any, names: tuple[str, ...]) -> set[OpOverload]:
+    """``namespace.<name>.default`` of each of ``names`` that this torch has."""
     ops = set()
     for name in names:
-        packet = getattr(torch.ops.aten, name, None)
+        packet = getattr(namespace, name, None)
         overload = getattr(packet, "default", None) if packet is not None else None
         if overload is not None:
             ops.add(overload)
     return ops
+
+
+def attention_ops() -> set[OpOverload]:
+    """The private fused attention kernels ``F.scaled_dot_product_attention`` dispatches to
+    (``aten._scaled_dot_product_{flash_attention_for_cpu,efficient_attention,flash_attention,cudnn_attention}
+    .default``; cuDNN's is what torch picks first on an H100), those this torch has."""
+    return _default_overloads(torch.ops.aten, (
+        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention"))
+
+
+def reducing_collective_ops() -> set[OpOverload]:
+    """The private functional collectives whose output is no larger than their input in total
+    (``_c10d_functional.{all_reduce,reduce_scatter_tensor,all_to_all_single}.default``, those this torch has): what
+    DTensor's tensor / sequence parallelism runs after a row-parallel matmul. The all-gather (its output ``n`` times
+    its input) is left out, as in TorchTitan's selective policy."""
+    return _default_overloads(getattr(torch.ops, "_c10d_functional", None),
+                              ("all_reduce", "reduce_scatter_tensor", "all_to_all_single"))

@@ -26,8 +26,10 @@ __all__ = ["forward_only_actions", "patch_p2p_wait", "schedule_action_table", "t
 
 
 @contextlib.contextmanager
-def patch_p2p_wait(on_wait: Callable[[float, float], None]) -> Iterator[None]:
-    """Report ``(t0, t1)`` of every p2p wait of torch's schedules to ``on_wait`` while the block runs.
+def patch_p2p_wait(on_wait: Callable[[Any, Any], None], clock: Callable[[], Any] = time.perf_counter
+                   ) -> Iterator[None]:
+    """Report ``(t0, t1)`` of every p2p wait of torch's schedules to ``on_wait`` while the block runs (the marks
+    ``clock()`` returns: host seconds by default).
 
     All torch schedules (single-stage loops and the multi-stage runtime) block on send/receive work
     only through the private module-level ``_wait_batch_p2p(works)`` of
@@ -45,11 +47,11 @@ def patch_p2p_wait(on_wait: Callable[[float, float], None]) -> Iterator[None]:
     def timed_wait(work: list[dist.Work], *args: Any, **kwargs: Any) -> None:
         if not work:
             return original(work, *args, **kwargs)
-        t0 = time.perf_counter()
+        t0 = clock()
         try:
             return original(work, *args, **kwargs)
         finally:
-            on_wait(t0, time.perf_counter())
+            on_wait(t0, clock())
 
     torch_schedules._wait_batch_p2p = timed_wait
     try:
@@ -121,8 +123,10 @@ def schedule_action_table(
     return order
 
 
-def time_stage_compute(stage: PipelineStage, on_compute: Callable[[str, int, float, float], None]) -> list[str]:
-    """Report ``(kind, microbatch, t0, t1)`` of every compute action torch's schedules run on ``stage``.
+def time_stage_compute(stage: PipelineStage, on_compute: Callable[[str, int, Any, Any], None],
+                       clock: Callable[[], Any] = time.perf_counter) -> list[str]:
+    """Report ``(kind, microbatch, t0, t1)`` of every compute action torch's schedules run on ``stage`` (the marks
+    ``clock()`` returns: host seconds by default).
 
     Wraps, as instance attributes, the ``PipelineStage`` methods the schedules call for compute
     (defined on the private base ``_PipelineStageBase``): ``forward_one_chunk`` (``"F"``),
@@ -139,11 +143,11 @@ def time_stage_compute(stage: PipelineStage, on_compute: Callable[[str, int, flo
             if backward and not stage.has_backward:
                 return orig(chunk, *args, **kwargs)
             kind = kind_of(args, kwargs)
-            t0 = time.perf_counter()
+            t0 = clock()
             try:
                 return orig(chunk, *args, **kwargs)
             finally:
-                on_compute(kind, chunk, t0, time.perf_counter())
+                on_compute(kind, chunk, t0, clock())
 
         setattr(stage, name, run)
 
@@ -156,10 +160,11 @@ def time_stage_compute(stage: PipelineStage, on_compute: Callable[[str, int, flo
     return ["forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"]
 
 
-def time_schedule_step(schedule: PipelineSchedule, on_wait: Callable[[float, float], None],
-                       on_step: Callable[[float, float], None]) -> list[str]:
+def time_schedule_step(schedule: PipelineSchedule, on_wait: Callable[[Any, Any], None],
+                       on_step: Callable[[Any, Any], None], clock: Callable[[], Any] = time.perf_counter,
+                       on_start: Callable[[], None] = lambda: None) -> list[str]:
     """Report every p2p wait inside ``schedule.step`` (:func:`patch_p2p_wait`) and the whole step's
-    ``(t0, t1)`` (after the step, also when it raises).
+    ``(t0, t1)`` (after the step, also when it raises), as marks of ``clock()``; ``on_start()`` runs first.
 
     Wraps ``step`` as an instance attribute of ``schedule`` (torch's schedules have no step hooks;
     ``eval`` calls ``step`` too). Returns the wrapped names: ``delattr(schedule, name)`` restores it.
@@ -167,12 +172,13 @@ def time_schedule_step(schedule: PipelineSchedule, on_wait: Callable[[float, flo
     orig = schedule.step
 
     def step(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
+        on_start()
+        t0 = clock()
         try:
-            with patch_p2p_wait(on_wait):
+            with patch_p2p_wait(on_wait, clock):
                 return orig(*args, **kwargs)
         finally:
-            on_step(t0, time.perf_counter())
+            on_step(t0, clock())
 
     schedule.step = step
     return ["step"]

@@ -608,7 +608,8 @@ def _rng_state() -> dict[str, Any]:
 
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # This rank's own GPU (the current device) only: a resume where a process sees fewer GPUs still loads it.
+        state["cuda_device"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -620,5 +621,11 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    own = state.get("cuda_device")
+    if own is None and state.get("cuda") and torch.cuda.is_available():
+        # An older checkpoint: every visible GPU's state; this rank used its local rank's device.
+        every = state["cuda"]
+        index = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
+        own = every[index] if 0 <= index < len(every) else None
+    if own is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(own)

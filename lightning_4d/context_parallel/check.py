@@ -293,8 +293,8 @@ def check_context_parallel(module: nn.Module, tokens: Tensor, group: Optional[di
         with _module_names(module) as where, ContextParallelAttention(shard, where, strict=False) as attention, \
                 _record(module, local, skipped):
             call_model(module, local_inputs)
-        _agree(attention.errors[0] if attention.errors else None, group, "")
-        _agree(_first_difference(whole, local, order, seq_len, cp, rank, skipped), group, _DIFFERS)
+        _agree(attention.errors[0] if attention.errors else None, group, "", tokens.device)
+        _agree(_first_difference(whole, local, order, seq_len, cp, rank, skipped), group, _DIFFERS, tokens.device)
         return info
     finally:
         for m, mode in was_training.items():
@@ -309,10 +309,11 @@ _DIFFERS = (
     "(they are global under cp), or use cp=1.")
 
 
-def _agree(problem: Optional[str], group: Optional[dist.ProcessGroup], message: str) -> None:
+def _agree(problem: Optional[str], group: Optional[dist.ProcessGroup], message: str, device: torch.device) -> None:
     """Every cp rank raises if one found a ``problem`` (no rank is left waiting in the next collective): the
-    ``message`` with ``{where}`` filled by the problem, or the problem itself when ``message`` is empty."""
-    flag = torch.tensor([0.0 if problem is None else 1.0])
+    ``message`` with ``{where}`` filled by the problem, or the problem itself when ``message`` is empty. The flag
+    is made on ``device``, the group's."""
+    flag = torch.tensor([0.0 if problem is None else 1.0], device=device)
     if group is not None:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if float(flag) == 0.0:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,8 +18,36 @@ from torch import Tensor, nn
 
 from lightning_4d import _compat
 
-__all__ = ["all_reduce_coalesced", "all_reduce_sum", "broadcast_module_state", "global_grad_norm", "grad_norm_share", "is_on_meta", "local_of",
-           "to_full"]
+__all__ = ["all_reduce_coalesced", "all_reduce_sum", "broadcast_module_state", "connect", "global_grad_norm",
+           "grad_norm_share", "is_on_meta", "local_of", "to_full"]
+
+
+_DESTROY_AT_EXIT: list[bool] = []  # the exit hook is registered once per process
+
+
+def _destroy_default_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def connect(cluster_environment: Any, backend: str, timeout: Any, device: torch.device) -> bool:
+    """Initialise the default process group through Lightning (an existing one is reused); returns whether it was
+    made here. A group made here is destroyed at the process's exit, on every rank (NCCL warns of, and may hang on,
+    one left alive), not at the strategy's teardown: ``trainer.validate`` after ``trainer.fit`` still uses it.
+
+    Example:
+        >>> # not run: needs a process group
+        >>> connect(LightningEnvironment(), "gloo", timedelta(minutes=5), torch.device("cpu"))  # doctest: +SKIP
+        True
+    """
+    import atexit
+
+    made = not dist.is_initialized()
+    _compat.init_dist_connection(cluster_environment, backend, timeout, device)
+    if made and not _DESTROY_AT_EXIT:
+        _DESTROY_AT_EXIT.append(True)
+        atexit.register(_destroy_default_group)
+    return made
 
 
 def all_reduce_sum(tensor: Tensor, group: Optional[dist.ProcessGroup] = None) -> Tensor:
@@ -130,9 +158,10 @@ def grad_norm_share(params: Iterable[nn.Parameter], norm_type: float = 2.0, pp: 
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     holders = world // pp  # ranks holding a shard or a copy of each parameter
     weighted: dict[float, list[Tensor]] = defaultdict(list)  # weight -> local gradient tensors
-    device: Union[str, torch.device] = "cpu"
+    device: Optional[torch.device] = None  # the parameters' (a rank without gradients still all-reduces there)
     for p in params:
         g = p.grad
+        device = device or p.device
         if g is None:
             continue
         if isinstance(g, DTensor):
@@ -145,7 +174,7 @@ def grad_norm_share(params: Iterable[nn.Parameter], norm_type: float = 2.0, pp: 
         else:
             weighted[1.0 / holders].append(g)
         device = g.device
-    total = torch.zeros((), dtype=torch.float32, device=device)
+    total = torch.zeros((), dtype=torch.float32, device=device or "cpu")
     for weight, grads in weighted.items():
         total = total + weight * _local_norm_pow(grads, norm_type).to(device)
     return total

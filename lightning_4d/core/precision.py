@@ -8,7 +8,9 @@ throughput monitor's peak FLOP/s, the communication monitor's expected bytes and
 Every set-up check that compares a rewritten forward with the unsharded one (tensor parallelism, pipeline
 stages, expert parallelism, a ``nn.Linear`` subclass) allows the same difference,
 :func:`allowed_difference`: ``1e-5 + rtol · max|expected|`` with ``rtol = max(1e-4, 16·eps)`` of the
-expected output's floating dtypes (fp32: ``1e-4``; bf16: ``0.125``; fp16: ``0.0156``).
+expected output's floating dtypes (fp32: ``1e-4``; bf16: ``0.125``; fp16: ``0.0156``), an fp32 matmul's eps being
+that of ``torch.get_float32_matmul_precision()`` (TF32's ``2^-10`` at ``"high"``: ``0.0156``). The strategy runs
+its set-up checks inside :func:`exact_fp32_matmul` (TF32 off), so they stay at ``1e-4`` whatever the user chose.
 
 A 16-bit run of a parallel layout is compared with one process in the same precision within
 :func:`parity_tolerance`, derived from the compute dtype's epsilon and the model's depth (``docs/precision.md``).
@@ -22,8 +24,9 @@ Example:
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Generator, Optional, Union
 
 import math
 
@@ -31,8 +34,9 @@ import torch
 
 from lightning_4d._compat import pytree
 
-__all__ = ["ABSOLUTE_TOLERANCE", "PLANNER_PRECISIONS", "PRECISIONS", "PRECISION_NAMES", "ParityTolerance", "Precision",
-           "allowed_difference", "max_difference", "output_tolerance", "parity_tolerance", "precision_info"]
+__all__ = ["ABSOLUTE_TOLERANCE", "MATMUL_EPS", "PLANNER_PRECISIONS", "PRECISIONS", "PRECISION_NAMES", "ParityTolerance",
+           "Precision", "allowed_difference", "exact_fp32_matmul", "matmul_eps", "max_difference", "output_tolerance",
+           "parity_tolerance", "precision_info"]
 
 
 @dataclass(frozen=True)
@@ -114,16 +118,66 @@ def precision_info(precision: Union[str, int]) -> Precision:
 #: Absolute part of the set-up checks' tolerance (outputs near zero).
 ABSOLUTE_TOLERANCE = 1e-5
 
+#: The eps of an fp32 matmul at each ``torch.get_float32_matmul_precision()``: full fp32, TF32 (10 mantissa bits),
+#: bf16 passes.
+MATMUL_EPS = {"highest": torch.finfo(_FP32).eps, "high": 2.0**-10, "medium": torch.finfo(_BF16).eps}
+
+
+def matmul_eps() -> float:
+    """:data:`MATMUL_EPS` of the current fp32 matmul precision (TF32's where torch cannot name it: precisions set
+    per backend in a mix).
+
+    Example:
+        >>> matmul_eps() == torch.finfo(torch.float32).eps  # torch's default, "highest"
+        True
+    """
+    try:
+        return MATMUL_EPS.get(torch.get_float32_matmul_precision(), MATMUL_EPS["high"])
+    except RuntimeError:
+        return MATMUL_EPS["high"]
+
+
+@contextmanager
+def exact_fp32_matmul() -> Generator[None, None, None]:
+    """fp32 matmuls in full fp32 inside (``torch.set_float32_matmul_precision("highest")``: no TF32), the user's
+    precision restored after: the set-up checks compare a rewrite with the whole model in exact fp32 even where the
+    user switched TF32 on (Lightning suggests it on every Ampere/Hopper run). Left as it is where torch cannot name
+    the precision (set per backend in a mix); the tolerance then assumes TF32 (:func:`matmul_eps`).
+
+    Example:
+        >>> torch.set_float32_matmul_precision("high")
+        >>> with exact_fp32_matmul():
+        ...     torch.get_float32_matmul_precision()
+        'highest'
+        >>> torch.get_float32_matmul_precision()
+        'high'
+        >>> torch.set_float32_matmul_precision("highest")
+    """
+    try:
+        before = torch.get_float32_matmul_precision()
+    except RuntimeError:
+        yield
+        return
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
 
 def output_tolerance(expected: Any) -> float:
-    """Relative tolerance for comparing with ``expected``: ``1e-4`` in fp32, ``16·eps`` of lower precisions.
+    """Relative tolerance for comparing with ``expected``: ``max(1e-4, 16·eps)`` over its floating dtypes, an fp32
+    output's eps being its matmuls' (:func:`matmul_eps`): ``1e-4`` in fp32, ``0.0156`` under TF32.
 
     Example:
         >>> output_tolerance(torch.ones(1, dtype=torch.bfloat16))
         0.125
+        >>> output_tolerance(torch.ones(1))
+        0.0001
     """
     dtypes = [t.dtype for t in pytree.tree_leaves(expected) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    return max([1e-4] + [16 * torch.finfo(d).eps for d in dtypes])
+    return max([1e-4] + [16 * (max(torch.finfo(d).eps, matmul_eps()) if d == _FP32 else torch.finfo(d).eps)
+                         for d in dtypes])
 
 
 def allowed_difference(expected: Any, scale: float) -> float:

@@ -237,9 +237,9 @@ def install_token_shard_check(layers: dict[str, nn.Module], tp_group: dist.Proce
                     f"MoE layer '{name}' receives a DTensor ({x.placements}); expert parallelism needs this rank's "
                     f"tokens as a plain tensor. Fix: in {hook_call(TP_PLAN)}, give it PrepareModuleInput(input_layouts="
                     f"(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True).")
-            x64 = x.detach().double()
-            mine = torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64), x64.sum().cpu(),
-                                x64.square().sum().cpu(), x64.reshape(-1)[: x.shape[-1]].abs().sum().cpu()])
+            x64 = x.detach().double()  # the fingerprint stays on the tokens' device: the tp group's
+            mine = torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device), x64.sum(),
+                                x64.square().sum(), x64.reshape(-1)[: x.shape[-1]].abs().sum()])
             size = dist.get_world_size(tp_group)
             every = [torch.empty_like(mine) for _ in range(size)]
             with internal_comm():

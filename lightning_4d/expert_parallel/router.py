@@ -2,8 +2,9 @@
 
 Math (per token ``x``, ``E`` experts, ``k`` chosen):
 
-- ``logits = gate(x)`` (a bias-free ``Linear(H, E)``); ``scores = softmax(logits)`` or ``sigmoid(logits)``
-  in fp32;
+- ``logits = gate(x)`` (a bias-free ``Linear(H, E)``) and ``scores = softmax(logits)`` or ``sigmoid(logits)``,
+  both in fp32 whatever the precision (autocast off, as TorchTitan's and Megatron's fp32 routers): a bf16 logit's
+  rounding would flip near-tied top-k choices between runs that differ only in summation order;
 - selection: ``topk(scores + expert_bias, k)``, where ``expert_bias`` is a non-gradient buffer used for
   selection only (DeepSeek-V3's aux-loss-free balancing; zero unless ``bias_update_rate > 0``);
 - weights: ``scores`` at the chosen experts, divided by their sum if ``renormalize``, times
@@ -34,6 +35,7 @@ from typing import Literal, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_4d.expert_parallel.dispatch import all_reduce_
@@ -155,7 +157,8 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> RouterOutput:
         """Route ``x`` of shape ``(N, H)``."""
-        logits = self.gate(x)  # (N, E)
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.gate.weight.float())  # (N, E) fp32
         if self.score_func == "softmax":
             scores = torch.softmax(logits, dim=-1, dtype=torch.float32)  # (N, E)
         else:

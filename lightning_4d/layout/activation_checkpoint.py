@@ -1,6 +1,8 @@
 """Activation checkpointing per block: ``"full"`` recomputes the whole block in backward,
-``"selective"`` saves the outputs of matrix multiplications, attention and collectives and recomputes the rest
-(norms, activations, elementwise ops) — the usual trade of TorchTitan / Megatron's selective recompute.
+``"selective"`` saves the outputs of matrix multiplications, attention (every fused SDPA kernel, cuDNN's included)
+and the reducing collectives of tensor / sequence parallelism (all-reduce, reduce-scatter, all-to-all: not sent
+again in backward) and recomputes the rest (norms, activations, elementwise ops, all-gathers) — the usual trade of
+TorchTitan / Megatron's selective recompute.
 
 The block's ``forward`` is wrapped in place (no wrapper module), so parameter names and checkpoints
 are unchanged.
@@ -34,6 +36,7 @@ SAVE_OPS = {
     torch.ops.aten.baddbmm.default,
     torch.ops.aten.linear.default,
     *_compat.attention_ops(),  # the fused SDPA kernels (private aten ops)
+    *_compat.reducing_collective_ops(),  # DTensor's functional all-reduce / reduce-scatter / all-to-all
 }
 
 

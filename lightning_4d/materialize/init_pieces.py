@@ -32,8 +32,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["CHUNK_ELEMENTS", "SCRATCH_BYTES_PER_ELEMENT", "Region", "Step", "covers", "draw_key", "evaluate", "normal01",
-           "scratch_bytes", "uniform01", "unwritten_fill"]
+__all__ = ["CHUNK_ELEMENTS", "SCRATCH_BYTES_PER_ELEMENT", "Region", "Step", "covers", "draw_key", "evaluate", "live_steps",
+           "normal01", "scratch_bytes", "uniform01", "unwritten_fill"]
 
 CHUNK_ELEMENTS = 1 << 16  # elements of a rank's shard computed at once (smaller chunks stay in cache: faster too)
 # Peak bytes per element of a chunk (positions, counter hashes, float64 draws and their temporaries, the step's
@@ -273,6 +273,22 @@ class Step:
     def defines(self) -> bool:
         """Whether the step sets its elements regardless of their earlier value."""
         return self.kind in ("uniform", "normal", "trunc_normal", "fill", "copy")
+
+
+def live_steps(steps: Sequence[Step]) -> list[Step]:
+    """``steps`` from the last one that defines the whole tensor on (the earlier ones are overwritten): what
+    :func:`evaluate` needs for the same bits. A model's constructor and its ``init_weights`` often draw every weight
+    several times (the package's Llama: ``nn.Linear``'s kaiming-uniform, then a normal twice); only the last draw
+    is computed. The draws keep their keys, so the skipped ones change no later draw.
+
+    Example:
+        >>> whole = Region.whole_of((4,))
+        >>> [s.kind for s in live_steps([Step("uniform", whole, (0, 1)), Step("normal", whole, (0, 1)),
+        ...                               Step("fill", Region(0, (2,), (1,), 4), (0.0,))])]
+        ['normal', 'fill']
+    """
+    last = max((i for i, s in enumerate(steps) if s.defines and s.region.whole), default=0)
+    return list(steps[last:])
 
 
 def _gather(src: Tensor, sizes: tuple[int, ...], index: list[Optional[Tensor]], count: int) -> Tensor:

@@ -58,7 +58,9 @@ from torch import Tensor, nn
 from lightning_4d.core.distributed import is_on_meta
 from lightning_4d._compat import init_calls, release_freed_host_memory, returnable_host_empty, to_empty_keeping_ties
 from lightning_4d._compat.dispatch import dispatch_mode_base
-from lightning_4d.materialize.init_pieces import CHUNK_ELEMENTS, Region, Step, covers, evaluate, scratch_bytes, unwritten_fill
+from lightning_4d.materialize.init_pieces import (
+    CHUNK_ELEMENTS, Region, Step, covers, evaluate, live_steps, scratch_bytes, unwritten_fill,
+)
 from lightning_4d.analysis.hooks import WeightSource  # noqa: F401 - re-exported (the protocol's historical home)
 from lightning_4d.materialize.init_record import Recorder, RecordingTensor
 from lightning_4d.materialize.load_sources import load_sources, weight_sources
@@ -97,6 +99,7 @@ class MaterializeReport:
     local_bytes: int = 0  # this rank's shards
     loaded: int = 0  # tensors read from a WeightSource instead of initialised
     loaded_in_pieces: int = 0  # of those, read in row pieces (only the rows holding this rank's elements)
+    superseded_steps: int = 0  # recorded steps a later whole-tensor write overwrites: never computed
 
 
 def module_copy(module: nn.Module, to_meta: bool = False) -> nn.Module:
@@ -276,11 +279,15 @@ def materialize_local_shards(skeleton: nn.Module, sharded: nn.Module, device: to
             write_full(target, full, perm, index)
         entry.written = True
 
-    # Tensors the user created for real (not on meta) keep their values (rank 0's under sync_module_states).
+    # Tensors the user created for real (not on meta) keep their values (rank 0's under sync_module_states),
+    # broadcast from a copy on the device (the user may have made them on the host).
     for entry in entries.values():
         if not entry.meta.is_meta and sync_module_states and dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.broadcast(entry.meta.data, src=dist.get_global_rank(group, 0) if group is not None else 0,
-                           group=group)
+            value = entry.meta.detach()
+            on_device = value.to(device)
+            dist.broadcast(on_device, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+            if on_device is not value:
+                value.copy_(on_device)
 
     provided = _source_provided(skeleton, entries) if pretrained else set()
     _run_calls(skeleton, entries, device, seed, places, write, provided, report)
@@ -555,8 +562,13 @@ def _run_calls(skeleton: nn.Module, entries: dict[int, _Entry], device: torch.de
             reason = str(exc).split("\n")[0][:200]
         else:
             for key, steps in recorder.steps.items():
-                entries[key].steps.extend(steps)
-                entries[key].defined.extend(s.region for s in steps if s.defines)
+                entry = entries[key]
+                live = live_steps([*entry.steps, *steps])
+                report.superseded_steps += len(entry.steps) + len(steps) - len(live)
+                entry.steps = live
+                if live[0].defines and live[0].region.whole:
+                    entry.base_local = False  # the values a whole-tensor call left are overwritten too
+                entry.defined.extend(s.region for s in steps if s.defines)
             draws = recorder.draws
             continue
         for tensor, before in real:  # undo what the attempt wrote to real tensors

@@ -9,8 +9,11 @@ internals, both isolated in :func:`lightning_4d._compat.time_stage_compute` and
 stage, kind, microbatch, t0, t1)``; the whole ``schedule.step`` is recorded as kind ``"step"``.
 
 :func:`bubble_share` turns events (gathered from all pp ranks) into ``1 − busy / makespan`` per
-rank or per stage, averaged over steps. Timestamps use ``time.perf_counter`` (``CLOCK_MONOTONIC``,
-shared by processes of one host); across hosts use ``makespan="rank"`` (each rank's own step span).
+rank or per stage, averaged over steps. On a CPU stage timestamps are ``time.perf_counter`` (``CLOCK_MONOTONIC``,
+shared by processes of one host). On a CUDA stage the host only queues kernels, so each action is timed by CUDA
+events on the stage's device instead, read after the step (one ``synchronize`` per instrumented step, before it, so
+that the step's first event sits at the host's clock and ranks of one host compare); across hosts use
+``makespan="rank"`` (each rank's own step span).
 
 Example:
     >>> # not run: needs a process group
@@ -23,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -65,6 +69,47 @@ class PipelineEvent:
         return self.t1 - self.t0
 
 
+class _HostClock:
+    """Host seconds: a CPU stage computes while it is called."""
+
+    def start(self) -> None:
+        pass
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def seconds(self, mark: float) -> float:
+        return mark
+
+
+class _CudaClock:
+    """CUDA events on ``device``'s current stream, turned into host seconds after the step: the step starts with a
+    ``synchronize``, so its first event is at the host time read then, and every later one that much after it."""
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+        self.base: Any = None
+        self.base_host = 0.0
+
+    def start(self) -> None:
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        self.base_host = time.perf_counter()
+        self.base = self.mark()
+
+    def mark(self) -> Any:
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def seconds(self, mark: Any) -> float:
+        mark.synchronize()
+        return self.base_host + self.base.elapsed_time(mark) / 1e3  # elapsed_time: milliseconds
+
+
 class PipelineInstrument:
     """Records :class:`PipelineEvent` objects for this rank's stages while the schedule steps.
 
@@ -86,6 +131,10 @@ class PipelineInstrument:
         self.events: list[PipelineEvent] = []
         self.step_index = 0
         self.rank = int(self.stages[0].group_rank) if self.stages else 0
+        device = getattr(self.stages[0], "device", None) if self.stages else None
+        self.clock: Union[_HostClock, _CudaClock] = _CudaClock(device) if getattr(device, "type", None) == "cuda" \
+            else _HostClock()
+        self._pending: list[tuple[Optional[int], str, Optional[int], Any, Any]] = []  # marks of the running step
         self._patched: list[tuple[Union[PipelineStage, PipelineSchedule], str]] = []
         self._attach()
 
@@ -94,8 +143,15 @@ class PipelineInstrument:
         """Instrument a :class:`~lightning_4d.pipeline.runner.PipelineRunner` (its ``stages`` and ``schedule``)."""
         return cls(runner.stages, runner.schedule)
 
-    def _record(self, stage: Optional[int], kind: str, mb: Optional[int], t0: float, t1: float) -> None:
-        self.events.append(PipelineEvent(self.step_index, self.rank, stage, kind, mb, t0, t1))
+    def _record(self, stage: Optional[int], kind: str, mb: Optional[int], t0: Any, t1: Any) -> None:
+        self._pending.append((stage, kind, mb, t0, t1))
+
+    def _resolve(self) -> None:
+        """The running step's marks as :class:`PipelineEvent` s in seconds (CUDA events are read here)."""
+        seconds = self.clock.seconds
+        self.events.extend(PipelineEvent(self.step_index, self.rank, stage, kind, mb, seconds(t0), seconds(t1))
+                           for stage, kind, mb, t0, t1 in self._pending)
+        self._pending.clear()
 
     def _attach(self) -> None:
         for stage in self.stages:
@@ -104,14 +160,17 @@ class PipelineInstrument:
             def on_compute(kind: str, chunk: int, t0: float, t1: float, index: int = index) -> None:
                 self._record(index, kind, chunk, t0, t1)
 
-            self._patched.extend((stage, name) for name in _compat.time_stage_compute(stage, on_compute))
+            self._patched.extend((stage, name) for name in _compat.time_stage_compute(stage, on_compute,
+                                                                                      self.clock.mark))
 
-        def on_step(t0: float, t1: float) -> None:
+        def on_step(t0: Any, t1: Any) -> None:
             self._record(None, "step", None, t0, t1)
+            self._resolve()
             self.step_index += 1
 
         wait = lambda a, b: self._record(None, "wait", None, a, b)  # noqa: E731
-        self._patched.extend((self.schedule, n) for n in _compat.time_schedule_step(self.schedule, wait, on_step))
+        self._patched.extend((self.schedule, n) for n in _compat.time_schedule_step(
+            self.schedule, wait, on_step, self.clock.mark, self.clock.start))
 
     def detach(self) -> None:
         """Remove the wrappers (instance attributes), restoring torch's methods."""

@@ -20,10 +20,10 @@ compute bytes ``c`` = 2 for bf16, activation ``A = b·s·h·c``):
   norms' gradients, one DTensor all-reduce per tensor and micro-batch inside a data-parallel wrapper
   (dp > 1; without one, dp = 1, they stay Partial until the strategy resolves them once per step); the
   router's and shared experts' fp32 gradients, summed over tp once per step by the strategy on the
-  rank's FSDP shard. Activation checkpointing (``full``, and ``selective``, whose policy saves only
-  matmul outputs) runs each block's forward again in backward, with its collectives, up to the last
-  one whose output backward needs (torch's early stop): a dense block's MLP output reduction is not
-  repeated.
+  rank's FSDP shard. Activation checkpointing runs each block's forward again in backward, with its
+  collectives, up to the last one whose output backward needs (torch's early stop): a dense block's MLP
+  output reduction is not repeated; ``selective`` saves the region outputs' reduce-scatters / all-reduces
+  (:mod:`lightning_4d.layout.activation_checkpoint`), so only the all-gathers run again.
 - **pp** (per micro-batch): each stage boundary to another rank carries one activation ``A`` forward
   (``A / t`` with SP: a rank sends its sequence shard) and its gradient backward; with tied embeddings on two
   ranks, the first and last stage exchange the table's local gradient shard once per step.
@@ -179,7 +179,8 @@ def fsdp_elements(shapes: list[tuple[int, int]], n: int) -> int:
 
 
 def _tp(spec: TransformerSpec, dims: ParallelDims, layers: list[int], first: bool, last: bool, m: int,
-        act: float, bs: int, c: int, recompute: bool = False, dp_shards: int = 1) -> list[Collective]:
+        act: float, bs: int, c: int, recompute: bool = False, dp_shards: int = 1,
+        recompute_outputs: bool = False) -> list[Collective]:
     t = dims.tp
     if t == 1:
         return []
@@ -187,9 +188,9 @@ def _tp(spec: TransformerSpec, dims: ParallelDims, layers: list[int], first: boo
     moe = len(layers) - dense
     # A recomputed forward (activation checkpointing) repeats the blocks' forward collectives, except the
     # last one of a dense block (its MLP output feeds only the residual sum, so torch's checkpoint stops
-    # recomputing before it).
+    # recomputing before it) and, under "selective", the region outputs (their results are saved).
     redo_in = m * (2 * dense + moe) if recompute else 0  # SP all-gathers (region inputs)
-    redo_out = m * (dense + moe) if recompute else 0  # SP reduce-scatters / all-reduces (region outputs)
+    redo_out = m * (dense + moe) if recompute_outputs else 0  # SP reduce-scatters / all-reduces (region outputs)
     out = []
     if dims.sp:
         pairs = m * (4 * dense + 2 * moe)  # all-gather + reduce-scatter pairs, forward + backward
@@ -342,7 +343,8 @@ def comm_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
     style = stage_style(train.schedule, dims.pp)
     num_stages = dims.num_stages
     # Checkpointed blocks run their forward again in backward; its collectives with it (the package's
-    # "selective" policy saves matmul outputs only, so collectives are recomputed there too).
+    # "selective" policy also saves the outputs of tp's reduce-scatters / all-reduces: those are not repeated;
+    # the expert and cp collectives, not functional ones, are).
     recompute = train.activation_checkpointing in ("full", "selective")
     padding = expert_padding(spec, dims)
     from lightning_4d.pipeline.partition import stage_ids_for_rank, stage_to_rank
@@ -351,7 +353,8 @@ def comm_per_rank(spec: TransformerSpec, dims: ParallelDims, train: TrainSpec,
     for r, layers in enumerate(layout):
         first, last = r == 0, r == stage_to_rank(num_stages - 1, dims.pp, style)
         fsdp_ranks = {"fsdp": dims.dp_cp, "hsdp": _dp_shard(dims, train)}.get(train.data_parallel, 1)
-        recs = _tp(spec, dims, layers, first, last, m, act, b * s, c, recompute, fsdp_ranks)
+        recs = _tp(spec, dims, layers, first, last, m, act, b * s, c, recompute, fsdp_ranks,
+                   recompute_outputs=train.activation_checkpointing == "full")
         if dims.pp > 1:
             stages = stage_ids_for_rank(r, dims.pp, dims.virtual_stages, style)
             fwd = sum(1 for st in stages if st < num_stages - 1 and stage_to_rank(st + 1, dims.pp, style) != r)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,7 +54,9 @@ if TYPE_CHECKING:
     from lightning_4d.strategy import FourDStrategy
 
 __all__ = [
+    "ALLOC_CONF_ENV",
     "RunResult",
+    "apply_cuda_alloc_conf",
     "build_callbacks",
     "build_data",
     "build_loggers",
@@ -568,6 +571,30 @@ def _finish_launch(saved: Optional[dict[str, Optional[str]]]) -> None:
             os.environ[key] = value
 
 
+ALLOC_CONF_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch reads either; the first is set
+
+
+def apply_cuda_alloc_conf(value: Optional[str]) -> None:
+    """Set ``PYTORCH_CUDA_ALLOC_CONF=value`` (``trainer.cuda_alloc_conf``; ``gpu.yaml``: ``expandable_segments:True``)
+    where the environment sets neither allocator variable. CUDA's caching allocator reads it once, when CUDA
+    initialises: :func:`run` calls this first, before anything touches a GPU, and the ranks Lightning's launcher
+    starts inherit it. A value that comes too late (CUDA already initialised) is refused with a warning.
+
+    Example:
+        >>> apply_cuda_alloc_conf(None)  # nothing to set
+    """
+    if not value or any(name in os.environ for name in ALLOC_CONF_ENV):
+        return
+    import torch
+
+    if torch.cuda.is_initialized():
+        warnings.warn(f"trainer.cuda_alloc_conf={value!r} is ignored: CUDA was initialised before the recipe ran, and "
+                      f"its allocator reads {ALLOC_CONF_ENV[0]} only then. Set it in the environment instead.",
+                      stacklevel=2)
+        return
+    os.environ[ALLOC_CONF_ENV[0]] = value
+
+
 def run(cfg: Config, callbacks: Sequence[L.Callback] = ()) -> RunResult:
     """Validate, check resources (fail fast), then build data, Trainer and model, and train.
 
@@ -586,6 +613,7 @@ def run(cfg: Config, callbacks: Sequence[L.Callback] = ()) -> RunResult:
     from lightning_4d.recipes.observe import check_logger
 
     c = validate(cfg)
+    apply_cuda_alloc_conf(c.trainer.cuda_alloc_conf)  # before anything initialises CUDA
     check_logger(c.logger.name)  # a logger whose package is missing fails before anything is built
     report: Optional[ResourceReport] = check_resources(c) if c.check_resources else None
     root = output_dir(c)

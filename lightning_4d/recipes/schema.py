@@ -218,6 +218,10 @@ class TrainerConfig:
     default_root_dir: Optional[str] = None
     deterministic: bool = False
     float32_matmul_precision: str = "highest"  # torch.set_float32_matmul_precision before the Trainer is built
+    #: ``PYTORCH_CUDA_ALLOC_CONF`` for the run (e.g. ``expandable_segments:True``), set before CUDA initialises
+    #: unless the environment sets it (:func:`lightning_4d.recipes.build.apply_cuda_alloc_conf`); not a Trainer
+    #: argument.
+    cuda_alloc_conf: Optional[str] = None
 
     def __post_init__(self) -> None:
         _one_of("trainer.accelerator", self.accelerator, _ACCELERATORS)

@@ -14,11 +14,13 @@ Example:
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["replicated_over_tp", "replica_mismatches"]
+__all__ = ["replica_mismatches", "replica_rtol", "replicated_over_tp"]
 
 
 def replicated_over_tp(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -48,9 +50,23 @@ def replicated_over_tp(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def replica_mismatches(module: nn.Module, tp_group: dist.ProcessGroup, rtol: float = 1e-6) -> list[str]:
-    """Names of TP-replicated parameters whose copies differ across ``tp_group`` (collective: call on
-    every rank of the group, same module structure).
+def replica_rtol() -> float:
+    """The relative spread :func:`replica_mismatches` accepts: ``1e-6`` with full fp32 matmuls, scaled by the
+    eps of the current fp32 matmul precision (:func:`lightning_4d.core.precision.matmul_eps`: ``8.2e-3`` under TF32),
+    since the step that produced the values ran at the user's precision.
+
+    Example:
+        >>> replica_rtol()
+        1e-06
+    """
+    from lightning_4d.core.precision import MATMUL_EPS, matmul_eps
+
+    return 1e-6 * matmul_eps() / MATMUL_EPS["highest"]
+
+
+def replica_mismatches(module: nn.Module, tp_group: dist.ProcessGroup, rtol: Optional[float] = None) -> list[str]:
+    """Names of TP-replicated parameters whose copies differ across ``tp_group`` by more than ``rtol`` relative
+    (default :func:`replica_rtol`; collective: call on every rank of the group, same module structure).
 
     Example:
         >>> # not run: needs a process group
@@ -71,4 +87,5 @@ def replica_mismatches(module: nn.Module, tp_group: dist.ProcessGroup, rtol: flo
     every = torch.stack(gathered)  # (tp, P, 2)
     spread = (every.max(0).values - every.min(0).values).abs().amax(-1)  # (P,)
     scale = every.abs().amax(0).amax(-1).clamp_min(1e-12)  # (P,)
+    rtol = replica_rtol() if rtol is None else rtol
     return [name for (name, _), s, m in zip(params, spread.tolist(), scale.tolist()) if s > rtol * m]

@@ -49,7 +49,10 @@ class Case:
 CASES = (
     Case("tp=2", "llama", {"tp": 2}, 2),
     Case("pp=2", "llama", {"pp": 2}, 2),
-    Case("ep=2", "moe", {"ep": 2}, 2),
+    # Every token to every expert: a top-k choice is discrete, and in 16 bits the rounding differences between any
+    # two summation orders flip near-tied choices (one token moved changes an expert's gradient by ~10 % at this
+    # size, in one process too against fp32); the choice itself is held to fp32 parity by the MoE tests.
+    Case("ep=2", "moe-all", {"ep": 2}, 2),
     Case("cp=2", "llama", {"cp": 2}, 2),
     Case("tp=2 × pp=2 × dp=2", "llama", {"tp": 2, "pp": 2}, 8),
 )

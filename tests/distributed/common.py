@@ -60,8 +60,10 @@ def build_model(kind: str) -> torch.nn.Module:
     if kind.startswith("moe"):
         from tests.distributed.moe_models import build_moe_model
 
-        # "moe", "moe-aux" (aux loss), "moe-bias" (aux-loss-free bias update)
-        return build_moe_model(aux=0.01 if kind == "moe-aux" else 0.0, bias_rate=1e-3 if kind == "moe-bias" else 0.0)
+        # "moe", "moe-aux" (aux loss), "moe-bias" (aux-loss-free bias update), "moe-all" (every token to every
+        # expert: no top-k choice that a 16-bit rounding could flip)
+        return build_moe_model(aux=0.01 if kind == "moe-aux" else 0.0, bias_rate=1e-3 if kind == "moe-bias" else 0.0,
+                               top_k=4 if kind == "moe-all" else 2)
     if kind == "mixtral":
         from tests.distributed.moe_models import build_mixtral_model
 
@@ -270,6 +272,9 @@ def fit_spec(spec: dict[str, Any]) -> dict[str, Any]:
         # Lightning's DistributedSampler shuffles training data with seed 0 and gives rank r the
         # r-th of every dp indices, so global batch i is perm[i·B:(i+1)·B]: replay that order.
         order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0)).tolist()
+        if spec.get("reorder"):  # the same batches, their samples reversed or rotated: other summation orders
+            turn = (lambda part: part[1:] + part[:1]) if spec["reorder"] == "rotate" else (lambda part: part[::-1])
+            order = [i for start in range(0, len(order), batch) for i in turn(order[start:start + batch])]
         loader = DataLoader(data, batch_size=batch, sampler=order)
     else:
         loader = DataLoader(data, batch_size=batch, shuffle=False)
@@ -287,7 +292,7 @@ def fit_spec(spec: dict[str, Any]) -> dict[str, Any]:
     trainer.fit(lm, train_dataloaders=loader)
     if strategy_kwargs is not None and trainer.strategy.dims.tp > 1:
         assert_replicas_identical(lm, trainer.strategy.mesh)
-    result: dict[str, Any] = {"losses": recorder.losses, "grads": full_grads(lm)}
+    result: dict[str, Any] = {"losses": recorder.losses, "grads": full_grads(lm), "spec": spec}
     if strategy_kwargs is not None:  # whether the loss ran under loss_parallel (a vocabulary-parallel head)
         result["loss_parallel"] = bool(getattr(trainer.strategy.plan, "loss_parallel", False))
     if syncs is not None:
@@ -338,40 +343,69 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / max(float(b.float().norm()), 1e-12))
 
 
-def assert_parity(got: dict[str, Any], ref: dict[str, Any], tol: float = 1e-5, label: str = "") -> float:
-    """Losses and gradients within ``tol`` relative; returns the worst error seen."""
-    worst = 0.0
-    assert len(got["losses"]) == len(ref["losses"]), (label, got["losses"], ref["losses"])
-    for i, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
-        err = abs(a - b) / max(abs(b), 1e-12)
-        worst = max(worst, err)
-        assert err <= tol, f"{label}: loss at step {i}: {a} vs {b} (rel {err:.2e})"
-    extra = set(got["grads"]) - set(ref["grads"])
+#: How many times its reference's own reordering noise a quantity may differ by (see :func:`assert_parity`).
+NOISE_FACTOR = 4.0
+
+
+def parity_errors(got: dict[str, Any], ref: dict[str, Any]) -> dict[str, float]:
+    """Relative error of every quantity ``ref`` records, by name (``loss 0``, ``grad <name>``, ``buffer <name>``,
+    ``val_loss``, ``predictions``); a tied weight's second name under PP is checked to equal a gradient instead."""
+    assert len(got["losses"]) == len(ref["losses"]), (got["losses"], ref["losses"])
+    errs = {f"loss {i}": abs(a - b) / max(abs(b), 1e-12) for i, (a, b) in enumerate(zip(got["losses"], ref["losses"]))}
     # Under PP a weight tied between first and last stage has a second name on the last stage.
-    assert set(ref["grads"]) <= set(got["grads"]), f"{label}: missing {set(ref['grads']) - set(got['grads'])}"
-    for name in extra:
+    assert set(ref["grads"]) <= set(got["grads"]), f"missing {set(ref['grads']) - set(got['grads'])}"
+    for name in set(got["grads"]) - set(ref["grads"]):
         assert any(torch.equal(got["grads"][name], g) for g in got["grads"].values() if g is not got["grads"][name]), (
-            f"{label}: unexpected parameter {name}")
-    for name, g in ref["grads"].items():
-        err = rel_err(got["grads"][name], g)
-        worst = max(worst, err)
-        if err > tol:
-            bad = sorted(((rel_err(got["grads"][n], r), n) for n, r in ref["grads"].items()), reverse=True)[:5]
-            raise AssertionError(f"{label}: grad {name} rel err {err:.2e}; worst: {bad}")
-    for name, b in ref.get("buffers", {}).items():
-        err = rel_err(got["buffers"][name], b)
-        worst = max(worst, err)
-        assert err <= tol, f"{label}: buffer {name} rel err {err:.2e}"
+            f"unexpected parameter {name}")
+    errs.update({f"grad {name}": rel_err(got["grads"][name], g) for name, g in ref["grads"].items()})
+    errs.update({f"buffer {name}": rel_err(got["buffers"][name], b) for name, b in ref.get("buffers", {}).items()})
     if "val_loss" in ref:
-        err = abs(got["val_loss"] - ref["val_loss"]) / abs(ref["val_loss"])
-        worst = max(worst, err)
-        assert err <= tol, f"{label}: val_loss {got['val_loss']} vs {ref['val_loss']}"
+        errs["val_loss"] = abs(got["val_loss"] - ref["val_loss"]) / abs(ref["val_loss"])
     if "predictions" in ref:
-        err = rel_err(got["predictions"], ref["predictions"])
-        worst = max(worst, err)
-        assert err <= tol, f"{label}: predictions rel err {err:.2e}"
+        errs["predictions"] = rel_err(got["predictions"], ref["predictions"])
+    return errs
+
+
+def reordering_noise(ref: dict[str, Any]) -> Optional[dict[str, float]]:
+    """The reference's own rounding noise, per quantity (:func:`parity_errors` names): its difference from the same
+    single-process run with each batch's samples in reverse order (the same batches, so the same mathematics; other
+    summation orders in every reduction over the batch). Run once per reference, on first need, and kept in it;
+    ``None`` for a result that is not a single-process :func:`fit_spec` run."""
+    if "noise" not in ref:
+        spec = ref.get("spec")
+        single = spec is not None and spec.get("strategy") is None
+        ref["noise"] = parity_errors(fit_spec(dict(spec, reorder=True)), ref) if single else None
+    return ref["noise"]
+
+
+def assert_parity(got: dict[str, Any], ref: dict[str, Any], tol: float = 1e-5, label: str = "") -> float:
+    """Losses, gradients, buffers, validation loss and predictions of ``got`` within their tolerance of ``ref``'s;
+    returns the worst relative error seen.
+
+    Each quantity's tolerance is derived from the same computation's scale: ``max(tol, NOISE_FACTOR · noise)``,
+    where ``noise`` is that quantity's :func:`reordering_noise` — how far the single-process reference itself moves
+    when only its summation order changes (its samples reversed within each batch). A sharded run sums the same
+    terms in yet another order, so it differs by that much on any CPU or GPU (on one AMD EPYC, a meta-built Llama's
+    ``feed_forward.w2`` gradient after three AdamW steps under cp=2: 1.36e-5 from the reference, which its own
+    reversed-batch run differs from by 1.56e-5). ``tol`` (about 1e-5 relative in fp32) is the floor, so the
+    reordering run is made only when some quantity exceeds it; a quantity may then differ by a few times its own
+    noise, never more — a wrong layout, a gradient scaled by ``1 + 1e-4`` or a loss off by 1e-4 still fail (see
+    tests/distributed/test_parity_tolerance.py). Without a single-process reference (``ref`` not from
+    :func:`fit_spec`) the tolerance is ``tol``.
+    """
+    errs = parity_errors(got, ref)
+    tols = dict.fromkeys(errs, tol)
+    if any(err > tol for err in errs.values()):
+        noise = reordering_noise(ref) or {}
+        tols = {k: max(tol, NOISE_FACTOR * noise.get(k, 0.0)) for k in errs}
+    bad = sorted(((err / tols[k], k) for k, err in errs.items() if err > tols[k]), reverse=True)
+    if bad:
+        noise = ref.get("noise") or {}
+        raise AssertionError(f"{label}: " + "; ".join(
+            f"{k} rel err {errs[k]:.2e} > tol {tols[k]:.2e} (reordering noise {noise.get(k, float('nan')):.2e})"
+            for _, k in bad[:5]))
     assert all(math.isfinite(x) for x in got["losses"])
-    return worst
+    return max(errs.values(), default=0.0)
 
 
 def world_fit(rank: int, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:

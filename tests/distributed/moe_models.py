@@ -12,10 +12,10 @@ from lightning_4d.models.moe import MoEConfig, MoETransformer
 VOCAB, SEQ = 64, 16
 
 
-def build_moe_model(aux: float = 0.0, bias_rate: float = 0.0) -> nn.Module:
-    """The package's MoE transformer: 2 layers, 4 experts, top-2, one shared expert."""
+def build_moe_model(aux: float = 0.0, bias_rate: float = 0.0, top_k: int = 2) -> nn.Module:
+    """The package's MoE transformer: 2 layers, 4 experts, top-``top_k`` (2), one shared expert."""
     return MoETransformer(MoEConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=8, n_kv_heads=4, max_seq_len=SEQ,
-                                    num_experts=4, top_k=2, expert_hidden=32, shared_experts=1,
+                                    num_experts=4, top_k=top_k, expert_hidden=32, shared_experts=1,
                                     aux_loss_coef=aux, bias_update_rate=bias_rate))
 
 

@@ -48,6 +48,7 @@ SAMPLES: dict[str, tuple[str, Any, list[str]]] = {
     "cp_algorithm": ("ulysses", "ulysses", ["parallel.cp=2"]),
     "plan": ("layout_plan.json", "layout_plan.json", []),  # a path, loaded and checked at set-up
     "async_checkpoint": ("true", True, []),
+    "nccl_flight_recorder": ("false", False, []),
 }
 
 

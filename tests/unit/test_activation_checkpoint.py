@@ -56,3 +56,43 @@ def test_checkpointing_recomputes_and_keeps_gradients() -> None:
 def test_bad_mode() -> None:
     with pytest.raises(ValueError, match="activation_checkpointing='some'"):
         apply_activation_checkpointing([torch.nn.Linear(2, 2)], "some")
+
+
+def test_selective_saves_cudnn_attention_and_reducing_collectives() -> None:
+    """As TorchTitan's policy: cuDNN attention (what torch picks on an H100) is saved, and so are DTensor's
+    all-reduce / reduce-scatter outputs (a recomputation would send them again); all-gathers are recomputed."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    from lightning_4d.layout.activation_checkpoint import SAVE_OPS
+    from lightning_4d.planner.fake_world import fake_world
+
+    cudnn = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)
+    assert cudnn is None or cudnn.default in SAVE_OPS
+
+    class RowParallel(torch.nn.Module):  # a row-parallel matmul: its partial sums all-reduced, then reduce-scattered
+        def __init__(self, mesh: Any) -> None:
+            super().__init__()
+            self.lin, self.mesh = torch.nn.Linear(4, 4), mesh
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            partial = DTensor.from_local(self.lin(x), self.mesh, [Partial()])
+            whole = partial.redistribute(placements=[Replicate()])  # all-reduce
+            part = DTensor.from_local(self.lin(x), self.mesh, [Partial()]).redistribute(placements=[Shard(0)])
+            gathered = part.redistribute(placements=[Replicate()])  # all-gather: recomputed
+            return (whole.to_local().relu() + gathered.to_local()).sum()
+
+    counts = {}
+    with fake_world(2):
+        mesh = init_device_mesh("cpu", (2,))
+        for mode in ("selective", "full"):
+            block = RowParallel(mesh)
+            apply_activation_checkpointing([block], mode)
+            loss = block(torch.ones(2, 4, requires_grad=True))
+            counter = _OpCounter()
+            with counter:
+                loss.backward()
+            counts[mode] = counter.ops
+    for op in ("all_reduce", "reduce_scatter_tensor"):
+        assert counts["selective"][op] == 0 < counts["full"][op], (op, counts)
+    assert counts["selective"]["all_gather_into_tensor"] > 0

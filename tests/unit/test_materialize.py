@@ -273,3 +273,36 @@ def test_coverage_of_blocks_matches_a_per_element_count() -> None:
                 want = torch.arange(full.numel()).view(shape).as_strided(v.shape, v.stride(), v.storage_offset())
                 assert sorted(idx.reshape(-1).tolist()) == sorted(want.reshape(-1).tolist())
     assert decided > 150
+
+
+@pytest.mark.parametrize("kind", ["llama", "hf-llama"])
+def test_superseded_draws_are_not_computed_and_change_no_bit(kind: str) -> None:
+    """The package's Llama draws every weight three times (nn.Linear's kaiming-uniform, Attention.reset_parameters,
+    init_weights): only the last draw is computed, and the values are those of replaying every step."""
+    evaluated: list[list[str]] = []
+    original = mat.evaluate
+
+    def counting(steps: Any, positions: torch.Tensor, values: torch.Tensor) -> None:
+        evaluated.append([s.kind for s in steps])
+        original(steps, positions, values)
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            return CausalLM(build_model(kind))
+
+    pruned = build()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mat, "evaluate", counting)
+        report = materialize_local_shards(meta_skeleton(pruned), pruned, torch.device("cpu"))
+    every = build()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mat, "live_steps", list)  # no pruning: every recorded step replayed
+        full = materialize_local_shards(meta_skeleton(every), every, torch.device("cpu"))
+    assert full.superseded_steps == 0 < report.superseded_steps
+    a, b = _states(pruned), _states(every)
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    draws = ("uniform", "normal", "trunc_normal")
+    assert max(sum(kind in draws for kind in kinds) for kinds in evaluated) == 1  # one draw per tensor
+    if kind == "llama":
+        assert report.superseded_steps >= 2 * sum(isinstance(m, nn.Linear) for m in pruned.modules())

@@ -119,3 +119,29 @@ def test_mesh_backend_override_takes_device_backend_strings() -> None:
         assert {b for b, _ in override} == {backend} and override[0][1]._timeout == timedelta(seconds=7)
     assert mesh_backend_override("cpu:gloo,cuda:nccl", timedelta(seconds=7), 3) is None
     assert mesh_backend_override("cuda:gloo", None, 3) is None
+@pytest.mark.parametrize("kwargs", [dict(tp=2, pp=2, ep=2), dict(tp=2, pp=2, ep=4, cp=1), dict(pp=2, cp=2, ep=2),
+                                    dict(pp=2, dp=4, dp_shard=2, ep=2)])
+def test_expert_view_shares_the_dense_mesh_groups(kwargs: dict) -> None:
+    """The expert view (pp, edp, ep) is derived from the dense mesh's root: its pp groups are the dense mesh's, and
+    build_mesh creates each axis's communicator once (a second DeviceMesh made the pp groups again); the axes hold
+    the ranks of rank_coordinates."""
+    from torch.distributed.distributed_c10d import _world
+
+    from lightning_4d.mesh import build_mesh, rank_coordinates
+    from lightning_4d.planner.fake_world import fake_world
+
+    dims = ParallelDims.from_world(8, **kwargs)
+    for rank in (0, 5):
+        with fake_world(8, rank=rank):
+            before = set(_world.pg_map)
+            mesh = build_mesh(dims, "cpu")
+            created = [pg.group_desc for pg in _world.pg_map if pg not in before]
+            assert mesh["pp"].get_group() is mesh.expert["pp"].get_group()
+            assert sorted(created) == sorted(set(created)), created  # no axis twice
+            assert created.count("mesh_pp") == 1
+            mine = rank_coordinates(dims, rank)
+            for axis in ("pp", "dp", "tp", "edp", "ep", *(("cp",) if dims.cp > 1 else ())):
+                view = ("pp", "edp", "ep") if axis in ("edp", "ep") else ("pp", "dp", "cp", "tp")
+                fixed = [a for a in view if a != axis and a in mine]
+                ranks = [r for r in range(8) if all(rank_coordinates(dims, r)[a] == mine[a] for a in fixed)]
+                assert mesh[axis].mesh.tolist() == ranks, (axis, rank)

@@ -97,3 +97,22 @@ def test_parity_tolerance_follows_bf16_epsilon_and_depth() -> None:
         parity_tolerance("32-true", 2, 100)
     with pytest.raises(ValueError, match="blocks=0"):
         parity_tolerance("bf16-mixed", 0, 100)
+def test_tf32_scales_the_tolerances_and_the_checks_run_without_it() -> None:
+    """Under the user's TF32 (``set_float32_matmul_precision("high")``) fp32 tolerances scale with TF32's eps; inside
+    ``exact_fp32_matmul`` (where the strategy runs its set-up checks) they are fp32's again, and the user's setting
+    comes back after, also after an error."""
+    from lightning_4d.core.precision import exact_fp32_matmul, output_tolerance
+    from lightning_4d.tensor_parallel.replicas import replica_rtol
+
+    fp32 = torch.ones(1)
+    try:
+        torch.set_float32_matmul_precision("high")
+        assert output_tolerance(fp32) == 16 * 2.0**-10 and replica_rtol() == pytest.approx(1e-6 * 2**13)
+        with pytest.raises(KeyError), exact_fp32_matmul():
+            assert output_tolerance(fp32) == 1e-4 and replica_rtol() == 1e-6
+            raise KeyError
+        assert torch.get_float32_matmul_precision() == "high"
+        torch.set_float32_matmul_precision("medium")
+        assert output_tolerance(fp32) == 16 * torch.finfo(torch.bfloat16).eps == output_tolerance(fp32.bfloat16())
+    finally:
+        torch.set_float32_matmul_precision("highest")
