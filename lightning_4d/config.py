@@ -153,7 +153,8 @@ class FourDConfig:
             rank in a debugger).
         dp_shard: ``data_parallel="hsdp"`` only: the data-parallel ranks sharding each parameter (divides ``dp``).
         reduced_check_budget: bytes the set-up value check on a reduced, perturbed copy of the model
-            (:mod:`lightning_4d.layout.reduced_check`) may hold; over it, the rewrite is checked structurally only, with a
+            (:mod:`lightning_4d.layout.reduced_check`) may hold; over it, the copy's blocks are checked in passes of
+            one block, and only when one block alone exceeds it is the rewrite checked structurally only, with a
             warning. ``None`` (default): the largest rank's share plus the largest tensor, at least 256 MiB
             (:func:`~lightning_4d.layout.reduced_check.check_budget_bytes`; the planner's set-up term counts it); ``0``:
             never run it.

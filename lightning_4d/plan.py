@@ -100,6 +100,8 @@ class LayoutPlan:
         input_shape: the traced example's shape (inputs must have its rank).
         block_attrs: each block's plain attributes (what a stage's stand-in for another stage's block answers,
             e.g. a hybrid's ``block_type``).
+        shared_args: block arguments that are one container several blocks write and read (Gemma 4's
+            ``shared_kv_states``): named when pipeline stages cannot pass it on.
         stages: block keys of every pipeline stage (empty without a pipeline); ``pipeline_hooks``: stages
             chain the user's ``pipeline_pre_blocks`` → blocks → ``pipeline_post_blocks``.
         tensor_parallel: the TP/SP styles and rewrites (``None`` at tp=1).
@@ -121,6 +123,7 @@ class LayoutPlan:
     elsewhere: tuple[str, ...] = ()
     input_shape: Optional[tuple[int, ...]] = None
     block_attrs: dict[str, dict[str, Any]] = field(default_factory=dict, hash=False)
+    shared_args: tuple[str, ...] = ()
     stages: tuple[tuple[str, ...], ...] = ()
     pipeline_hooks: bool = False
     tensor_parallel: Optional[TPLayout] = None
@@ -151,7 +154,8 @@ class LayoutPlan:
         return ModelTrace(blocks_path=self.blocks_path, block_order=self.block_order,
                           hidden=HiddenArg(position=position, keyword=keyword, tuple_out=tuple_out),
                           pre=self.pre, post=self.post, elsewhere=self.elsewhere,
-                          block_attrs={k: dict(v) for k, v in self.block_attrs.items()})
+                          block_attrs={k: dict(v) for k, v in self.block_attrs.items()},
+                          shared_args=self.shared_args)
 
     def source_names(self) -> dict[str, tuple[str, Optional[int]]]:
         """``{name in the user's model: (name after the expert rewrite, index along dim 0 or None)}``."""
@@ -185,6 +189,8 @@ class LayoutPlan:
                 entries += [(f"{owner}.{c}", f"per-head slices {list(s)}") for c, s in params.items()]
             for owner, inputs in tpl.head_inputs.items():
                 entries += [(owner, f"per-head input {k!r}: {h} heads {list(s)}") for k, (h, s) in inputs.items()]
+            for owner, cuts in tpl.feature_inputs.items():
+                entries += [(owner, f"input {k!r} cut to {w}/tp features") for k, w in cuts.items()]
             for fqn, (perm, dim) in tpl.permutations.items():
                 entries.append((fqn, f"rows permuted along dim {dim} ({len(perm)} rows)"))
             entries += [(name, "replicated, gradient summed over tp") for name in tpl.partial_params]
@@ -225,6 +231,8 @@ class LayoutPlan:
                 data[f.name] = [dataclasses.asdict(e) for e in value]
             elif f.name == "degrees":
                 data[f.name] = dict(value)
+            elif f.name == "shared_args" and not value:
+                continue  # rare: written only when present
             else:
                 data[f.name] = _lists(value)
         return data
@@ -443,6 +451,8 @@ def _tp_to_data(tpl: TPLayout) -> dict[str, Any]:
         "boundary": None if tpl.boundary is None else list(tpl.boundary),
         "hidden": dataclasses.asdict(tpl.hidden),
         "user_plan": tpl.user_plan,
+        **({"feature_inputs": {o: [[k, w] for k, w in d.items()] for o, d in tpl.feature_inputs.items()}}
+           if tpl.feature_inputs else {}),
     }
 
 
@@ -462,6 +472,7 @@ def _tp_from_data(d: dict[str, Any]) -> TPLayout:
         boundary=None if d["boundary"] is None else (d["boundary"][0], d["boundary"][1]),
         hidden=HiddenArg(**d["hidden"]),
         user_plan=bool(d.get("user_plan", False)),
+        feature_inputs={o: {k: int(w) for k, w in x} for o, x in d.get("feature_inputs", {}).items()},
     )
 
 
@@ -479,7 +490,7 @@ def _filter_tp(tpl: TPLayout, keep: Any, rename: Any,
     return TPLayout(
         styles=by_path(tpl.styles), heads=by_path(tpl.heads), local_heads=by_path(tpl.local_heads),
         configs=by_path(tpl.configs), head_lists=by_path(tpl.head_lists), head_params=by_path(tpl.head_params),
-        head_inputs=by_path(tpl.head_inputs),
+        head_inputs=by_path(tpl.head_inputs), feature_inputs=by_path(tpl.feature_inputs),
         regions={rename(b): [r for r in regs if keep(f"{b}.{r}")] for b, regs in tpl.regions.items() if keep(b)},
         # the vocabulary-parallel head (a torch ColwiseParallel outside the blocks) makes the loss parallel
         loss_parallel=tpl.loss_parallel and all(keep(p) for p, s in tpl.styles.items() if s.kind == "ColwiseParallel"),

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from torch._ops import OperatorBase
     from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["disabled_torch_function", "dispatch_mode_base", "in_backward", "is_higher_order_op", "meta_scalar_mode", "op_is_view",
+__all__ = ["view_base", "disabled_torch_function", "dispatch_mode_base", "in_backward", "is_higher_order_op", "meta_scalar_mode", "op_is_view",
            "op_name", "op_schema", "pytree", "trunc_normal_hook", "wrapper_subclass"]
 
 
@@ -139,3 +139,15 @@ def trunc_normal_hook(hook: Callable[..., Any]) -> Iterator[None]:
         yield
     finally:
         init._no_grad_trunc_normal_ = original
+
+
+def view_base(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """The tensor ``t`` is a view of (``Tensor._base``), or ``None`` for a tensor that owns its storage (on the meta
+    device too, where storages cannot be compared).
+
+    Example:
+        >>> x = torch.zeros(2, 3)
+        >>> view_base(x[:, 1:]) is x, view_base(x) is None
+        (True, True)
+    """
+    return t._base

@@ -32,15 +32,18 @@ Example:
 from __future__ import annotations
 
 import inspect
+from collections.abc import MutableMapping, MutableSequence
 from dataclasses import replace
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from lightning_4d._compat import child_modules, registered_submodule
+from lightning_4d._compat import child_modules, pytree, registered_submodule
+from lightning_4d._compat.dispatch import view_base
 from lightning_4d.analysis.int_reads import watch_int_reads
 from lightning_4d.analysis.hooks import PIPELINE_HOOKS, PIPELINE_POST, PIPELINE_PRE, PIPELINE_SPLIT, hook_call
+from lightning_4d.analysis.feature_inputs import is_index_output
 from lightning_4d.analysis.layer_kinds import holds_routed_experts, is_linear, is_norm
 from lightning_4d.analysis.trace_consumers import _Consumers, _Facts
 from lightning_4d.analysis.trace_records import SPLIT_OPS, ColumnLayout, Consumer, HiddenArg, ModelTrace
@@ -147,6 +150,7 @@ def trace_model(root: nn.Module, blocks_path: str, example: Any) -> ModelTrace:
             mode.columns.names = {id(b): n for n, b in blocks[key].named_buffers()}
             mode.columns.params = {id(p): (p, n) for n, p in blocks[key].named_parameters()}
             mode.__enter__()
+            mode.features.label_call(args, kwargs)  # the block's own arguments (Gemma 4's per-layer input)
             facts[key].mode = mode
             recording.append(key)
         here = current(mod)
@@ -170,6 +174,8 @@ def trace_model(root: nn.Module, blocks_path: str, example: Any) -> ModelTrace:
         if main is not None and isinstance(out, torch.Tensor) and out.shape == main.shape and is_norm(mod):
             mode.columns.same(main, out)  # a norm keeps the features where they are
         here = current(mod)
+        if here is not None and not is_linear(mod) and is_index_output(out):
+            here[1].index_modules.add(here[0])  # DeepSeek-V3.2's indexer: top-k positions, no features
         if here is not None and is_linear(mod) and isinstance(out, torch.Tensor):
             rel, f = here
             mode.watch[id(out)] = (rel, out)
@@ -251,6 +257,18 @@ def _opaque_moe_on_meta(root: nn.Module) -> list[nn.Module]:
     return layers
 
 
+def _carries(arg: Any, out: Any) -> bool:
+    """Whether block argument ``arg`` is the previous block's output ``out``: the tensor itself or a whole view of it
+    (Gemma 4 slices the hidden state ``h[:, -0:]`` before its KV-shared layers, the whole sequence)."""
+    if arg is out:
+        return True
+    if not (isinstance(arg, torch.Tensor) and isinstance(out, torch.Tensor)):
+        return False
+    base, out_base = view_base(arg), view_base(out)
+    return (base is not None and base is (out if out_base is None else out_base) and arg.shape == out.shape
+            and arg.stride() == out.stride() and arg.storage_offset() == out.storage_offset())
+
+
 def _analyse_blocks(trace: ModelTrace, root: nn.Module, blocks: dict[str, nn.Module], calls: list) -> None:
     cls = type(root).__name__
     keys = tuple(k for k, *_ in calls)
@@ -267,9 +285,9 @@ def _analyse_blocks(trace: ModelTrace, root: nn.Module, blocks: dict[str, nn.Mod
     position, keyword = None, None
     if len(calls) > 1:
         _, args1, kwargs1, _ = calls[1]
-        position = next((i for i, a in enumerate(args1) if a is carrier), None)
+        position = next((i for i, a in enumerate(args1) if _carries(a, carrier)), None)
         if position is None:
-            keyword = next((k for k, v in kwargs1.items() if v is carrier), None)
+            keyword = next((k for k, v in kwargs1.items() if _carries(v, carrier)), None)
     else:
         position = next((i for i, a in enumerate(args0) if isinstance(a, torch.Tensor)), None)
         if position is None:
@@ -281,6 +299,25 @@ def _analyse_blocks(trace: ModelTrace, root: nn.Module, blocks: dict[str, nn.Mod
             f"{hook_call(PIPELINE_SPLIT)} with {hook_call(PIPELINE_PRE)} / {hook_call(PIPELINE_POST)}."
         )
     trace.hidden = HiddenArg(position=position, keyword=keyword, tuple_out=tuple_out)
+    trace.shared_args = _shared_args(calls)
+
+
+def _shared_args(calls: list) -> tuple[str, ...]:
+    """The block arguments that are one mutable container handed to several blocks and holding tensors after the
+    forward: state blocks may write and later blocks read (Gemma 4's ``shared_kv_states``, read under
+    ``num_kv_shared_layers``), which does not cross a pipeline stage boundary; named when the staged check fails."""
+    seen: dict[int, tuple[str, set[int]]] = {}
+    for index, (_, args, kwargs, _) in enumerate(calls):
+        for key, value in [*((f"argument {i}", a) for i, a in enumerate(args)), *kwargs.items()]:
+            if isinstance(value, (MutableMapping, MutableSequence)):
+                seen.setdefault(id(value), (str(key), set()))[1].add(index)
+    containers = {id(v): v for _, args, kwargs, _ in calls for v in [*args, *kwargs.values()]}
+    return tuple(sorted({key for ident, (key, users) in seen.items() if len(users) > 1
+                         and any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(_contents(containers[ident])))}))
+
+
+def _contents(container: Any) -> list[Any]:
+    return list(container.values()) if isinstance(container, MutableMapping) else list(container)
 
 
 def _classify_outside(trace: ModelTrace, root: nn.Module, blocks_path: str, events: list[tuple[str, str]]) -> None:

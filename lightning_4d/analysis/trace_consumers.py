@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
+from lightning_4d.analysis.feature_inputs import FeatureInputs
 from lightning_4d.analysis.head_bias import ScoreBiases
 from lightning_4d.analysis.trace_columns import _SCALE, _Columns
 from lightning_4d.analysis.trace_records import Consumer, ModelTrace
@@ -47,6 +48,7 @@ class _Consumers(TorchFunctionMode):
         self.origin: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}  # id -> (tensor kept alive, linears)
         self.columns = _Columns()
         self.biases = ScoreBiases()
+        self.features = FeatureInputs()  # the block's arguments that meet a linear's output feature by feature
         self.scaled: dict[int, tuple[torch.Tensor, int]] = {}  # id -> (tensor kept alive, id of what it scales)
 
     def root(self, t: torch.Tensor) -> int:
@@ -130,6 +132,7 @@ class _Consumers(TorchFunctionMode):
                 self.tag(out, origin | self.origin_of(out))  # in-place ops keep what the target had
         if name not in _INSPECTIONS:
             self.biases.follow(name, args, kwargs, out, lambda t: bool(self.origin_of(t)))
+            self.features.follow(name, args, kwargs, out, self.origin_of)
         return out
 
 
@@ -153,6 +156,7 @@ class _Facts:
     sources: dict[str, frozenset[str]] = field(default_factory=dict)
     module_sources: dict[str, frozenset[str]] = field(default_factory=dict)
     input_ndim: dict[str, int] = field(default_factory=dict)
+    index_modules: set[str] = field(default_factory=set)
     int_reads: dict[str, dict[str, int]] = field(default_factory=dict)
     mode: Optional[_Consumers] = None
 
@@ -167,4 +171,5 @@ class _Facts:
         return replace(trace, consumers=dict(self.mode.seen), columns=dict(self.mode.columns.layouts),
                        score_biases=dict(self.mode.biases.found), last_linear=self.last_linear,
                        sources=self.sources, module_sources=self.module_sources, input_ndim=self.input_ndim,
-                       int_reads=self.int_reads, takes_block_input=takes, kinds={})
+                       int_reads=self.int_reads, takes_block_input=takes, kinds={},
+                       feature_inputs=dict(self.mode.features.found), index_modules=frozenset(self.index_modules))

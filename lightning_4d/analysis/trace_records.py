@@ -115,6 +115,12 @@ class ModelTrace:
     kinds: dict[str, "ModelTrace"] = field(default_factory=dict)  # block key -> the facts of its kind's first block
     # block key -> its plain attributes (Nemotron-H's ``block_type``, read by the model's loop to pick a mask)
     block_attrs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # the first block's arguments that meet a linear's output feature by feature: {argument: (width, {linears})}
+    # (Gemma 4's per-layer input; :mod:`lightning_4d.analysis.feature_inputs`)
+    feature_inputs: dict[ArgKey, tuple[int, frozenset[str]]] = field(default_factory=dict)
+    index_modules: frozenset[str] = frozenset()  # modules of the first block whose outputs hold no float tensor
+    # block arguments that are one container several blocks may write and read (Gemma 4's ``shared_kv_states``)
+    shared_args: tuple[str, ...] = ()
 
     def for_block(self, key: str) -> "ModelTrace":
         """The trace whose per-block facts (sources, columns, ...) are those of block ``key``'s kind: a hybrid's

@@ -111,6 +111,7 @@ def plan_layout(module: nn.Module, dims: ParallelDims, config: Optional[FourDCon
         pre=tuple(trace.pre) if trace else (), post=tuple(trace.post) if trace else (),
         elsewhere=tuple(trace.elsewhere) if trace else (), input_shape=input_shape,
         block_attrs={k: dict(v) for k, v in trace.block_attrs.items()} if trace else {},
+        shared_args=tuple(trace.shared_args) if trace else (),
         stages=stages, pipeline_hooks=hooks,
         tensor_parallel=tpl,
         experts=experts,

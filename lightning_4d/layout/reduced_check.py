@@ -4,29 +4,33 @@ A model built on the meta device is rewritten and materialised shard by shard
 (:mod:`lightning_4d.materialize.local_shards`), so the full-size check of :func:`lightning_4d.core.verify.check_tensor_parallel`
 cannot run (there is no unsharded output to compare with). Instead :func:`check_reduced_model` materialises
 a *reduced copy* of the unsharded model, small enough for one rank, and applies the very same plan to it
-(:func:`lightning_4d.layout.parallelize.check_layout`, the plan filtered to the kept blocks), comparing the sharded
+(:func:`lightning_4d.layout.parallelize.check_layout`, the plan's entries for the kept blocks), comparing the sharded
 forward with the unsharded one on real values. It runs for every model (meta-built or not, MoE included) before
 the real model is rewritten:
 
-- depth: the first block of each distinct structure (:func:`block_signature`: sliding-window and global
-  attention, MoE and dense layers are each represented), then the earliest others up to ``pp ·
-  virtual_stages`` blocks (one per pipeline stage);
+- depth: every position kept (:mod:`lightning_4d.layout.reduced_copy`): the first block of each distinct
+  structure (:func:`~lightning_4d.layout.reduced_copy.block_signature`: sliding-window and global attention, MoE and
+  dense layers are each represented) and the first block of every pipeline stage stay real at their own index
+  (layer types, rotary tables, masks and per-layer inputs picked by position stay theirs); every other position
+  holds a parameter-free stand-in that passes the hidden state on and answers for every other argument it gets;
 - width: unchanged (head counts, fused projections, norms and the TP styles are what is checked);
-- vocabulary: every ``nn.Embedding`` and every linear layer producing as many features as an embedding has
-  rows (the head) cut to ``16 · tp`` rows, when the model's forward still runs that way (else kept);
+- vocabulary: every ``nn.Embedding`` (per-layer input tables included) and every linear layer producing as many
+  features as an embedding has rows (the head) cut to ``16 · tp`` rows, when the model's forward still runs that
+  way (else kept);
 - values: parameters drawn element by element from a fixed seed (:func:`perturb_`: identical initial values —
   norms of ones, zero biases — cannot hide a rewrite that mixes heads or drops a sum, and the check does not
   depend on the model's initialisers); buffers (masks, rotary tables) from the model itself when it was built
   for real, else from its initialisers.
 
-Memory: the copy's embedding, head and ``pp · v`` blocks, unsharded, plus its rewritten copy, before this rank's
-shards exist (so the set-up peak is the larger of the two, not their sum). The copy runs only if that fits a
+Memory: the copy's modules outside the blocks (vocabulary cut) and its kept blocks, unsharded, plus its rewritten
+copy, before this rank's shards exist (so the set-up peak is the larger of the two, not their sum), within a
 budget (:func:`check_budget_bytes`: by default this rank's share plus the largest tensor, at least 256 MiB; the
-planner's set-up term counts it where it runs): a model whose blocks are too wide
-for it (``pp · v`` unsharded blocks of a 100 B+ model) is checked structurally only, with a warning saying so and
-how to force the value check (``FourDStrategy(reduced_check_budget=...)``). What is checked at full size instead, on the meta device: the trace,
-the block discovery, the pipeline split and every rewrite's structural rules (divisibility, head counts,
-tied weights, expert placement).
+planner's set-up term counts it). A copy over the budget is checked in passes of one kept block each
+(:func:`~lightning_4d.layout.reduced_copy.check_passes`: a 100 B+ model's blocks are value-checked one at a time);
+only a model one of whose blocks alone exceeds the budget is checked structurally only, with a warning saying so
+and how to force the value check (``FourDStrategy(reduced_check_budget=...)``). What is checked at full size, on
+the meta device: the trace, the block discovery, the pipeline split and every rewrite's structural rules
+(divisibility, head counts, tied weights, expert placement).
 
 Example:
     >>> # not run: needs a process group
@@ -36,19 +40,27 @@ Example:
 from __future__ import annotations
 
 import logging
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 from torch import nn
 
-from lightning_4d._compat import meta_scalar_mode, own_tensors, to_empty_keeping_ties
+from lightning_4d._compat import meta_scalar_mode, to_empty_keeping_ties
 from lightning_4d.core.comm import internal_comm
 from lightning_4d.analysis.hooks import PIPELINE_PRE, PIPELINE_SPLIT, user_hook
 from lightning_4d.materialize.local_shards import materialize, module_copy
 from lightning_4d.mesh import FourDMesh, ParallelDims
 from lightning_4d.plan import LayoutPlan
 from lightning_4d.layout.parallelize import check_layout
-from lightning_4d.pipeline.partition import partition_blocks
+from lightning_4d.layout.reduced_copy import (
+    block_signature,
+    check_passes,
+    distinct_blocks,
+    kept_blocks,
+    plan_for_kept,
+    stand_in_blocks,
+)
+from lightning_4d.analysis.trace import HiddenArg
 from lightning_4d.analysis.trace import _opaque_moe_on_meta as opaque_moe_on_meta
 from lightning_4d.analysis.trace import example_tokens
 
@@ -85,44 +97,10 @@ def reduced_copy_bytes(model_bytes: float) -> float:
     return 2.0 * model_bytes
 
 
-def block_signature(block: nn.Module, ignore: frozenset[str] = frozenset()
-                    ) -> tuple[tuple[str, Union[str, tuple[int, ...], int, float, bool]], ...]:
-    """What makes two blocks rewrite differently: every submodule's name and type, every tensor's name and
-    shape, and the plain (int / float / str / bool) attributes of every submodule (sliding windows, attention
-    types, MoE or dense), as a hashable tuple; attribute keys in ``ignore`` (per-layer indices) left out.
-
-    Example:
-        >>> block_signature(nn.Linear(2, 3)) == block_signature(nn.Linear(2, 3)), block_signature(nn.Linear(2, 4))[0]
-        (True, ('', 'Linear'))
-    """
-    parts: list[tuple[str, Union[str, tuple[int, ...], int, float, bool]]] = []
-    for name, mod in block.named_modules():
-        parts.append((name, type(mod).__name__))
-        parts += [(f"{name}.{k}", tuple(t.shape)) for k, t, _ in own_tensors(mod) if t is not None]
-        parts += [(key, v) for key, v in _plain_attributes(name, mod) if key not in ignore]
-    return tuple(parts)
-
-
-def _plain_attributes(name: str, mod: nn.Module) -> list[tuple[str, Union[int, float, str, bool]]]:
-    return [(f"{name}.{k}", v) for k, v in sorted(vars(mod).items())
-            if not k.startswith("_") and k != "training" and isinstance(v, (int, float, str, bool))]
-
-
-def _index_attributes(blocks: list[nn.Module]) -> frozenset[str]:
-    """Attribute keys whose value differs in every block (a layer index, a depth-scaled init std): left out of
-    the signatures, or every block would count as distinct."""
-    values: dict[str, set[Union[int, float, str, bool]]] = {}
-    for block in blocks:
-        for name, mod in block.named_modules():
-            for key, v in _plain_attributes(name, mod):
-                values.setdefault(key, set()).add(v)
-    return frozenset(k for k, v in values.items() if len(blocks) > 1 and len(v) == len(blocks))
-
-
 def reduce_depth(model: nn.Module, blocks_path: str, keep: int) -> list[int]:
     """Keep, in place, the first block of every distinct :func:`block_signature` and then the earliest others
     until ``keep`` blocks remain (fewer when there are fewer), in their original order; returns the kept
-    indices.
+    indices. (The set-up check keeps every position instead: :mod:`lightning_4d.layout.reduced_copy`.)
 
     Example:
         >>> net = nn.Sequential(nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 3), nn.Linear(3, 2)]))
@@ -131,14 +109,7 @@ def reduce_depth(model: nn.Module, blocks_path: str, keep: int) -> list[int]:
     """
     container = model.get_submodule(blocks_path)
     blocks = list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
-    chosen: list[int] = []
-    seen: set[tuple[tuple[str, Union[str, tuple[int, ...], int, float, bool]], ...]] = set()
-    ignore = _index_attributes(blocks)
-    for i, block in enumerate(blocks):
-        sig = block_signature(block, ignore)
-        if sig not in seen:
-            seen.add(sig)
-            chosen.append(i)
+    chosen = distinct_blocks(blocks)
     for i in range(len(blocks)):
         if len(chosen) >= keep:
             break
@@ -267,14 +238,15 @@ def check_reduced_model(skeleton: nn.Module, plan: LayoutPlan, mesh: FourDMesh,
                         accumulate: int = 1, device: Optional[torch.device] = None,
                         buffers: Optional[dict[str, torch.Tensor]] = None,
                         budget_bytes: Optional[float] = None) -> Optional[str]:
-    """Apply ``plan`` (filtered to the kept blocks: :meth:`~lightning_4d.plan.LayoutPlan.for_blocks`, no second
-    trace) to a reduced, perturbed copy of ``skeleton`` (the unsharded model on the meta device; left unchanged) and
-    compare its forward with the unsharded one (:func:`~lightning_4d.layout.parallelize.check_layout`). Collective over
-    ``tp``; run before the real model is rewritten. ``buffers``: the
-    values of the model's buffers by name when it was built for real (else its initialisers make them).
-    Returns a one-line description of what was checked, or ``None`` when nothing needed checking (no TP, no PP).
-    ``budget_bytes``: skip the value check (with a warning) when the reduced copy would hold more
-    (:func:`reduced_copy_bytes`); ``None``: no limit.
+    """Apply ``plan`` (its entries for the stood-in blocks dropped: :func:`~lightning_4d.layout.reduced_copy.
+    plan_for_kept`, no second trace) to a reduced, perturbed copy of ``skeleton`` (the unsharded model on the meta
+    device; left unchanged) whose kept blocks stay at their own positions, and compare its forward with the
+    unsharded one (:func:`~lightning_4d.layout.parallelize.check_layout`). Collective over ``tp``; run before the
+    real model is rewritten. ``buffers``: the values of the model's buffers by name when it was built for real
+    (else its initialisers make them). Returns a one-line description of what was checked, or ``None`` when nothing
+    needed checking (no TP, no PP). ``budget_bytes``: the copy checks its kept blocks in passes of one block when all
+    of them would hold more (:func:`~lightning_4d.layout.reduced_copy.check_passes`), and is skipped with a warning
+    only when one block alone would; ``None``: no limit.
 
     Raises:
         ValueError: from the rewrite's checks, naming the module whose sharded forward differs.
@@ -286,15 +258,11 @@ def check_reduced_model(skeleton: nn.Module, plan: LayoutPlan, mesh: FourDMesh,
     clone = module_copy(skeleton)
     blocks_path = plan.blocks_path
     container = clone.get_submodule(blocks_path)
-    keys = [k for k, _ in container.named_children()]
-    depth = len(keys)
-    keep = max(1, dims.pp * dims.virtual_stages)
+    children = dict(container.named_children())
+    keys = list(children)
     uses_hooks = any(user_hook(clone, h) for h in (PIPELINE_SPLIT, PIPELINE_PRE))
-    kept = reduce_depth(clone, blocks_path, keep) if not uses_hooks else list(range(depth))
-    listed = not isinstance(container, nn.ModuleDict)  # a list's kept blocks are renumbered from 0
-    renamed = {keys[i]: (str(j) if listed else keys[i]) for j, i in enumerate(kept)}
-    reduced = plan.for_blocks([k for k in plan.block_order if k in renamed], renamed,
-                              partition_blocks(len(kept), keep)) if len(kept) < depth else plan
+    starts = [keys.index(stage[0]) for stage in plan.stages if stage and stage[0] in children]
+    kept = keys if uses_hooks else [keys[i] for i in kept_blocks(list(children.values()), starts)]
     vocab_rows = 16 * dims.tp
     trial = module_copy(clone)
     vocab = reduce_vocabulary(trial, vocab_rows, blocks_path)
@@ -304,24 +272,62 @@ def check_reduced_model(skeleton: nn.Module, plan: LayoutPlan, mesh: FourDMesh,
         else:
             vocab = 0
     del trial
-    tensors = {id(t): t for t in [*clone.parameters(), *clone.buffers()]}.values()
-    need = reduced_copy_bytes(sum(t.numel() * t.element_size() for t in tensors))
-    if budget_bytes is not None and need > budget_bytes:
+    inside = {id(t) for b in children.values() for t in [*b.parameters(), *b.buffers()]}
+    outside = sum(_bytes(t) for t in _unique(clone) if id(t) not in inside)
+    per_block = {k: float(sum(_bytes(t) for t in _unique(children[k]))) for k in keys}
+    passes = check_passes(float(outside), per_block, kept, budget_bytes, reduced_copy_bytes(1.0))
+    if passes is None:
+        need = reduced_copy_bytes(outside + max(per_block[k] for k in kept))
         what = (f"rewrite checked structurally only (trace, block discovery, pipeline split, every rewrite's "
-                f"shape rules on the meta device): the value check on a reduced copy (blocks {kept} of {depth}) "
-                f"would hold {need / 2**20:.0f} MiB, over its budget of {budget_bytes / 2**20:.0f} MiB")
+                f"shape rules on the meta device): the value check on a reduced copy would hold {need / 2**20:.0f} "
+                f"MiB with one block ({max(kept, key=lambda k: per_block[k])}) of {len(keys)}, over its budget of "
+                f"{budget_bytes / 2**20:.0f} MiB")
         log.warning("lightning_4d: %s. To check values anyway, pass FourDStrategy(reduced_check_budget=<bytes>) "
-                    "with room for it, or run the same layout once on a model with the same block types and "
-                    "fewer layers.", what)
+                    "with room for it.", what)
         return what
-    _fill(clone, device, buffers)
-    with internal_comm():  # a set-up check, not the training step's communication
-        check_layout(clone, reduced, mesh, accumulate=accumulate)
-    what = (f"rewrite checked on a reduced copy: blocks {kept} of {depth}"
+    ran = _check_passes(clone, plan, mesh, accumulate, device, buffers, passes, keys)
+    where = (f"blocks {ran} of {len(keys)} at their own positions (stand-ins at the others)"
+             if len(passes) == 1 else
+             f"blocks {ran} of {len(keys)} in {len(passes)} passes of one block (all of them at once would exceed "
+             f"the budget of {budget_bytes / 2**20:.0f} MiB; stand-ins at the other positions)")
+    what = (f"rewrite checked on a reduced copy: {where}"
             f"{f', vocabulary {vocab_rows} of {vocab}' if vocab else ''}, perturbed weights")
     log.info("lightning_4d: %s", what)
-    del clone
     return what
+
+
+def _check_passes(clone: nn.Module, plan: LayoutPlan, mesh: FourDMesh, accumulate: int, device: torch.device,
+                  buffers: Optional[dict[str, torch.Tensor]], passes: list[list[str]], keys: list[str]) -> list[str]:
+    r"""Run the value check once per pass, each on its own copy of ``clone`` (consumed) with the pass's blocks real
+    and :class:`~lightning_4d.layout.reduced_copy.StandIn`\s elsewhere; returns the blocks checked. A model whose
+    forward cannot run with stand-ins (its loop reads a skipped block's internals) is checked with every block."""
+    hidden = HiddenArg(*plan.hidden)
+    checked: list[str] = []
+    runs: Optional[bool] = None  # whether the whole copy's forward runs on the meta device (shapes only)
+    for group in passes:
+        copy = module_copy(clone)  # free: on the meta device
+        stand_in_blocks(copy, plan.blocks_path, set(group), hidden, plan.block_attrs)
+        if len(group) < len(keys) and not _forward_runs(copy, mesh.dims.tp) and (
+                runs := _forward_runs(clone, mesh.dims.tp) if runs is None else runs):
+            copy, group = clone, keys  # stand-ins break its forward: every block, at the cost of memory
+            log.warning("lightning_4d: %s cannot run its forward with stand-ins for the blocks the value check "
+                        "leaves out; it checks every block instead", type(clone).__name__)
+        _fill(copy, device, buffers)
+        with internal_comm():  # a set-up check, not the training step's communication
+            check_layout(copy, plan_for_kept(plan, group), mesh, accumulate=accumulate)
+        checked += group
+        del copy
+        if group is keys:
+            break
+    return [k for k in keys if k in set(checked)]
+
+
+def _unique(module: nn.Module) -> list[torch.Tensor]:
+    return list({id(t): t for t in [*module.parameters(), *module.buffers()]}.values())
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 _SHARDING = ("Colwise", "Rowwise", "ColwiseParallel", "RowwiseParallel")  # styles that split a module's weights

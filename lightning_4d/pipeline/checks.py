@@ -53,7 +53,7 @@ def check_staged(stages: StageForward, example: Any, expected: Any,
     def run() -> Any:
         h: Any = example if isinstance(example, tuple) else (example,)
         for index in range(stages.num_stages):
-            h = stages.run(index, h if index == 0 else (h,), example)
+            h = stages.run(index, h if index == 0 or isinstance(h, tuple) else (h,), example)  # (hidden, *carried)
         return h
 
     compare_forward(stages.root, run, expected, failed or (lambda err: ValueError(

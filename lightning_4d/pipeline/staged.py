@@ -8,7 +8,10 @@ rank), with three changes that :class:`StagedForward` makes while a stage runs:
 
 - the modules that run before the blocks and hold parameters (the token embedding) are replaced on
   later stages by :class:`ShapeStub`\\s that return zeros of the right shape and dtype (computed on
-  the meta device), so masks and rotary tables are derived on each stage without the weights;
+  the meta device), so masks and rotary tables are derived on each stage without the weights; the outputs a
+  later stage reads by value (Gemma 4's per-layer input embeddings, found by a probe at set-up) are computed on
+  the first stage and sent on with the hidden state instead, the stand-ins returning them
+  (:mod:`lightning_4d.pipeline.carried`);
 - the blocks container (:class:`StagedBlocks`) hands out dispatchers: blocks before this stage pass the
   hidden state through, this stage's first block receives the activation from the previous stage,
   and the first block after this stage stops the forward (:class:`StageDone`) with the hidden state,
@@ -34,17 +37,19 @@ Example:
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
-from lightning_4d._compat import child_modules, pytree, registered_submodule
+from lightning_4d._compat import child_modules, meta_scalar_mode, pytree, registered_submodule
+from lightning_4d.pipeline.carried import CarriedCalls, CarriedRecorder, carried_calls, describe_carried, \
+    split_received, tensor_leaves
 from lightning_4d.pipeline.partition import partition_blocks
 from lightning_4d.pipeline.stages import HOOK_HINT, PipelineSplit, StageForward
-from lightning_4d.analysis.trace import ModelTrace
+from lightning_4d.analysis.trace import ModelTrace, example_tokens
 
 __all__ = ["check_stage_owners", "ShapeStub", "StageDone", "StagedBlocks", "StagedForward", "prepare_staged"]
 
@@ -108,8 +113,33 @@ class ShapeStub(nn.Module):
         to_meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
         with torch.no_grad():
             out = self._meta(*pytree.tree_map(to_meta, args), **pytree.tree_map(to_meta, kwargs))
-        return pytree.tree_map(
-            lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) else t, out)
+        replay = self.__dict__.get("_replay")
+        if replay is not None:  # values the first stage computed and sent on (lightning_4d.pipeline.carried)
+            if not replay:
+                raise ValueError(f"{type(self._meta).__name__}: called more often on this pipeline stage than on the "
+                                 f"first one, which sent its outputs on; {HOOK_HINT}")
+            received = iter(replay.pop(0))
+            return pytree.tree_map(lambda t: next(received) if isinstance(t, torch.Tensor) else t, out)
+        probe = self.__dict__.get("_probe")
+        made: list[torch.Tensor] = []
+
+        def zeros(t: torch.Tensor) -> torch.Tensor:
+            z = torch.zeros(t.shape, dtype=t.dtype, device=device)
+            if probe is not None and z.is_floating_point():
+                z.requires_grad_(True)  # the probe follows what a stage reads from this output
+            made.append(z)
+            return z
+
+        result = pytree.tree_map(lambda t: zeros(t) if isinstance(t, torch.Tensor) else t, out)
+        if probe is not None:
+            path, calls = probe
+            calls.append((path, made))
+        return result
+
+    def replay(self, values: Optional[list[list[torch.Tensor]]]) -> None:
+        """Return ``values`` (per call, the output's tensors in order) from the next calls instead of zeros: the
+        outputs the first stage computed (:mod:`lightning_4d.pipeline.carried`); ``None`` ends it."""
+        object.__setattr__(self, "_replay", list(values) if values is not None else None)
 
 
 class _Dispatcher:
@@ -144,6 +174,8 @@ class _Stage:
     last: int
     is_first: bool
     activation: Any = None
+    probing: bool = False  # set-up only: record what the stage's blocks receive, run none (carried_calls)
+    consumed: list = field(default_factory=list)
 
 
 class StagedBlocks(nn.ModuleDict):
@@ -213,14 +245,52 @@ class StagedForward(StageForward):
         self.order = tuple(trace.block_order)
         self.hidden = trace.hidden
         self.stage: Optional[_Stage] = None
+        self.carried: CarriedCalls = ()  # stand-in outputs later stages read: sent on from the first stage
+        self.recorder: Optional[CarriedRecorder] = None
 
     # -- set-up ---------------------------------------------------------------------------------------
-    def install(self) -> None:
-        """Make the shape stubs of the pre-block modules that hold parameters (from the full modules), then install
-        the blocks container."""
+    def install(self, example: Any = None) -> None:
+        """Make the shape stubs of the pre-block modules that hold parameters (from the full modules), install the
+        blocks container, and find which stub outputs later stages read (:func:`~lightning_4d.pipeline.carried.
+        carried_calls`, on ``example`` inputs: default :func:`~lightning_4d.analysis.trace.example_tokens`): those
+        are recorded on the first stage and sent on."""
         for path in self.split.pre:
             self.stubs[path] = ShapeStub(registered_submodule(self.root, path))
         super().install()
+        if not self.stubs or self.num_stages < 2:
+            return
+        inputs = example if example is not None else example_tokens(self.root)
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        on_meta = any(p.is_meta for p in self.root.parameters())
+        if on_meta:  # the stand-ins make their zeros where the inputs are
+            inputs = pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, inputs)
+        with meta_scalar_mode() if on_meta else nullcontext():
+            self.carried = carried_calls(lambda i: self._probe(i, inputs), self.num_stages)
+        if self.carried:
+            modules = {p: m for p in self.stubs if (m := registered_submodule(self.root, p)) is not None}
+            self.recorder = CarriedRecorder(modules, self.carried)
+
+    def _probe(self, index: int, inputs: tuple) -> tuple[list[tuple[str, list[torch.Tensor]]], list[torch.Tensor]]:
+        """Stage ``index`` in probe mode: the stand-ins' calls (the leaves they returned, requiring grad) and what
+        the stage reads (its blocks' arguments besides the hidden state; on the last stage its output)."""
+        keys = self.stage_keys[index]
+        positions = [self.order.index(k) for k in keys]
+        stage = _Stage(index, keys, min(positions), max(positions), False, probing=True)
+        calls: list[tuple[str, list[torch.Tensor]]] = []
+        for path, stub in self.stubs.items():
+            object.__setattr__(stub, "_probe", (path, calls))
+        self.stage = stage
+        out = None
+        try:
+            with torch.enable_grad(), self._swap_pre(False):
+                out = self.root(*inputs)
+        except StageDone:
+            pass
+        finally:
+            self.stage = None
+            for stub in self.stubs.values():
+                object.__setattr__(stub, "_probe", None)
+        return calls, stage.consumed + (tensor_leaves(out) if index == self.num_stages - 1 else [])
 
     def container(self, blocks: dict[str, nn.Module], was_list: bool) -> StagedBlocks:
         """A :class:`StagedBlocks` that hands out this object's dispatchers while a stage runs."""
@@ -230,9 +300,16 @@ class StagedForward(StageForward):
 
     def describe(self) -> str:
         stubs = ", ".join(self.stubs) or "none"
+        carried = (f"; the outputs later stages read ({describe_carried(self.carried)}) computed on the first stage and "
+                   f"sent on" if self.carried else "")
+        shared = (f". The blocks also share state through their argument(s) {', '.join(map(repr, self.trace.shared_args))}"
+                  f" (one container a block writes and a later block reads, e.g. Gemma 4's K and V under "
+                  f"num_kv_shared_layers), which no pipeline stage boundary passes on: every block reading it must be "
+                  f"on the stage of the block writing it, else use pp=1 (tp, dp and ep keep it) or a model without the "
+                  f"sharing" if self.trace.shared_args else "")
         return (f"the model's forward with the blocks of other stages skipped and, on later stages, the modules before "
                 f"the blocks ({stubs}) replaced by shape-only stand-ins (zeros of the right shape: what the blocks "
-                f"receive, masks and rotary tables, is computed with them)")
+                f"receive, masks and rotary tables, is computed with them){carried}{shared}")
 
     # -- running --------------------------------------------------------------------------------------
     def dispatcher(self, pos: int) -> Callable[..., Any]:
@@ -248,6 +325,12 @@ class StagedForward(StageForward):
                 raise StageDone(self.hidden.get(args, kwargs))  # the output of this stage's last block
             if pos == stage.first and stage.activation is not None:
                 args, kwargs = self.hidden.replace(args, kwargs, stage.activation)
+            if stage.probing:  # what this block would read besides the hidden state; the hidden passes through
+                hidden = self.hidden.get(args, kwargs)
+                stage.consumed += tensor_leaves(self.hidden.replace(args, kwargs, None))
+                if pos == stage.first and isinstance(hidden, torch.Tensor):
+                    hidden = hidden.detach()  # a later stage receives it: it depends on no stand-in there
+                return self.hidden.wrap(hidden)
             container = registered_submodule(self.root, self.trace.blocks_path)
             return child_modules(container)[key](*args, **kwargs)
 
@@ -275,19 +358,35 @@ class StagedForward(StageForward):
         keys = self.stage_keys[index]
         positions = [self.order.index(k) for k in keys]
         is_first = index == 0
-        activation = None if is_first else (args[0] if len(args) == 1 else args)
+        received: tuple = ()
+        if is_first:
+            activation = None
+        elif self.carried:  # (hidden, *carried): the stand-ins return what the first stage computed
+            activation, received = args[0], tuple(args[1:])
+            replay = split_received(self.carried, received)
+            for path, stub in self.stubs.items():
+                stub.replay(replay.get(path))
+        else:
+            activation = args[0] if len(args) == 1 else args
         model_inputs = args if is_first else (inputs if isinstance(inputs, tuple) else (inputs,))
         self.stage = _Stage(index, keys, min(positions), max(positions), is_first, activation)
         device = next((t.device for t in pytree.tree_leaves((args, inputs)) if isinstance(t, torch.Tensor)), None)
         for stub in self.stubs.values() if device is not None else ():
             object.__setattr__(stub, "device", device)  # the stand-ins' tensors live where the micro-batch is
+        record = self.recorder if is_first and self.recorder is not None else nullcontext()
         try:
-            with self._swap_pre(is_first):
+            with self._swap_pre(is_first), record:
                 out = self.root(*model_inputs)
         except StageDone as done:
-            return done.hidden
+            if not self.carried:
+                return done.hidden
+            assert self.recorder is not None
+            sent = self.recorder.values() if is_first else [t.view_as(t) for t in received]
+            return (done.hidden, *sent)  # (B, T, H), then the carried values for the later stages
         finally:
             self.stage = None
+            for stub in self.stubs.values() if received else ():
+                stub.replay(None)
         if index != self.num_stages - 1:
             raise ValueError(
                 f"{type(self.root).__name__}: its forward returned without calling the block after stage {index} "

@@ -3,10 +3,11 @@
 A model built on the meta device (:mod:`lightning_4d.materialize.local_shards`) never exists whole on a rank, nor does any
 tensor the rank does not keep. Set-up has two phases, one after the other, so its peak is the larger of:
 
-- the value check on a reduced copy (:mod:`lightning_4d.layout.reduced_check`): one block of each kind (dense and MoE
-  layers), at least ``pp · v`` blocks, the vocabulary cut to ``16·tp`` rows, unsharded, plus its rewritten copy
-  (about the same again: FSDP2 shards and TP slices are new tensors) — counted only when it fits the check's
-  budget (:func:`lightning_4d.layout.reduced_check.check_budget_bytes`, as the runtime computes it), else skipped;
+- the value check on a reduced copy (:mod:`lightning_4d.layout.reduced_check`): the first block of each kind (dense
+  and MoE layers) and of every pipeline stage, the vocabulary cut to ``16·tp`` rows, unsharded, plus its rewritten
+  copy (about the same again: FSDP2 shards and TP slices are new tensors), within the check's budget
+  (:func:`lightning_4d.layout.reduced_check.check_budget_bytes`, as the runtime computes it): in one pass, else in
+  passes of one block (:func:`reduced_check_bytes`), else skipped;
 - materialisation: the rank's share of the parameters (:func:`lightning_4d.planner.memory.memory_per_rank`'s
   ``params``) plus one chunk's scratch (:func:`setup_scratch_bytes`): each rank computes only its own elements,
   :data:`lightning_4d.materialize.init_pieces.CHUNK_ELEMENTS` at a time.
@@ -28,9 +29,12 @@ from typing import Optional
 from lightning_4d.materialize import init_pieces
 from lightning_4d.mesh import ParallelDims
 from lightning_4d.layout.reduced_check import check_budget_bytes, reduced_copy_bytes
+from lightning_4d.layout.reduced_copy import check_passes
+from lightning_4d.pipeline.partition import partition_blocks
 from lightning_4d.planner.spec import TransformerSpec
 
-__all__ = ["largest_tensor_params", "reduced_check_params", "setup_peak_bytes", "setup_scratch_bytes"]
+__all__ = ["largest_tensor_params", "reduced_check_bytes", "reduced_check_params", "setup_peak_bytes",
+           "setup_scratch_bytes"]
 
 _BUCKET = 64 << 20  # lightning_4d.core.distributed.broadcast_module_state's bucket
 
@@ -62,9 +66,23 @@ def setup_scratch_bytes(spec: TransformerSpec) -> int:
     return min(init_pieces.scratch_bytes(), largest_tensor_params(spec) * init_pieces.SCRATCH_BYTES_PER_ELEMENT)
 
 
+def _reduced_check_parts(spec: TransformerSpec, dims: ParallelDims) -> tuple[int, dict[str, int]]:
+    """``(elements outside the blocks, {layer: elements})`` of the reduced copy's real parts: the first layer of each
+    kind (dense, MoE) and the first layer of every pipeline stage (:func:`~lightning_4d.layout.reduced_copy.
+    kept_blocks`), an embedding (and untied head) of ``16·tp`` rows."""
+    moe_ids = set(spec.moe_layer_ids)
+    firsts = (next((i for i in range(spec.layers) if i not in moe_ids), None), min(moe_ids, default=None))
+    starts = [part[0] for part in partition_blocks(spec.layers, dims.pp * dims.virtual_stages) if part]
+    chosen = sorted({i for i in firsts if i is not None} | set(starts))
+    rows = min(16 * dims.tp, spec.vocab_size)
+    ends = rows * spec.hidden * (1 if spec.tied_embeddings else 2) + spec.learned_positions * spec.hidden
+    return ends, {str(i): sum(spec.layer_params(i).values()) for i in chosen}
+
+
 def reduced_check_params(spec: TransformerSpec, dims: ParallelDims) -> int:
-    """Elements of the reduced copy :mod:`lightning_4d.layout.reduced_check` materialises: one block of each kind and
-    at least ``pp · v`` blocks, an embedding (and untied head) of ``16·tp`` rows. 0 without TP and PP.
+    """Elements of the reduced copy :mod:`lightning_4d.layout.reduced_check` materialises in one pass: the first
+    layer of each kind and of every pipeline stage, an embedding (and untied head) of ``16·tp`` rows. 0 without TP
+    and PP.
 
     Example:
         >>> spec = TransformerSpec(vocab_size=32000, hidden=64, layers=8, heads=4, ffn_hidden=128)
@@ -73,18 +91,30 @@ def reduced_check_params(spec: TransformerSpec, dims: ParallelDims) -> int:
     """
     if dims.tp == 1 and dims.pp == 1:
         return 0
-    moe_ids = set(spec.moe_layer_ids)
-    firsts = (next((i for i in range(spec.layers) if i not in moe_ids), None), min(moe_ids, default=None))
-    chosen = [i for i in firsts if i is not None]  # the first layer of each kind (dense, MoE)
-    for i in range(spec.layers):
-        if len(chosen) >= dims.pp * dims.virtual_stages:
-            break
-        if i not in chosen:
-            chosen.append(i)
-    blocks = sum(sum(spec.layer_params(i).values()) for i in chosen)
-    rows = min(16 * dims.tp, spec.vocab_size)
-    ends = rows * spec.hidden * (1 if spec.tied_embeddings else 2) + spec.learned_positions * spec.hidden
-    return blocks + ends
+    ends, blocks = _reduced_check_parts(spec, dims)
+    return ends + sum(blocks.values())
+
+
+def reduced_check_bytes(spec: TransformerSpec, dims: ParallelDims, param_bytes: int, budget_bytes: float) -> float:
+    """Peak bytes of the reduced check within ``budget_bytes``: all its blocks in one pass, else its largest pass of
+    one block (:func:`~lightning_4d.layout.reduced_copy.check_passes`, the runtime's rule), else 0 (checked
+    structurally only).
+
+    Example:
+        >>> spec = TransformerSpec(vocab_size=64, hidden=32, layers=4, heads=4)
+        >>> dims = ParallelDims.from_world(4, tp=2, pp=2)
+        >>> one = reduced_check_bytes(spec, dims, 4, 1e12)
+        >>> one == reduced_copy_bytes(reduced_check_params(spec, dims) * 4), reduced_check_bytes(spec, dims, 4, 0.0)
+        (True, 0.0)
+    """
+    if dims.tp == 1 and dims.pp == 1:
+        return 0.0
+    ends, blocks = _reduced_check_parts(spec, dims)
+    passes = check_passes(float(ends * param_bytes), {k: float(v * param_bytes) for k, v in blocks.items()},
+                          list(blocks), budget_bytes, reduced_copy_bytes(1.0))
+    if passes is None:
+        return 0.0
+    return max(reduced_copy_bytes((ends + sum(blocks[k] for k in group)) * param_bytes) for group in passes)
 
 
 def setup_peak_bytes(spec: TransformerSpec, dims: ParallelDims, share_bytes: float, param_bytes: int = 4,
@@ -108,10 +138,9 @@ def setup_peak_bytes(spec: TransformerSpec, dims: ParallelDims, share_bytes: flo
     """
     whole = spec.total_params() * param_bytes
     largest = largest_tensor_params(spec) * param_bytes
-    check = reduced_copy_bytes(reduced_check_params(spec, dims) * param_bytes)
     if not meta_built:
         held = whole + min(_BUCKET, whole)
-        return max(held, check if check <= check_budget_bytes(whole, 0.0) else 0.0)
+        return max(held, reduced_check_bytes(spec, dims, param_bytes, check_budget_bytes(whole, 0.0)))
     materialise = share_bytes + setup_scratch_bytes(spec)
     budget = check_budget_bytes(share_bytes if largest_share_bytes is None else largest_share_bytes, largest)
-    return max(materialise, check if check <= budget else 0.0)
+    return max(materialise, reduced_check_bytes(spec, dims, param_bytes, budget))

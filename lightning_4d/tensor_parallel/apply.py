@@ -25,6 +25,7 @@ from lightning_4d.analysis.hooks import LOSS_PARALLEL, TP_PLAN, hook_call, user_
 from lightning_4d.analysis.layer_kinds import is_conv1d
 from lightning_4d.core.verify import REWRITES_ATTR
 from lightning_4d.mesh import Axis, FourDMesh, ParallelDims
+from lightning_4d.tensor_parallel.block_inputs import install_feature_cuts
 from lightning_4d.tensor_parallel.plan import block_plan, model_plan
 from lightning_4d.tensor_parallel.specs import StyleSpec, spec_of
 from lightning_4d.tensor_parallel.rng import ShardedRNG, install_sharded_rng, sharded_dropout_modules
@@ -92,6 +93,8 @@ class TPLayout:
     head_params: dict[str, dict[str, list[tuple[int, int]]]] = field(default_factory=dict)  # owner -> {param: slices}
     # region -> {argument: (heads, slices)}: the per-head score biases (ALiBi) it receives
     head_inputs: dict[str, dict[ArgKey, tuple[int, list[tuple[int, int]]]]] = field(default_factory=dict)
+    # block -> {argument: width}: cut with the column-parallel linear it meets (Gemma 4's per-layer input)
+    feature_inputs: dict[str, dict[ArgKey, int]] = field(default_factory=dict)
     regions: dict[str, list[str]] = field(default_factory=dict)  # block -> TP regions (attention, MLP)
     loss_parallel: bool = False
     permutations: dict[str, tuple[list[int], int]] = field(default_factory=dict)  # param fqn -> (rows, dim)
@@ -160,7 +163,7 @@ def tp_styles(root: nn.Module, trace: ModelTrace, tp: int, sp: bool) -> TPLayout
                 if norm not in plan.local_norms:  # those run on this rank's tokens as they are (grads summed)
                     # A local output: a norm on a region's output (Gemma's sandwich norms) feeds the residual add.
                     styles[f"{block_name}.{norm}"] = SequenceParallel(use_local_output=True)
-            for moe in plan.moe:
+            for moe in (m for m in plan.moe if m not in plan.block_moe):  # those see the block's local tokens
                 # Tokens stay sequence-sharded into the MoE layer (experts see local tokens).
                 styles[f"{block_name}.{moe}"] = PrepareModuleInput(
                     input_layouts=(seq,), desired_input_layouts=(seq,), use_local_output=True
@@ -179,6 +182,8 @@ def tp_styles(root: nn.Module, trace: ModelTrace, tp: int, sp: bool) -> TPLayout
             layout.head_params.setdefault(f"{block_name}.{owner}" if owner else block_name, {})[pname] = slices
         for region, inputs in plan.head_inputs.items():
             layout.head_inputs[f"{block_name}.{region}"] = inputs
+        if plan.feature_inputs:
+            layout.feature_inputs[block_name] = dict(plan.feature_inputs)
         layout.partial_params += [f"{block_name}.{n}" for n in plan.partial_params]
     if not styles:
         raise ValueError(
@@ -283,6 +288,9 @@ def apply_tensor_parallel(module: nn.Module, mesh: FourDMesh, layout: TPLayout) 
     for owner, inputs in layout.head_inputs.items():
         if present(owner):
             install_head_inputs(module.get_submodule(owner), {k: (h, s[rank]) for k, (h, s) in inputs.items()})
+    for owner, cuts in layout.feature_inputs.items():
+        if present(owner):
+            install_feature_cuts(module.get_submodule(owner), cuts, tp_mesh)
     _retie(module, groups)
     if layout.boundary is not None:
         first, last = (module.get_submodule(n) if present(n) else None for n in layout.boundary)

@@ -54,6 +54,7 @@ from lightning_4d.analysis.head_bias import ArgKey
 from lightning_4d.analysis.hooks import TP_PLAN, hook_call
 from lightning_4d.analysis.layer_kinds import holds_routed_experts, is_linear, is_norm
 from lightning_4d.core.precision import allowed_difference, max_difference
+from lightning_4d.tensor_parallel.block_inputs import feature_cuts, feature_gates, whole_linears
 from lightning_4d.tensor_parallel.layouts import concat_permutation
 from lightning_4d.tensor_parallel.mixers import plan_mixer
 from lightning_4d.tensor_parallel.styles import head_axis, linear_features
@@ -110,6 +111,8 @@ class BlockPlan:
     regions: list[str] = field(default_factory=list)  # modules entered with replicated (gathered) input
     norms: list[str] = field(default_factory=list)
     moe: list[str] = field(default_factory=list)
+    # of ``moe``: the experts and router a block holds itself (Gemma 4), called on the block's own local tokens
+    block_moe: list[str] = field(default_factory=list)
     head_attrs: dict[str, dict[str, int]] = field(default_factory=dict)  # region -> {attr: global value}
     permutations: dict[str, list[int]] = field(default_factory=dict)  # concatenated fused linear -> row order
     partial_params: list[str] = field(default_factory=list)  # replicated params that see sharded activations
@@ -129,6 +132,9 @@ class BlockPlan:
     local_norms: list[str] = field(default_factory=list)  # SP norms on non-(B, T, H) inputs: local, grads summed
     # region -> {argument: (heads, per-rank [lo, hi))}: per-head score biases it receives (ALiBi), cut with its heads
     head_inputs: dict[str, dict[ArgKey, tuple[int, list[tuple[int, int]]]]] = field(default_factory=dict)
+    # block argument -> its width: cut along its last dimension with the column-parallel linear it meets (Gemma 4's
+    # per-layer input; :mod:`lightning_4d.tensor_parallel.block_inputs`)
+    feature_inputs: dict[ArgKey, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -398,19 +404,29 @@ def block_plan(block: nn.Module, block_name: str, tp: int, trace: Optional[Model
     plan = BlockPlan()
     plan.low_rank = low_rank_pairs(trace, block)
     downs = set(plan.low_rank.values())
+    gates = feature_gates(block, trace)  # meet a block argument feature by feature: column-parallel, it is cut
+    indexed = trace.index_modules if trace is not None else frozenset()  # DeepSeek-V3.2's indexer: kept whole
     moe_prefixes: list[str] = []
+    own_moe = plan.block_moe = _block_level_moe(block)
+    if own_moe and sequence_parallel:
+        raise ValueError(
+            f"{block_name} holds its experts and router itself ({', '.join(f'{block_name}.{n}' for n in own_moe)}, "
+            f"beside its attention and MLP, as Gemma 4's MoE layers do), which sequence parallelism does not support "
+            f"yet (its gradients would be wrong). Set sequence_parallel=False (tensor parallelism without it, and "
+            f"ep, hold), or implement {_HOOK}.")
     for name, module in block.named_modules():
         if not name:
             continue
         if any(name == p or name.startswith(p + ".") for p in moe_prefixes):
             continue  # expert weights are never treated as dense layers
-        if holds_routed_experts(module):
+        if name in own_moe or holds_routed_experts(module):
             moe_prefixes.append(name)
             plan.moe.append(name)
             continue
         if is_linear(module):
             _check_linear_forward(f"{block_name}.{name}", module)
-            plan.linears[name] = ("replicate" if name in downs else "colwise" if name in plan.low_rank
+            plan.linears[name] = ("replicate" if name in downs or whole_linears([name], indexed)
+                                  else "colwise" if name in plan.low_rank or name in gates
                                   else _role(block_name, name, trace))
         elif is_norm(module) and ("." not in name or _in_norm_list(block, name)):
             plan.norms.append(name)
@@ -442,6 +458,8 @@ def block_plan(block: nn.Module, block_name: str, tp: int, trace: Optional[Model
         else:  # a low-rank down-projection: replicated, its gradient a partial sum over the ranks' heads
             plan.partial_params += [f"{name}.{n}" for n, _ in block.get_submodule(name).named_parameters()]
     _check_replicated_heads(block_name, plan, regions, pieces_of)
+    plan.feature_inputs = feature_cuts(block_name, block, plan.linears, [*plan.permutations, *plan.gathered], trace,
+                                       tp)
     plan.direct = sorted(n for n, r in regions.items() if r == "" and plan.linears[n] != "replicate")
     plan.regions = sorted({r for n, r in regions.items() if r and plan.linears[n] == "colwise"})
     for region in plan.regions:
@@ -765,6 +783,27 @@ def _norm_source(block_name: str, block: nn.Module, path: str, size: Optional[in
             f"tensor parallelism splits across ranks, and cannot run as a distributed norm: {why}. {fix}"
         )
     return source
+
+
+def _block_level_moe(block: nn.Module) -> list[str]:
+    """The experts module and its router when a block holds them itself, beside its attention and MLP (Gemma 4's
+    ``experts`` and ``router``, whose ``proj`` scores the experts): handled as a mixture-of-experts layer, the router
+    whole (never a row- or column-parallel linear). Empty for a block whose experts sit in a sublayer.
+
+    Example:
+        >>> _block_level_moe(nn.Linear(2, 2))
+        []
+    """
+    from lightning_4d.expert_parallel.inplace import inspect_experts
+
+    experts = getattr(block, "experts", None)
+    name = next((n for n, m in block.named_children() if m is experts), None) if experts is not None else None
+    if name is None:
+        return []
+    spec = inspect_experts(experts, name, block)
+    if isinstance(spec, str) or not spec.router or spec.router.startswith("../"):
+        return [name]
+    return [name, spec.router.partition(".")[0]]
 
 
 def _moe_params(block: nn.Module, plan: BlockPlan, sequence_parallel: bool) -> list[str]:

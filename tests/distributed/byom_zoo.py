@@ -62,6 +62,12 @@ Families (``kind``: what it exercises under tensor parallelism):
 - ``hf-longcat``: LongCat-Flash, a router over ``E`` experts and ``Z`` zero (identity) experts, the identities
   computed by the layer itself (the experts module sees weight-0 ids in ``[0, E)`` for them); MLA attention (q/kv
   LoRA with norms), two attention and MLP sublayers per layer and a shortcut MoE.
+- ``hf-gemma4`` / ``hf-gemma4ple``: Gemma 4, every layer's type (sliding or global attention), rotary table, mask
+  and head width (global layers' heads twice as wide, keys used as values) picked by its index from the config;
+  ``hf-gemma4ple`` adds per-layer input embeddings (``embed_tokens_per_layer`` and ``per_layer_model_projection``
+  computed before the blocks, a slice fed to each layer and multiplied with its ``per_layer_input_gate`` output).
+- ``hf-dsv32``: DeepSeek-V3.2, latent attention with a sparse-attention indexer (its own ``wq_b`` / ``wk`` /
+  ``weights_proj`` heads, run without gradients, picking ``index_topk`` keys per query) and DeepSeek's MoE.
 - ``tt-llama3`` / ``tt-qwen3moe``: the ``torchtitan`` package's own Llama 3 (fused ``wqkv`` interleaved by KV group)
   and Qwen3 MoE (its ``MoE`` with ``router.gate`` beside ``routed_experts``), with TorchTitan's
   ``ScaledDotProductAttention`` inner attention (its flex attention compiles kernels).
@@ -88,10 +94,10 @@ ZOO_KINDS = ("hf-stablelm", "hf-gemma2", "hf-gemma3", "hf-phi3", "hf-olmo2", "hf
              "hf-xglm", "hf-gptneo", "hf-codegen", "hf-cohere", "hf-apertus", "hf-dbrx", "hf-jetmoe", "hf-mamba2",
              "hf-mamba2grp", "hf-granite4h", "hf-lfm2", "hf-falconh1",
              "hf-nemotronh", "hf-zamba2", "hf-zamba2first", "hf-mamba1", "hf-granite4hmoe", "hf-longcat",
-             "hf-kimilinear", "tt-llama3",
+             "hf-kimilinear", "hf-gemma4", "hf-gemma4ple", "hf-gemma4moe", "hf-gemma4kv", "hf-dsv32", "tt-llama3",
              "tt-qwen3moe")
 ZOO_MOE_KINDS = ("hf-olmoe", "hf-gptoss", "hf-llama4", "hf-qwen3next", "hf-jetmoe", "hf-granite4hmoe", "hf-longcat",
-                 "hf-kimilinear", "tt-qwen3moe")
+                 "hf-kimilinear", "hf-gemma4moe", "hf-dsv32", "tt-qwen3moe")
 ZERO_EXPERTS = 2  # LongCat-Flash's zero (identity) experts beside its MOE_EXPERTS routed ones
 
 
@@ -265,6 +271,38 @@ def _hf(family: str, layers: int) -> nn.Module:
     elif family == "mq":
         cfg = tf.LlamaConfig(**_common(layers), num_attention_heads=HEADS, num_key_value_heads=1,
                              intermediate_size=FFN)
+    elif family in ("gemma4", "gemma4ple"):  # Gemma 4: layer types picked by position, wider global heads
+        # sliding layers, then a full-attention layer last (as Gemma 4 forces), its heads twice as wide with their own
+        # (proportional, partial) rotary table; "gemma4": keys are values in the full layers (attention_k_eq_v);
+        # "gemma4ple": per-layer input embeddings computed before the blocks and fed to every layer
+        ple = family == "gemma4ple"
+        cfg = tf.Gemma4TextConfig(**_common(layers), num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                                  head_dim=HIDDEN // HEADS, global_head_dim=2 * HIDDEN // HEADS, intermediate_size=FFN,
+                                  sliding_window=6, final_logit_softcapping=30.0,
+                                  layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"],
+                                  attention_k_eq_v=not ple, num_global_key_value_heads=None if ple else KV_HEADS,
+                                  hidden_size_per_layer_input=8 if ple else 0, vocab_size_per_layer_input=VOCAB)
+    elif family in ("gemma4moe", "gemma4kv"):  # Gemma 4 with routed experts / with K and V shared across layers
+        # "gemma4moe": an MoE block beside every layer's MLP (26B-A4B); "gemma4kv": the last half of the layers
+        # reuse the K and V the last earlier layer of their type stored (num_kv_shared_layers, E2B / E4B; with 2
+        # layers both global, the second reusing the first's)
+        moe = family == "gemma4moe"
+        cfg = tf.Gemma4TextConfig(**_common(layers), num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                                  head_dim=HIDDEN // HEADS, global_head_dim=2 * HIDDEN // HEADS, intermediate_size=FFN,
+                                  sliding_window=6, layer_types=["sliding_attention", "full_attention"] * (layers // 2)
+                                  if moe or layers > 2 else ["full_attention"] * 2,
+                                  hidden_size_per_layer_input=0, enable_moe_block=moe,
+                                  num_experts=MOE_EXPERTS if moe else None, top_k_experts=2 if moe else None,
+                                  moe_intermediate_size=MOE_FFN if moe else None,
+                                  num_kv_shared_layers=0 if moe else layers // 2)
+    elif family == "dsv32":  # DeepSeek-V3.2: MLA with a sparse-attention indexer (its own heads, no gradient)
+        cfg = tf.DeepseekV32Config(**_common(layers), num_attention_heads=HEADS, num_key_value_heads=HEADS,
+                                   intermediate_size=FFN, moe_intermediate_size=MOE_FFN, n_routed_experts=MOE_EXPERTS,
+                                   num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+                                   n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                                   kv_lora_rank=16, q_lora_rank=12, qk_rope_head_dim=4, qk_nope_head_dim=4,
+                                   v_head_dim=HIDDEN // HEADS, head_dim=4, index_n_heads=HEADS, index_head_dim=8,
+                                   index_topk=SEQ // 4)
     else:
         raise ValueError(f"unknown family {family!r}")
     # Soft-capping (Gemma 2) and attention sinks (GPT-OSS) need transformers' eager attention.
@@ -273,6 +311,11 @@ def _hf(family: str, layers: int) -> nn.Module:
     from tests.distributed.byom_models import HFLogits
 
     model = tf.AutoModelForCausalLM.from_config(cfg).float()
+    if family == "dsv32":  # a nonzero correction bias changes the winning expert group for some tokens
+        with torch.no_grad():
+            for mod in model.modules():
+                if hasattr(mod, "e_score_correction_bias"):
+                    mod.e_score_correction_bias.copy_(torch.randn(MOE_EXPERTS) * 0.1)
     return HFLogits(model)
 
 

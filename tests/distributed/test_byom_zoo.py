@@ -12,7 +12,9 @@ identities computed by the layer; norms and sublayers kept in lists), Kimi-Linea
 projections concatenated into one depthwise convolution, a per-feature ``dt_bias``, a ``(1, 1, heads, 1)``
 ``A_log``, low-rank gates; latent attention; MoE), the state-space and hybrid families (Mamba-2 with one and two
 B/C groups, Granite 4.0-H dense and MoE, Falcon-H1, Nemotron-H, LFM2's short convolutions, Zamba2's shared block
-with per-use adapters, Mamba-1) and the ``torchtitan`` package's Llama 3 and Qwen3 MoE.
+with per-use adapters, Mamba-1), Gemma 4 (layer types, rotary tables, head widths and per-layer inputs picked by
+layer index; per-layer input embeddings computed before the blocks), DeepSeek-V3.2 (a sparse-attention indexer of
+its own heads, no gradient) and the ``torchtitan`` package's Llama 3 and Qwen3 MoE.
 Each family runs under tp=2 with and without sequence parallelism and tp=2 × pp=2, each MoE family under ep=2 (and
 tp=2 × ep=2), or is refused at set-up (:data:`REFUSED`).
 
@@ -22,7 +24,8 @@ gradient that is zero in exact arithmetic (OPT's key bias: a softmax does not se
 gradient norm (its rounding noise is an absolute ~1e-11 here; a real gradient that small is held to 1e-9 of the
 largest). TorchTitan's grouped experts compute in bf16 by design, so every gradient of that model carries
 bf16 rounding noise: it is held to 10× its noise floor, measured in the same world as the error of plain data
-parallelism (which changes only how the batch is split, not the math). ``fit_spec`` also checks under tp>1 that every parameter the TP ranks hold whole is identical on each.
+parallelism (which changes only how the batch is split, not the math); so is Gemma 4, whose fp32 rounding from a
+batch split alone is near 1e-5 (:data:`FLOOR_MODELS`). ``fit_spec`` also checks under tp>1 that every parameter the TP ranks hold whole is identical on each.
 
 Layouts run many families in one world (a world costs seconds to start; an expected set-up refusal does not end it);
 the worst relative error per family × layout is printed at the end of the module (the table
@@ -52,6 +55,7 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any], int]] = {
     "tp2-nosp": (2, dict(tp=2, sequence_parallel=False), 2),
     "dp2": (2, dict(), 2),
     "pp2": (2, dict(pp=2), 4),
+    "dp2-4": (2, dict(), 4),  # the noise floor of a 4-layer model in a 2-rank world (FLOOR_MODELS)
     "dp4": (4, dict(), 4),
     "ep2": (2, dict(ep=2), 2),
     "tp2-ep2": (2, dict(tp=2, ep=2), 2),
@@ -121,6 +125,13 @@ SHARDED: dict[str, list[str]] = {
     + [f"model.model.model.layers.1.self_attn.{n}.weight" for n in ("q_proj", "kv_b_proj", "o_proj")],
     "hf-lfm2": [f"{_HF0}.conv.in_proj.weight", f"{_HF0}.conv.out_proj.weight",
                 "model.model.model.layers.1.self_attn.q_proj.weight", f"{_HF0}.feed_forward.w2.weight"],
+    # Gemma 4: the global layer's wider heads (keys are values there: no v_proj); with per-layer inputs the gate is
+    # column-parallel (the per-layer input cut with it) and the projection back row-parallel
+    "hf-gemma4": _LLAMA_LIKE + ["model.model.model.layers.1.self_attn.k_proj.weight"],
+    "hf-gemma4ple": _LLAMA_LIKE + [f"{_HF0}.{n}.weight" for n in ("per_layer_input_gate", "per_layer_projection")],
+    "hf-gemma4moe": _LLAMA_LIKE, "hf-gemma4kv": _LLAMA_LIKE + ["model.model.model.layers.1.self_attn.q_proj.weight"],
+    # DeepSeek-V3.2: latent attention's up-projections sharded, the sparse-attention indexer whole (REPLICATED)
+    "hf-dsv32": [f"{_HF0}.self_attn.{n}.weight" for n in ("q_b_proj", "kv_b_proj", "o_proj")],
 }
 SHARDED["hf-zamba2first"] = SHARDED["hf-zamba2"]
 # Parameters a layout must leave whole and replicated (the projections computing KV heads fewer than tp): by family,
@@ -141,9 +152,18 @@ REPLICATED: dict[Any, list[str]] = {
                   f"{_ZAMBA_SHARED}.feed_forward.gate_up_proj_adapter_list.0.0.weight"],
 }
 REPLICATED["hf-zamba2first"] = REPLICATED["hf-zamba2"]
+# the indexer returns top-k key positions (no gradient): each rank computes them whole from the gathered input
+# Gemma 4's router and (at ep=1) its experts: whole on every tp rank, fed the block's own tokens
+REPLICATED["hf-gemma4moe"] = [f"{_HF0}.router.proj.weight", f"{_HF0}.experts.gate_up_proj"]
+REPLICATED["hf-dsv32"] = [f"{_HF0}.self_attn.indexer.{n}.weight" for n in ("wq_b", "wk", "weights_proj")]
 # Models that compute part of their forward in bf16 by design (TorchTitan's grouped experts): every gradient
 # downstream of that rounding is held to 10x the noise floor of plain data parallelism, measured in the same world.
 BF16_MODELS = ("tt-qwen3moe",)
+# Models whose fp32 gradients carry rounding near the 1e-5 tolerance from a mere split of the batch (Gemma 4:
+# unscaled attention logits of normalised queries and keys; one process with the batch in two micro-batches differs
+# from it whole by up to 9e-6 after 3 AdamW steps): held like BF16_MODELS, to 10x the floor plain data parallelism
+# measures in the same world on the same depth (dp2: 2 layers, dp2-4 / dp4: 4 layers), which must come first.
+FLOOR_MODELS = BF16_MODELS + ("hf-gemma4", "hf-gemma4ple", "hf-gemma4moe", "hf-gemma4kv")
 # Expected refusals at set-up: (family, layout) -> what the error must name (the cause and the fix are checked by
 # tests/unit/test_tp_heads_plan.py and test_mixer_plan.py): tp=4 with 2 KV groups interleaved in TorchTitan's
 # fused wqkv.
@@ -162,6 +182,11 @@ REFUSED: dict[tuple[str, str], str] = {
     ("hf-zamba2", "tp2-pp2"): "layers.2.shared_transformer is a module reused at several depths",
     # Mamba-1's x_proj reads the sharded inner width and feeds dt_proj: a reduction inside the mixer
     ("hf-mamba1", "tp2"): "mixer.dt_proj is a linear layer whose role is unknown",
+    # Gemma 4's MoE layers hold their experts and router beside attention and MLP: not under SP yet (without: held)
+    ("hf-gemma4moe", "tp2"): "holds its experts and router itself",
+    ("hf-gemma4moe", "tp2-ep2"): "holds its experts and router itself",
+    # Gemma 4's KV-shared layers read the K and V an earlier layer stored, here on the other stage
+    ("hf-gemma4kv", "pp2"): "share state through their argument(s) 'shared_kv_states'",
 }
 
 ERRORS: dict[str, str] = {}  # "family layout" -> worst relative error, or the refusal
@@ -266,19 +291,21 @@ def _check(family: str, layout: str, got: dict[str, Any], ref: dict[str, Any], f
 
 def _run(cases: list[tuple[str, str]], references: References) -> list[str]:
     """Run every (family, layout) of one world size in one world; the problems found (see :func:`_check`).
-    A BF16 model's floor comes from its plain data-parallel case (``dp2``, ``dp4``), which must come first."""
+    A FLOOR_MODELS model's floor comes from its plain data-parallel case of the same depth (``dp2``, ``dp2-4``,
+    ``dp4``), which must come first."""
     specs = [_spec(f, lay) for f, lay in cases]
     # single-process references, before the world starts (none for an expected refusal)
     refs = [{} if s["refusal"] else references[s["model"]] for s in specs]
     results = merge_ranks(run_world(_zoo_world, specs[0]["world"], specs, timeout_s=900, pg_timeout_s=PG_TIMEOUT_S))
-    floors: dict[str, float] = {}
+    floors: dict[tuple[str, int], float] = {}  # (family, layers) -> noise floor
     problems: list[str] = []
     for (family, layout), got, ref in zip(cases, results, refs):
-        if family in BF16_MODELS and layout.startswith("dp") and "error" not in got:
-            floors[family] = max(_errors(got, ref).values())
-            ERRORS[f"{family} {layout} (noise floor)"] = f"{floors[family]:.1e}"
+        depth = LAYOUTS[layout][2]
+        if family in FLOOR_MODELS and layout.startswith("dp") and "error" not in got:
+            floors[(family, depth)] = max(_errors(got, ref).values())
+            ERRORS[f"{family} {layout} (noise floor)"] = f"{floors[(family, depth)]:.1e}"
             continue
-        problems += _check(family, layout, got, ref, floors.get(family, 0.0))
+        problems += _check(family, layout, got, ref, floors.get((family, depth), 0.0))
     return problems
 
 
@@ -350,10 +377,23 @@ def test_tensor_parallel_with_and_without_sequence_parallelism(references: Refer
     assert not problems, "\n".join(problems)
 
 
+# Layers configured by position (Gemma 4: each layer's type, rotary table, head width and per-layer input picked by
+# its index), with and without per-layer input embeddings (computed before the blocks, carried to later pipeline
+# stages, cut with the column-parallel gate under tp), with experts held by the layer itself and with K and V
+# shared across layers (under tp; refused under pp: REFUSED), and DeepSeek-V3.2's sparse-attention indexer under
+# tp; the Gemma 4 floors first (FLOOR_MODELS).
+BY_POSITION = ([(f, lay) for f in ("hf-gemma4", "hf-gemma4ple", "hf-gemma4moe") for lay in ("dp2", "dp2-4")]
+               + [("hf-gemma4kv", "dp2")]
+               + [("hf-gemma4", "tp2"), ("hf-gemma4", "pp2"), ("hf-gemma4ple", "tp2"), ("hf-gemma4ple", "tp2-nosp"),
+                  ("hf-gemma4ple", "pp2"), ("hf-gemma4moe", "tp2-nosp"), ("hf-gemma4moe", "ep2"),
+                  ("hf-gemma4moe", "pp2"), ("hf-gemma4kv", "tp2"), ("hf-dsv32", "tp2"), ("hf-dsv32", "tp2-ep2")])
+BY_POSITION_4 = [("hf-gemma4ple", "dp4"), ("hf-gemma4ple", "tp2-pp2")]
+
+
 def test_expert_and_pipeline_layouts_and_refusals(references: References) -> None:
     # Expert parallelism for every MoE family (with tp where it applies), pipeline parallelism alone, and the
     # families refused at set-up: each refusal names the module, and the world goes on after it.
-    cases = EP + [(f, "pp2") for f in PP] + _refusals(2)
+    cases = EP + [(f, "pp2") for f in PP] + BY_POSITION + _refusals(2)
     problems = _run(_available(cases), references)
     assert not problems, "\n".join(problems)
 
@@ -362,7 +402,8 @@ def test_four_rank_layouts(references: References) -> None:
     # tp=2 x pp=2 for every family (TorchTitan's Qwen3 MoE after its noise floor over 4 ranks); FSDP2 over dp swaps
     # the parameters a per-head list or a per-head parameter is read from: tp2-dp2 checks that each rank still uses
     # (and gives zero gradients to) the right ones.
-    cases = ([("tt-qwen3moe", "dp4")] + [(f, "tp2-pp2") for f in PP_TP] + [(f, "tp2-pp2-nosp") for f in PP_TP_NOSP]
+    cases = ([("tt-qwen3moe", "dp4")] + BY_POSITION_4 + [(f, "tp2-pp2") for f in PP_TP]
+             + [(f, "tp2-pp2-nosp") for f in PP_TP_NOSP]
              + [(f, "tp4") for f in TP4]
              + [(f, "tp2-dp2") for f in FSDP] + _refusals(4))
     problems = _run(_available(cases), references)

@@ -151,6 +151,7 @@ PRIVATE_SYMBOLS = [
     ("transformers.core_model_loading", "WeightRenaming"),
     ("transformers.core_model_loading", "dot_natural_key"),
     ("transformers", "PreTrainedModel._supports_sdpa"),
+    ("torch", "Tensor._base"),  # lightning_4d/_compat/dispatch.py view_base
 ]
 
 
