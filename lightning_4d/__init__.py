@@ -16,6 +16,7 @@ from lightning_4d.layout.parallelize import apply_layout, plan_layout
 from lightning_4d.strategy import FourDStrategy
 
 import lightning_4d.callbacks.summary  # noqa: E402,F401  (registers the whole-model summary with the strategy)
+import lightning_4d.fabric  # noqa: E402,F401  (registers strategy="fourd" with Lightning Fabric)
 from lightning_4d._compat.moved import install as _install_moved  # noqa: E402
 
 _install_moved()  # the pre-0.2 module names (lightning_4d.trace, ...) import for one more release, with a warning

@@ -11,9 +11,11 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import signal
+import typing
 from pathlib import Path
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import partial
 from datetime import timedelta
 from typing import Any, Literal, Optional, Sequence, Union
@@ -25,7 +27,7 @@ from lightning_4d.mesh import ParallelDims, _check_degree
 
 __all__ = ["FourDConfig", "SCHEDULES", "MULTI_STAGE_SCHEDULES", "ACTIVATION_CHECKPOINTING", "DATA_PARALLEL",
            "DEFAULT_HEARTBEAT_TIMEOUT", "DEFAULT_SIGNALS", "DEFAULT_TIMEOUT", "NONFINITE_MODES", "check_data_parallel",
-           "default_virtual_stages", "resolve_signals", "stage_style"]
+           "default_virtual_stages", "options_signature", "resolve_signals", "stage_style"]
 
 
 #: The schedules ``FourDStrategy`` runs; each one's facts are its record in :mod:`lightning_4d.pipeline.schedules`.
@@ -305,3 +307,22 @@ class FourDConfig:
             sequence_parallel=self.sequence_parallel, virtual_stages=self.stages_per_rank, dp_shard=self.dp_shard,
             cp=self.cp,
         )
+
+
+def options_signature(exclude: Sequence[str] = ()) -> inspect.Signature:
+    """A strategy's ``__init__`` signature: ``self``, the fields of :class:`FourDConfig` but ``exclude`` (their
+    defaults and types, in field order), then ``**kwargs`` for Lightning. The Trainer's and Fabric's
+    ``FourDStrategy`` take their options from it.
+
+    Example:
+        >>> list(options_signature(exclude=("pp",)).parameters)[:4]
+        ['self', 'tp', 'ep', 'dp']
+    """
+    hints = typing.get_type_hints(FourDConfig)
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    return inspect.Signature([
+        inspect.Parameter("self", kind),
+        *(inspect.Parameter(f.name, kind, default=f.default, annotation=hints[f.name])
+          for f in fields(FourDConfig) if f.name not in exclude),
+        inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD, annotation=Any),
+    ], return_annotation=None)

@@ -10,15 +10,11 @@ Example:
 from __future__ import annotations
 
 import copy
-import gc
 import inspect
 import logging
 import shutil
 import sys
-import time
-import typing
-from contextlib import contextmanager, nullcontext
-from dataclasses import fields
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Generator, Iterable, Optional, Union
@@ -34,42 +30,31 @@ from typing_extensions import override
 
 from lightning_4d import _compat
 from lightning_4d.core.batches import batch_tokens
-from lightning_4d.core.comm import internal_comm
 from lightning_4d.checkpoint.background import BackgroundSaver
 from lightning_4d.checkpoint.resume import normalize_loop_state, skip_first_batches
 from lightning_4d.checkpoint.state import load_sharded, model_state_dict, optimizer_state_dict, save_sharded
-from lightning_4d.config import FourDConfig
+from lightning_4d.config import FourDConfig, options_signature
 from lightning_4d.context_parallel import SequenceShard, takes_positions
-from lightning_4d.context_parallel.algorithm import choose_algorithm
-from lightning_4d.context_parallel.check import ModelInfo, check_context_parallel, example_length
+from lightning_4d.context_parallel.check import ModelInfo
 from lightning_4d.context_parallel.local_masks import pending_flag, raise_if_differed, verify_local_masks
-from lightning_4d.context_parallel.refusals import check_unread_masks
 from lightning_4d.layout.data_parallel import set_gradient_sync
-from lightning_4d.core.distributed import all_reduce_sum, broadcast_module_state, connect, is_on_meta, to_full
+from lightning_4d.core.distributed import reduce_tensor
 from lightning_4d.safety.heartbeat import Heartbeat
-from lightning_4d.safety.nccl_debug import enable_flight_recorder
-from lightning_4d.analysis.hooks import TP_PLAN, hook_call
 from lightning_4d.core.loss import check_inputs
-from lightning_4d.core.precision import exact_fp32_matmul
-from lightning_4d.materialize.local_shards import MaterializeReport, materialize_local_shards, meta_skeleton
-from lightning_4d.mesh import Axis, FourDMesh, ParallelDims, build_mesh
+from lightning_4d.materialize.local_shards import MaterializeReport
+from lightning_4d.mesh import FourDMesh
 from lightning_4d.safety.nonfinite import NonFiniteError, SkipStep, check_step
-from lightning_4d.layout.derive_plan import check_given_plan
-from lightning_4d.layout.parallelize import (
-    LayoutRow, ParallelPlan, apply_layout, describe_layout, plan_layout,
-)
+from lightning_4d.layout.parallelize import LayoutRow, ParallelPlan, describe_layout
+from lightning_4d.layout.set_up import release_freed_memory, set_up_model
 from lightning_4d.safety.peers import describe_peer_failure, gather_peers
-from lightning_4d.plan import LayoutPlan, load_plan
-from lightning_4d.layout.reduced_check import (
-    CHECK_FLOOR_BYTES, check_budget_bytes, check_reduced_model, perturbed_copy, plan_share_bytes,
-)
+from lightning_4d.plan import LayoutPlan
 from lightning_4d.safety.preemption import PreemptionSaver, resolve_signals
 from lightning_4d.runtime.step import (
-    GradNormShare, after_optimizer_step, clip_grad_norm, finish_backward, grad_norm_share, predict_outputs, step_loss,
+    GradNormShare, after_optimizer_step, check_tp_replicas, clip_grad_norm, finish_backward, grad_norm_share,
+    predict_outputs, step_loss,
 )
 from lightning_4d.runtime.step import loss_context as step_loss_context
-from lightning_4d.tensor_parallel.replicas import replica_mismatches
-from lightning_4d.analysis.trace import example_tokens
+from lightning_4d.runtime.world import MeshProperties, connect_mesh
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -78,7 +63,6 @@ if TYPE_CHECKING:
     from lightning_4d._compat.trainer import StrategyRegistryType
     from lightning.pytorch.strategies.strategy import TBroadcast, TReduce
     from lightning.pytorch.utilities.types import STEP_OUTPUT
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.optim import Optimizer
 
     from lightning_4d.safety.peers import Peer
@@ -93,7 +77,7 @@ log = logging.getLogger(__name__)
 FIT_SETUP_HOOKS: list[Callable[["pl.Trainer"], None]] = []
 
 
-class FourDStrategy(ParallelStrategy):
+class FourDStrategy(MeshProperties, ParallelStrategy):
     """Tensor (+sequence), pipeline, expert, data and context parallelism for a ``FourDModule``.
 
     Args:
@@ -141,61 +125,11 @@ class FourDStrategy(ParallelStrategy):
         self._cp_info: Optional[ModelInfo] = None  # cp > 1: what the set-up check learnt of the model
         self._saver = BackgroundSaver(self.config.timeout) if self.config.async_checkpoint else None
 
-    # ------------------------------------------------------------------ properties
-    @property
-    def num_nodes(self) -> int:
-        """Number of nodes (set by the Trainer)."""
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        """Processes on this node."""
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
+    # ------------------------------------------------------------------ properties (more in MeshProperties)
     @property
     def is_distributed(self) -> bool:
         """Always ``True``: Lightning then adds the distributed sampler and syncs logs."""
         return True
-
-    @property
-    def dims(self) -> ParallelDims:
-        """The validated degrees (available after ``setup_environment``)."""
-        if self._mesh is None:
-            raise RuntimeError("The 4D mesh exists only after the Trainer has set up the processes.")
-        return self._mesh.dims
-
-    @property
-    def mesh(self) -> FourDMesh:
-        """The dense ``(pp, dp, tp)`` mesh and the expert ``(pp, edp, ep)`` view."""
-        if self._mesh is None:
-            raise RuntimeError("The 4D mesh exists only after the Trainer has set up the processes.")
-        return self._mesh
-
-    @property
-    def device_mesh(self) -> "DeviceMesh":
-        """The dense DeviceMesh with axes ``("pp", "dp", "tp")``."""
-        return self.mesh.dense
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, int]:
-        # TP and PP peers must see the same samples: shard the data over the dp axis only.
-        return {"num_replicas": self.dims.dp, "rank": self.mesh.rank(Axis.DP)}
-
-    @property
-    def process_group_backend(self) -> Optional[str]:
-        """The backend of the default process group."""
-        return self._process_group_backend
 
     @property
     @override
@@ -224,20 +158,9 @@ class FourDStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self.set_world_ranks()
-        # Pure validation first: a bad layout fails on every rank before any collective.
-        dims = self.config.resolve(self.world_size)
-        backend = self._process_group_backend or _compat.default_pg_backend(self.root_device)
-        self._process_group_backend = backend
         assert self.cluster_environment is not None
-        if self.config.nccl_flight_recorder:
-            enable_flight_recorder()  # before NCCL starts: it reads the environment then
-        connect(self.cluster_environment, backend, self.config.timeout, self.root_device)
-        if dist.get_world_size() != self.world_size:
-            raise ValueError(
-                f"The existing process group has {dist.get_world_size()} ranks but the Trainer asks for "
-                f"{self.world_size} (devices × num_nodes). Make them equal."
-            )
-        self._mesh = build_mesh(dims, self.root_device.type, backend=backend, timeout=self.config.timeout)
+        self._mesh, self._process_group_backend = connect_mesh(self.cluster_environment, self.config, self.world_size,
+                                                               self.root_device)
 
         self._peers = gather_peers()  # (rank, host, pid): a dead peer can be named if a collective fails
         assert self.lightning_module is not None
@@ -248,10 +171,9 @@ class FourDStrategy(ParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         if self._plan is None:  # a second fit/validate on the same Trainer reuses the layout
-            with exact_fp32_matmul():  # the set-up's value checks in full fp32 (TF32 off), the user's choice restored
-                self._plan = self._set_up_layout(trainer)
+            self._plan = self._set_up_layout(trainer)
         self.model_to_device()
-        self._release_freed_memory()  # what set-up freed on the device: the reduced copy, whole-tensor initialisers
+        release_freed_memory(self.root_device)  # what set-up freed on the device: the reduced copy, whole-tensor inits
         self.barrier()
         self._start_heartbeat()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -264,118 +186,16 @@ class FourDStrategy(ParallelStrategy):
         self.setup_precision_plugin()
 
     def _set_up_layout(self, trainer: "pl.Trainer") -> ParallelPlan:
-        """Rewrite the model for the mesh. A model built on the meta device stays there through the rewrite
-        (pipeline pruning, EP, TP/SP, data parallelism) and only this rank's shards are then allocated and
-        initialised (:func:`~lightning_4d.materialize.local_shards.materialize_local_shards`), so no rank ever holds the
-        whole model; a model built for real is (optionally) synchronised from rank 0 in 64 MB buckets, then
-        rewritten."""
+        """Rewrite the model for the mesh: :func:`~lightning_4d.layout.set_up.set_up_model` (plan → reduced check →
+        apply → materialise; a model built on the meta device gets only this rank's shards)."""
         assert self.model is not None
-        meta = is_on_meta(self.model)
-        if not meta:  # on the device before any collective sees it (NCCL refuses host tensors)
-            self.model_to_device()
-        # The unsharded model on meta (no memory): initialisation of a meta-built model and the set-up check.
-        skeleton = meta_skeleton(self.model)
-        buffers = None if meta else {n: b.detach().clone() for n, b in self.model.named_buffers()}
-        if not meta and self.config.sync_module_states and self.world_size > 1:
-            broadcast_module_state(self.model, src=0)
-        self.model = self.precision_plugin.convert_module(self.model)
-        params = list(self.model.parameters())  # the whole model, each tied weight once
-        self.parameter_counts = (sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad))
-        self.module_parameter_counts = {name: sum(p.numel() for p in sub.parameters())
-                                        for name, sub in self.model.named_modules() if name}
-        if self.dims.cp > 1:  # on the whole model: refuse attention that cannot be split, naming the module
-            self._check_context_parallel(meta, skeleton)
-        # Plan (one traced forward on the unsharded model, or the given plan checked against it) -> check (the plan
-        # applied to a reduced copy with perturbed weights, for every model, before the real one is touched: its
-        # memory is gone before this rank's shards exist) -> apply -> materialise.
-        dims = self.mesh.dims
-        tp_mesh = self.mesh[Axis.TP] if dims.tp > 1 else None
-        heads = self._cp_info.heads if self._cp_info is not None else None
-        plan = load_plan(self.config.plan) if self.config.plan is not None else \
-            plan_layout(self.model, dims, self.config, tp_mesh, attention_heads=heads)
-        check_given_plan(self.model, plan, dims, self.config)  # a given plan: options that disagree are refused
-        if plan.cp_algorithm == "ulysses" and heads is not None:  # a given plan: the heads must divide
-            choose_algorithm("ulysses", heads, dims.cp, dims.tp)
-        self.layout_plan = plan
-        if self.global_rank == 0:
-            log.info("lightning_4d: %s", plan.summary())
-        check_reduced_model(skeleton, plan, self.mesh, accumulate=trainer.accumulate_grad_batches,
-                            device=self.root_device, buffers=buffers,
-                            budget_bytes=self._check_budget(skeleton, plan, meta))
-        del buffers
-        gc.collect()  # the reduced copy's rewrite leaves reference cycles (hooks, closures) holding its tensors
-        self._release_freed_memory()  # the reduced copy's memory, before the shards are allocated
-        cp_masks = self._cp_info.layer_masks(self.model) if self._cp_info is not None else None  # before pruning
-        record = apply_layout(self.model, plan, self.mesh, self.config, self.precision_plugin.precision,
-                              accumulate=trainer.accumulate_grad_batches, device=self.root_device)
-        record.cp_masks = cp_masks
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("lightning_4d: rank %d layout:\n  %s", self.global_rank,
-                      "\n  ".join(map(str, describe_layout(self.model))))
-        if meta:
-            start = time.perf_counter()
-            report = materialize_local_shards(skeleton, self.model, self.root_device,
-                                              sync_module_states=self.config.sync_module_states,
-                                              source_names=plan.source_names())
-            del skeleton
-            gc.collect()
-            self._release_freed_memory()  # the freed full tensors of the initialisation
-            self.materialize_report = report
-            log.info("lightning_4d: materialised this rank's shards (%.1f MB) in %.1f s, %d of %d initialiser calls "
-                     "replayed piece by piece (scratch %.1f MB)%s", report.local_bytes / 2**20,
-                     time.perf_counter() - start, report.calls - len(report.whole_calls), report.calls,
-                     report.scratch_bytes / 2**20,
-                     "; random states differed: rank 0's seed was used" if report.broadcast else "")
-            if report.whole_calls and self.global_rank == 0:
-                log.warning("lightning_4d: %d initialiser call(s) need tensor values and ran on whole tensors "
-                            "(largest %s: %.1f MB in full): %s", len(report.whole_calls), report.largest_call,
-                            report.largest_call_bytes / 2**20, "; ".join(report.whole_calls[:8]))
-        return record
-
-    def _release_freed_memory(self) -> None:
-        """Give back memory the set-up freed: the C heap's to the OS on CPU (``malloc_trim``), the caching
-        allocator's unused blocks on CUDA (``torch.cuda.empty_cache()``: they would otherwise stay reserved for this
-        process, unusable by NCCL and fragmenting the training's allocations)."""
-        if self.root_device.type == "cpu":
-            _compat.release_freed_host_memory()
-        elif self.root_device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    def _check_context_parallel(self, meta: bool, skeleton: torch.nn.Module) -> None:
-        """:func:`~lightning_4d.context_parallel.check.check_context_parallel` on a tiny example: with values (each
-        attention call's mask read, a collective over the cp group) on the model built for real, or for a meta-built
-        one on a perturbed copy of it when the copy fits the reduced check's budget (else declared and traced only,
-        :func:`~lightning_4d.context_parallel.refusals.check_unread_masks`)."""
-        assert self.model is not None
-        dims = self.dims
-        length = example_length(self.model, dims.cp, dims.tp if dims.sp else 1)
-        group, rank = self.mesh[Axis.CP].get_group(), self.mesh.rank(Axis.CP)
-        model, budget = self.model, self.config.reduced_check_budget
-        if meta:
-            tokens = example_tokens(self.model, seq=length).to("meta")  # (2, T)
-            with _compat.meta_scalar_mode():
-                self._cp_info = check_context_parallel(self.model, tokens, group, dims.cp, rank, values=False)
-            tensors = {id(t): t for t in [*skeleton.parameters(), *skeleton.buffers()]}.values()
-            need = float(sum(t.numel() * t.element_size() for t in tensors))
-            if need > (CHECK_FLOOR_BYTES if budget is None else budget):
-                check_unread_masks(self.model, need, budget)
-                return
-            model = perturbed_copy(skeleton, self.root_device)
-        tokens = example_tokens(model, seq=length).to(self.root_device)  # (2, T)
-        self._cp_info = check_context_parallel(model, tokens, group, dims.cp, rank, values=True)
-
-    def _check_budget(self, skeleton: torch.nn.Module, plan: LayoutPlan, meta: bool) -> float:
-        """Bytes the reduced check may hold, the same on every rank: the option, else
-        :func:`~lightning_4d.layout.reduced_check.check_budget_bytes` — for a meta-built model the largest rank's share
-        (:func:`~lightning_4d.layout.reduced_check.plan_share_bytes`, from the plan) plus the largest tensor, for one
-        built for real the whole model (every rank held it)."""
-        if self.config.reduced_check_budget is not None:
-            return float(self.config.reduced_check_budget)
-        tensors = {id(t): t for t in [*skeleton.parameters(), *skeleton.buffers()]}.values()
-        sizes = [t.numel() * t.element_size() for t in tensors]
-        if not meta:
-            return check_budget_bytes(float(sum(sizes)), 0.0)
-        return check_budget_bytes(plan_share_bytes(skeleton, plan, self.mesh.dims), float(max(sizes, default=0)))
+        self.model, done = set_up_model(self.model, self.mesh, self.config, device=self.root_device,
+                                        precision=self.precision_plugin.precision,
+                                        convert_module=self.precision_plugin.convert_module,
+                                        accumulate=trainer.accumulate_grad_batches)
+        self.parameter_counts, self.module_parameter_counts = done.parameter_counts, done.module_parameter_counts
+        self._cp_info, self.layout_plan, self.materialize_report = done.cp_info, done.plan, done.materialize_report
+        return done.record
 
     def _start_heartbeat(self) -> None:
         if self._heartbeat is not None:
@@ -459,19 +279,6 @@ class FourDStrategy(ParallelStrategy):
             finish_backward(self._plan, self.mesh, self.model)
         return out
 
-    def _check_replicas(self) -> None:
-        """After the first optimizer step: every parameter tensor parallelism left whole must be identical
-        on all TP ranks; one that is not (a gradient from sharded activations never summed) fails loudly."""
-        with internal_comm():  # a one-time check, not the step's communication
-            bad = replica_mismatches(self.model, self.mesh[Axis.TP].get_group())
-        if bad:
-            raise RuntimeError(
-                f"After the first optimizer step these parameters differ across the {self.dims.tp} tensor-parallel "
-                f"ranks although each rank holds them whole: {', '.join(bad[:8])}{' …' if len(bad) > 8 else ''}. "
-                f"They see sharded activations whose gradients were not summed, so training would go on wrong. "
-                f"Implement {hook_call(TP_PLAN)} to shard them, or use tp=1."
-            )
-
     def _guarded(self, closure: Callable[[], Optional[Tensor]], optimizer: Optimizer) -> Optional[Tensor]:
         """Run the step's forward and backward, then stop or skip it on every rank if it is not finite
         (before Lightning clips the gradients and the optimizer steps). The gradient norm's share it tests is
@@ -531,7 +338,7 @@ class FourDStrategy(ParallelStrategy):
         self._grads_stale = True
         if not self._replicas_checked and self.dims.tp > 1:
             self._replicas_checked = True
-            self._check_replicas()
+            check_tp_replicas(self.model, self.mesh)
         after_optimizer_step(self._plan, self.model)  # aux-loss-free balancing: after the step, on every rank
         if self._saver is not None:
             self._saver.poll()  # a failed background save is logged now, raised at the next save / teardown
@@ -619,22 +426,9 @@ class FourDStrategy(ParallelStrategy):
     ) -> TReduce:
         """Reduce over ``group`` (default: the world; tp/pp peers hold equal values, so the world
         mean is the data-parallel mean)."""
-        if not isinstance(tensor, Tensor) or not dist.is_initialized():
+        if not isinstance(tensor, Tensor):
             return tensor
-        # ReduceOp members print as e.g. "RedOpType.SUM" (torch 2.13) or "ReduceOp.SUM": keep the name.
-        op = str(reduce_op).lower().rsplit(".", 1)[-1] if reduce_op is not None else "sum"
-        out = tensor.detach().clone() if not tensor.is_floating_point() else tensor.clone()
-        if op in ("mean", "avg"):
-            out = all_reduce_sum(out.float(), group) / dist.get_world_size(group)
-        elif op == "sum":
-            out = all_reduce_sum(out, group)
-        elif op == "max":
-            dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
-        elif op == "min":
-            dist.all_reduce(out, op=dist.ReduceOp.MIN, group=group)
-        else:
-            raise ValueError(f"reduce_op={reduce_op!r} is not supported; use 'mean', 'sum', 'max' or 'min'.")
-        return out
+        return reduce_tensor(tensor, group, reduce_op)
 
     @override
     def teardown(self) -> None:
@@ -746,18 +540,6 @@ def _remove_path(path: Path) -> None:
         path.unlink()
 
 
-def _options_signature() -> inspect.Signature:
-    """``FourDStrategy.__init__``'s signature: ``self``, the fields of ``FourDConfig`` (their defaults and types),
-    then ``**kwargs`` for Lightning."""
-    hints = typing.get_type_hints(FourDConfig)
-    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    return inspect.Signature([
-        inspect.Parameter("self", kind),
-        *(inspect.Parameter(f.name, kind, default=f.default, annotation=hints[f.name]) for f in fields(FourDConfig)),
-        inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD, annotation=Any),
-    ], return_annotation=None)
-
-
-_SIGNATURE = _options_signature()
+_SIGNATURE = options_signature()
 FourDStrategy.__init__.__signature__ = _SIGNATURE  # type: ignore[attr-defined]
 FourDStrategy.register_strategies(StrategyRegistry)

@@ -22,10 +22,10 @@ def pytest_collect_file(file_path, parent):
     return [c for c in collected if not isinstance(c, DoctestModule)]
 
 
-# Every rank of a test world imports the test helpers and, for the bring-your-own-model tests, Hugging Face and
-# torchtitan model modules: the forkserver imports them once instead.
+# Every rank of a test world imports the test helpers and, for the bring-your-own-model tests, Hugging Face,
+# torchtitan and LitGPT model modules: the forkserver imports them once instead.
 _WORLD_PRELOAD = ["tests.distributed.common", "tests.distributed.byom_models", "transformers.modeling_utils",
                   *(f"transformers.models.{m}.modeling_{m}" for m in (
                       "llama", "qwen2", "qwen3", "mistral", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")),
-                  "torchtitan.models.llama3", "torchtitan.models.qwen3"]
+                  "torchtitan.models.llama3", "torchtitan.models.qwen3", "litgpt"]
 os.environ.setdefault(PRELOAD_ENV, ",".join(_WORLD_PRELOAD))

@@ -8,6 +8,7 @@ time, ``None``) or raises an error naming the symbol.
 Areas (one module each, all re-exported here):
 
 - :mod:`.trainer`: Lightning's process-group helpers, launcher, LightningModule / loop internals.
+- :mod:`.fabric`: Lightning Fabric's launcher and gradient-sync control slots.
 - :mod:`.distributed`: ``c10d`` groups and ``Work`` objects, ``DeviceMesh`` options, FSDP-based
   ``replicate``, DTensor shard offsets.
 - :mod:`.dispatch`: ``TorchDispatchMode``, operator objects, the autograd engine, pytrees.
@@ -53,6 +54,7 @@ from lightning_4d._compat.distributed import (  # noqa: E402
     unbox_work,
     unflatten_mesh,
 )
+from lightning_4d._compat.fabric import install_fabric_launcher, set_backward_sync_control  # noqa: E402
 from lightning_4d._compat.fake import (  # noqa: E402
     clear_dtensor_caches,
     fake_store,
@@ -111,7 +113,9 @@ from lightning_4d._compat.trainer import (  # noqa: E402
     should_accumulate,
 )
 
-from lightning_4d._compat import dispatch, distributed, fake, kernels, modules, pipelining, trainer  # noqa: E402
+from lightning_4d._compat import (  # noqa: E402
+    dispatch, distributed, fabric, fake, kernels, modules, pipelining, trainer,
+)
 
-__all__ = ["TORCH_VERSION", *trainer.__all__, *distributed.__all__, *dispatch.__all__, *fake.__all__,
+__all__ = ["TORCH_VERSION", *trainer.__all__, *fabric.__all__, *distributed.__all__, *dispatch.__all__, *fake.__all__,
            *pipelining.__all__, *kernels.__all__, *modules.__all__]

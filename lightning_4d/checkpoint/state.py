@@ -499,14 +499,15 @@ def _union_over_ranks(keys: set[str]) -> set[str]:
 
 
 def load_sharded(path: str, model: nn.Module, optimizers: Iterable[Union[Optimizer, LightningOptimizer]],
-                 verify: bool = True, strict: bool = True) -> dict[str, Any]:
+                 verify: bool = True, strict: bool = True,
+                 relax: str = "Set `strict_loading = False` on the LightningModule") -> dict[str, Any]:
     """Load model and optimizer shards from ``path`` into the live objects; return the rest.
 
     Before reading: an interrupted swap is recovered (rank 0), the files are checked against the
     manifest (``verify=False``: sizes only), and the checkpoint's parameter names are compared with the
     model's. ``strict=True`` refuses a checkpoint with keys the model lacks or without keys it has,
-    naming them; ``strict=False`` loads the keys both have, warns with the skipped ones and, when names
-    differ, leaves the optimizers as they are.
+    naming them (and ``relax``: how the caller's API turns strictness off); ``strict=False`` loads the keys both
+    have, warns with the skipped ones and, when names differ, leaves the optimizers as they are.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
@@ -535,8 +536,7 @@ def load_sharded(path: str, model: nn.Module, optimizers: Iterable[Union[Optimiz
         if strict:
             raise ValueError(
                 f"Could not load {path}: it does not match {type(model).__name__}: {what}. Is it a checkpoint of "
-                f"another model (other depth, sizes or names)? Set `strict_loading = False` on the LightningModule "
-                f"to load only the keys both have."
+                f"another model (other depth, sizes or names)? {relax} to load only the keys both have."
             )
         warnings.warn(f"Partial load of {path}: {what}; those keys are skipped and the "
                       f"optimizer state is not loaded.", stacklevel=2)

@@ -297,18 +297,23 @@ class ModelInfo:
 
 
 def _whole_run(module: nn.Module, tokens: Tensor, watch: _Watch, outputs: dict[str, Tensor]) -> bool:
-    """One forward of the whole sequence, with ``position_ids`` if the model takes them; returns whether it did."""
+    """One forward of the whole sequence, with ``position_ids`` if the model takes them; returns whether it did.
+    A model whose second argument refuses them (a wrapper refusing them for its inner model; LitGPT's ``input_pos``,
+    which wants a KV cache) is called without; if that fails too, the first error is raised."""
     seq_len = tokens.shape[1]
     if takes_positions(module):
         positions = torch.arange(seq_len, device=tokens.device)[None].expand_as(tokens)  # (B, T)
         try:
             call_model(module, PackedInputs(tokens, positions))
             return True
-        except (TypeError, ValueError) as err:  # a wrapper refusing them for its inner model: called without
-            if "position" not in str(err):
-                raise
+        except (TypeError, ValueError) as err:
             outputs.clear()
             watch.reset()
+            try:
+                call_model(module, tokens)
+            except Exception:
+                raise err from None
+            return False
     call_model(module, tokens)
     return False
 

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from lightning_4d import _compat
 
 __all__ = ["all_reduce_coalesced", "all_reduce_sum", "broadcast_module_state", "connect", "global_grad_norm",
-           "grad_norm_share", "is_on_meta", "local_of", "to_full"]
+           "grad_norm_share", "is_on_meta", "local_of", "reduce_tensor", "to_full"]
 
 
 _DESTROY_AT_EXIT: list[bool] = []  # the exit hook is registered once per process
@@ -60,6 +60,34 @@ def all_reduce_sum(tensor: Tensor, group: Optional[dist.ProcessGroup] = None) ->
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
+
+
+def reduce_tensor(tensor: Tensor, group: Optional[dist.ProcessGroup] = None,
+                  reduce_op: Optional[Union[str, dist.ReduceOp]] = "mean") -> Tensor:
+    """A reduced copy of ``tensor`` over ``group`` (default: the world): ``"mean"`` (``"avg"``; in float32),
+    ``"sum"``, ``"max"`` or ``"min"``; ``tensor`` itself without a process group. What both strategies' ``reduce`` /
+    ``all_reduce`` do (tp/pp peers hold equal values, so the world mean is the data-parallel mean).
+
+    Example:
+        >>> reduce_tensor(torch.tensor([2.0]), reduce_op="sum")  # no process group: unchanged
+        tensor([2.])
+    """
+    if not dist.is_initialized():
+        return tensor
+    # ReduceOp members print as e.g. "RedOpType.SUM" (torch 2.13) or "ReduceOp.SUM": keep the name.
+    op = str(reduce_op).lower().rsplit(".", 1)[-1] if reduce_op is not None else "sum"
+    out = tensor.detach().clone() if not tensor.is_floating_point() else tensor.clone()
+    if op in ("mean", "avg"):
+        out = all_reduce_sum(out.float(), group) / dist.get_world_size(group)
+    elif op == "sum":
+        out = all_reduce_sum(out, group)
+    elif op == "max":
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    elif op == "min":
+        dist.all_reduce(out, op=dist.ReduceOp.MIN, group=group)
+    else:
+        raise ValueError(f"reduce_op={reduce_op!r} is not supported; use 'mean', 'sum', 'max' or 'min'.")
+    return out
 
 
 @torch.no_grad()

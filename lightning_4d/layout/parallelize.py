@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -161,8 +161,8 @@ def parallelize_module(
 
 
 def apply_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, config: Optional[FourDConfig] = None,
-                 precision: str = "32-true", accumulate: int = 1, device: Optional[torch.device] = None
-                 ) -> ParallelPlan:
+                 precision: str = "32-true", accumulate: int = 1, device: Optional[torch.device] = None,
+                 loss_fn: Optional[Callable[..., Any]] = None, model_is_root: bool = False) -> ParallelPlan:
     """Rewrite ``module`` in place as ``plan`` says, in TorchTitan's order: prune to this rank's pipeline stages,
     then expert parallelism, TP/SP, activation checkpointing, data parallelism, and the pipeline schedule. The
     only code that changes the model; it reads every decision from the plan — the schedule, the data-parallel
@@ -170,8 +170,10 @@ def apply_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, config: O
     mesh and ``config`` (:func:`check_given_plan`: options that disagree with the plan are refused, naming both).
     ``module`` may be on the meta device; ``device``: where its pipeline stages will run once materialised
     (default: where its parameters are); ``config``: the strategy's options (default: those the plan records,
-    :func:`plan_config`), of which only ``microbatches`` is not the plan's. Values are not compared here:
-    :func:`check_layout` does that on a copy, before.
+    :func:`plan_config`), of which only ``microbatches`` is not the plan's; ``loss_fn``: the pipeline's loss
+    (default: ``module.loss_fn``). Without pipeline parallelism data parallelism wraps each child of ``module``
+    holding parameters (a LightningModule's models), or ``module`` itself with ``model_is_root`` (the model, as
+    Fabric sets it up). Values are not compared here: :func:`check_layout` does that on a copy, before.
 
     Example:
         >>> # not run: needs a process group
@@ -213,13 +215,14 @@ def apply_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, config: O
                                 reshard_root=reshards_after_forward(dims.pp))
     if dims.dp_cp > 1:  # dp, or dp × cp with context parallelism
         direct = [name for name, p in module.named_parameters(recurse=False)]
-        if direct:
+        if direct and not model_is_root:
             raise ValueError(
                 f"{type(module).__name__} holds parameters directly ({', '.join(direct)}). Data parallelism wraps "
                 f"submodules; move them into a submodule (e.g. self.model)."
             )
         # Under PP the stage modules are what the schedule calls: they are the data-parallel roots.
-        roots = parts.modules if parts is not None else [child for _, child in top_level_modules(module)]
+        roots = parts.modules if parts is not None else \
+            [module] if model_is_root else [child for _, child in top_level_modules(module)]
         for root in roots:
             inner = [b for b in record.blocks if _is_within(b, root)]
             apply_data_parallel(root, mesh.data_parallel, blocks=inner, mode=wrap_mode(plan.data_parallel),
@@ -227,7 +230,8 @@ def apply_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, config: O
                                 reshard_after_forward=reshards_after_forward(dims.pp))
 
     if parts is not None:
-        record.pipeline = build_runner(module, mesh, plan, parts, config.microbatches, device=device)
+        record.pipeline = build_runner(module, mesh, plan, parts, config.microbatches, device=device,
+                                       loss_fn=loss_fn)
         record.pipeline_tied = list(parts.tied)
     return record
 

@@ -119,11 +119,12 @@ def split_pipeline(mesh: FourDMesh, plan: LayoutPlan, stages: StageForward) -> P
 
 
 def build_runner(module: nn.Module, mesh: FourDMesh, plan: LayoutPlan, parts: PipelineParts,
-                 microbatches: Optional[int] = None, device: Optional[torch.device] = None) -> PipelineRunner:
+                 microbatches: Optional[int] = None, device: Optional[torch.device] = None,
+                 loss_fn: Optional[Callable[..., Any]] = None) -> PipelineRunner:
     """The plan's torch schedule over this rank's (already TP/DP-wrapped) stage modules, ``microbatches`` per step
     (``None``: the schedule's default), on ``device`` (default: the stages' parameters' device; a model still on
     the meta device passes the device it will be materialised on). Stages that run the model's own forward get the
-    micro-batch's inputs on every stage.
+    micro-batch's inputs on every stage. ``loss_fn``: the loss of the last stage (default: ``module.loss_fn``).
 
     Example:
         >>> # not run: needs a process group
@@ -132,7 +133,8 @@ def build_runner(module: nn.Module, mesh: FourDMesh, plan: LayoutPlan, parts: Pi
     ignore = getattr(module, "ignore_index", -100)
     count = getattr(module, "count_targets", None)
     return PipelineRunner(
-        parts.modules, mesh[Axis.PP], module.loss_fn, schedule=plan.schedule, microbatches=microbatches,
+        parts.modules, mesh[Axis.PP], loss_fn if loss_fn is not None else module.loss_fn, schedule=plan.schedule,
+        microbatches=microbatches,
         inputs_to_every_stage=parts.modules[0].stage_forward.inputs_to_every_stage,
         ignore_index=-100 if ignore is None else ignore,
         token_count_fn=count if callable(count) else None,  # a device tensor: never read on the host
@@ -174,18 +176,20 @@ def check_packed(runner: PipelineRunner, module: nn.Module, inputs: Any) -> None
     check_takes_positions(module)
 
 
-def _token_total(module: nn.Module, targets: Tensor, dp_group: dist.ProcessGroup) -> Tensor:
+def _token_total(count: Callable[[Any], Tensor], targets: Tensor, dp_group: dist.ProcessGroup) -> Tensor:
     """The step's valid targets over the dp group, a device scalar (the runner makes 0 into 1)."""
-    n = module.count_targets(targets).to(torch.float64).reshape(1).clone()
+    n = count(targets).to(torch.float64).reshape(1).clone()
     return all_reduce_sum(n, dp_group)[0]
 
 
 def pipeline_train_loss(runner: PipelineRunner, module: nn.Module, inputs: Any, targets: Tensor,
                         dp_group: dist.ProcessGroup, dp: int, accumulate: int,
                         loss_context: Callable[[], ContextManager[None]],
-                        schedule_run: Optional[ScheduleRun] = None) -> Tensor:
+                        schedule_run: Optional[ScheduleRun] = None,
+                        count: Optional[Callable[[Any], Tensor]] = None) -> Tensor:
     """Run forward + backward of the local batch through the schedule; return the global loss. ``schedule_run``
-    replaces torch's schedule (:data:`~lightning_4d.pipeline.runner.ScheduleRun`: the planner's dry run).
+    replaces torch's schedule (:data:`~lightning_4d.pipeline.runner.ScheduleRun`: the planner's dry run);
+    ``count``: the valid targets of a batch (default: ``module.count_targets``).
 
     ``dp_group`` is always the dp group (size 1 when ``dp == 1``): ``None`` would mean the whole world,
     where TP/PP peers hold the same targets and would be counted again. Gradients must have been zeroed
@@ -196,7 +200,7 @@ def pipeline_train_loss(runner: PipelineRunner, module: nn.Module, inputs: Any, 
         >>> loss = pipeline_train_loss(runner, lm, x, y, mesh["dp"].get_group(), 2, 1, nullcontext)  # doctest: +SKIP
     """
     check_packed(runner, module, inputs)
-    total = _token_total(module, targets, dp_group)
+    total = _token_total(count or module.count_targets, targets, dp_group)
     with loss_context():
         local = runner.train_step(inputs, targets, grad_scale=dp / accumulate, num_tokens=total,
                                   schedule_run=schedule_run)
@@ -204,8 +208,10 @@ def pipeline_train_loss(runner: PipelineRunner, module: nn.Module, inputs: Any, 
 
 
 def pipeline_eval(runner: PipelineRunner, module: nn.Module, inputs: Any, targets: Optional[Tensor],
-                  dp_group: dist.ProcessGroup, loss_context: Callable[[], ContextManager[None]]) -> Any:
+                  dp_group: dist.ProcessGroup, loss_context: Callable[[], ContextManager[None]],
+                  count: Optional[Callable[[Any], Tensor]] = None) -> Any:
     """Forward-only through the schedule: the global loss (with targets) or the full outputs (without).
+    ``count``: the valid targets of a batch (default: ``module.count_targets``).
 
     Example:
         >>> # not run: needs a process group
@@ -215,7 +221,7 @@ def pipeline_eval(runner: PipelineRunner, module: nn.Module, inputs: Any, target
     if targets is None:
         with loss_context():
             return to_full(runner.eval_step(inputs, None).output)
-    total = _token_total(module, targets, dp_group)
+    total = _token_total(count or module.count_targets, targets, dp_group)
     with loss_context():
         loss = runner.eval_step(inputs, targets, num_tokens=total, broadcast_outputs=False).loss
     return all_reduce_sum(loss.detach().to(torch.float64).reshape(1).clone(), dp_group)[0].float()

@@ -153,12 +153,27 @@ class StandIn(nn.Module):
 
     fourd_stand_in = True
 
-    def __init__(self, hidden: HiddenArg, attrs: Mapping[str, Any]) -> None:
+    def __init__(self, hidden: HiddenArg, attrs: Mapping[str, Any], shadow: Optional[nn.Module] = None) -> None:
         super().__init__()
         self.hidden_arg = hidden
+        # The block it stands for, on the meta device and not registered (no parameters, no memory): what a
+        # user's hook reads or sets on a block (``block.attention.n_heads //= tp`` in ``fourd_tp_plan``) lands there.
+        self.__dict__["_fourd_shadow"] = shadow
         for key, value in attrs.items():
             if key != "training" and not key.startswith("_") and not hasattr(self, key):
                 setattr(self, key, value)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            shadow = self.__dict__.get("_fourd_shadow")
+            if shadow is None or name.startswith("__"):
+                raise
+            return getattr(shadow, name)
+
+    def reset_parameters(self) -> None:
+        """Nothing to initialise: a model's initialiser that walks its blocks (``layer.reset_parameters()``) runs."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         h = self.hidden_arg.get(args, kwargs)  # (B, T, H) (this rank's sequence shard under SP)
@@ -181,7 +196,9 @@ def stand_in_blocks(model: nn.Module, blocks_path: str, keep: set[str], hidden: 
     assert container is not None
     for key in list(child_modules(container)):
         if key not in keep:
-            setattr(container, key, StandIn(hidden, attrs.get(key, {})))
+            block = getattr(container, key)
+            shadow = block if all(t.is_meta for t in [*block.parameters(), *block.buffers()]) else None
+            setattr(container, key, StandIn(hidden, attrs.get(key, {}), shadow))
 
 
 def plan_for_kept(plan: LayoutPlan, keep: Sequence[str]) -> LayoutPlan:

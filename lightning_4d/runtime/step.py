@@ -34,7 +34,9 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor.parallel import loss_parallel
 
+from lightning_4d.analysis.hooks import TP_PLAN, hook_call
 from lightning_4d.core.batches import batch_tokens, call_model
+from lightning_4d.core.comm import internal_comm
 from lightning_4d.context_parallel import ContextParallelAttention, SequenceShard, shard_batch
 from lightning_4d import _compat
 from lightning_4d.core.distributed import global_grad_norm, local_of
@@ -45,9 +47,10 @@ from lightning_4d.mesh import Axis, FourDMesh
 from lightning_4d.layout.parallelize import ParallelPlan, reduce_tp_partial_grads
 from lightning_4d.layout.pipeline_glue import pipeline_train_loss, sync_tied
 from lightning_4d.pipeline.runner import ScheduleRun
+from lightning_4d.tensor_parallel.replicas import replica_mismatches
 
-__all__ = ["GradNormShare", "after_optimizer_step", "clip_grad_norm", "finish_backward", "grad_norm_share",
-           "loss_context", "predict_outputs", "shard_sequence", "step_loss"]
+__all__ = ["GradNormShare", "after_optimizer_step", "check_tp_replicas", "clip_grad_norm", "finish_backward",
+           "grad_norm_share", "loss_context", "predict_outputs", "shard_sequence", "step_loss"]
 
 
 def shard_sequence(mesh: FourDMesh, inputs: Any, targets: Any, positions: bool, pipelined: bool
@@ -89,12 +92,15 @@ def loss_context(plan: Optional[ParallelPlan], shard: Optional[SequenceShard]) -
 def step_loss(module: nn.Module, inputs: Any, targets: Any, plan: Optional[ParallelPlan], mesh: FourDMesh,
               positions: bool, stage: str = "train", accumulate: int = 1,
               zero_grad: Callable[[], None] = lambda: None, schedule_run: Optional[ScheduleRun] = None,
+              loss_fn: Optional[Callable[[Any, Any], Tensor]] = None, count: Optional[Callable[[Any], Tensor]] = None,
               ) -> tuple[Tensor, Optional[SequenceShard]]:
     """The global-batch loss of ``(inputs, targets)`` on this rank (differentiable without a pipeline; with one, a
     training call has run forward and backward already) and the batch's sequence shard (cp > 1).
 
     ``zero_grad`` runs before a pipeline's training schedule (gradients are computed inside the step);
     ``schedule_run`` replaces torch's pipeline schedule (the planner's dry run, whose fake group cannot run it).
+    ``loss_fn`` and ``count`` (the mean loss, the number of targets it averages over) default to the module's
+    ``loss_fn`` and ``count_targets`` (:class:`~lightning_4d.FourDModule`); a pipeline's loss is the runner's.
 
     Example:
         >>> # not run: needs a process group
@@ -115,16 +121,17 @@ def step_loss(module: nn.Module, inputs: Any, targets: Any, plan: Optional[Paral
     def context() -> Any:
         return loss_context(plan, shard)
 
+    count = count or module.count_targets
     if runner is not None:
         if stage == "train" and module.training and torch.is_grad_enabled():
             zero_grad()
             return pipeline_train_loss(runner, module, inputs, targets, group, batch_ranks, accumulate, context,
-                                       schedule_run=schedule_run), shard
-        return pipeline_eval(runner, module, inputs, targets, group, context), shard
+                                       schedule_run=schedule_run, count=count), shard
+        return pipeline_eval(runner, module, inputs, targets, group, context, count=count), shard
     with context():
         outputs = call_model(module, inputs)
-        local = module.loss_fn(outputs, targets)
-    n_local = module.count_targets(targets)
+        local = (loss_fn or module.loss_fn)(outputs, targets)
+    n_local = count(targets)
     return weighted_global_loss(local, n_local.to(local.device), group, batch_ranks), shard
 
 
@@ -269,3 +276,23 @@ def after_optimizer_step(plan: Optional[ParallelPlan], model: nn.Module) -> None
     """
     if plan is not None and plan.bias_update:
         update_expert_bias(model)
+
+
+def check_tp_replicas(model: nn.Module, mesh: FourDMesh) -> None:
+    """After the first optimizer step (tp > 1): every parameter tensor parallelism left whole must be identical on
+    all TP ranks (:func:`~lightning_4d.tensor_parallel.replicas.replica_mismatches`); one that is not (a gradient
+    from sharded activations never summed) fails loudly. Collective over ``tp``, once per run.
+
+    Example:
+        >>> # not run: needs a process group
+        >>> check_tp_replicas(model, mesh)  # doctest: +SKIP
+    """
+    with internal_comm():  # a one-time check, not the step's communication
+        bad = replica_mismatches(model, mesh[Axis.TP].get_group())
+    if bad:
+        raise RuntimeError(
+            f"After the first optimizer step these parameters differ across the {mesh.dims.tp} tensor-parallel "
+            f"ranks although each rank holds them whole: {', '.join(bad[:8])}{' …' if len(bad) > 8 else ''}. "
+            f"They see sharded activations whose gradients were not summed, so training would go on wrong. "
+            f"Implement {hook_call(TP_PLAN)} to shard them, or use tp=1."
+        )

@@ -146,6 +146,16 @@ def full_grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: g.clone().float() for name, g in full_tensors(module, grads=True).items()}
 
 
+def under_source_names(grads: dict[str, torch.Tensor], renames: dict[str, tuple[str, Optional[int]]]) -> None:
+    """Expert parallelism stacked a Mixtral-style list's experts (``[E, ...]``): put ``grads`` back under the user's
+    names, in place (``renames``: the plan's ``source_names()``)."""
+    for old, (new, index) in renames.items():
+        if new in grads:
+            grads[old] = grads[new] if index is None else grads[new][index]
+    for new in {new for new, _ in renames.values()}:
+        grads.pop(new, None)
+
+
 def _tp_placement(p: torch.Tensor) -> Optional[Any]:
     """The placement of a DTensor on its mesh's ``tp`` dimension (``None``: not a DTensor or no ``tp`` dim)."""
     from torch.distributed.tensor import DTensor
@@ -306,14 +316,8 @@ def fit_spec(spec: dict[str, Any]) -> dict[str, Any]:
         # Per listed parameter (LightningModule names): a DTensor sharded on tp? None where this rank lacks it.
         params = dict(lm.named_parameters())
         result["sharded"] = {name: sharded_on_tp(params.get(name)) for name in spec["check_sharded"]}
-    if strategy_kwargs is not None and trainer.strategy.layout_plan.source_names():
-        # Expert parallelism stacked a Mixtral-style list's experts ([E, ...]): compare under the user's names.
-        grads, renames = result["grads"], trainer.strategy.layout_plan.source_names()
-        for old, (new, index) in renames.items():
-            if new in grads:
-                result["grads"][old] = grads[new] if index is None else grads[new][index]
-        for new in {new for new, _ in renames.values()}:
-            grads.pop(new, None)
+    if strategy_kwargs is not None:
+        under_source_names(result["grads"], trainer.strategy.layout_plan.source_names())
     if spec.get("buffers"):
         result["buffers"] = {n: b.detach().clone() for n, b in lm.named_buffers() if "expert_bias" in n}
     if spec.get("validate"):

@@ -11,7 +11,9 @@ refuse tensors a GPU run would leave on the host, as NCCL does); and the set-up 
 - B4: a meta-built model holding a tensor made for real on the host (``device="cpu"``): broadcast from the device;
 - B5: tp=2 with TF32 matmuls (``torch.set_float32_matmul_precision("high")``, emulated): the set-up checks run in
   full fp32 and accept the rewrite; the user's precision is "high" again after set-up;
-- two steps, a validation and a prediction under pp=2, and under tp=2 × ep=2 (the steps' collectives).
+- two steps, a validation and a prediction under pp=2, and under tp=2 × ep=2 (the steps' collectives);
+- Lightning Fabric's strategy (``lightning_4d.fabric``): LitGPT's Llama built under ``fabric.init_module()`` (on the
+  device), three steps of the plain loop under tp=2 and of ``train_step`` under pp=2, clipping and ``eval_step``.
 """
 
 from __future__ import annotations
@@ -125,13 +127,25 @@ def _steps(spec: dict[str, Any]) -> Callable[[], None]:
     return run
 
 
+def _fabric(case: dict[str, Any]) -> Callable[[], None]:
+    def run() -> None:
+        from tests.distributed.fabric_cases import run_case
+        from tests.host_guard import DEVICE_STAND_IN
+
+        run_case(dict(case, device=str(DEVICE_STAND_IN)))  # Fabric hands each rank the guard's device
+
+    return run
+
+
 CASES = {"B1 __init__": _b1_init, "B1 configure_model": _b1_configure_model, "B2 cp check": _b2_cp,
          "B3 token-shard check": _b3_token_check, "B4 meta-built model's host tensor": _b4_meta_host_tensor,
          "B5 set-up checks under TF32": _b5_tf32,
          # The steps' collectives: pipeline (loss and output broadcasts, tied gradients, metrics), expert dispatch
          # under tp (all-to-all, counts, the replica check), clipping's norm, the non-finite guard's flags.
          "steps pp=2": _steps(dict(model="llama", strategy=dict(pp=2), validate=True, predict=True)),
-         "steps tp=2 ep=2": _steps(dict(model="moe", strategy=dict(tp=2, ep=2), validate=True))}
+         "steps tp=2 ep=2": _steps(dict(model="moe", strategy=dict(tp=2, ep=2), validate=True)),
+         "Fabric tp=2 plain loop": _fabric(dict(model="litgpt", loop="plain", strategy=dict(tp=2))),
+         "Fabric pp=2 train_step": _fabric(dict(model="litgpt", loop="step", strategy=dict(pp=2), ignore=0.2))}
 
 
 def _world(rank: int) -> dict[str, str]:

@@ -45,7 +45,7 @@ def _environment_seen_by_connect(monkeypatch: pytest.MonkeyPatch, **options: Any
         seen.update({k: os.environ[k] for k in FLIGHT_RECORDER_ENV if k in os.environ})
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("lightning_4d.strategy.connect", connect)
+    monkeypatch.setattr("lightning_4d.runtime.world.connect", connect)  # both strategies join there
     strategy = FourDStrategy(**options)
     strategy.accelerator = CPUAccelerator()
     strategy.parallel_devices = [torch.device("cpu")]
