@@ -52,9 +52,11 @@ def _run(layout: dict[str, Any], world: int, torchrun: bool, root: Path, out: Pa
     proc = subprocess.Popen(_command(layout, world, torchrun, root, out, extra), cwd=ROOT, env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if signum is not None:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 480  # a harness guard (a loaded machine's set-up), not a timing claim
         while not (root / "ready").exists():
             if proc.poll() is not None or time.monotonic() > deadline:
+                if proc.poll() is None:
+                    proc.kill()
                 output = proc.communicate(timeout=60)[0]
                 raise AssertionError(f"the run never reached step {STOP}:\n{output[-4000:]}")
             time.sleep(0.1)
