@@ -48,6 +48,8 @@ from lightning_4d.tensor_parallel import apply_tensor_parallel
 from lightning_4d.tensor_parallel.apply import run_user_plan_once
 from lightning_4d.tensor_parallel.layouts import attach_plan
 from lightning_4d.analysis.trace import example_tokens
+from lightning_4d.speed.compile import SPLIT_BACKWARD_SCHEDULES, apply_compile
+from lightning_4d.speed.float8 import apply_plan_float8
 
 __all__ = ["LayoutRow", "ParallelPlan", "apply_layout", "check_layout", "describe_layout", "parallelize_module",
            "plan_config", "plan_layout", "reduce_tp_partial_grads", "tp_summed_parameters"]
@@ -73,6 +75,7 @@ class ParallelPlan:
     tp_partial_params: list[str] = field(default_factory=list)  # summed over tp: :func:`tp_summed_parameters`
     bias_update: bool = False  # an MoE router runs the aux-loss-free bias update after each optimizer step
     cp_masks: Optional[LayerMasks] = None  # context parallelism: each attention call's mask, read at set-up
+    float8_fsdp_scales: bool = False  # FSDP2 gathers Float8 weights: their scales after each optimizer step
     # (model, DTensor parameters, tp_partial_params' parameters): found at the first step (reduce_tp_partial_grads)
     tp_grad_params: Optional[tuple[nn.Module, list, list]] = field(default=None, repr=False, compare=False)
 
@@ -188,6 +191,8 @@ def apply_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, config: O
     if dims.pp > 1:
         parts = split_pipeline(mesh, plan, install_stages(module, plan))
         record.blocks = _blocks_of(module.get_submodule(plan.blocks_path))
+    if plan.float8 != "none":  # before TP: the Float8 styles shard Float8Linear (TorchTitan's order)
+        record.float8_fsdp_scales = apply_plan_float8(module, plan, dims, device)
     _apply_experts(module, mesh, record, accumulate)
     if dims.tp > 1:
         assert plan.tensor_parallel is not None
@@ -203,6 +208,9 @@ def apply_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, config: O
 
     apply_activation_checkpointing(record.blocks, None if plan.activation_checkpointing == "none"
                                    else plan.activation_checkpointing)
+    if plan.compile != "none":  # each block, after TP/SP, cp, ep and checkpointing, before FSDP2 (TorchTitan's)
+        split = dims.pp > 1 and plan.schedule in SPLIT_BACKWARD_SCHEDULES  # zbv, dualpipev: two backward passes
+        apply_compile(record.blocks, plan.compile, split_backward=split)
 
     experts = [module.get_submodule(name) for name in record.expert_modules]
     # With edp == 1 no rank shares an expert: experts stay out of every data-parallel wrapper.
@@ -249,7 +257,9 @@ def plan_config(plan: LayoutPlan, dims: ParallelDims) -> FourDConfig:
         tp=dims.tp, pp=dims.pp, ep=dims.ep, dp=dims.dp, cp=dims.cp, sequence_parallel=plan.sequence_parallel,
         schedule=plan.schedule, virtual_stages=plan.virtual_stages if dims.pp > 1 else None,
         data_parallel=plan.data_parallel, dp_shard=dims.dp_shard,
-        activation_checkpointing=None if plan.activation_checkpointing == "none" else plan.activation_checkpointing)
+        activation_checkpointing=None if plan.activation_checkpointing == "none" else plan.activation_checkpointing,
+        compile=False if plan.compile == "none" else plan.compile, float8=plan.float8 != "none",
+        float8_recipe=plan.float8 if plan.float8 != "none" else "tensorwise")
 
 
 def check_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, accumulate: int = 1) -> None:

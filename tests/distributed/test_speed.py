@@ -1,0 +1,97 @@
+"""``FourDStrategy(compile=...)`` and ``FourDStrategy(float8=True)`` under the layouts, against one process.
+
+Compile parity: each layout within 1e-5 relative of one eager process (``assert_parity``: the floor 1e-5, or a few
+times the reference's own reordering noise), ``aot_eager`` for breadth (Dynamo and AOTAutograd trace the block as
+Inductor would, without C++ compiles on 2 cores) and Inductor on pp2 (1f1b) and dp2 (FSDP2; Inductor with tp > 1 is
+refused at set-up). Every compiled case also checks that every
+block of every rank was compiled (``fullgraph`` or, after a graph break, without it), that ``self.log`` in the module
+ran (the losses are recorded from it), and on tp2 that nothing recompiles after the second step.
+
+Float8 parity: each layout against one process converted the same way (the plan's rule, torchao's emulated
+Float8). The tolerance is derived from Float8's rounding by ``assert_parity`` itself: the floor 1e-5 or four times
+how far the Float8 reference moves when only its summation order changes — a value on a Float8 rounding boundary
+(e4m3: 3 mantissa bits) flips by one step of 2^-3 relative under such a change, which is what a sharded run does
+too. A wrong scale (a tensorwise scale from one shard instead of the global maximum) moves values by whole Float8
+steps everywhere and fails. Float8 is not a no-op: the same layout's gradients differ from the fp32 run's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from lightning_4d.testing import run_world
+from tests.distributed.common import assert_parity, fit_spec, merge_ranks, parity_errors, world_fit
+
+pytest.importorskip("torchao")
+
+BASE: dict[str, Any] = dict(steps=3, global_batch=8, lr=1e-3)
+AOT = "aot_eager"
+#: (model, strategy) per 2-rank case; compile first, then Float8.
+COMPILE2 = [("llama", dict(tp=2, compile=AOT)), ("llama-4", dict(pp=2, schedule="1f1b", compile=True)),
+            ("llama", dict(dp=2, compile=True)), ("llama-4", dict(pp=2, schedule="1f1b", compile=AOT)),
+            ("llama-4", dict(pp=2, schedule="interleaved_1f1b", compile=AOT)),
+            ("llama-4", dict(pp=2, schedule="zbv", compile=AOT)),
+            ("moe", dict(ep=2, compile=AOT)), ("llama", dict(cp=2, compile=AOT)),
+            ("llama", dict(tp=2, compile=AOT, activation_checkpointing="full"))]
+FLOAT8_2 = [("llama", dict(tp=2, float8=True)), ("llama", dict(dp=2, float8=True)),
+            ("llama-4", dict(pp=2, float8=True)), ("llama", dict(tp=2, float8=True, float8_recipe="rowwise"))]
+COMPILE8 = [("llama-4", dict(tp=2, pp=2, dp=2, compile=AOT))]
+FLOAT8_8 = [("llama-4", dict(tp=2, pp=2, dp=2, float8=True))]
+
+
+def _spec(model: str, strategy: dict[str, Any], world: int) -> dict[str, Any]:
+    spec = dict(BASE, model=model, world=world, strategy=strategy)
+    if strategy.get("float8"):
+        spec["float8"] = strategy.get("float8_recipe", "tensorwise")  # the reference converts the same way
+    if strategy.get("compile") and strategy.get("tp") == 2 and world == 2 and "activation_checkpointing" not in strategy:
+        spec.update(steps=4, count_graphs=True)
+    return spec
+
+
+def _reference(spec: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in spec.items() if k not in ("world", "strategy", "count_graphs") and v is not None}
+
+
+def _key(spec: dict[str, Any]) -> tuple:
+    return tuple(sorted((k, str(v)) for k, v in _reference(spec).items()))
+
+
+WORLD2 = [_spec(m, s, 2) for m, s in COMPILE2 + FLOAT8_2]
+WORLD8 = [_spec(m, s, 8) for m, s in COMPILE8 + FLOAT8_8]
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[tuple, dict[str, Any]]:
+    return {_key(s): fit_spec(_reference(s)) for s in {_key(s): s for s in WORLD2 + WORLD8}.values()}
+
+
+def _check(specs: list[dict[str, Any]], per_rank: list[list[dict[str, Any]]],
+           references: dict[tuple, dict[str, Any]]) -> dict[str, float]:
+    worst = {}
+    for spec, got in zip(specs, merge_ranks(per_rank)):
+        label = f"{spec['model']} {spec['strategy']}"
+        worst[label] = assert_parity(got, references[_key(spec)], label=label)
+        if spec["strategy"].get("compile"):
+            for rank in per_rank:  # every block of every rank compiled
+                modes = rank[specs.index(spec)]["compiled"]
+                assert modes and all(m in ("fullgraph", "graph breaks") for m in modes), (label, modes)
+        if spec.get("count_graphs"):  # nothing recompiles after the second step
+            graphs = got["graphs"]
+            assert graphs[1] > 0 and graphs[-1] == graphs[1], (label, graphs)
+        if spec["strategy"].get("float8"):  # Float8 is not a no-op: the fp32 run's gradients differ
+            fp32 = references[_key(dict(spec, float8=None))] if _key(dict(spec, float8=None)) in references \
+                else fit_spec(_reference(dict(spec, float8=None)))
+            references[_key(dict(spec, float8=None))] = fp32
+            assert max(parity_errors(got, fp32).values()) > 1e-3, label
+    print("worst relative error per layout:", worst)
+    return worst
+
+
+def test_compile_and_float8_two_ranks(references: dict[tuple, dict[str, Any]]) -> None:
+    _check(WORLD2, run_world(world_fit, 2, WORLD2, timeout_s=1200), references)
+
+
+def test_compile_and_float8_eight_ranks(references: dict[tuple, dict[str, Any]]) -> None:
+    _check(WORLD8, run_world(world_fit, 8, WORLD8, timeout_s=1200), references)
