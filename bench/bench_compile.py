@@ -9,7 +9,8 @@ use Inductor; at tp=2 both use ``aot_eager`` (the package refuses Inductor with 
 lower the mesh ops its TP styles leave in a block's graph) and both are sharded by the package's TP plan, so the two
 sides differ only in the model and who compiles it. Rounds alternate the four runs so machine noise hits all alike.
 
-Run: python bench/bench_compile.py [--steps 6 --rounds 2 --dim 512 --layers 2 --seq 128]
+Run: python bench/bench_compile.py [--steps 6 --rounds 2 --dim 512 --layers 2 --seq 128] [--doc: write docs/speed.md's
+table]
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
 
@@ -126,6 +128,31 @@ def measure(rank: int, a: argparse.Namespace, tp: int) -> dict[str, list[float]]
     return times
 
 
+DOC = Path(__file__).resolve().parents[1] / "docs" / "speed.md"
+BEGIN, END = "<!-- bench-compile: begin (generated) -->", "<!-- bench-compile: end -->"
+
+
+def _row(tp: int, backend: str, med: dict[str, float]) -> str:
+    ours = med["ours compiled"] / med["ours eager"]
+    titan = med["titan compiled"] / med["titan eager"]
+    return (f"| {tp} | {backend} | {med['ours eager']:.4f} | {med['ours compiled']:.4f} | {ours:.3f} | "
+            f"{med['titan eager']:.4f} | {med['titan compiled']:.4f} | {titan:.3f} | {ours / titan:.3f} |")
+
+
+def write_doc(rows: list[str], args: argparse.Namespace) -> None:
+    """Put ``rows`` into docs/speed.md's generated table (``--doc``)."""
+    text = DOC.read_text(encoding="utf-8")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    header = ("| tp | backend | ours eager s | ours compiled s | ours compiled/eager | TorchTitan eager s | "
+              "TorchTitan compiled s | TorchTitan compiled/eager | ours / TorchTitan |\n"
+              "|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    sizes = (f"dim {args.dim}, {args.layers} blocks, {args.heads} heads, SwiGLU {args.ffn}, vocabulary {args.vocab}, "
+             f"batch {args.batch} × {args.seq} tokens; median of {args.rounds} × {args.steps} steps")
+    DOC.write_text(head + BEGIN + "\n" + sizes + "\n\n" + header + "\n" + "\n".join(rows) + "\n" + END + tail,
+                   encoding="utf-8")
+
+
 def _report(tp: int, times: dict[str, list[float]], backend: str) -> float:
     med = {k: statistics.median(v) for k, v in times.items()}
     ours = med["ours compiled"] / med["ours eager"]
@@ -151,12 +178,17 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     p.add_argument("--backend", default=None, help="default: inductor at tp=1, aot_eager at tp=2")
+    p.add_argument("--doc", action="store_true", help="write the table of docs/speed.md")
     a = p.parse_args()
+    rows = []
     assert a.dim >= 512 or a.dim % a.heads == 0
     for tp in a.tp:
         backend = a.backend or ("inductor" if tp == 1 else "aot_eager")
         times = measure(0, a, 1) if tp == 1 else run_world(measure, tp, a, tp, timeout_s=3000)[0]
         _report(tp, times, backend)
+        rows.append(_row(tp, backend, {k: statistics.median(v) for k, v in times.items()}))
+    if a.doc:
+        write_doc(rows, a)
 
 
 if __name__ == "__main__":
