@@ -87,23 +87,12 @@ def grouped_mm(x: torch.Tensor, w_t: torch.Tensor, offs: torch.Tensor) -> torch.
     Its backward rejects non-contiguous incoming gradients (e.g. from ``.sum()``), so the output
     gets a hook that makes the gradient contiguous. Check :func:`grouped_mm_supported` first.
     """
-    if x.device.type == "cpu" and torch.compiler.is_compiling():
-        return _eager_grouped_mm(x, w_t, offs)  # a compiled block: its CPU kernel has no symbolic-shape rule
-    return _grouped_mm_now(x, w_t, offs)
-
-
-def _grouped_mm_now(x: torch.Tensor, w_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     op = _grouped_mm_op()
     assert op is not None, "grouped_mm: check grouped_mm_supported first"
     y = op(x, w_t, offs=offs)  # (M, N)
     if y.requires_grad:
         y.register_hook(lambda g: g.contiguous())
     return y
-
-
-#: The CPU grouped GEMM outside a compiled graph (a graph break): on a CPU torch 2.13's ``_grouped_mm`` cannot run on
-#: the symbolic token counts of a compiled MoE block.
-_eager_grouped_mm = torch.compiler.disable(_grouped_mm_now)
 
 
 def _default_overloads(namespace: Any, names: tuple[str, ...]) -> set[OpOverload]:

@@ -74,6 +74,13 @@ def grouped_linear(
         >>> grouped_linear(torch.ones(3, 4), torch.ones(2, 5, 4), torch.tensor([1, 2])).shape
         torch.Size([3, 5])
     """
+    if torch.compiler.is_compiling():  # a compiled MoE block: the experts (DTensor weights, counts) run eagerly
+        return _eager_grouped_linear(x, w, counts, grouped_mm, host_counts)
+    return _grouped_linear(x, w, counts, grouped_mm, host_counts)
+
+
+def _grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, grouped_mm: GroupedMM,
+                    host_counts: Optional[Sequence[int]]) -> torch.Tensor:
     dtype = compute_dtype(x, w)
     x, w = x.to(dtype), w.to(dtype)
     use = _compat.grouped_mm_supported(x, w) if grouped_mm == "auto" else bool(grouped_mm)
@@ -86,6 +93,11 @@ def grouped_linear(
     if not outs:
         return x.new_zeros(0, w.shape[-2])
     return torch.cat(outs, dim=0)  # (M, out)
+
+
+#: :func:`grouped_linear` outside a compiled graph (a graph break around the experts of a compiled MoE block: Dynamo
+#: cannot trace their expert-parallel DTensor weights, "as_strided not supported with DTensor").
+_eager_grouped_linear = torch.compiler.disable(_grouped_linear)
 
 
 def swiglu_experts(

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Placement
+from torch.distributed.tensor import DTensor, Partial
 
 from lightning_4d._compat import registered_submodule
 from lightning_4d.layout.activation_checkpoint import apply_activation_checkpointing
@@ -48,6 +48,7 @@ from lightning_4d.tensor_parallel import apply_tensor_parallel
 from lightning_4d.tensor_parallel.apply import run_user_plan_once
 from lightning_4d.tensor_parallel.layouts import attach_plan
 from lightning_4d.analysis.trace import example_tokens
+from lightning_4d.layout.describe import LayoutRow, describe_layout
 from lightning_4d.speed.compile import SPLIT_BACKWARD_SCHEDULES, apply_compile
 from lightning_4d.speed.float8 import apply_plan_float8
 
@@ -94,55 +95,6 @@ class ParallelPlan:
         """Whether the output stays vocabulary-sharded under tp (the loss runs under ``loss_parallel``)."""
         tpl = self.layout.tensor_parallel
         return tpl is not None and self.layout.degree("tp") > 1 and tpl.loss_parallel
-
-
-@dataclass(frozen=True)
-class LayoutRow:
-    """Where one parameter of the rewritten model lives on this rank: its global shape, the mesh dimensions
-    and placements of its DTensor (``()`` for a plain tensor held whole), and the local shard's shape.
-
-    Example:
-        >>> describe_layout(nn.Linear(2, 3))[0]
-        LayoutRow(name='bias', shape=(3,), mesh=(), placements=(), local=(3,))
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    mesh: tuple[str, ...]
-    placements: tuple[str, ...]
-    local: tuple[int, ...]
-
-    def __str__(self) -> str:
-        where = ", ".join(f"{m}:{p}" for m, p in zip(self.mesh, self.placements)) or "whole"
-        return f"{self.name} {list(self.shape)} -> {list(self.local)} [{where}]"
-
-
-def describe_layout(module: nn.Module) -> list[LayoutRow]:
-    """The layout this rank holds, one row per parameter in name order (works on the meta device: it is the
-    plan, computed without weights). Logged by the strategy at set-up; golden-tested for a few families.
-
-    Example:
-        >>> [str(r) for r in describe_layout(nn.Linear(2, 3, bias=False))]
-        ['weight [3, 2] -> [3, 2] [whole]']
-    """
-    rows = []
-    for name, p in sorted(module.named_parameters(), key=lambda item: item[0]):
-        if isinstance(p, DTensor):
-            names = tuple(p.device_mesh.mesh_dim_names or ())
-            rows.append(LayoutRow(name, tuple(p.shape), names, tuple(_placement(x) for x in p.placements),
-                                  tuple(p.to_local().shape)))
-        else:
-            rows.append(LayoutRow(name, tuple(p.shape), (), (), tuple(p.shape)))
-    return rows
-
-
-def _placement(p: Placement) -> str:
-    if isinstance(p, Partial):
-        return "P"
-    dim = getattr(p, "dim", None)
-    if dim is None:
-        return "R"
-    return f"S({dim})" if type(p).__name__ == "Shard" else f"{type(p).__name__.lstrip('_')}({dim})"
 
 
 def parallelize_module(

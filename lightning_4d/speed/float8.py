@@ -26,16 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
 
 from lightning_4d._compat import registered_submodule
-
-if TYPE_CHECKING:
-    from lightning_4d.mesh import ParallelDims
-    from lightning_4d.plan import LayoutPlan
 
 __all__ = ["FLOAT8_RECIPES", "EXPERTS_NOTE", "apply_float8", "apply_plan_float8", "emulated", "float8_collectives", "check_float8", "float8_linear_names",
            "float8_tp_style", "precompute_fsdp_scales"]
@@ -135,9 +131,9 @@ def emulated(device: torch.device) -> bool:
     return device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9)
 
 
-def apply_plan_float8(module: nn.Module, plan: "LayoutPlan", dims: "ParallelDims",
+def apply_plan_float8(module: nn.Module, plan: Any, dims: Any,
                       device: Optional[torch.device] = None) -> bool:
-    """Convert the plan's ``float8_linears`` present on this rank (before tensor parallelism); returns whether FSDP2
+    """Convert the plan's (a :class:`~lightning_4d.plan.LayoutPlan`) ``float8_linears`` present on this rank (before tensor parallelism); returns whether FSDP2
     gathers their weights in Float8 (tensorwise scaling with sharded data parallelism: the scales are then computed
     after each optimizer step, :func:`precompute_fsdp_scales`).
 

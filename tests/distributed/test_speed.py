@@ -124,6 +124,8 @@ def write_or_check(rows: list[dict[str, Any]]) -> None:
     import os
 
     for r in rows:
+        print("speed parity:", r)
+    for r in rows:
         assert r["error"] <= r["tolerance"], r
     if os.environ.get(WRITE_ENV) != "1":
         return
