@@ -74,13 +74,6 @@ def grouped_linear(
         >>> grouped_linear(torch.ones(3, 4), torch.ones(2, 5, 4), torch.tensor([1, 2])).shape
         torch.Size([3, 5])
     """
-    if torch.compiler.is_compiling():  # a compiled MoE block: the experts (DTensor weights, counts) run eagerly
-        return _eager_grouped_linear(x, w, counts, grouped_mm, host_counts)
-    return _grouped_linear(x, w, counts, grouped_mm, host_counts)
-
-
-def _grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, grouped_mm: GroupedMM,
-                    host_counts: Optional[Sequence[int]]) -> torch.Tensor:
     dtype = compute_dtype(x, w)
     x, w = x.to(dtype), w.to(dtype)
     use = _compat.grouped_mm_supported(x, w) if grouped_mm == "auto" else bool(grouped_mm)
@@ -93,11 +86,6 @@ def _grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, grou
     if not outs:
         return x.new_zeros(0, w.shape[-2])
     return torch.cat(outs, dim=0)  # (M, out)
-
-
-#: :func:`grouped_linear` outside a compiled graph (a graph break around the experts of a compiled MoE block: Dynamo
-#: cannot trace their expert-parallel DTensor weights, "as_strided not supported with DTensor").
-_eager_grouped_linear = torch.compiler.disable(_grouped_linear)
 
 
 def swiglu_experts(
@@ -281,10 +269,21 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor, host_counts: Optional[Sequence[int]] = None
                 ) -> torch.Tensor:
         """``x (M, H)`` sorted by local expert, ``counts (E_local,)`` -> ``(M, H)``; ``host_counts``: ``counts`` on
-        the host when known (see :func:`swiglu_experts`)."""
-        w1, w2, w3 = (scale_grad(local_tensor(p), self.grad_scale) for p in (self.w1, self.w2, self.w3))
-        return swiglu_experts(x, w1, w2, w3, counts, self.grouped_mm, host_counts)  # (M, H)
+        the host when known (see :func:`swiglu_experts`). In a compiled block they run eagerly (a graph break:
+        Dynamo cannot trace their expert-parallel DTensor weights, "as_strided not supported with DTensor")."""
+        if torch.compiler.is_compiling():
+            return _eager_experts(self, x, counts, host_counts)
+        return _experts(self, x, counts, host_counts)
 
     def extra_repr(self) -> str:
         e, f, h = self.w1.shape
         return f"num_experts={e}, hidden_dim={f}, dim={h}, local={self.num_local_experts}"
+
+
+def _experts(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor,
+             host_counts: Optional[Sequence[int]]) -> torch.Tensor:
+    w1, w2, w3 = (scale_grad(local_tensor(p), experts.grad_scale) for p in (experts.w1, experts.w2, experts.w3))
+    return swiglu_experts(x, w1, w2, w3, counts, experts.grouped_mm, host_counts)  # (M, H)
+
+
+_eager_experts = torch.compiler.disable(_experts)
