@@ -145,12 +145,26 @@ def write_doc(rows: list[str], args: argparse.Namespace) -> None:
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     header = ("| tp | backend | ours eager s | ours compiled s | ours compiled/eager | TorchTitan eager s | "
-              "TorchTitan compiled s | TorchTitan compiled/eager | ours / TorchTitan |\n"
-              "|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+              "TorchTitan compiled s | TorchTitan compiled/eager | ours / TorchTitan | planner's compiled/eager |\n"
+              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     sizes = (f"dim {args.dim}, {args.layers} blocks, {args.heads} heads, SwiGLU {args.ffn}, vocabulary {args.vocab}, "
              f"batch {args.batch} × {args.seq} tokens; median of {args.rounds} × {args.steps} steps")
     DOC.write_text(head + BEGIN + "\n" + sizes + "\n\n" + header + "\n" + "\n".join(rows) + "\n" + END + tail,
                    encoding="utf-8")
+
+
+def planner_ratio(a: argparse.Namespace, tp: int) -> float:
+    """The planner's compiled / eager step time for this model and layout on its CPU device (``COMPILE_FACTOR`` on
+    the memory-bound traffic), fp32 as measured here."""
+    from lightning_4d.mesh import ParallelDims
+    from lightning_4d.planner import CPU, ClusterSpec, TrainSpec, TransformerSpec, estimate_step
+
+    spec = TransformerSpec(vocab_size=a.vocab, hidden=a.dim, layers=a.layers, heads=a.heads, kv_heads=a.heads // 2,
+                           ffn_hidden=a.ffn, seq_len=a.seq)
+    dims, cluster = ParallelDims.from_world(tp, tp=tp), ClusterSpec(1, tp, CPU)
+    train = TrainSpec(global_batch_size=a.batch, seq_len=a.seq, precision="32-true")
+    eager = estimate_step(spec, dims, train, cluster).step_s
+    return estimate_step(spec, dims, train.with_(compile=True), cluster).step_s / eager
 
 
 def _report(tp: int, times: dict[str, list[float]], backend: str) -> float:
@@ -186,7 +200,11 @@ def main() -> None:
         backend = a.backend or ("inductor" if tp == 1 else "aot_eager")
         times = measure(0, a, 1) if tp == 1 else run_world(measure, tp, a, tp, timeout_s=3000)[0]
         _report(tp, times, backend)
-        rows.append(_row(tp, backend, {k: statistics.median(v) for k, v in times.items()}))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        predicted = planner_ratio(a, tp)
+        print(f"tp={tp}: the planner's compiled/eager on its CPU device {predicted:.3f}, measured (ours) "
+              f"{med['ours compiled'] / med['ours eager']:.3f}")
+        rows.append(_row(tp, backend, med) + f" {predicted:.3f} |")
     if a.doc:
         write_doc(rows, a)
 

@@ -158,10 +158,15 @@ def apply_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, config: O
             install_token_shard_check({n: module.get_submodule(n) for n in names}, mesh[Axis.TP].get_group())
     record.tp_partial_params = tp_summed_parameters(module, plan, dims, record.expert_modules)
 
-    apply_activation_checkpointing(record.blocks, None if plan.activation_checkpointing == "none"
-                                   else plan.activation_checkpointing)
-    if plan.compile != "none":  # each block, after TP/SP, cp, ep and checkpointing, before FSDP2 (TorchTitan's)
-        split = dims.pp > 1 and plan.schedule in SPLIT_BACKWARD_SCHEDULES  # zbv, dualpipev: two backward passes
+    checkpointing = None if plan.activation_checkpointing == "none" else plan.activation_checkpointing
+    split = dims.pp > 1 and plan.schedule in SPLIT_BACKWARD_SCHEDULES  # zbv, dualpipev: two backward passes
+    # Each block compiled after TP/SP, cp, ep and checkpointing, before FSDP2 (TorchTitan's order); with tp > 1 the
+    # checkpoint wraps the compiled forward instead (AOTAutograd cannot save the DTensor mesh inside a checkpoint)
+    inside = plan.compile != "none" and checkpointing is not None and dims.tp > 1
+    if inside:
+        apply_compile(record.blocks, plan.compile, split_backward=split)
+    apply_activation_checkpointing(record.blocks, checkpointing)
+    if plan.compile != "none" and not inside:
         apply_compile(record.blocks, plan.compile, split_backward=split)
 
     experts = [module.get_submodule(name) for name in record.expert_modules]
