@@ -17,6 +17,15 @@ from lightning_4d.speed.compile import apply_compile, compile_backend, compiled_
 from lightning_4d.speed.float8 import EXPERTS_NOTE, check_float8, float8_linear_names
 
 
+@pytest.fixture
+def torchao_present(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rules are pure: they run whether or not torchao is installed (only applying Float8 needs it)."""
+    import importlib.util
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "torchao" else find(name, *a))
+
+
 def _llama(dim: int = 32, vocab: int = 64) -> CausalLM:
     return CausalLM(Llama(LlamaConfig(vocab_size=vocab, dim=dim, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
                                       max_seq_len=16)))
@@ -25,7 +34,7 @@ def _llama(dim: int = 32, vocab: int = 64) -> CausalLM:
 @pytest.mark.parametrize("options, needles", [
     (dict(compile="no-such-backend"), ["compile='no-such-backend'", "not a torch.compile backend", "True (Inductor)"]),
     (dict(compile=3), ["compile=3", "True (Inductor), False, or a torch.compile backend"]),
-    (dict(float8=True, float8_recipe="blockwise"), ["float8_recipe='blockwise'", "'tensorwise'", "'rowwise'"]),
+    (dict(float8=False, float8_recipe="blockwise"), ["float8_recipe='blockwise'", "'tensorwise'", "'rowwise'"]),
     (dict(float8="yes"), ["float8='yes' must be True or False"]),
     (dict(compile=True, tp=2), ["compile=True (Inductor) with tp=2", "compile='aot_eager'"]),
 ])
@@ -48,7 +57,7 @@ def test_missing_torchao_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
         check_float8(True, "tensorwise")
 
 
-def test_float8_rule_skips_the_head_and_odd_sizes() -> None:
+def test_float8_rule_skips_the_head_and_odd_sizes(torchao_present: None) -> None:
     lm = _llama(vocab=64)
     plan = plan_layout(lm, ParallelDims(world_size=1), FourDConfig(float8=True))
     names = plan.float8_linears
@@ -60,7 +69,7 @@ def test_float8_rule_skips_the_head_and_odd_sizes() -> None:
     assert odd == ("c",)
 
 
-def test_float8_rule_keeps_moe_experts_and_router() -> None:
+def test_float8_rule_keeps_moe_experts_and_router(torchao_present: None) -> None:
     moe = CausalLM(MoETransformer(MoEConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
                                             ffn_hidden=32, max_seq_len=16, num_experts=16, top_k=2,
                                             expert_hidden=32, shared_experts=1)))
@@ -72,7 +81,7 @@ def test_float8_rule_keeps_moe_experts_and_router() -> None:
     assert "float8 experts: experts kept in the trainer's precision" in str(plan)
 
 
-def test_plan_records_compile_and_float8() -> None:
+def test_plan_records_compile_and_float8(torchao_present: None) -> None:
     lm = _llama()
     plan = plan_layout(lm, ParallelDims(world_size=1), FourDConfig(compile="aot_eager", float8=True,
                                                                    float8_recipe="rowwise"))
