@@ -380,13 +380,18 @@ def fit(case: World, ctx: Context, rank: Optional[int]) -> dict[str, Any]:
     lm = CausalLM(model, lr=1e-3)
     if case.meta and rank is None:  # the values every layout draws (a function of the seed and the names)
         materialize(lm, ctx.torch_device)
+    if case.strategy.get("float8") and rank is None:  # the reference converted as the strategy converts
+        _float8_reference(lm.to(ctx.torch_device), ctx)
     losses = _Losses()
     if rank is None:
         trainer = _trainer(ctx, "auto", case.precision, s.world_steps, [losses])
         batch = s.world_batch
     else:
+        options = dict(case.strategy)
+        if options.get("compile") is True and not ctx.cuda:
+            options["compile"] = "aot_eager"  # the dry run: the same graphs without Inductor's C++ compiles
         strategy = FourDStrategy(parallel_devices=[ctx.torch_device] * case.ranks, process_group_backend=ctx.backend,
-                                 **case.strategy)
+                                 **options)
         trainer = _trainer(ctx, strategy, case.precision, s.world_steps, [losses])
         per_replica = case.strategy.get("tp", 1) * case.strategy.get("pp", 1) * case.strategy.get("cp", 1)
         batch = s.world_batch // (case.ranks // per_replica)
@@ -400,6 +405,16 @@ def fit(case: World, ctx: Context, rank: Optional[int]) -> dict[str, Any]:
         out["checkpoint_bytes"] = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() \
             else path.stat().st_size
     return out
+
+
+def _float8_reference(lm: torch.nn.Module, ctx: Context) -> None:
+    """Convert one process's model as ``FourDStrategy(float8=True)`` does (the plan's rule, torchao's config)."""
+    from lightning_4d.config import FourDConfig
+    from lightning_4d.layout.derive_plan import plan_layout
+    from lightning_4d.speed.float8 import apply_float8, emulated
+
+    plan = plan_layout(lm, ParallelDims(world_size=1), FourDConfig(float8=True))
+    apply_float8(lm, plan.float8_linears, plan.float8, emulate=emulated(ctx.torch_device), fsdp_all_gather=False)
 
 
 def _world_rank(rank: int, case: World, ctx: Context) -> dict[str, Any]:
@@ -421,6 +436,11 @@ CASES: list[Any] = [
           "bf16-mixed", meta=True),
     World("pp2", "pp=2 (1F1B): stage P2P and shape inference on the device", "llama", {"pp": 2}, "32-true",
           meta=True),
+    World("dp2-compile", "compile=True under dp=2 (FSDP2): each block compiled by Inductor before FSDP2 wraps it "
+                         "(aot_eager in the dry run)", "llama", {"compile": True}, "32-true"),
+    World("tp2-float8", "float8=True under tp=2: torchao's Float8 linears, real Float8 GEMMs on compute capability "
+                        "8.9 or more (emulated elsewhere), against one process converted the same way", "llama",
+          {"tp": 2, "float8": True}, "32-true"),
 ]
 
 

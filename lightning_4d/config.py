@@ -24,6 +24,8 @@ from lightning_4d.context_parallel.algorithm import CP_ALGORITHMS
 from lightning_4d.pipeline.schedules import STRATEGY_SCHEDULES, default_virtual_stages, get_schedule_info, stage_style
 from lightning_4d.plan import LayoutPlan
 from lightning_4d.mesh import ParallelDims, _check_degree
+from lightning_4d.speed.compile import check_compile
+from lightning_4d.speed.float8 import check_float8
 
 __all__ = ["FourDConfig", "SCHEDULES", "MULTI_STAGE_SCHEDULES", "ACTIVATION_CHECKPOINTING", "DATA_PARALLEL",
            "DEFAULT_HEARTBEAT_TIMEOUT", "DEFAULT_SIGNALS", "DEFAULT_TIMEOUT", "NONFINITE_MODES", "check_data_parallel",
@@ -185,6 +187,17 @@ class FourDConfig:
             environment does not set them (``TORCH_NCCL_TRACE_BUFFER_SIZE``, ``TORCH_NCCL_DUMP_ON_TIMEOUT``, before the
             process group starts: :mod:`lightning_4d.safety.nccl_debug`); default on, ``False`` leaves the
             environment alone.
+        compile: ``torch.compile`` each transformer block (:mod:`lightning_4d.speed.compile`): ``True``
+            (Inductor), ``False`` (default, eager) or a backend name (``"aot_eager"``, ``"eager"``: cheap, for
+            tests). After TP/SP, cp, ep and activation checkpointing, before FSDP2 (TorchTitan's order);
+            ``fullgraph`` per block, without it for a block whose graph breaks; every schedule, ``zbv`` and
+            ``dualpipev`` included (their split backward keeps the compiled backward's buffers: pytorch#161904).
+            Inductor with ``tp > 1`` is refused (it cannot lower the TP styles' mesh ops): ``"aot_eager"`` there.
+        float8: train the linear layers in Float8 with torchao (:mod:`lightning_4d.speed.float8`; the extra
+            ``lightning-4d[float8]``): those with both feature counts divisible by 16, not the output head nor
+            MoE experts; emulated on a CPU.
+        float8_recipe: Float8 scaling: ``"tensorwise"`` (default; Float8 all-gathers under tp and FSDP2) or
+            ``"rowwise"``.
 
     Example:
         >>> FourDConfig(schedule="zbv", pp=2).stages_per_rank
@@ -218,6 +231,9 @@ class FourDConfig:
     plan: Union[str, Path, LayoutPlan, None] = None
     async_checkpoint: bool = False
     nccl_flight_recorder: bool = True
+    compile: Union[bool, str] = False
+    float8: bool = False
+    float8_recipe: str = "tensorwise"
 
     def __post_init__(self) -> None:
         self._check_runtime_options()
@@ -281,6 +297,8 @@ class FourDConfig:
         put("preemption_signals", signals)
         if self.plan is not None and not isinstance(self.plan, (str, Path, LayoutPlan)):
             raise ValueError(f"plan={self.plan!r} must be a LayoutPlan, the path of its JSON file, or None.")
+        check_compile(self.compile, self.schedule, self.pp, self.tp)  # the backend exists; Inductor with tp
+        check_float8(self.float8, self.float8_recipe)
         budget = self.reduced_check_budget
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget < 0):
             raise ValueError(f"reduced_check_budget={budget!r} must be a number of bytes >= 0 (0: never run the "

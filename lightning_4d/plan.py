@@ -47,6 +47,9 @@ class PlanOptions(Protocol):
     data_parallel: str
     activation_checkpointing: Optional[str]
     cp_algorithm: str
+    compile: Union[bool, str]
+    float8: bool
+    float8_recipe: str
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,9 @@ class LayoutPlan:
         activation_checkpointing / data_parallel: the wrapping modes.
         context_parallel: with ``cp > 1``, the algorithm attention runs across the cp ranks: its name
             (``allgather``, ``ulysses`` or ``ring``, :attr:`cp_algorithm`), a colon, what it does.
+        compile: the ``torch.compile`` backend each block is compiled with (``"none"``: eager).
+        float8: the Float8 scaling recipe (``"tensorwise"``, ``"rowwise"``; ``"none"``: no Float8);
+            float8_linears: the linear layers converted; float8_experts: what happens to MoE experts.
     """
 
     degrees: tuple[tuple[str, int], ...]
@@ -131,6 +137,10 @@ class LayoutPlan:
     activation_checkpointing: str = "none"
     data_parallel: str = "fsdp"
     context_parallel: str = ""  # cp > 1: how attention runs across the cp ranks
+    compile: str = "none"  # the torch.compile backend of every block
+    float8: str = "none"  # the Float8 scaling recipe
+    float8_linears: tuple[str, ...] = ()
+    float8_experts: str = ""
     version: int = _VERSION
 
     # -- reading ----------------------------------------------------------------------------------------
@@ -202,6 +212,12 @@ class LayoutPlan:
         if self.context_parallel:
             out.append(f"context parallel: {self.context_parallel}")
         out.append(f"activation checkpointing: {self.activation_checkpointing}")
+        if self.float8 != "none":
+            out += [f'"{name}": Float8Linear({self.float8})' for name in self.float8_linears]
+            out += [f"float8 experts: {self.float8_experts}"] if self.float8_experts else []
+        if self.compile != "none":
+            out.append(f"compile: each block, torch.compile(backend={self.compile!r}, fullgraph where it holds), "
+                       f"after activation checkpointing, before data parallelism")
         out.append(f"data parallel: {self.data_parallel}")
         return out
 
@@ -351,9 +367,14 @@ class LayoutPlan:
             ...
             ValueError: layout plan: it was made for schedule='1f1b' but this run's options say schedule='zbv'. Run with schedule='1f1b' (as the plan was made) or re-plan for schedule='zbv' (drop the plan option).
         """
+        from lightning_4d.speed.compile import compile_backend
+
         checkpointing = options.activation_checkpointing or "none"
         pairs = [("data_parallel", self.data_parallel, options.data_parallel),
-                 ("activation_checkpointing", self.activation_checkpointing, checkpointing)]
+                 ("activation_checkpointing", self.activation_checkpointing, checkpointing),
+                 ("compile", self.compile, compile_backend(getattr(options, "compile", False)) or "none"),
+                 ("float8", self.float8,
+                  getattr(options, "float8_recipe", "tensorwise") if getattr(options, "float8", False) else "none")]
         if dims.pp > 1:
             pairs = [("schedule", self.schedule, options.schedule),
                      ("virtual_stages", self.virtual_stages, dims.virtual_stages)] + pairs

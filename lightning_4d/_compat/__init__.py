@@ -17,6 +17,7 @@ Areas (one module each, all re-exported here):
 - :mod:`.pipelining`: internals of ``torch.distributed.pipelining`` schedules.
 - :mod:`.kernels`: private operators (``_foreach_norm``, ``_foreach_mul_``, ``_grouped_mm``, the SDPA kernels).
 - :mod:`.modules`: ``nn.Module`` / ``DataLoader`` internals, meta-device materialisation.
+- :mod:`.compile`: Dynamo's settings, graph-break error and counters.
 - :mod:`.moved`: the old names of modules that moved into folders (not re-exported; installed by the package).
 
 Example:

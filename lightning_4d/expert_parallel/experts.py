@@ -269,10 +269,21 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor, host_counts: Optional[Sequence[int]] = None
                 ) -> torch.Tensor:
         """``x (M, H)`` sorted by local expert, ``counts (E_local,)`` -> ``(M, H)``; ``host_counts``: ``counts`` on
-        the host when known (see :func:`swiglu_experts`)."""
-        w1, w2, w3 = (scale_grad(local_tensor(p), self.grad_scale) for p in (self.w1, self.w2, self.w3))
-        return swiglu_experts(x, w1, w2, w3, counts, self.grouped_mm, host_counts)  # (M, H)
+        the host when known (see :func:`swiglu_experts`). In a compiled block they run eagerly (a graph break:
+        Dynamo cannot trace their expert-parallel DTensor weights, "as_strided not supported with DTensor")."""
+        if torch.compiler.is_compiling():
+            return _eager_experts(self, x, counts, host_counts)
+        return _experts(self, x, counts, host_counts)
 
     def extra_repr(self) -> str:
         e, f, h = self.w1.shape
         return f"num_experts={e}, hidden_dim={f}, dim={h}, local={self.num_local_experts}"
+
+
+def _experts(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor,
+             host_counts: Optional[Sequence[int]]) -> torch.Tensor:
+    w1, w2, w3 = (scale_grad(local_tensor(p), experts.grad_scale) for p in (experts.w1, experts.w2, experts.w3))
+    return swiglu_experts(x, w1, w2, w3, counts, experts.grouped_mm, host_counts)  # (M, H)
+
+
+_eager_experts = torch.compiler.disable(_experts)

@@ -149,6 +149,13 @@ class MoE(nn.Module):
         self.ep_group = ep_mesh.get_group() if ep_mesh.size() > 1 else None
 
     def forward(self, x: torch.Tensor) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Route, dispatch, run the experts, combine. In a compiled block (``compile=...``) the layer runs eagerly,
+        a graph break: its token dispatch keeps the expert mesh for backward, which AOTAutograd refuses."""
+        if torch.compiler.is_compiling():
+            return _eager_moe(self, x)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         shape = x.shape
         h = x.reshape(-1, shape[-1])  # (N, H)
         r = self.router(h)
@@ -222,3 +229,10 @@ def expert_load(model: nn.Module) -> dict[str, torch.Tensor]:
         6
     """
     return {name: m.tokens_per_expert.clone() for name, m in model.named_modules() if isinstance(m, MoE)}
+
+
+def _moe_forward(moe: MoE, x: torch.Tensor) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    return moe._forward(x)
+
+
+_eager_moe = torch.compiler.disable(_moe_forward)

@@ -34,6 +34,8 @@ from lightning_4d.expert_parallel.parallel import refuse_unrecognised_experts
 from lightning_4d.expert_parallel.rewrite import find_moe_modules, mixtral_source_keys
 from lightning_4d.analysis.hooks import BLOCKS_PATH, user_hook
 from lightning_4d.plan import ExpertEntry, LayoutPlan
+from lightning_4d.speed.compile import compile_backend
+from lightning_4d.speed.float8 import EXPERTS_NOTE, float8_linear_names
 from lightning_4d.mesh import ParallelDims
 from lightning_4d.layout.pipeline_glue import hooks_split, uses_pipeline_hooks
 from lightning_4d.pipeline.partition import partition_blocks
@@ -103,12 +105,18 @@ def plan_layout(module: nn.Module, dims: ParallelDims, config: Optional[FourDCon
         # for by the expert rewrite, not summed over tp as replicated parameters.
         owned = tuple(f"{e.path if e.kind == 'in-place' else e.layer}." for e in experts)
         tpl.partial_params = [n for n in tpl.partial_params if not n.startswith(owned)]
+    post = tuple(trace.post) if trace else ()
+    float8 = config.float8_recipe if config.float8 else "none"
+    head = post if trace is not None or not config.float8 else _traced_post(module, blocks_path, on_meta)
     return LayoutPlan(
+        compile=compile_backend(config.compile) or "none", float8=float8,
+        float8_linears=float8_linear_names(module, exclude=head, experts=experts) if config.float8 else (),
+        float8_experts=EXPERTS_NOTE if config.float8 and experts else "",
         degrees=(("tp", dims.tp), ("pp", dims.pp), ("ep", dims.ep), ("dp", dims.dp), ("cp", dims.cp)),
         blocks_path=blocks_path, block_order=block_order, sequence_parallel=dims.sp,
         virtual_stages=dims.virtual_stages, schedule=config.schedule,
         hidden=(hidden.position, hidden.keyword, hidden.tuple_out) if hidden is not None else (0, None, None),
-        pre=tuple(trace.pre) if trace else (), post=tuple(trace.post) if trace else (),
+        pre=tuple(trace.pre) if trace else (), post=post,
         elsewhere=tuple(trace.elsewhere) if trace else (), input_shape=input_shape,
         block_attrs={k: dict(v) for k, v in trace.block_attrs.items()} if trace else {},
         shared_args=tuple(trace.shared_args) if trace else (),
@@ -120,6 +128,13 @@ def plan_layout(module: nn.Module, dims: ParallelDims, config: Optional[FourDCon
         context_parallel=describe(_cp_algorithm(module, dims, config.cp_algorithm, attention_heads))
         if dims.cp > 1 else "",
     )
+
+
+def _traced_post(module: nn.Module, blocks_path: str, on_meta: bool) -> tuple[str, ...]:
+    """The modules that run after the blocks (the output head: Float8's rule leaves it out), traced for a plan
+    that traces nothing else (tp = pp = 1)."""
+    with meta_scalar_mode() if on_meta else nullcontext():
+        return tuple(trace_model(module, blocks_path, example_tokens(module, 1)).post)
 
 
 def _cp_algorithm(module: nn.Module, dims: ParallelDims, requested: str,

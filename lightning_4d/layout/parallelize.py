@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Placement
+from torch.distributed.tensor import DTensor, Partial
 
 from lightning_4d._compat import registered_submodule
 from lightning_4d.layout.activation_checkpoint import apply_activation_checkpointing
@@ -48,6 +48,9 @@ from lightning_4d.tensor_parallel import apply_tensor_parallel
 from lightning_4d.tensor_parallel.apply import run_user_plan_once
 from lightning_4d.tensor_parallel.layouts import attach_plan
 from lightning_4d.analysis.trace import example_tokens
+from lightning_4d.layout.describe import LayoutRow, describe_layout
+from lightning_4d.speed.compile import SPLIT_BACKWARD_SCHEDULES, apply_compile
+from lightning_4d.speed.float8 import apply_plan_float8
 
 __all__ = ["LayoutRow", "ParallelPlan", "apply_layout", "check_layout", "describe_layout", "parallelize_module",
            "plan_config", "plan_layout", "reduce_tp_partial_grads", "tp_summed_parameters"]
@@ -73,6 +76,7 @@ class ParallelPlan:
     tp_partial_params: list[str] = field(default_factory=list)  # summed over tp: :func:`tp_summed_parameters`
     bias_update: bool = False  # an MoE router runs the aux-loss-free bias update after each optimizer step
     cp_masks: Optional[LayerMasks] = None  # context parallelism: each attention call's mask, read at set-up
+    float8_fsdp_scales: bool = False  # FSDP2 gathers Float8 weights: their scales after each optimizer step
     # (model, DTensor parameters, tp_partial_params' parameters): found at the first step (reduce_tp_partial_grads)
     tp_grad_params: Optional[tuple[nn.Module, list, list]] = field(default=None, repr=False, compare=False)
 
@@ -91,55 +95,6 @@ class ParallelPlan:
         """Whether the output stays vocabulary-sharded under tp (the loss runs under ``loss_parallel``)."""
         tpl = self.layout.tensor_parallel
         return tpl is not None and self.layout.degree("tp") > 1 and tpl.loss_parallel
-
-
-@dataclass(frozen=True)
-class LayoutRow:
-    """Where one parameter of the rewritten model lives on this rank: its global shape, the mesh dimensions
-    and placements of its DTensor (``()`` for a plain tensor held whole), and the local shard's shape.
-
-    Example:
-        >>> describe_layout(nn.Linear(2, 3))[0]
-        LayoutRow(name='bias', shape=(3,), mesh=(), placements=(), local=(3,))
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    mesh: tuple[str, ...]
-    placements: tuple[str, ...]
-    local: tuple[int, ...]
-
-    def __str__(self) -> str:
-        where = ", ".join(f"{m}:{p}" for m, p in zip(self.mesh, self.placements)) or "whole"
-        return f"{self.name} {list(self.shape)} -> {list(self.local)} [{where}]"
-
-
-def describe_layout(module: nn.Module) -> list[LayoutRow]:
-    """The layout this rank holds, one row per parameter in name order (works on the meta device: it is the
-    plan, computed without weights). Logged by the strategy at set-up; golden-tested for a few families.
-
-    Example:
-        >>> [str(r) for r in describe_layout(nn.Linear(2, 3, bias=False))]
-        ['weight [3, 2] -> [3, 2] [whole]']
-    """
-    rows = []
-    for name, p in sorted(module.named_parameters(), key=lambda item: item[0]):
-        if isinstance(p, DTensor):
-            names = tuple(p.device_mesh.mesh_dim_names or ())
-            rows.append(LayoutRow(name, tuple(p.shape), names, tuple(_placement(x) for x in p.placements),
-                                  tuple(p.to_local().shape)))
-        else:
-            rows.append(LayoutRow(name, tuple(p.shape), (), (), tuple(p.shape)))
-    return rows
-
-
-def _placement(p: Placement) -> str:
-    if isinstance(p, Partial):
-        return "P"
-    dim = getattr(p, "dim", None)
-    if dim is None:
-        return "R"
-    return f"S({dim})" if type(p).__name__ == "Shard" else f"{type(p).__name__.lstrip('_')}({dim})"
 
 
 def parallelize_module(
@@ -188,6 +143,8 @@ def apply_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, config: O
     if dims.pp > 1:
         parts = split_pipeline(mesh, plan, install_stages(module, plan))
         record.blocks = _blocks_of(module.get_submodule(plan.blocks_path))
+    if plan.float8 != "none":  # before TP: the Float8 styles shard Float8Linear (TorchTitan's order)
+        record.float8_fsdp_scales = apply_plan_float8(module, plan, dims, device)
     _apply_experts(module, mesh, record, accumulate)
     if dims.tp > 1:
         assert plan.tensor_parallel is not None
@@ -201,8 +158,16 @@ def apply_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, config: O
             install_token_shard_check({n: module.get_submodule(n) for n in names}, mesh[Axis.TP].get_group())
     record.tp_partial_params = tp_summed_parameters(module, plan, dims, record.expert_modules)
 
-    apply_activation_checkpointing(record.blocks, None if plan.activation_checkpointing == "none"
-                                   else plan.activation_checkpointing)
+    checkpointing = None if plan.activation_checkpointing == "none" else plan.activation_checkpointing
+    split = dims.pp > 1 and plan.schedule in SPLIT_BACKWARD_SCHEDULES  # zbv, dualpipev: two backward passes
+    # Each block compiled after TP/SP, cp, ep and checkpointing, before FSDP2 (TorchTitan's order); with tp > 1 the
+    # checkpoint wraps the compiled forward instead (AOTAutograd cannot save the DTensor mesh inside a checkpoint)
+    inside = plan.compile != "none" and checkpointing is not None and dims.tp > 1
+    if inside:
+        apply_compile(record.blocks, plan.compile, split_backward=split)
+    apply_activation_checkpointing(record.blocks, checkpointing)
+    if plan.compile != "none" and not inside:
+        apply_compile(record.blocks, plan.compile, split_backward=split)
 
     experts = [module.get_submodule(name) for name in record.expert_modules]
     # With edp == 1 no rank shares an expert: experts stay out of every data-parallel wrapper.
@@ -249,7 +214,9 @@ def plan_config(plan: LayoutPlan, dims: ParallelDims) -> FourDConfig:
         tp=dims.tp, pp=dims.pp, ep=dims.ep, dp=dims.dp, cp=dims.cp, sequence_parallel=plan.sequence_parallel,
         schedule=plan.schedule, virtual_stages=plan.virtual_stages if dims.pp > 1 else None,
         data_parallel=plan.data_parallel, dp_shard=dims.dp_shard,
-        activation_checkpointing=None if plan.activation_checkpointing == "none" else plan.activation_checkpointing)
+        activation_checkpointing=None if plan.activation_checkpointing == "none" else plan.activation_checkpointing,
+        compile=False if plan.compile == "none" else plan.compile, float8=plan.float8 != "none",
+        float8_recipe=plan.float8 if plan.float8 != "none" else "tensorwise")
 
 
 def check_layout(module: nn.Module, plan: LayoutPlan, mesh: FourDMesh, accumulate: int = 1) -> None:

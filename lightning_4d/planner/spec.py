@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from lightning_4d.models.hf_style import HFStyleConfig
     from lightning_4d.models.llama import LlamaConfig
 
-__all__ = ["TransformerSpec", "TrainSpec", "seed_moe_1t", "planner_only", "DATA_PARALLEL_MODES",
+__all__ = ["TransformerSpec", "TrainSpec", "seed_moe_1t", "planner_only", "runtime_speed_notes", "DATA_PARALLEL_MODES",
            "SELECTIVE_POLICIES", "RUNTIME_SELECTIVE_POLICY", "KERNELS", "ATTENTION_KINDS"]
 
 #: Data-parallel modes the planner models (:mod:`lightning_4d.planner.dp_modes`): the runtime's
@@ -82,11 +82,28 @@ def planner_only(train: "TrainSpec") -> list[str]:
     if train.kernels == "fused":
         out.append("kernels=fused (Megatron / Transformer Engine: fused SwiGLU, attention on grouped keys and values): "
                    "planner only; the runtime runs PyTorch's eager kernels")
+    return out
+
+
+def runtime_speed_notes(train: "TrainSpec") -> list[str]:
+    """What the runtime does for the plan's ``compile`` and ``float8`` (both run: :mod:`lightning_4d.speed`), and
+    how the planner models it (plans print them).
+
+    Example:
+        >>> runtime_speed_notes(TrainSpec(8, compile=True))  # doctest: +ELLIPSIS
+        ['compile: the runtime compiles each block with torch.compile (parallel.compile=true) ...']
+        >>> runtime_speed_notes(TrainSpec(8))
+        []
+    """
+    out = []
     if train.compile:
-        out.append("compile (torch.compile'd memory-bound kernels): planner only; the runtime runs eagerly")
+        out.append("compile: the runtime compiles each block with torch.compile (parallel.compile=true) after "
+                   "TP/SP, cp, ep and activation checkpointing, before FSDP2; modelled as the memory-bound traffic "
+                   "fused to COMPILE_FACTOR of eager's (docs/speed.md compares it with bench/bench_compile.py)")
     if train.float8:
-        out.append("float8 (Float8 linears with dynamic scaling): planner only; the runtime computes in "
-                   "the trainer's precision")
+        out.append("float8: the runtime trains the linear layers in Float8 with torchao (parallel.float8=true; "
+                   "tensorwise dynamic scaling, not the output head nor MoE experts); modelled on Float8 tensor "
+                   "cores, which a CPU emulates (slower there)")
     return out
 
 

@@ -240,9 +240,10 @@ What the model is:
   inputs, and under DTensor's sequence parallelism the gathered QKV / MLP inputs; checkpointing policies: the
   runtime's "save every matmul", TorchTitan's "every other matmul" (planner only), full), the loss's logits and the
   allocator's slack (`allocator_overhead` of the allocated bytes).
-- what a source ran that lightning_4d does not run yet is selectable and labelled "planner only" in every plan:
-  `plan.selective_policy=every_other_matmul`, `plan.compile=true`, `plan.float8=true` (Float8 linears modelled
-  from the hardware: twice the bf16 peak, 1-byte operands, dynamic-scaling casts), `plan.data_parallel=zero1|zero2`
+- what a source ran is selectable: `plan.compile=true` and `plan.float8=true` (Float8 linears modelled from the
+  hardware: twice the bf16 peak, 1-byte operands, dynamic-scaling casts) run in the runtime too
+  (`parallel.compile=true`, `parallel.float8=true`: docs/speed.md); what lightning_4d does not run yet is labelled
+  "planner only" in every plan: `plan.selective_policy=every_other_matmul`, `plan.data_parallel=zero1|zero2`
   (Megatron's distributed optimizer; FSDP with gradients reduce-scattered per micro-batch), `plan.kernels=fused`
   (Megatron / Transformer Engine).
 

@@ -33,10 +33,11 @@ class PlanConfig:
     ``trainer.devices``) is the cluster. ``global_batch_size`` / ``seq_len`` (``null``: from ``data``),
     ``expert_imbalance`` (>= 1, 1 = uniform routing). What the planner models beyond the runtime (labelled
     "planner only" in the plan): ``selective_policy`` (what ``parallel.activation_checkpointing=selective``
-    saves: ``matmuls``, the runtime's, or TorchTitan's ``every_other_matmul``), ``compile`` (``torch.compile``'d
-    kernels), ``float8`` (Float8 linears), ``data_parallel`` (``zero1`` / ``zero2`` instead of
+    saves: ``matmuls``, the runtime's, or TorchTitan's ``every_other_matmul``), ``data_parallel`` (``zero1`` / ``zero2`` instead of
     ``parallel.data_parallel``) and ``kernels=fused`` (what Megatron / Transformer Engine's fused kernels keep for
-    backward instead of PyTorch's eager kernels). ``search``: rank every layout of the cluster and show the ``top``
+    backward instead of PyTorch's eager kernels). ``compile`` (``torch.compile``'d blocks) and ``float8`` (Float8
+    linears) run in the runtime too (``parallel.compile=true``, ``parallel.float8=true``: either switch turns them
+    on in the plan). ``search``: rank every layout of the cluster and show the ``top``
     ones; ``context_parallel``: the cp degrees it tries (each only where the model's attention and the sequence allow it,
     ranked like the rest; ``null``: every divisor of the world, ``[1]``: none).
     ``trace``: dry-run the real rewriting on a fake process group and compare traced bytes with the formulas,

@@ -40,7 +40,7 @@ from lightning_4d.planner import ClusterSpec, DeviceSpec, NoLayoutFits, TrainSpe
 from lightning_4d.planner.dry_run import dry_run
 from lightning_4d.planner.hardware import custom_device, device_by_name
 from lightning_4d.planner.memory import check_layout
-from lightning_4d.planner.spec import planner_only
+from lightning_4d.planner.spec import planner_only, runtime_speed_notes
 from lightning_4d.recipes.build import build_model, output_dir, validate
 from lightning_4d.recipes.resources import model_spec
 from lightning_4d.recipes.schema import (
@@ -182,8 +182,10 @@ def plan_setup(cfg: Union[DictConfig, TrainConfig]) -> PlanSetup:
       ``trainer.accumulate_grad_batches``: the runtime runs the pipeline schedule once per accumulation step, and
       accumulated micro-batches without a pipeline hold unsharded gradients like pipeline ones;
     - precision: ``trainer.precision`` (16-bit variants modelled as ``bf16-mixed``);
-    - what only the planner models (``plan.selective_policy``, ``plan.compile``, ``plan.float8``,
-      ``plan.data_parallel=zero1|zero2``, ``plan.kernels=fused``) is noted as "planner only" (:func:`~lightning_4d.planner.spec.planner_only`).
+    - what only the planner models (``plan.selective_policy``, ``plan.data_parallel=zero1|zero2``,
+      ``plan.kernels=fused``) is noted as "planner only" (:func:`~lightning_4d.planner.spec.planner_only`);
+      compile and Float8 (``plan.*`` or ``parallel.*``) as what the runtime does
+      (:func:`~lightning_4d.planner.spec.runtime_speed_notes`).
 
     Raises:
         PlanError: the layout does not fit the model or the cluster, or the batch does not split.
@@ -269,9 +271,11 @@ def plan_setup(cfg: Union[DictConfig, TrainConfig]) -> PlanSetup:
                       data_parallel=plan.data_parallel or par.data_parallel, precision=precision,
                       activation_checkpointing=par.activation_checkpointing, flash_attention=plan.flash_attention,
                       expert_imbalance=plan.expert_imbalance, dp_shard=getattr(par, "dp_shard", None),
-                      selective_policy=plan.selective_policy, compile=plan.compile, float8=plan.float8,
+                      selective_policy=plan.selective_policy,
+                      compile=bool(plan.compile or getattr(par, "compile", False)),
+                      float8=bool(plan.float8 or getattr(par, "float8", False)),
                       kernels=plan.kernels, cp_algorithm=getattr(par, "cp_algorithm", None) or "auto")
-    notes += [f"planner only: {x}" for x in planner_only(train)]
+    notes += [f"planner only: {x}" for x in planner_only(train)] + runtime_speed_notes(train)
     bad = [r for r in plan.trace_ranks or [] if not 0 <= r < world]
     if bad:
         raise PlanError(f"plan.trace_ranks={bad} are outside the world of {world} ranks.")

@@ -269,13 +269,18 @@ def _tied_copies(plan: Optional[ParallelPlan], model: nn.Module) -> set[int]:
 
 
 def after_optimizer_step(plan: Optional[ParallelPlan], model: nn.Module) -> None:
-    """After the optimizer step, on every rank: the aux-loss-free expert-bias update when the plan has one.
+    """After the optimizer step, on every rank: the aux-loss-free expert-bias update when the plan has one, and
+    the Float8 weights' scales when FSDP2 gathers them in Float8.
 
     Example:
         >>> after_optimizer_step(None, nn.Linear(2, 2))  # no plan: nothing to update
     """
     if plan is not None and plan.bias_update:
         update_expert_bias(model)
+    if plan is not None and plan.float8_fsdp_scales:
+        from lightning_4d.speed.float8 import precompute_fsdp_scales
+
+        precompute_fsdp_scales(model)
 
 
 def check_tp_replicas(model: nn.Module, mesh: FourDMesh) -> None:

@@ -130,7 +130,12 @@ class _Sharded(ParallelStyle):
             out = out.redistribute(placements=[_sequence(out) if self.sequence else self.output_layouts])
         return fresh_local(out)
 
-    def _torch_style(self) -> ParallelStyle:
+    def _torch_style(self, module: nn.Module) -> ParallelStyle:
+        from lightning_4d.speed.float8 import float8_tp_style
+
+        float8 = float8_tp_style(module, self.column, self.output_layouts)  # torchao's, for a Float8Linear
+        if float8 is not None:
+            return float8
         if self.column:
             return ColwiseParallel(use_local_output=False)
         return RowwiseParallel(output_layouts=self.output_layouts, use_local_output=False)
@@ -138,7 +143,7 @@ class _Sharded(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if isinstance(module, nn.Linear) and self.permutation is None and not self.partial_input \
                 and not self.sequence:
-            parallelize_module(module, device_mesh, self._torch_style())
+            parallelize_module(module, device_mesh, self._torch_style(module))
             module.register_forward_hook(_to_fresh_local)  # torch's style would return a view
             return module
         return distribute_module(module, device_mesh, self._partition, self._inputs, self._outputs)

@@ -130,6 +130,31 @@ class HostSyncsPerStep(L.Callback):
             self._counter = None
 
 
+class GraphsPerStep(L.Callback):
+    """Graphs ``torch.compile`` has compiled in this process after each training step (a count that stays put once
+    nothing recompiles)."""
+
+    def __init__(self) -> None:
+        self.per_step: list[int] = []
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        from lightning_4d._compat.compile import compiled_graphs
+
+        self.per_step.append(compiled_graphs())
+
+
+def float8_reference(lm: torch.nn.Module, recipe: str) -> None:
+    """Convert ``lm``'s linear layers to Float8 (emulated) as ``FourDStrategy(float8=True, float8_recipe=recipe)``
+    does on one process: the plan's rule, the same torchao configuration."""
+    from lightning_4d.config import FourDConfig
+    from lightning_4d.layout.derive_plan import plan_layout
+    from lightning_4d.mesh import ParallelDims
+    from lightning_4d.speed.float8 import apply_float8
+
+    plan = plan_layout(lm, ParallelDims(world_size=1), FourDConfig(float8=True, float8_recipe=recipe))
+    assert apply_float8(lm, plan.float8_linears, recipe, emulate=True, fsdp_all_gather=False) > 0
+
+
 class _Recorder(L.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
@@ -253,6 +278,8 @@ def fit_spec(spec: dict[str, Any]) -> dict[str, Any]:
         lm: CausalLM = HookedCausalLM(model, lr=spec.get("lr", 1e-3))
     else:
         lm = CausalLM(model, lr=spec.get("lr", 1e-3))
+    if spec.get("float8") and spec.get("strategy") is None:  # the reference: converted by the strategy's rule
+        float8_reference(lm, spec["float8"])
     if spec.get("meta") and (spec.get("strategy") is None or spec.get("premat")):
         from lightning_4d.materialize.local_shards import materialize
 
@@ -293,6 +320,9 @@ def fit_spec(spec: dict[str, Any]) -> dict[str, Any]:
     syncs = HostSyncsPerStep(spec["count_host_syncs"]) if spec.get("count_host_syncs") else None
     if syncs is not None:  # first: its window closes before the other callbacks' batch-end hooks read values
         callbacks.insert(0, syncs)
+    graphs = GraphsPerStep() if spec.get("count_graphs") else None
+    if graphs is not None:
+        callbacks.append(graphs)
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, accumulate_grad_batches=accum,
         gradient_clip_val=spec.get("clip"), precision=spec.get("precision", "32-true"),
@@ -307,6 +337,12 @@ def fit_spec(spec: dict[str, Any]) -> dict[str, Any]:
         result["loss_parallel"] = bool(getattr(trainer.strategy.plan, "loss_parallel", False))
     if syncs is not None:
         result["host_syncs"] = syncs.per_step
+    if graphs is not None:
+        result["graphs"] = graphs.per_step
+    if strategy_kwargs is not None and strategy_kwargs.get("compile"):  # how each block of this rank compiled
+        from lightning_4d.speed.compile import compiled_mode
+
+        result["compiled"] = [compiled_mode(b) for b in trainer.strategy.plan.blocks]
     if spec.get("placements"):  # mesh dimension names and placements of every DTensor parameter
         from torch.distributed.tensor import DTensor
 

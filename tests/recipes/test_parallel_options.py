@@ -49,6 +49,9 @@ SAMPLES: dict[str, tuple[str, Any, list[str]]] = {
     "plan": ("layout_plan.json", "layout_plan.json", []),  # a path, loaded and checked at set-up
     "async_checkpoint": ("true", True, []),
     "nccl_flight_recorder": ("false", False, []),
+    "compile": ("aot_eager", "aot_eager", []),
+    "float8": ("true", True, []),
+    "float8_recipe": ("rowwise", "rowwise", ["parallel.float8=true"]),
 }
 
 

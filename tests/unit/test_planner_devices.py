@@ -19,7 +19,7 @@ from lightning_4d.planner.hardware import (
     device_by_name,
     device_names,
 )
-from lightning_4d.planner.spec import planner_only
+from lightning_4d.planner.spec import planner_only, runtime_speed_notes
 from lightning_4d.recipes.planning import PlanError, plan_device
 from lightning_4d.recipes.schema import PlanConfig, RecipeConfigError
 
@@ -101,7 +101,9 @@ def test_the_plan_prints_the_constants_and_planner_only_options() -> None:
     assert "device: H100-96GB-HBM2e-500W (family hopper: compute_efficiency 0.6" in text
     assert "calibrated on TorchTitan's Llama 3.1 8B H100 runs" in text
     labels = [line for line in text.splitlines() if line.startswith("planner only")]
-    assert len(labels) == 3 and any("every_other_matmul" in x for x in labels) and any("zero1" in x for x in labels)
+    assert len(labels) == 2 and any("every_other_matmul" in x for x in labels) and any("zero1" in x for x in labels)
+    assert not any("compile" in x for x in labels)  # a runtime feature: described, not labelled planner only
+    assert runtime_speed_notes(train)[0].startswith("compile: the runtime compiles each block")
     assert planner_only(TrainSpec(8, activation_checkpointing="selective")) == []  # the runtime's policy
 
 
