@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torchao  # noqa: F401  # the test extra installs it: a missing torchao fails here, never skips parity
 
 from lightning_4d.testing import run_world
 from tests.distributed.common import NOISE_FACTOR, fit_spec, merge_ranks, parity_errors, reordering_noise, world_fit
@@ -34,7 +35,6 @@ BEGIN, END = "<!-- speed-parity: begin (generated) -->", "<!-- speed-parity: end
 WRITE_ENV = "LIGHTNING_4D_WRITE_DOCS"
 TOL = 1e-5
 
-pytest.importorskip("torchao")
 
 BASE: dict[str, Any] = dict(steps=3, global_batch=8, lr=1e-3)
 AOT = "aot_eager"
