@@ -90,8 +90,8 @@ def runtime_speed_notes(train: "TrainSpec") -> list[str]:
     how the planner models it (plans print them).
 
     Example:
-        >>> runtime_speed_notes(TrainSpec(8, compile=True))  # doctest: +ELLIPSIS
-        ['compile: the runtime compiles each block with torch.compile (parallel.compile=true) ...']
+        >>> [note.split(";")[0] for note in runtime_speed_notes(TrainSpec(8, compile=True))]  # doctest: +ELLIPSIS
+        ['compile: the runtime compiles each block with torch.compile (parallel.compile=true) after TP/SP, ...']
         >>> runtime_speed_notes(TrainSpec(8))
         []
     """
