@@ -16,7 +16,9 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Optional, Union
 
@@ -263,18 +265,33 @@ class FourDMesh:
         return self[name].get_local_rank()
 
 
+# Meshes built in this process, by what fixes their process groups: a second fit of the same layout (a sweep, a
+# notebook, a test world running many specs) reuses the groups instead of opening new communicators (each an
+# NCCL communicator's memory, or gloo's threads) that nothing ever closes. Dropped once a group is destroyed.
+_BUILT: dict[tuple, tuple[FourDMesh, list]] = {}
+
+
+def _groups_key(dims: ParallelDims, device_type: str, backend: str, timeout: Optional["timedelta"]) -> tuple:
+    """What decides a mesh's process groups (not sequence parallelism or virtual stages)."""
+    import torch.distributed as dist
+
+    return (dist.get_rank(), dims.world_size, dims.tp, dims.pp, dims.ep, dims.dp, dims.dp_shard, dims.cp, device_type, backend,
+            timeout)
+
+
 def build_mesh(
     dims: ParallelDims, device_type: str, backend: Optional[str] = None, timeout: Optional["timedelta"] = None
 ) -> FourDMesh:
     """Build the dense and expert device meshes. Needs an initialised default process group.
 
+    A layout built before in this process, whose process groups are still alive, gets those groups again (with
+    ``dims`` as given): several fits in one process do not pile up communicators.
+
     Example:
         >>> # not run: needs a process group
         >>> mesh = build_mesh(ParallelDims.from_world(8, tp=2, pp=2, ep=2), "cpu")  # doctest: +SKIP
     """
-    import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
 
     if not dist.is_initialized():
         raise RuntimeError("build_mesh needs an initialised default process group (torch.distributed).")
@@ -282,9 +299,30 @@ def build_mesh(
         raise ValueError(
             f"The process group has {dist.get_world_size()} ranks but the degrees describe {dims.world_size}."
         )
-    from lightning_4d._compat import flatten_mesh, mesh_backend_override, unflatten_mesh
+    from lightning_4d._compat import mesh_groups
 
     backend = backend or dist.get_backend()
+    key = _groups_key(dims, device_type, backend, timeout)
+    built, groups = _BUILT.pop(key, (None, []))
+    now = mesh_groups(_meshes_of(built)) if built is not None else None
+    if built is not None and now is not None and all(a is b() for a, b in zip(now, groups)):
+        _BUILT[key] = (built, groups)
+        return dataclasses.replace(built, dims=dims)
+    mesh = _new_mesh(dims, device_type, backend, timeout)
+    _BUILT[key] = (mesh, [weakref.ref(g) for g in mesh_groups(_meshes_of(mesh)) or []])
+    return mesh
+
+
+def _meshes_of(mesh: FourDMesh) -> list["DeviceMesh"]:
+    return [m for m in (mesh.dense, mesh.expert, mesh.flat_dp, mesh.dp_cp, mesh.hsdp_cp) if m is not None]
+
+
+def _new_mesh(dims: ParallelDims, device_type: str, backend: str, timeout: Optional["timedelta"]) -> FourDMesh:
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_4d._compat import flatten_mesh, mesh_backend_override, unflatten_mesh
+
     override = mesh_backend_override(backend, timeout, 5)
     one = override[0] if override is not None else None
     # Dense axes inside a pipeline stage (tp innermost); the expert view splits the same ranks into (edp, ep).

@@ -48,6 +48,7 @@ from lightning_4d._compat.dispatch import (  # noqa: E402
 from lightning_4d._compat.distributed import (  # noqa: E402
     flatten_mesh,
     mesh_backend_override,
+    mesh_groups,
     patch_work_wait,
     process_group_of,
     replicate,

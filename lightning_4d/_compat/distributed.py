@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
 __all__ = [
+    "mesh_groups",
     "mesh_backend_override",
     "patch_work_wait",
     "process_group_of",
@@ -153,6 +154,22 @@ def process_group_of(arg: Any) -> Optional[dist.ProcessGroup]:
         except Exception:  # noqa: BLE001 - another script object (ReduceOp, Work, ...)
             return None
     return None
+
+
+def mesh_groups(meshes: list[DeviceMesh]) -> Optional[list[dist.ProcessGroup]]:
+    """The live process groups behind every dimension of ``meshes``, or ``None`` once one is destroyed. A mesh
+    keeps its groups' *names* and resolves them through the private ``c10d`` registry (``_world.pg_map``), so a
+    caller keeping meshes compares these objects: after ``destroy_process_group`` a name can resolve to another
+    world's group.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    try:
+        groups = [mesh.get_group(dim) for mesh in meshes for dim in range(mesh.ndim)]
+    except Exception:  # noqa: BLE001 - a destroyed group no longer resolves by name
+        return None
+    live = c10d._world.pg_map
+    return groups if all(g in live for g in groups) else None
 
 
 def unbox_work(obj: torch.ScriptObject) -> Optional[dist.Work]:

@@ -145,3 +145,30 @@ def test_expert_view_shares_the_dense_mesh_groups(kwargs: dict) -> None:
                 fixed = [a for a in view if a != axis and a in mine]
                 ranks = [r for r in range(8) if all(rank_coordinates(dims, r)[a] == mine[a] for a in fixed)]
                 assert mesh[axis].mesh.tolist() == ranks, (axis, rank)
+
+
+def test_a_second_build_of_a_layout_reuses_its_process_groups() -> None:
+    """Several fits in one process (a sweep, a test world) reuse a layout's groups rather than opening new
+    communicators each time (gloo's threads, NCCL's memory) that nothing closes; the dims are the caller's; once
+    the world is destroyed, a build makes new groups."""
+    from torch.distributed.distributed_c10d import _world
+
+    from lightning_4d.mesh import build_mesh
+    from lightning_4d.planner.fake_world import fake_world
+
+    dims = ParallelDims.from_world(8, tp=2, pp=2, ep=2)
+    with fake_world(8, rank=3):
+        first = build_mesh(dims, "cpu")
+        first_tp = first["tp"].get_group()
+        before = set(_world.pg_map)
+        again = build_mesh(ParallelDims.from_world(8, tp=2, pp=2, ep=2, virtual_stages=2), "cpu")
+        assert set(_world.pg_map) == before  # no new group
+        assert again.dims.virtual_stages == 2 and first.dims.virtual_stages == 1
+        for axis in ("pp", "dp", "tp", "edp", "ep"):
+            assert again[axis].get_group() is first[axis].get_group(), axis
+        other = build_mesh(ParallelDims.from_world(8, tp=4, pp=2), "cpu")  # another layout: its own groups
+        assert other["tp"].size() == 4 and set(_world.pg_map) > before
+    with fake_world(8, rank=3):
+        fresh = build_mesh(dims, "cpu")
+        assert fresh is not first and fresh["tp"].get_group() in _world.pg_map
+        assert fresh["tp"].get_group() is not first_tp
