@@ -7,9 +7,10 @@ can rewrite ``n_heads`` / ``n_kv_heads`` to per-rank counts and feed it local ``
 
 Initialisation contract (shared by every model in :mod:`lightning_4d.models`): every custom module
 has ``reset_parameters()`` and the top-level model has ``init_weights(seed=None)``, which
-re-initialises *all* parameters (there are no persistent buffers). A model built on the meta device
-is therefore materialised with ``model.to_empty(device=...)`` followed by ``model.init_weights(seed)``,
-and gives the same weights as a model built directly on that device type with the same seed.
+re-initialises *all* parameters and the attention's rotary tables (non-persistent buffers: there are no
+persistent buffers). A model built on the meta device is therefore materialised with
+``model.to_empty(device=...)`` followed by ``model.init_weights(seed)``, and gives the same weights as a model
+built directly on that device type with the same seed.
 """
 
 from __future__ import annotations
@@ -172,16 +173,24 @@ class Attention(nn.Module):
 
     ``forward`` reads ``self.n_heads`` / ``self.n_kv_heads`` / ``self.head_dim`` at call time, so a
     tensor-parallel rewrite may set them to per-rank counts and feed local ``n_heads*head_dim``
-    features. RoPE tables are computed on the fly, so the module is self-contained (pipeline-safe).
+    features. With ``max_seq_len`` the rotary tables of positions ``0..max_seq_len-1`` are kept as fp32
+    non-persistent buffers ``rope_cos`` / ``rope_sin`` ``(max_seq_len, head_dim/2)`` (refilled by
+    ``reset_parameters``): a compiled block then reads them instead of computing ``cos``/``sin`` in its graph, which
+    Inductor would fuse into every element of ``q`` and ``k`` (forward and backward). Without it, or for packed
+    ``position_ids``, a longer input, or tables cast away from fp32 on ``x``'s device, they are computed on the fly
+    (the same values). The module stays self-contained (pipeline-safe).
 
-    >>> attn = Attention(dim=32, n_heads=4, n_kv_heads=2)
-    >>> attn(torch.randn(2, 5, 32)).shape
-    torch.Size([2, 5, 32])
+    >>> attn = Attention(dim=32, n_heads=4, n_kv_heads=2, max_seq_len=8)
+    >>> attn(torch.randn(2, 5, 32)).shape, attn.rope_cos.shape
+    (torch.Size([2, 5, 32]), torch.Size([8, 4]))
     """
+
+    rope_cos: torch.Tensor | None
+    rope_sin: torch.Tensor | None
 
     def __init__(
         self, dim: int, n_heads: int, n_kv_heads: int | None = None, rope_theta: float = 10000.0,
-        dropout: float = 0.0, init_std: float = 0.02, out_init_std: float = 0.02,
+        dropout: float = 0.0, init_std: float = 0.02, out_init_std: float = 0.02, max_seq_len: int | None = None,
     ) -> None:
         super().__init__()
         self.n_heads = n_heads
@@ -195,12 +204,40 @@ class Attention(nn.Module):
         self.wk = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, dim, bias=False)
+        half = (max_seq_len, self.head_dim // 2)
+        self.register_buffer("rope_cos", None if max_seq_len is None else torch.empty(half), persistent=False)
+        self.register_buffer("rope_sin", None if max_seq_len is None else torch.empty(half), persistent=False)
+        self.reset_rope()
 
     def reset_parameters(self) -> None:
-        """Normal(0, init_std) for ``wq wk wv``; Normal(0, out_init_std) for ``wo``."""
+        """Normal(0, init_std) for ``wq wk wv``; Normal(0, out_init_std) for ``wo``; the rotary tables refilled."""
         for lin in (self.wq, self.wk, self.wv):
             nn.init.normal_(lin.weight, std=self.init_std)
         nn.init.normal_(self.wo.weight, std=self.out_init_std)
+        self.reset_rope()
+
+    @torch.no_grad()
+    def reset_rope(self) -> None:
+        """Fill ``rope_cos`` / ``rope_sin`` ``(max_seq_len, head_dim/2)`` with :func:`rope_cos_sin`'s first half
+        (its second half repeats it); a no-op without them."""
+        if self.rope_cos is None or self.rope_sin is None:
+            return
+        n, half = self.rope_cos.shape  # (max_seq_len, hd/2)
+        cos, sin = rope_cos_sin(n, 2 * half, self.rope_theta, device=self.rope_cos.device)  # (max_seq_len, hd)
+        self.rope_cos.copy_(cos[:, :half])
+        self.rope_sin.copy_(sin[:, :half])
+
+    def rope_tables(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` ``(seq_len, head_dim)`` of positions ``0..seq_len-1`` (:func:`rope_cos_sin`): the kept
+        tables where they cover ``seq_len`` in fp32 on ``device``, else computed."""
+        cos, sin = self.rope_cos, self.rope_sin  # (max_seq_len, hd/2) or None
+        if (cos is None or sin is None or seq_len > cos.shape[0] or cos.dtype != torch.float32
+                or cos.device != device or sin.dtype != torch.float32):
+            return rope_cos_sin(seq_len, self.head_dim, self.rope_theta, device=device)  # (T, hd)
+        # narrow, not [:T]: context parallelism re-indexes buffers sliced [:T] (position_tables); these rows are
+        # positions 0..T-1 of this call, and a context-parallel call takes the position_ids path
+        cos, sin = cos.narrow(0, 0, seq_len), sin.narrow(0, 0, seq_len)  # (T, hd/2)
+        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # (T, hd)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``position_ids`` ``(B, T)`` of packed documents: rotary at those positions, attention within each
@@ -210,7 +247,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         if position_ids is None:
-            cos, sin = rope_cos_sin(T, self.head_dim, self.rope_theta, device=x.device)  # (T, hd)
+            cos, sin = self.rope_tables(T, x.device)  # (T, hd)
         else:
             cos, sin = rope_at(position_ids, self.head_dim, self.rope_theta)  # (B, 1, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -269,7 +306,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.attention = Attention(
             config.dim, config.n_heads, config.n_kv_heads, config.rope_theta, config.dropout,
-            config.init_std, out_std)
+            config.init_std, out_std, max_seq_len=config.max_seq_len)
         self.attn_dropout = nn.Dropout(config.dropout)
         self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.feed_forward = FeedForward(config.dim, config.ffn_hidden, config.init_std, out_std)

@@ -122,6 +122,32 @@ def test_gqa_equals_mha_with_repeated_kv_heads() -> None:
     assert gqa.wk.weight.shape == (2 * hd, D)
 
 
+
+def test_kept_rotary_tables_equal_computed_ones_and_survive_meta_materialisation() -> None:
+    """The Llama attention's ``rope_cos`` / ``rope_sin`` buffers give bitwise the on-the-fly tables' output; they
+    are not in the state dict, are refilled by ``init_weights`` after ``to_empty``, and a longer input or tables
+    cast from fp32 fall back to computing them."""
+    kept = Attention(dim=D, n_heads=4, n_kv_heads=2, max_seq_len=T)
+    computed = Attention(dim=D, n_heads=4, n_kv_heads=2)
+    computed.load_state_dict(kept.state_dict())
+    x = torch.randn(B, T, D)
+    assert torch.equal(kept(x), computed(x)) and torch.equal(kept(x[:, :3]), computed(x[:, :3]))
+    assert kept.rope_cos.shape == (T, D // 8) and computed.rope_cos is None
+    assert not any("rope" in k for k in kept.state_dict())
+    y = torch.randn(B, 2 * T, D)
+    assert torch.equal(kept(y), computed(y))  # longer than the tables: computed
+    with torch.device("meta"):
+        model = Llama(llama_cfg())
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    direct = Llama(llama_cfg())
+    for a, b in zip(model.layers, direct.layers):
+        assert torch.equal(a.attention.rope_cos, b.attention.rope_cos)
+        assert torch.equal(a.attention.rope_sin, b.attention.rope_sin)
+    cast = copy.deepcopy(kept)
+    cast.rope_cos, cast.rope_sin = cast.rope_cos.bfloat16(), cast.rope_sin.bfloat16()
+    assert torch.equal(cast(x), computed(x))  # tables cast from fp32 (bf16-true) are not used
+
 @pytest.mark.parametrize(
     ("make", "match"),
     [
