@@ -88,6 +88,17 @@ def references() -> References:
     return References(BASE)
 
 
+@pytest.fixture(scope="module")
+def parity_runs() -> dict[tuple[str, str], dict[str, Any]]:
+    """Every (family, layout) trained once: one world per world size runs all of its cells (an 8-rank world
+    costs ~15 s before any work on 2 cores; one world per cell spent most of this module's time starting ranks)."""
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for world in sorted({w for w, _, _ in LAYOUTS.values()}):
+        cells = [(family, layout) for layout, (w, _, _) in LAYOUTS.items() if w == world for family in FAMILIES]
+        out.update(zip(cells, _run([_spec(*cell) for cell in cells])))
+    return out
+
+
 def _run(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     world = specs[0]["world"]
     assert all(s["world"] == world for s in specs)
@@ -115,9 +126,10 @@ def test_references_are_deterministic() -> None:
 # ----------------------------------------------------------------------------------------------- parity
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("family", FAMILIES)
-def test_byom_parity(family: str, layout: str, references: References) -> None:
+def test_byom_parity(family: str, layout: str, references: References,
+                     parity_runs: dict[tuple[str, str], dict[str, Any]]) -> None:
     spec = _spec(family, layout)
-    got = _run([spec])[0]
+    got = parity_runs[(family, layout)]
     label = f"{spec['model']} {layout}"
     assert_parity(got, references[spec["model"]], label=label)
     _check_sharded(got, label)
@@ -145,7 +157,8 @@ def test_nanogpt_literal_attention_fails_clearly_under_tp() -> None:
 
 
 # ----------------------------------------------------------------------------------------------- regressions
-def test_qwen3_qk_norm_gradients_are_summed_over_tp(references: References) -> None:
+def test_qwen3_qk_norm_gradients_are_summed_over_tp(references: References,
+                                                   parity_runs: dict[tuple[str, str], dict[str, Any]]) -> None:
     # Qwen3's q_norm/k_norm (RMSNorm over head_dim) are replicated parameters applied to each rank's own heads
     # under TP: each rank sees only its heads' contribution to their gradients, which must be summed over tp.
     # Unsummed, rank 0 holds half the gradient (parity fails) and the replicas drift apart after one step
@@ -153,8 +166,8 @@ def test_qwen3_qk_norm_gradients_are_summed_over_tp(references: References) -> N
     ref = references["hf-qwen3"]
     norms = [n for n in ref["grads"] if n.endswith(("q_norm.weight", "k_norm.weight"))]
     assert len(norms) == 4, norms
-    specs = [_spec("hf-qwen3", layout) for layout in ("tp2", "tp2-nosp")]
-    for spec, got in zip(specs, _run(specs)):
+    for layout in ("tp2", "tp2-nosp"):  # the parity runs' cells
+        spec, got = _spec("hf-qwen3", layout), parity_runs[("hf-qwen3", layout)]
         label = f"hf-qwen3 {spec['strategy']}"
         for name in norms:
             err = rel_err(got["grads"][name], ref["grads"][name])
@@ -162,11 +175,13 @@ def test_qwen3_qk_norm_gradients_are_summed_over_tp(references: References) -> N
         assert_parity(got, ref, label=label)
 
 
-def test_gpt2_conv1d_is_sharded_under_tp(references: References) -> None:
+def test_gpt2_conv1d_is_sharded_under_tp(references: References,
+                                         parity_runs: dict[tuple[str, str], dict[str, Any]]) -> None:
     # transformers' GPT-2 uses Conv1D (weight stored (in, out)), not nn.Linear: under tp=2 its projections must
     # really be sharded, not silently left replicated (which trains correctly but is no tensor parallelism).
     names = SHARDED["hf-gpt2"]
-    got = _run([_spec("hf-gpt2", "tp2", check_sharded=names)])[0]
+    assert _spec("hf-gpt2", "tp2")["check_sharded"] == names
+    got = parity_runs[("hf-gpt2", "tp2")]
     assert set(got["sharded"]) == set(names)
     for name in names:
         assert got["sharded"][name] is True, f"{name} is not a DTensor sharded on tp after fit"

@@ -182,11 +182,30 @@ def _moe_world(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _run(spec: dict[str, Any]) -> dict[str, Any]:
-    per_rank = run_world(_moe_world, spec["world"], spec, timeout_s=600, pg_timeout_s=PG_TIMEOUT_S)
-    got = merge_ranks([[r] for r in per_rank])[0]
-    got["experts_per_rank"] = [r["experts"] for r in per_rank]
-    return got
+def _moe_worlds(rank: int, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [_moe_world(rank, spec) for spec in specs]
+
+
+def _run(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every spec in one world (they share a world size): starting ranks, not training, dominated one world per
+    cell on 2 cores."""
+    per_rank = run_world(_moe_worlds, specs[0]["world"], specs, timeout_s=900, pg_timeout_s=PG_TIMEOUT_S)
+    out = []
+    for i, got in enumerate(merge_ranks(per_rank)):
+        got["experts_per_rank"] = [r[i]["experts"] for r in per_rank]
+        out.append(got)
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe_runs() -> dict[tuple[str, str], dict[str, Any]]:
+    """Every parity cell of this module, run once, one world per world size."""
+    cells = [(f, lay) for lay in LAYOUTS for f in FAMILIES] + list(DENSE_EXPERT_CASES)
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for world in sorted({_spec(*cell)["world"] for cell in cells}):
+        mine = [cell for cell in cells if _spec(*cell)["world"] == world]
+        out.update(zip(mine, _run([_spec(*cell) for cell in mine])))
+    return out
 
 
 def _check_experts(got: dict[str, Any], ref: dict[str, Any], spec: dict[str, Any], label: str) -> None:
@@ -241,10 +260,11 @@ def test_moe_references_are_deterministic_and_route_to_every_expert() -> None:
 # ----------------------------------------------------------------------------------------------- parity
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("family", FAMILIES)
-def test_moe_parity(family: str, layout: str, references: References) -> None:
+def test_moe_parity(family: str, layout: str, references: References,
+                    moe_runs: dict[tuple[str, str], dict[str, Any]]) -> None:
     spec = _spec(family, layout)
     ref = references[spec["model"]]
-    got = _run(spec)
+    got = moe_runs[(family, layout)]
     label = f"{spec['model']} {layout}"
     ERRORS[f"{family} {layout}"] = worst_error(got, ref)
     assert_parity(got, ref, label=label)
@@ -257,12 +277,13 @@ def test_moe_parity(family: str, layout: str, references: References) -> None:
 
 
 @pytest.mark.parametrize("family, layout", DENSE_EXPERT_CASES, ids=[f"{f}-{lay}" for f, lay in DENSE_EXPERT_CASES])
-def test_moe_parity_without_expert_parallelism(family: str, layout: str, references: References) -> None:
+def test_moe_parity_without_expert_parallelism(family: str, layout: str, references: References,
+                                               moe_runs: dict[tuple[str, str], dict[str, Any]]) -> None:
     # The experts stay whole; under SP each TP rank routes its own sequence shard, so the expert (and router)
     # gradients must be summed over tp — a missing or doubled sum shows here.
     spec = _spec(family, layout)
     ref = references[spec["model"]]
-    got = _run(spec)
+    got = moe_runs[(family, layout)]
     label = f"{spec['model']} {layout}"
     ERRORS[f"{family} {layout}"] = worst_error(got, ref)
     assert_parity(got, ref, label=label)

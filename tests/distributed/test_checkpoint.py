@@ -70,16 +70,37 @@ RESHARD = [
 ]
 
 
-@pytest.mark.parametrize("model, saved, loaded", RESHARD,
-                         ids=["tp2pp2-to-1", "pp2-to-pp4", "tp2dp2-to-tp4", "ep2-to-ep4", "tp2pp2ep2-to-pp2dp2",
-                              "1-to-tp2pp2", "hf-gpt2-tp2-to-1", "nanogpt-tp2pp2-to-tp4",
-                              "hf-qwen3moe-tp2ep2-to-1", "titan-moe-ep2-to-ep4", "hsdp-to-1", "pp2-to-hsdp",
-                              "moe-hsdp-ep2-to-tp2ep2", "cp2tp2-to-1", "tp2-to-cp2dp2"])
-def test_resharding(model: str, saved: tuple, loaded: tuple, tmp_path: Path) -> None:
+RESHARD_IDS = ["tp2pp2-to-1", "pp2-to-pp4", "tp2dp2-to-tp4", "ep2-to-ep4", "tp2pp2ep2-to-pp2dp2", "1-to-tp2pp2",
+               "hf-gpt2-tp2-to-1", "nanogpt-tp2pp2-to-tp4", "hf-qwen3moe-tp2ep2-to-1", "titan-moe-ep2-to-ep4",
+               "hsdp-to-1", "pp2-to-hsdp", "moe-hsdp-ep2-to-tp2ep2", "cp2tp2-to-1", "tp2-to-cp2dp2"]
+
+
+def _each(rank: int, fn: Any, jobs: list[tuple]) -> list[list[float]]:
+    return [fn(rank, *job) for job in jobs]
+
+
+@pytest.fixture(scope="module")
+def reshard_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[float], list[float]]]:
+    """Every resharding case saved, then resumed in its new layout: one world per world size for the saves, then
+    one per world size for the resumes (two worlds per case spent most of the time starting ranks)."""
+    root = tmp_path_factory.mktemp("reshard")
+    cases = {i: (model, saved, loaded, str(root / i / "ckpt"))
+             for i, (model, saved, loaded) in zip(RESHARD_IDS, RESHARD)}
+    first: dict[str, list[float]] = {}
+    after: dict[str, list[float]] = {}
+    for fn, side, out in ((_train_and_save, 1, first), (_resume, 2, after)):
+        for world in sorted({c[side][1] for c in cases.values()}):
+            ids = [i for i, c in cases.items() if c[side][1] == world]
+            jobs = [(cases[i][side][0], world, cases[i][0], cases[i][3]) for i in ids]
+            out.update(zip(ids, run_world(_each, world, fn, jobs, timeout_s=900)[0]))
+    return {i: (first[i], after[i]) for i in cases}
+
+
+@pytest.mark.parametrize("model, saved, loaded", RESHARD, ids=RESHARD_IDS)
+def test_resharding(model: str, saved: tuple, loaded: tuple, request: pytest.FixtureRequest,
+                    reshard_runs: dict[str, tuple[list[float], list[float]]]) -> None:
     ref = fit_spec(dict(model=model, steps=4, global_batch=8, clip=None, lr=1e-3))["losses"]
-    path = str(tmp_path / "ckpt")
-    first = run_world(_train_and_save, saved[1], saved[0], saved[1], model, path)[0]
-    after = run_world(_resume, loaded[1], loaded[0], loaded[1], model, path)[0]
+    first, after = reshard_runs[request.node.callspec.id]
     assert len(first) == 2 and len(after) == 2
     for i, (got, want) in enumerate(zip(first + after, ref)):
         # The first resumed loss is the loaded model's output on the next batch: 1e-6; later steps 1e-5.

@@ -133,6 +133,7 @@ PRIVATE_SYMBOLS = [
     ("torch.distributed.tensor.debug", "_clear_sharding_prop_cache"),
     ("torch.distributed.fsdp", "FSDPModule._get_fsdp_state"),
     ("torch.distributed.distributed_c10d", "_resolve_process_group"),
+    ("torch.distributed.distributed_c10d", "_world.pg_map"),
     ("torch.distributed", "ProcessGroupGloo._Options"),
     ("torch.distributed.device_mesh", "DeviceMesh._flatten"),
     ("torch.distributed.device_mesh", "DeviceMesh._unflatten"),
