@@ -251,16 +251,14 @@ class Attention(nn.Module):
         else:
             cos, sin = rope_at(position_ids, self.head_dim, self.rope_theta)  # (B, 1, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        rep = self.n_heads // self.n_kv_heads
-        if rep > 1:  # query head i uses kv head i // rep
-            k = k.repeat_interleave(rep, dim=1)  # (B, H, T, hd)
-            v = v.repeat_interleave(rep, dim=1)  # (B, H, T, hd)
+        # query head i uses kv head i // (H / KV): SDPA reads the shared heads in place (no (B, H, T, hd) copies)
+        gqa = self.n_heads != self.n_kv_heads
         p = self.dropout if self.training else 0.0
         if position_ids is None:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, H, T, hd)
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)  # (B, H, T, hd)
         else:
             mask = packed_causal_mask(position_ids)  # (B, 1, T, T)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)  # (B, H, T, hd)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, enable_gqa=gqa)  # (B, H, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*hd)
         return self.wo(y)  # (B, T, D)
 
