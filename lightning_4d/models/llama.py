@@ -350,7 +350,42 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layers))
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.share_rope_tables()
         self.init_weights()
+
+    def _rope_owners(self) -> list[Attention]:
+        blocks = _iter_blocks(self.layers) if self.layers is not None else iter(())
+        attns = [getattr(block, "attention", None) for block in blocks]
+        return [a for a in attns if isinstance(a, Attention) and a.rope_cos is not None and a.rope_sin is not None]
+
+    def share_rope_tables(self) -> None:
+        """Point every block's ``rope_cos`` / ``rope_sin`` at the first block's (equal tables: same length, width,
+        base, dtype and device): a rank keeps one table pair, not one per layer (TorchTitan keeps one cache).
+        Construction, device moves (``to``, ``to_empty``) and ``init_weights`` keep or restore the sharing."""
+        owners = self._rope_owners()
+        for attn in owners[1:]:
+            first = owners[0]
+            same = (attn.rope_theta == first.rope_theta and attn.rope_cos.shape == first.rope_cos.shape
+                    and attn.rope_cos.dtype == first.rope_cos.dtype and attn.rope_cos.device == first.rope_cos.device)
+            if same:
+                attn.rope_cos, attn.rope_sin = first.rope_cos, first.rope_sin
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
+        """``nn.Module._apply`` converting each shared rotary table once (not once per block, which would hold a
+        copy per layer at the conversion's peak), then sharing the results again."""
+        tables = {id(t) for a in self._rope_owners() for t in (a.rope_cos, a.rope_sin)}
+        memo: dict[int, torch.Tensor] = {}
+
+        def once(t: torch.Tensor) -> torch.Tensor:
+            if id(t) not in tables:
+                return fn(t)
+            if id(t) not in memo:
+                memo[id(t)] = fn(t)
+            return memo[id(t)]
+
+        out = super()._apply(once, recurse)
+        self.share_rope_tables()
+        return out
 
     def tie_weights(self) -> None:
         """Share ``output.weight`` with ``tok_embeddings.weight`` if ``config.tie_embeddings``."""
@@ -364,6 +399,7 @@ class Llama(nn.Module):
         Re-ties the embeddings, so it also repairs a tie broken by ``to_empty``.
         """
         self.tie_weights()
+        self.share_rope_tables()
         with seeded(self, seed):
             if self.tok_embeddings is not None:
                 nn.init.normal_(self.tok_embeddings.weight, std=self.config.init_std)

@@ -345,3 +345,22 @@ def test_sequence_too_long_raises() -> None:
         Llama(llama_cfg())(torch.zeros(1, 17, dtype=torch.long))
     with pytest.raises(ValueError, match="block_size=16"):
         GPT2(gpt2_cfg())(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_blocks_share_one_rotary_table_pair() -> None:
+    """A rank keeps one rotary table pair, not one per layer, through construction, a meta build materialised with
+    ``to_empty`` + ``init_weights``, and a dtype move (converted once, shared again); values as computed."""
+    from lightning_4d.models.llama import rope_cos_sin
+
+    cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=16)
+    with torch.device("meta"):
+        meta = Llama(cfg)
+    built = meta.to_empty(device="cpu")
+    built.init_weights(seed=0)
+    for model in (Llama(cfg), built, Llama(cfg).double()):
+        tables = {id(t) for b in model.layers for t in (b.attention.rope_cos, b.attention.rope_sin)}
+        assert len(tables) == 2
+        cos, sin = rope_cos_sin(16, cfg.dim // cfg.n_heads, cfg.rope_theta)  # (T, hd)
+        half = cos.shape[-1] // 2
+        assert torch.equal(model.layers[2].attention.rope_cos.float(), cos[:, :half])
+        assert torch.equal(model.layers[2].attention.rope_sin.float(), sin[:, :half])
