@@ -275,8 +275,8 @@ def _groups_key(dims: ParallelDims, device_type: str, backend: str, timeout: Opt
     """What decides a mesh's process groups (not sequence parallelism or virtual stages)."""
     import torch.distributed as dist
 
-    return (dist.get_rank(), dims.world_size, dims.tp, dims.pp, dims.ep, dims.dp, dims.dp_shard, dims.cp, device_type, backend,
-            timeout)
+    return (dist.get_rank(), dims.world_size, dims.tp, dims.pp, dims.ep, dims.dp, dims.dp_shard, dims.cp, device_type,
+            backend, timeout)
 
 
 def build_mesh(
@@ -305,7 +305,7 @@ def build_mesh(
     key = _groups_key(dims, device_type, backend, timeout)
     built, groups = _BUILT.pop(key, (None, []))
     now = mesh_groups(_meshes_of(built)) if built is not None else None
-    if built is not None and now is not None and all(a is b() for a, b in zip(now, groups)):
+    if now is not None and len(now) == len(groups) and all(a is b() for a, b in zip(now, groups)):
         _BUILT[key] = (built, groups)
         return dataclasses.replace(built, dims=dims)
     mesh = _new_mesh(dims, device_type, backend, timeout)
