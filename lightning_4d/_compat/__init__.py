@@ -83,6 +83,7 @@ from lightning_4d._compat.modules import (  # noqa: E402
     InitCall,
     callable_without_arguments,
     child_modules,
+    convert_shared_once,
     init_calls,
     is_loss_module,
     own_tensors,

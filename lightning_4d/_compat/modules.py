@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 __all__ = ["InitCall", "MODULE_DICTS", "TENSOR_SLOTS", "callable_without_arguments", "release_freed_host_memory",
            "returnable_host_empty", "child_modules", "init_calls", "to_empty_keeping_ties", "is_loss_module",
-           "own_tensors", "registered_submodule", "replace_batch_sampler", "swapped_parameters", "tensor_slots"]
+           "own_tensors", "registered_submodule", "replace_batch_sampler", "swapped_parameters", "tensor_slots",
+           "convert_shared_once"]
 
 
 # ---------------------------------------------------------------------------------------------- nn.Module
@@ -268,3 +269,30 @@ def release_freed_host_memory() -> bool:
         return bool(libc.malloc_trim(0))
     except (OSError, AttributeError):
         return False
+
+
+def convert_shared_once(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], shared: Iterable[torch.Tensor],
+                        recurse: bool = True) -> nn.Module:
+    """``nn.Module._apply(fn)`` on ``module`` (private: what ``to``, ``to_empty``, ``double`` ... run), converting each tensor of ``shared`` (registered in several submodules) once: a plain ``_apply`` converts
+    it once per owner, holding a copy per owner at the conversion's peak. The caller shares the results again.
+
+    Example:
+        >>> a, b = nn.Module(), nn.Module()
+        >>> table = torch.zeros(2)
+        >>> a.register_buffer("t", table); b.register_buffer("t", table)
+        >>> root = nn.ModuleList([a, b])
+        >>> _ = convert_shared_once(root, lambda t: t.double(), [table])
+        >>> a.t is b.t, a.t.dtype
+        (True, torch.float64)
+    """
+    ids = {id(t) for t in shared}
+    memo: dict[int, torch.Tensor] = {}
+
+    def once(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in ids:
+            return fn(t)
+        if id(t) not in memo:
+            memo[id(t)] = fn(t)
+        return memo[id(t)]
+
+    return nn.Module._apply(module, once, recurse)

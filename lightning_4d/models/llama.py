@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -370,22 +370,15 @@ class Llama(nn.Module):
             if same:
                 attn.rope_cos, attn.rope_sin = first.rope_cos, first.rope_sin
 
-    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
-        """``nn.Module._apply`` converting each shared rotary table once (not once per block, which would hold a
-        copy per layer at the conversion's peak), then sharing the results again."""
-        tables = {id(t) for a in self._rope_owners() for t in (a.rope_cos, a.rope_sin)}
-        memo: dict[int, torch.Tensor] = {}
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Llama:
+        """``to`` / ``to_empty`` / dtype moves: each shared rotary table converted once (not once per block), then
+        shared again (:func:`lightning_4d._compat.convert_shared_once`)."""
+        from lightning_4d._compat import convert_shared_once
 
-        def once(t: torch.Tensor) -> torch.Tensor:
-            if id(t) not in tables:
-                return fn(t)
-            if id(t) not in memo:
-                memo[id(t)] = fn(t)
-            return memo[id(t)]
-
-        out = super()._apply(once, recurse)
+        tables = [t for a in self._rope_owners() for t in (a.rope_cos, a.rope_sin)]
+        convert_shared_once(self, fn, tables, recurse)
         self.share_rope_tables()
-        return out
+        return self
 
     def tie_weights(self) -> None:
         """Share ``output.weight`` with ``tok_embeddings.weight`` if ``config.tie_embeddings``."""

@@ -124,6 +124,7 @@ PRIVATE_SYMBOLS = [
     ("torch", "ops._c10d_functional.all_to_all_single"),
     ("torch", "ops.aten.mm.default._overloadpacket"),
     ("torch.nn.modules.loss", "_Loss"),
+    ("torch.nn", "Module._apply"),
     ("torch.utils._pytree", "tree_flatten"),
     ("torch._subclasses.fake_tensor", "FakeTensorMode"),
     ("torch.utils._python_dispatch", "TorchDispatchMode"),

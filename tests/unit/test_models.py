@@ -357,7 +357,11 @@ def test_blocks_share_one_rotary_table_pair() -> None:
         meta = Llama(cfg)
     built = meta.to_empty(device="cpu")
     built.init_weights(seed=0)
-    for model in (Llama(cfg), built, Llama(cfg).double()):
+    from lightning_4d.models.moe import MoEConfig, MoETransformer
+
+    moe = MoETransformer(MoEConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=64,
+                                   max_seq_len=16)).double()  # a subclass: the same override
+    for model in (Llama(cfg), built, Llama(cfg).double(), moe):
         tables = {id(t) for b in model.layers for t in (b.attention.rope_cos, b.attention.rope_sin)}
         assert len(tables) == 2
         cos, sin = rope_cos_sin(16, cfg.dim // cfg.n_heads, cfg.rope_theta)  # (T, hd)
